@@ -1,0 +1,48 @@
+"""One exception hierarchy for all of Vigil.
+
+Errors are classified only at the edges: the bus (retry or terminate a message) and
+the HTTP gateway (status codes). Messages name the field or value and, where possible,
+the fix.
+"""
+
+from __future__ import annotations
+
+
+class VigilError(Exception):
+    """The root of every error Vigil raises on purpose."""
+
+
+class RetryableError(VigilError):
+    """A transient failure: the same input may succeed later (a lost connection, a busy database)."""
+
+
+class PermanentError(VigilError):
+    """The input itself is wrong: retrying cannot help."""
+
+
+class ConfigError(PermanentError):
+    """A setting is missing or invalid; the message names the variable."""
+
+
+class SpecError(PermanentError):
+    """A job spec is invalid. `errors` holds `{"field", "message"}` entries, one per bad field."""
+
+    def __init__(self, errors: list[dict[str, str]]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+class MalformedMessage(PermanentError):
+    """A bus message that cannot be decoded into the event its subject carries."""
+
+
+class NotFound(PermanentError):
+    """The named object does not exist."""
+
+
+class Conflict(PermanentError):
+    """The request contradicts the object's state (cancel a finished job, say)."""
+
+
+class CheckpointError(PermanentError):
+    """A checkpoint is missing, corrupt, or outside the checkpoint root."""

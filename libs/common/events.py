@@ -1,0 +1,364 @@
+"""The wire protocol: every event and command that crosses the bus, versioned.
+
+Events are facts in the past tense (`StepCompleted`, `GpuSampled`, `RankExited`);
+commands are imperative (`LaunchJob`, `HaltJob`, `RollbackJob`). All share one
+envelope: `event_id` (the `Nats-Msg-Id`), `type`, `schema_version`, `occurred_at`
+(UTC), `job_id` and `attempt`.
+
+A breaking change is a new class with a higher `schema_version` registered beside
+the old one, never an edit in place. Golden JSON per version lives in
+`tests/unit/common/golden/`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Any, ClassVar, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+
+from vigil_common.errors import MalformedMessage
+from vigil_common.spec import JobSpec
+
+JobState = Literal["PENDING", "SCHEDULED", "RUNNING", "HALTED", "ROLLING_BACK", "SUCCEEDED", "FAILED", "CANCELLED"]
+TERMINAL_STATES: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+IncidentKind = Literal[
+    "nan", "spike", "divergence", "imbalance", "straggler", "hang", "gpu_health", "rank_exit", "node_lost"
+]
+IncidentAction = Literal["alert", "halt", "rollback", "fail"]
+DeviceKind = Literal["gpu", "cpu"]
+# Why a rank ended, in the spirit of determined's FailureType.
+FailureType = Literal["ok", "error", "signal", "oom", "killed_by_vigil", "lost"]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Message(BaseModel):
+    """The envelope every event and command shares."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="strings")
+
+    role: ClassVar[Literal["event", "command"]] = "event"
+
+    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    type: str
+    schema_version: int
+    occurred_at: AwareDatetime = Field(default_factory=utcnow)
+    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    attempt: int = Field(0, ge=0)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class Command(Message):
+    role: ClassVar[Literal["event", "command"]] = "command"
+
+
+# --- node -------------------------------------------------------------------------------------------
+
+
+class Device(BaseModel):
+    """One schedulable slot on a node: a GPU, or a CPU slot on a node without GPUs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    kind: DeviceKind
+    name: str
+    uuid: str
+    memory_bytes: int = Field(0, ge=0)
+    nvlink_peers: list[int] = Field(default_factory=list, description="indices joined to this one by NVLink")
+    healthy: bool = True
+
+
+class NodeHeartbeat(Message):
+    type: Literal["node.heartbeat"] = "node.heartbeat"
+    schema_version: Literal[1] = 1
+    node: str
+    address: str = Field(description="the address ranks on this node are reachable at (rendezvous)")
+    devices: list[Device]
+    free: list[int] = Field(description="indices of devices not running a rank")
+    interval_s: float = Field(gt=0, description="the worker's heartbeat period")
+    started_at: AwareDatetime
+
+
+class GpuSampled(Message):
+    """One NVML sample of one device (or a CPU slot's process stats)."""
+
+    type: Literal["gpu.sampled"] = "gpu.sampled"
+    schema_version: Literal[1] = 1
+    node: str
+    index: int = Field(ge=0)
+    device_kind: DeviceKind
+    uuid: str
+    utilization_pct: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    throttle_reasons: list[str] = Field(default_factory=list)
+    ecc_corrected: int | None = None
+    ecc_uncorrected: int | None = None
+    xid: int | None = None
+
+
+# --- job: launch ---------------------------------------------------------------------------------------
+
+
+class RankPlacement(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    node: str
+    device: int = Field(ge=0, description="device index on the node")
+    local_rank: int = Field(ge=0)
+
+
+class LaunchJob(Command):
+    type: Literal["job.launch"] = "job.launch"
+    schema_version: Literal[1] = 1
+    spec: JobSpec
+    placement: list[RankPlacement]
+    master_addr: str
+    master_port: int = Field(ge=1, le=65535)
+    resume_from: str | None = Field(None, description="checkpoint directory to resume from")
+    skip_data: tuple[int, int] | None = Field(None, description="[start, end) steps whose data is skipped")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.placement)
+
+
+# --- job: steps ----------------------------------------------------------------------------------------
+
+
+class StepCompleted(Message):
+    """One rank finished one optimizer step. Times are measured, in seconds."""
+
+    type: Literal["step.completed"] = "step.completed"
+    schema_version: Literal[1] = 1
+    rank: int = Field(ge=0)
+    node: str
+    step: int = Field(ge=0)
+    loss: float
+    grad_norm: float | None = None
+    lr: float
+    tokens: int = Field(ge=0, description="tokens this rank processed in this step")
+    tokens_per_s: float
+    data_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    backward_time_s: float = 0.0
+    comm_time_s: float = 0.0
+    optimizer_time_s: float = 0.0
+    step_time_s: float
+    mem_allocated_bytes: int | None = None
+    mem_peak_bytes: int | None = None
+    skipped: bool = Field(False, description="the update was not applied (non-finite gradients)")
+    data_position: int = Field(0, ge=0, description="the data step this step's batch came from")
+
+
+# --- job: status ---------------------------------------------------------------------------------------
+
+
+class RankStarted(Message):
+    type: Literal["rank.started"] = "rank.started"
+    schema_version: Literal[1] = 1
+    rank: int = Field(ge=0)
+    node: str
+    pid: int
+    log_path: str
+
+
+class RankExited(Message):
+    type: Literal["rank.exited"] = "rank.exited"
+    schema_version: Literal[1] = 1
+    rank: int = Field(ge=0)
+    node: str
+    exit_code: int | None = Field(description="the process exit code; None when killed by a signal")
+    signal: int | None = None
+    failure: FailureType
+    last_step: int | None = None
+    log_tail: str = ""
+
+
+class CheckpointSaved(Message):
+    type: Literal["checkpoint.saved"] = "checkpoint.saved"
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0)
+    path: str
+    bytes: int = Field(ge=0)
+    manifest_sha256: str
+    data_position: int = Field(ge=0)
+
+
+class RanksHalted(Message):
+    """Every rank of the job stopped at the same step boundary."""
+
+    type: Literal["ranks.halted"] = "ranks.halted"
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0)
+    command_id: str
+    node: str
+
+
+class RollbackCompleted(Message):
+    type: Literal["rollback.completed"] = "rollback.completed"
+    schema_version: Literal[1] = 1
+    from_step: int = Field(ge=0)
+    to_step: int = Field(ge=0)
+    checkpoint: str
+    skip_data: tuple[int, int] | None = None
+    command_id: str
+    duration_s: float = Field(ge=0)
+    node: str
+
+
+class JobStateChanged(Message):
+    type: Literal["job.state_changed"] = "job.state_changed"
+    schema_version: Literal[1] = 1
+    from_state: JobState | None
+    to_state: JobState
+    cause: str
+
+
+# --- job: commands -------------------------------------------------------------------------------------
+
+
+class HaltJob(Command):
+    """All ranks stop at the same step boundary and wait for a rollback, resume or cancel."""
+
+    type: Literal["job.halt"] = "job.halt"
+    schema_version: Literal[1] = 1
+    reason: str
+    incident_id: str | None = None
+
+
+class RollbackJob(Command):
+    """Ranks load `checkpoint` in place (no process restart), skip `skip_data`, and train on."""
+
+    type: Literal["job.rollback"] = "job.rollback"
+    schema_version: Literal[1] = 1
+    checkpoint: str
+    step: int = Field(ge=0, description="the checkpoint's step")
+    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
+    reason: str
+    incident_id: str | None = None
+
+
+class ResumeJob(Command):
+    type: Literal["job.resume"] = "job.resume"
+    schema_version: Literal[1] = 1
+    reason: str = ""
+
+
+class CancelJob(Command):
+    type: Literal["job.cancel"] = "job.cancel"
+    schema_version: Literal[1] = 1
+    reason: str = ""
+
+
+# --- incidents -----------------------------------------------------------------------------------------
+
+
+class IncidentRaised(Message):
+    type: Literal["incident.raised"] = "incident.raised"
+    schema_version: Literal[1] = 1
+    kind: IncidentKind
+    action: IncidentAction
+    step: int | None = None
+    rank: int | None = None
+    node: str | None = None
+    device: int | None = None
+    message: str
+    evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+# --- dead letters --------------------------------------------------------------------------------------
+
+
+class MessageDeadLettered(Message):
+    """A message a consumer terminated: malformed, or failing past its delivery limit."""
+
+    type: Literal["message.dead_lettered"] = "message.dead_lettered"
+    schema_version: Literal[1] = 1
+    stream: str
+    consumer: str
+    subject: str
+    reason: str
+    payload: str = Field(description="the original payload, decoded as UTF-8 with replacement")
+    num_delivered: int = Field(ge=0)
+
+
+# --- registry ------------------------------------------------------------------------------------------
+
+EVENT_CLASSES: tuple[type[Message], ...] = (
+    NodeHeartbeat,
+    GpuSampled,
+    LaunchJob,
+    StepCompleted,
+    RankStarted,
+    RankExited,
+    CheckpointSaved,
+    RanksHalted,
+    RollbackCompleted,
+    JobStateChanged,
+    HaltJob,
+    RollbackJob,
+    ResumeJob,
+    CancelJob,
+    IncidentRaised,
+    MessageDeadLettered,
+)
+
+REGISTRY: dict[tuple[str, int], type[Message]] = {
+    (cls.model_fields["type"].default, cls.model_fields["schema_version"].default): cls for cls in EVENT_CLASSES
+}
+
+STATUS_EVENTS: tuple[type[Message], ...] = (
+    RankStarted,
+    RankExited,
+    CheckpointSaved,
+    RanksHalted,
+    RollbackCompleted,
+    JobStateChanged,
+)
+JOB_COMMANDS: tuple[type[Message], ...] = (HaltJob, RollbackJob, ResumeJob, CancelJob)
+
+
+def decode(data: bytes, expected: tuple[type[Message], ...] | None = None) -> Message:
+    """Decode a message by its `type` and `schema_version`.
+
+    Raises MalformedMessage (permanent) naming what is wrong: not JSON, an unknown
+    type or version, a type this subject does not carry, or a field that fails validation.
+    """
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedMessage(f"not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise MalformedMessage("not a JSON object")
+    key = (raw.get("type"), raw.get("schema_version"))
+    cls = REGISTRY.get(key)  # type: ignore[arg-type]
+    if cls is None:
+        raise MalformedMessage(f"unknown message type/schema_version {key!r}")
+    if expected is not None and cls not in expected:
+        names = ", ".join(sorted(c.__name__ for c in expected))
+        raise MalformedMessage(f"{cls.__name__} is not carried on this subject (expected {names})")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        fields = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise MalformedMessage(f"{cls.__name__}: {fields}") from exc

@@ -1,0 +1,107 @@
+"""Settings from `VIGIL_*` environment variables (and CLI flags), validated once.
+
+Build them once at a program's start with `Settings.load()` and pass them down;
+nothing reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from vigil_common.errors import ConfigError
+
+_NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def default_node_name() -> str:
+    """The host name's first label, made safe as a subject token."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:64]
+    return name or "node"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VIGIL_", extra="ignore", frozen=True)
+
+    nats_url: str | None = Field(None, description="NATS to use; unset: an embedded server")
+    database_url: str | None = Field(None, description="Postgres to use; unset: an embedded server")
+    data_dir: Path = Field(Path(".vigil"), description="embedded servers' data, checkpoints, logs")
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8000, ge=0, le=65535)
+    api_token: str | None = Field(None, min_length=16, description="the gateway's bearer token")
+    node_name: str = Field(default_factory=default_node_name)
+    node_address: str = Field("127.0.0.1", description="where this node's ranks are reachable")
+    cpu_slots: int = Field(2, ge=1, le=1024, description="slots on a node without GPUs")
+    heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
+    node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
+    gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)
+    max_attempts: int = Field(5, ge=1, le=1000, description="launch attempts before a job is FAILED")
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
+    webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
+    log_level: str = "INFO"
+
+    @field_validator("node_name")
+    @classmethod
+    def _node_token(cls, value: str) -> str:
+        if not _NODE.match(value):
+            raise ValueError("use 1-64 letters, digits, '_' or '-' (it is a bus subject token)")
+        return value
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^(nats|tls|ws|wss)://", value):
+            raise ValueError("must start with nats://, tls://, ws:// or wss://")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _pg_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^postgres(ql)?://", value):
+            raise ValueError("must start with postgresql:// or postgres://")
+        return value
+
+    @field_validator("webhook_urls")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not re.match(r"^https?://", url):
+                raise ValueError(f"{url!r} must start with http:// or https://")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
+        return level
+
+    @classmethod
+    def load(cls, **overrides: Any) -> Settings:
+        """Settings from the environment, with CLI flags as overrides. Raises ConfigError naming the variable."""
+        try:
+            return cls(**{k: v for k, v in overrides.items() if v is not None})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"VIGIL_{str(e['loc'][0]).upper()}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors(include_url=False)
+            )
+            raise ConfigError(f"invalid settings: {problems}") from exc
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return (self.data_dir / "checkpoints").resolve()
+
+    @property
+    def log_dir(self) -> Path:
+        return (self.data_dir / "logs").resolve()
+
+    @property
+    def node_lost_after_s(self) -> float:
+        return self.node_lost_after * self.heartbeat_interval_s

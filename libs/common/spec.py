@@ -1,0 +1,288 @@
+"""The job spec: what a user submits (YAML or JSON), validated strictly.
+
+Unknown fields are rejected, ranges are checked, and every error names its field.
+A spec never carries a shell command, and no field of it reaches a shell.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vigil_common.errors import SpecError
+
+Action = Literal["alert", "halt", "rollback", "fail"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+ZeroStage = Literal["auto", 0, 1, 2, 3]
+PresetName = Literal["tiny", "small", "1b", "7b"]
+
+
+class FieldError(ValueError):
+    """A cross-field check's failure that names the field it is about (`faults.0.rank`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class StrictModel(BaseModel):
+    """Base for spec sections: unknown fields are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class Resources(StrictModel):
+    nodes: int = Field(1, ge=1, le=4096, description="nodes the job spans")
+    gpus_per_node: int = Field(
+        1, ge=1, le=64, description="device slots per node (CPU slots on a node without GPUs)"
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class MoESpec(StrictModel):
+    experts: int = Field(8, ge=2, le=256)
+    top_k: int = Field(2, ge=1, le=8)
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoESpec:
+        if self.top_k > self.experts:
+            raise FieldError("model.moe.top_k", f"moe.top_k ({self.top_k}) must not exceed moe.experts ({self.experts})")
+        return self
+
+
+class ModelDims(StrictModel):
+    """Concrete model dimensions, after a preset and explicit overrides are combined."""
+
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    d_model: int
+    seq_len: int
+    vocab_size: int
+    moe: MoESpec | None = None
+
+
+# The one table of presets. Parameter counts are checked by tests/unit/worker/test_model.py.
+PRESETS: dict[str, ModelDims] = {
+    # a few million parameters: CPU tests and the demo
+    "tiny": ModelDims(n_layer=4, n_head=4, n_kv_head=2, d_model=256, seq_len=128, vocab_size=256),
+    # GPT-2 124M class
+    "small": ModelDims(n_layer=12, n_head=12, n_kv_head=12, d_model=768, seq_len=1024, vocab_size=50304),
+    "1b": ModelDims(n_layer=22, n_head=32, n_kv_head=4, d_model=2048, seq_len=2048, vocab_size=32000),
+    "7b": ModelDims(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, seq_len=4096, vocab_size=32000),
+}
+
+
+class ModelSpec(StrictModel):
+    """A preset, or explicit dimensions; explicit fields override the preset's."""
+
+    preset: PresetName | None = "tiny"
+    n_layer: int | None = Field(None, ge=1, le=256)
+    n_head: int | None = Field(None, ge=1, le=256)
+    n_kv_head: int | None = Field(None, ge=1, le=256)
+    d_model: int | None = Field(None, ge=8, le=65536)
+    seq_len: int | None = Field(None, ge=8, le=1_048_576)
+    vocab_size: int | None = Field(None, ge=2, le=1_048_576)
+    moe: MoESpec | None = None
+
+    @model_validator(mode="after")
+    def _dims_consistent(self) -> ModelSpec:
+        self.resolved()  # raises ValueError naming the field
+        return self
+
+    def resolved(self) -> ModelDims:
+        """The concrete dimensions: preset values overridden by explicit fields."""
+        base: dict[str, Any] = PRESETS[self.preset].model_dump() if self.preset else {}
+        for name in ("n_layer", "n_head", "n_kv_head", "d_model", "seq_len", "vocab_size", "moe"):
+            value = getattr(self, name)
+            if value is not None:
+                base[name] = value if name != "moe" else value.model_dump()
+        missing = [n for n in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size") if n not in base]
+        if missing:
+            raise FieldError("model", f"model: without a preset, set {', '.join(missing)}")
+        base.setdefault("n_kv_head", base["n_head"])
+        if base["d_model"] % base["n_head"]:
+            raise FieldError(
+                "model.d_model",
+                f"model.d_model ({base['d_model']}) must be divisible by model.n_head ({base['n_head']})",
+            )
+        if (base["d_model"] // base["n_head"]) % 2:
+            raise FieldError(
+                "model.d_model", "model.d_model / model.n_head must be even (RoPE rotates pairs of channels)"
+            )
+        if base["n_head"] % base["n_kv_head"]:
+            raise FieldError(
+                "model.n_kv_head",
+                f"model.n_head ({base['n_head']}) must be divisible by model.n_kv_head ({base['n_kv_head']})",
+            )
+        return ModelDims(**base)
+
+
+class TrainSpec(StrictModel):
+    steps: int = Field(200, ge=1, le=10_000_000)
+    micro_batch: int = Field(8, ge=1, le=65536)
+    grad_accum: int = Field(1, ge=1, le=4096)
+    lr: float = Field(3.0e-4, gt=0, le=1.0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1.0, description="cosine floor as a fraction of lr")
+    warmup_steps: int | None = Field(None, ge=0, description="null: min(100, steps // 10)")
+    weight_decay: float = Field(0.1, ge=0, le=1.0)
+    precision: Precision = "auto"
+    zero_stage: ZeroStage = "auto"
+    offload: bool = Field(False, description="ZeRO CPU offload of optimizer state (stages 2 and 3)")
+    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else min(100, self.steps // 10)
+
+
+class DataSpec(StrictModel):
+    path: str | None = Field(None, description="a text or JSONL file or directory; null: the built-in corpus")
+    format: Literal["text", "jsonl"] = "text"
+    tokenizer: str | None = Field(None, description="a tokenizer.json file; null: byte-level")
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _plain_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip() or "\x00" in value:
+            raise ValueError("must be a non-empty file path")
+        return value
+
+
+class CheckpointSpec(StrictModel):
+    every: int = Field(20, ge=1, le=1_000_000, description="save every N steps")
+    keep: int = Field(5, ge=1, le=1000, description="keep the newest K valid checkpoints")
+
+
+class GuardianSpec(StrictModel):
+    nan: Action = "rollback"
+    spike: Action = "rollback"
+    divergence: Action = "rollback"
+    imbalance: Action = "alert"
+    straggler: Action = "alert"
+    hang: Action = "rollback"
+    gpu_health: Action = "alert"
+    rank_exit: Action = "rollback"
+    hang_timeout_s: float = Field(60.0, gt=0, le=86_400)
+    hang_step_multiple: float = Field(
+        20.0, ge=2, description="also hung when no step for this many median step times"
+    )
+    max_rollbacks: int = Field(3, ge=0, le=1000)
+    spike_zscore: float = Field(6.0, gt=0, description="robust z-score over the rolling median/MAD")
+    spike_window: int = Field(50, ge=5, le=10_000)
+    spike_warmup: int = Field(10, ge=1, description="steps seen before spikes are judged")
+    spike_skip_steps: int = Field(1, ge=0, le=10_000, description="data window skipped after a spike")
+    divergence_window: int = Field(50, ge=5, le=100_000)
+    divergence_tolerance: float = Field(0.5, gt=0, description="relative rise of smoothed loss")
+    imbalance_threshold: float = Field(0.2, gt=0, lt=10)
+    imbalance_steps: int = Field(5, ge=1, le=10_000)
+
+
+class _Fault(StrictModel):
+    step: int = Field(ge=0, description="the step at which the fault fires")
+    rank: int = Field(0, ge=0)
+    repeat: bool = Field(False, description="fire every time the step is reached, not only once per job")
+
+
+class NanFault(_Fault):
+    kind: Literal["nan"]
+
+
+class SpikeFault(_Fault):
+    kind: Literal["spike"]
+    factor: float = Field(50.0, gt=1.0, le=1e6, description="the loss is multiplied by this")
+
+
+class SlowRankFault(_Fault):
+    kind: Literal["slow_rank"]
+    delay_s: float = Field(0.2, gt=0, le=600, description="extra delay per step from `step` on")
+
+
+class CrashFault(_Fault):
+    kind: Literal["crash"]
+    exit_code: int = Field(3, ge=1, le=255)
+
+
+class HangFault(_Fault):
+    kind: Literal["hang"]
+
+
+Fault = Annotated[
+    NanFault | SpikeFault | SlowRankFault | CrashFault | HangFault, Field(discriminator="kind")
+]
+
+
+class JobSpec(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    priority: int = Field(0, ge=-1000, le=1000)
+    resources: Resources = Resources()
+    model: ModelSpec = ModelSpec()
+    train: TrainSpec = TrainSpec()
+    data: DataSpec = DataSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    guardian: GuardianSpec = GuardianSpec()
+    faults: list[Fault] = Field(default_factory=list, max_length=64)
+
+    @model_validator(mode="after")
+    def _faults_fit(self) -> JobSpec:
+        world = self.resources.world_size
+        for i, fault in enumerate(self.faults):
+            if fault.rank >= world:
+                raise FieldError(
+                    f"faults.{i}.rank",
+                    f"faults[{i}].rank ({fault.rank}) must be below the world size "
+                    f"({world} = resources.nodes x resources.gpus_per_node)"
+                )
+            if fault.step >= self.train.steps:
+                raise FieldError(
+                    f"faults.{i}.step",
+                    f"faults[{i}].step ({fault.step}) must be below train.steps ({self.train.steps})",
+                )
+        return self
+
+
+def describe_errors(err: ValidationError) -> list[dict[str, str]]:
+    """Field-level errors as `{"field": "train.lr", "message": ...}` dicts."""
+    out = []
+    for e in err.errors(include_url=False):
+        cause = (e.get("ctx") or {}).get("error")
+        prefix = [str(p) for p in e["loc"] if not (isinstance(p, str) and p in _FAULT_KINDS)]
+        loc = cause.field if isinstance(cause, FieldError) else ".".join(prefix)
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append({"field": loc or "(spec)", "message": msg})
+    return out
+
+
+_FAULT_KINDS = {"nan", "spike", "slow_rank", "crash", "hang"}
+
+
+def parse_spec(data: bytes | str | dict[str, Any], *, content_type: str | None = None) -> JobSpec:
+    """Parse a spec from YAML, JSON or a dict. Raises SpecError naming each bad field."""
+    if isinstance(data, dict):
+        raw: Any = data
+    else:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        try:
+            if content_type and "json" in content_type:
+                raw = json.loads(text)
+            else:
+                raw = yaml.safe_load(text)  # YAML is a superset of JSON
+        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            raise SpecError([{"field": "(spec)", "message": f"not valid YAML or JSON: {exc}"}]) from exc
+    if not isinstance(raw, dict):
+        raise SpecError([{"field": "(spec)", "message": "a job spec must be a mapping of fields"}])
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(describe_errors(exc)) from exc

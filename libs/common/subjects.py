@@ -1,0 +1,195 @@
+"""The one registry of bus subjects and JetStream streams.
+
+No service spells a subject by hand: it calls a builder here (`subjects.step(job_id)`),
+and `tests/unit/common/test_subjects.py` fails when a `"vigil.` literal appears elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from vigil_common import events as ev
+
+PREFIX = "vigil"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def token(value: str, what: str = "subject token") -> str:
+    """Validate one subject token: letters, digits, `_` and `-` only (no `.`, `*`, `>` or spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not a valid NATS subject token: use 1-64 letters, digits, '_' or '-'"
+        )
+    return value
+
+
+# --- builders -------------------------------------------------------------------------------------------
+
+
+def heartbeat(node: str) -> str:
+    return f"{PREFIX}.node.{token(node, 'node name')}.heartbeat"
+
+
+def gpu(node: str) -> str:
+    return f"{PREFIX}.node.{token(node, 'node name')}.gpu"
+
+
+def launch(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.launch"
+
+
+def step(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.step"
+
+
+def status(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.status"
+
+
+def cmd(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.cmd"
+
+
+def incident(job_id: str) -> str:
+    return f"{PREFIX}.incident.{token(job_id, 'job id')}"
+
+
+def dead_letter(stream: str) -> str:
+    return f"{PREFIX}.deadletter.{token(stream, 'stream name')}"
+
+
+# Bench and health probes use core request/reply, never stored.
+def probe(name: str) -> str:
+    return f"{PREFIX}.probe.{token(name, 'probe name')}"
+
+
+# --- wildcards (for consumers that watch every node or job) ------------------------------------------
+
+ALL_HEARTBEATS = f"{PREFIX}.node.*.heartbeat"
+ALL_GPU = f"{PREFIX}.node.*.gpu"
+ALL_LAUNCHES = f"{PREFIX}.job.*.launch"
+ALL_STEPS = f"{PREFIX}.job.*.step"
+ALL_STATUS = f"{PREFIX}.job.*.status"
+ALL_CMDS = f"{PREFIX}.job.*.cmd"
+ALL_INCIDENTS = f"{PREFIX}.incident.*"
+ALL_DEAD_LETTERS = f"{PREFIX}.deadletter.*"
+
+
+def kind_of(subject: str) -> str:
+    """The registry name of a concrete subject: `vigil.job.j1.step` -> `step`."""
+    parts = subject.split(".")
+    if len(parts) == 4 and parts[:2] == [PREFIX, "node"]:
+        return parts[3]
+    if len(parts) == 4 and parts[:2] == [PREFIX, "job"]:
+        return parts[3]
+    if len(parts) == 3 and parts[0] == PREFIX and parts[1] in ("incident", "deadletter", "probe"):
+        return parts[1]
+    raise ValueError(f"subject {subject!r} is not in Vigil's registry")
+
+
+def token_at(subject: str, index: int = 2) -> str:
+    """The node or job token of a concrete subject (`vigil.job.<job>.step` -> `<job>`)."""
+    return subject.split(".")[index]
+
+
+# What each subject carries: a consumer decodes only these types there.
+CARRIES: dict[str, tuple[type[ev.Message], ...]] = {
+    "heartbeat": (ev.NodeHeartbeat,),
+    "gpu": (ev.GpuSampled,),
+    "launch": (ev.LaunchJob,),
+    "step": (ev.StepCompleted,),
+    "status": ev.STATUS_EVENTS,
+    "cmd": ev.JOB_COMMANDS,
+    "incident": (ev.IncidentRaised,),
+    "deadletter": (ev.MessageDeadLettered,),
+}
+
+
+# --- streams --------------------------------------------------------------------------------------------
+
+_DAY = 86_400.0
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A JetStream stream with explicit limits. Created idempotently at start (`Bus.ensure_streams`)."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float
+    max_bytes: int
+    max_msgs: int = -1
+    max_msg_size: int = 1024 * 1024
+    discard_new: bool = False
+    duplicate_window_s: float = 120.0
+    description: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+NODES = StreamSpec(
+    name="VIGIL_NODES",
+    subjects=(ALL_HEARTBEATS, ALL_GPU),
+    max_age_s=1 * _DAY,
+    max_bytes=2 * _GIB,
+    description="worker heartbeats and per-device samples",
+)
+JOBS = StreamSpec(
+    name="VIGIL_JOBS",
+    subjects=(ALL_LAUNCHES, ALL_STATUS),
+    max_age_s=30 * _DAY,
+    max_bytes=2 * _GIB,
+    description="launches and job/rank status events",
+)
+STEPS = StreamSpec(
+    name="VIGIL_STEPS",
+    subjects=(ALL_STEPS,),
+    max_age_s=7 * _DAY,
+    max_bytes=8 * _GIB,
+    description="one event per rank per training step",
+)
+COMMANDS = StreamSpec(
+    name="VIGIL_COMMANDS",
+    subjects=(ALL_CMDS,),
+    max_age_s=7 * _DAY,
+    max_bytes=1 * _GIB,
+    max_msgs=1_000_000,
+    # A full command stream refuses new commands (the publisher sees the error) instead
+    # of silently evicting an older command nobody has acted on yet.
+    discard_new=True,
+    description="halt, rollback, resume and cancel commands",
+)
+INCIDENTS = StreamSpec(
+    name="VIGIL_INCIDENTS",
+    subjects=(ALL_INCIDENTS,),
+    max_age_s=90 * _DAY,
+    max_bytes=1 * _GIB,
+    description="what the guardian saw and did",
+)
+DEAD_LETTERS = StreamSpec(
+    name="VIGIL_DEAD_LETTERS",
+    subjects=(ALL_DEAD_LETTERS,),
+    max_age_s=30 * _DAY,
+    max_bytes=1 * _GIB,
+    description="messages consumers terminated, with the reason",
+)
+
+STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, STEPS, COMMANDS, INCIDENTS, DEAD_LETTERS)
+
+
+def stream_for(subject: str) -> StreamSpec:
+    """The stream that stores a concrete subject."""
+    kind = kind_of(subject)
+    for spec in STREAMS:
+        for pattern in spec.subjects:
+            if _matches(pattern, subject):
+                return spec
+    raise ValueError(f"no stream stores subject {subject!r} ({kind})")
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    if p and p[-1] == ">":
+        return len(s) >= len(p) and all(a in ("*", b) for a, b in zip(p[:-1], s, strict=False))
+    return len(p) == len(s) and all(a in ("*", b) for a, b in zip(p, s, strict=True))
