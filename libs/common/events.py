@@ -252,6 +252,11 @@ class RollbackJob(Command):
     checkpoint: str
     step: int = Field(ge=0, description="the checkpoint's step")
     skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
+    restart: bool = Field(
+        False,
+        description="stop the ranks and relaunch them (a new attempt) from the checkpoint, for ranks that "
+        "cannot roll back in place (hung in a collective); false: in place, no process restart",
+    )
     reason: str
     incident_id: str | None = None
 

@@ -171,7 +171,6 @@ class GuardianSpec(StrictModel):
     straggler: Action = "alert"
     hang: Action = "rollback"
     gpu_health: Action = "alert"
-    rank_exit: Action = "rollback"
     hang_timeout_s: float = Field(60.0, gt=0, le=86_400)
     hang_step_multiple: float = Field(
         20.0, ge=2, description="also hung when no step for this many median step times"
