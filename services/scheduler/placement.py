@@ -1,0 +1,238 @@
+"""Gang placement: which devices a job's ranks run on. Pure: no I/O, no clock, no randomness.
+
+`place(request, inventory)` returns a `Placement` for every rank of the job, or None when the job
+does not fit right now (all ranks or none). The rules, in order:
+
+1. Only devices that are healthy, on a live node, assigned to no job, and reported free by their
+   worker (a device the job's own previous attempt held counts as free: the worker ends those old
+   ranks when it sees the new launch).
+2. Fewest nodes, at most `request.max_nodes` of them.
+3. Packed: the largest free blocks are filled first and the last node is the best fit (the node with
+   the fewest free devices that still holds the remainder), so big free nodes stay whole for big jobs.
+4. On GPU nodes, devices joined by NVLink are preferred when only part of a node's free devices is used.
+
+`plan(queue, inventory)` walks a queue in priority, then submission order, and places what fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
+
+# How many equally good best-fit nodes are compared by NVLink quality (bounds the cost on big clusters).
+_NVLINK_CANDIDATES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One device of a node as the scheduler sees it."""
+
+    index: int
+    kind: str = "gpu"
+    healthy: bool = True
+    reported_free: bool = True
+    job_id: str | None = None
+    nvlink: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    name: str
+    devices: tuple[Slot, ...]
+    alive: bool = True
+    address: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    nodes: tuple[NodeState, ...]
+
+    def node(self, name: str) -> NodeState | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def assigned(self, job_id: str) -> set[tuple[str, int]]:
+        """The devices assigned to `job_id`."""
+        return {(n.name, d.index) for n in self.nodes for d in n.devices if d.job_id == job_id}
+
+    def assign(self, placement: Placement) -> Inventory:
+        """A new inventory with the placement's devices given to its job; ValueError on a taken device."""
+        wanted: dict[str, set[int]] = {}
+        for r in placement.ranks:
+            wanted.setdefault(r.node, set()).add(r.device)
+        nodes = []
+        for n in self.nodes:
+            picks = wanted.pop(n.name, None)
+            if not picks:
+                nodes.append(n)
+                continue
+            devices = []
+            for d in n.devices:
+                if d.index in picks:
+                    if d.job_id not in (None, placement.job_id):
+                        raise ValueError(f"device {n.name}:{d.index} already belongs to job {d.job_id}")
+                    d = replace(d, job_id=placement.job_id)
+                    picks.discard(d.index)
+                devices.append(d)
+            if picks:
+                raise ValueError(f"node {n.name} has no device(s) {sorted(picks)}")
+            nodes.append(replace(n, devices=tuple(devices)))
+        if wanted:
+            raise ValueError(f"unknown node(s) {sorted(wanted)}")
+        return Inventory(tuple(nodes))
+
+    def release(self, job_id: str) -> Inventory:
+        """A new inventory with every device of `job_id` unassigned."""
+
+        def free(n: NodeState) -> NodeState:
+            if not any(d.job_id == job_id for d in n.devices):
+                return n
+            return replace(
+                n, devices=tuple(replace(d, job_id=None) if d.job_id == job_id else d for d in n.devices)
+            )
+
+        return Inventory(tuple(free(n) for n in self.nodes))
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    """What a job asks for: `world_size` ranks on at most `max_nodes` nodes."""
+
+    job_id: str
+    world_size: int
+    max_nodes: int
+    priority: int = 0
+    seq: int = 0  # submission order
+    reusable: frozenset[tuple[str, int]] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be at least 1, got {self.max_nodes}")
+
+
+@dataclass(frozen=True, slots=True)
+class RankSlot:
+    rank: int
+    node: str
+    device: int
+    local_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    job_id: str
+    ranks: tuple[RankSlot, ...]
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes used, in rank order (rank 0's node first)."""
+        return list(dict.fromkeys(r.node for r in self.ranks))
+
+    @property
+    def devices(self) -> set[tuple[str, int]]:
+        return {(r.node, r.device) for r in self.ranks}
+
+
+def usable(node: NodeState, slot: Slot, request: PlacementRequest) -> bool:
+    if not (node.alive and slot.healthy):
+        return False
+    if slot.job_id is not None and slot.job_id != request.job_id:
+        return False
+    return slot.reported_free or slot.job_id == request.job_id or (node.name, slot.index) in request.reusable
+
+
+def capacity(node: NodeState) -> int:
+    """Devices the node could ever offer: healthy ones on a live node."""
+    return sum(1 for d in node.devices if d.healthy) if node.alive else 0
+
+
+def fits_ever(request: PlacementRequest, inventory: Inventory) -> bool:
+    """Whether the job would fit if every healthy device were free (otherwise waiting cannot help)."""
+    sizes = sorted((capacity(n) for n in inventory.nodes), reverse=True)[: request.max_nodes]
+    return sum(sizes) >= request.world_size
+
+
+def place(request: PlacementRequest, inventory: Inventory) -> Placement | None:
+    """Place every rank of the job, or none. See the module docstring for the rules."""
+    candidates: list[tuple[NodeState, list[int]]] = []
+    for node in inventory.nodes:
+        if not node.alive:
+            continue
+        free = [d.index for d in node.devices if usable(node, d, request)]
+        if free:
+            candidates.append((node, free))
+    candidates.sort(key=lambda c: (-len(c[1]), c[0].name))
+    need = request.world_size
+    prefix = list(accumulate(len(free) for _, free in candidates[: request.max_nodes]))
+    k = next((i + 1 for i, total in enumerate(prefix) if total >= need), None)
+    if k is None:
+        return None
+
+    # The k-1 largest nodes are used whole; the remainder goes to the best-fit node among the rest.
+    chosen: list[tuple[NodeState, list[int]]] = []
+    remaining = need
+    for node, free in candidates[: k - 1]:
+        chosen.append((node, free))
+        remaining -= len(free)
+    rest = candidates[k - 1 :]
+    smallest_fit = min(len(free) for _, free in rest if len(free) >= remaining)
+    tied = [c for c in rest if len(c[1]) == smallest_fit][:_NVLINK_CANDIDATES]
+    best = max(tied, key=lambda c: _nvlink_edges(c[0], _pick(c[0], c[1], remaining)))
+    chosen.append((best[0], _pick(best[0], best[1], remaining)))
+
+    ranks: list[RankSlot] = []
+    for node, indices in chosen:
+        take = indices if len(indices) <= need - len(ranks) else _pick(node, indices, need - len(ranks))
+        for local, index in enumerate(sorted(take)):
+            ranks.append(RankSlot(rank=len(ranks), node=node.name, device=index, local_rank=local))
+    return Placement(job_id=request.job_id, ranks=tuple(ranks))
+
+
+def plan(queue: Iterable[PlacementRequest], inventory: Inventory) -> tuple[list[Placement], Inventory]:
+    """Place jobs in queue order (priority high to low, then submission order).
+
+    A job that does not fit now but would fit once devices free up blocks the jobs behind it, so a
+    big job is not starved by a stream of small ones. A job that could never fit (more ranks than
+    the healthy cluster holds) blocks nobody.
+    """
+    placed: list[Placement] = []
+    for request in sorted(queue, key=lambda r: (-r.priority, r.seq)):
+        placement = place(request, inventory)
+        if placement is not None:
+            inventory = inventory.assign(placement)
+            placed.append(placement)
+        elif fits_ever(request, inventory):
+            break
+    return placed, inventory
+
+
+def _pick(node: NodeState, free: Sequence[int], count: int) -> list[int]:
+    """`count` of the node's free devices: on GPU nodes the set with the most NVLink edges among them."""
+    if count >= len(free):
+        return list(free)
+    by_index = {d.index: d for d in node.devices}
+    if not any(by_index[i].nvlink for i in free) or by_index[free[0]].kind != "gpu":
+        return sorted(free)[:count]
+    free_set = set(free)
+    best: list[int] = []
+    best_edges = -1
+    for start in sorted(free):  # greedy growth from every start; nodes hold a handful of GPUs
+        group = [start]
+        while len(group) < count:
+            links = {i: len(by_index[i].nvlink & set(group)) for i in free_set.difference(group)}
+            group.append(max(sorted(links), key=lambda i: links[i]))
+        edges = _edges(by_index, group)
+        if edges > best_edges:
+            best, best_edges = group, edges
+    return sorted(best)
+
+
+def _edges(by_index: dict[int, Slot], group: Sequence[int]) -> int:
+    members = set(group)
+    return sum(len(by_index[i].nvlink & members) for i in group) // 2
+
+
+def _nvlink_edges(node: NodeState, group: Sequence[int]) -> int:
+    return _edges({d.index: d for d in node.devices}, group)
