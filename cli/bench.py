@@ -14,6 +14,7 @@ from vigil_common.settings import Settings
 # name -> module exposing `run(settings: Settings) -> dict` (sync or async).
 BENCHES: dict[str, str] = {
     "bus": "vigil_bench.bus",
+    "schedule": "vigil_bench.schedule",
 }
 
 
