@@ -47,8 +47,14 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Message, "Delivery"], Awaitable[None]]
 BatchHandler = Callable[[list[tuple[Message, "Delivery"]]], Awaitable[None]]
 
-_TRANSIENT = (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError,
-              nats.js.errors.NoStreamResponseError, asyncio.TimeoutError, OSError)
+_TRANSIENT = (
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    asyncio.TimeoutError,
+    OSError,
+)
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,8 @@ class Bus:
         """Connect, retrying until `connect_timeout_s`; once connected, reconnect forever."""
 
         async def on_disconnect() -> None:
-            log.warning("bus %s: disconnected from NATS, reconnecting", name)
+            if not nc_ref or not (nc_ref[0].is_closed or nc_ref[0].is_draining):
+                log.warning("bus %s: disconnected from NATS, reconnecting", name)
 
         async def on_reconnect() -> None:
             log.info("bus %s: reconnected to NATS", name)
@@ -112,6 +119,7 @@ class Bus:
         async def on_error(exc: Exception) -> None:
             log.warning("bus %s: %s", name, exc)
 
+        nc_ref: list[NatsClient] = []
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
@@ -129,6 +137,7 @@ class Bus:
             )
         except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
             raise RetryableError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from exc
+        nc_ref.append(nc)
         return cls(nc, name, provider)
 
     async def close(self) -> None:
@@ -224,7 +233,9 @@ class Bus:
             spec.filter_subject, durable=spec.durable, stream=spec.stream.name, config=config
         )
 
-    async def _fetch(self, sub: JetStreamContext.PullSubscription, batch: int, stop: asyncio.Event) -> list[Msg]:
+    async def _fetch(
+        self, sub: JetStreamContext.PullSubscription, batch: int, stop: asyncio.Event
+    ) -> list[Msg]:
         """Fetch up to `batch` messages, returning early (empty) when `stop` is set."""
         fetch = asyncio.ensure_future(sub.fetch(batch, timeout=5.0))
         stopped = asyncio.ensure_future(stop.wait())
@@ -263,7 +274,9 @@ class Bus:
 
     async def dead_letter(self, spec: ConsumerSpec, delivery: Delivery, reason: str) -> None:
         """Record a terminated message on the dead-letter stream (idempotent per stream sequence)."""
-        log.error("%s: dead-lettering %s #%d: %s", spec.durable, delivery.subject, delivery.stream_seq, reason)
+        log.error(
+            "%s: dead-lettering %s #%d: %s", spec.durable, delivery.subject, delivery.stream_seq, reason
+        )
         event = MessageDeadLettered(
             event_id=f"dl-{spec.stream.name}-{spec.durable}-{delivery.stream_seq}",
             stream=spec.stream.name,
@@ -283,11 +296,17 @@ class Bus:
         else:
             log.warning(
                 "%s: %s #%d failed (delivery %d), retrying: %s",
-                spec.durable, delivery.subject, delivery.stream_seq, delivery.num_delivered, exc,
+                spec.durable,
+                delivery.subject,
+                delivery.stream_seq,
+                delivery.num_delivered,
+                exc,
             )
             await delivery.msg.nak(delay=spec.delay(delivery.num_delivered))
 
-    async def consume(self, spec: ConsumerSpec, handler: Handler, stop: asyncio.Event, *, batch: int = 64) -> None:
+    async def consume(
+        self, spec: ConsumerSpec, handler: Handler, stop: asyncio.Event, *, batch: int = 64
+    ) -> None:
         """Run `handler` on each message until `stop` is set; ack after it returns."""
         sub = await self._pull(spec)
         try:
@@ -300,7 +319,9 @@ class Bus:
                         await self._fail(spec, delivery, exc)
                         continue
                     with self._tracer.start_as_current_span(
-                        f"consume {spec.durable}", context=delivery.trace_context, kind=trace.SpanKind.CONSUMER
+                        f"consume {spec.durable}",
+                        context=delivery.trace_context,
+                        kind=trace.SpanKind.CONSUMER,
                     ):
                         try:
                             await handler(event, delivery)
@@ -353,7 +374,9 @@ class Bus:
     # --- watch -----------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def watch(self, *filter_subjects: str, from_start: bool = False) -> AsyncIterator[AsyncIterator[Message]]:
+    async def watch(
+        self, *filter_subjects: str, from_start: bool = False
+    ) -> AsyncIterator[AsyncIterator[Message]]:
         """Ephemeral ordered consumers of `filter_subjects` (new messages, or all with `from_start`).
 
         Usage: `async with bus.watch(subjects.ALL_INCIDENTS) as events: async for event in events: ...`

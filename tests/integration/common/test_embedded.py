@@ -1,0 +1,78 @@
+"""The embedded dev servers: start, keep data across a restart, stop cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from vigil_common import events as ev
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
+
+pytestmark = pytest.mark.integration
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_nats_keeps_stream_data_across_a_restart(tmp_path: Path):
+    async def publish(url: str) -> None:
+        bus = await Bus.connect(url, "t")
+        await bus.ensure_streams()
+        await bus.publish(subjects.cmd("j-keep"), ev.CancelJob(job_id="j-keep", attempt=1))
+        await bus.close()
+
+    async def count(url: str) -> int:
+        bus = await Bus.connect(url, "t")
+        info = await bus.js.stream_info(subjects.COMMANDS.name)
+        await bus.close()
+        return info.state.messages
+
+    server = EmbeddedNats(tmp_path)
+    server.start()
+    asyncio.run(publish(server.url))
+    port = server.port
+    server.stop()
+    assert server.proc.returncode is not None and not listening(port)
+    assert "sync_interval: always" in (tmp_path / "nats.conf").read_text()
+
+    again = EmbeddedNats(tmp_path)
+    again.start()
+    try:
+        assert asyncio.run(count(again.url)) == 1
+    finally:
+        again.stop()
+
+
+def test_postgres_keeps_data_across_a_restart(tmp_path: Path):
+    async def write(url: str) -> None:
+        conn = await asyncpg.connect(url)
+        await conn.execute("CREATE TABLE kept (x int); INSERT INTO kept VALUES (42)")
+        await conn.close()
+
+    async def read(url: str) -> int:
+        conn = await asyncpg.connect(url)
+        value = await conn.fetchval("SELECT x FROM kept")
+        await conn.close()
+        return value
+
+    server = EmbeddedPostgres(tmp_path)
+    server.start()
+    asyncio.run(write(server.url))
+    port = server.port
+    server.stop()
+    assert not listening(port) and not (tmp_path / "pgdata" / "postmaster.pid").exists()
+
+    again = EmbeddedPostgres(tmp_path)
+    again.start()
+    try:
+        assert asyncio.run(read(again.url)) == 42
+    finally:
+        again.stop()

@@ -1,0 +1,135 @@
+"""One fully populated sample per event class, with fixed ids and times (the golden files' source)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from vigil_common import events as ev
+from vigil_common.spec import JobSpec
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+BASE: dict[str, Any] = {"event_id": "0123456789abcdef0123456789abcdef", "occurred_at": T0}
+JOB: dict[str, Any] = {**BASE, "job_id": "j-0123456789ab", "attempt": 2}
+
+SAMPLES: dict[type[ev.Message], ev.Message] = {
+    ev.NodeHeartbeat: ev.NodeHeartbeat(
+        **BASE,
+        node="n1",
+        address="10.0.0.1",
+        devices=[
+            ev.Device(
+                index=0, kind="gpu", name="NVIDIA H100", uuid="GPU-1", memory_bytes=80 << 30, nvlink_peers=[1]
+            )
+        ],
+        free=[0],
+        interval_s=2.0,
+        started_at=T0,
+    ),
+    ev.GpuSampled: ev.GpuSampled(
+        **BASE,
+        node="n1",
+        index=0,
+        device_kind="gpu",
+        uuid="GPU-1",
+        utilization_pct=97.0,
+        memory_used_bytes=1 << 30,
+        memory_total_bytes=80 << 30,
+        temperature_c=61.0,
+        power_w=420.5,
+        sm_clock_mhz=1980,
+        mem_clock_mhz=2619,
+        throttle_reasons=["sw_power_cap"],
+        ecc_corrected=0,
+        ecc_uncorrected=0,
+        xid=None,
+    ),
+    ev.LaunchJob: ev.LaunchJob(
+        **JOB,
+        spec=JobSpec(name="tiny-gpt"),
+        placement=[ev.RankPlacement(rank=0, node="n1", device=0, local_rank=0)],
+        master_addr="10.0.0.1",
+        master_port=29500,
+        resume_from=None,
+        skip_data=None,
+    ),
+    ev.StepCompleted: ev.StepCompleted(
+        **JOB,
+        rank=1,
+        node="n1",
+        step=41,
+        loss=2.5,
+        grad_norm=0.75,
+        lr=3e-4,
+        tokens=1024,
+        tokens_per_s=8000.0,
+        data_time_s=0.001,
+        forward_time_s=0.02,
+        backward_time_s=0.04,
+        comm_time_s=0.01,
+        optimizer_time_s=0.005,
+        step_time_s=0.08,
+        mem_allocated_bytes=1 << 20,
+        mem_peak_bytes=2 << 20,
+        skipped=False,
+        data_position=41,
+    ),
+    ev.RankStarted: ev.RankStarted(**JOB, rank=0, node="n1", pid=4242, log_path="/var/log/vigil/r0.log"),
+    ev.RankExited: ev.RankExited(
+        **JOB, rank=0, node="n1", exit_code=3, signal=None, failure="error", last_step=12, log_tail="boom"
+    ),
+    ev.CheckpointSaved: ev.CheckpointSaved(
+        **JOB,
+        step=20,
+        path="/ckpt/j/step_00000020",
+        bytes=123456,
+        manifest_sha256="ab" * 32,
+        data_position=20,
+    ),
+    ev.RanksHalted: ev.RanksHalted(**JOB, step=13, command_id="c1", node="n1"),
+    ev.RollbackCompleted: ev.RollbackCompleted(
+        **JOB,
+        from_step=13,
+        to_step=10,
+        checkpoint="/ckpt/j/step_00000010",
+        skip_data=(12, 13),
+        command_id="c2",
+        duration_s=0.4,
+        node="n1",
+    ),
+    ev.JobStateChanged: ev.JobStateChanged(
+        **JOB, from_state="RUNNING", to_state="HALTED", cause="nan at step 12"
+    ),
+    ev.HaltJob: ev.HaltJob(**JOB, reason="nan at step 12", incident_id="i1"),
+    ev.RollbackJob: ev.RollbackJob(
+        **JOB,
+        checkpoint="/ckpt/j/step_00000010",
+        step=10,
+        skip_data=(12, 13),
+        restart=False,
+        reason="spike",
+        incident_id="i2",
+    ),
+    ev.ResumeJob: ev.ResumeJob(**JOB, reason="operator"),
+    ev.CancelJob: ev.CancelJob(**JOB, reason="user"),
+    ev.IncidentRaised: ev.IncidentRaised(
+        **JOB,
+        kind="spike",
+        action="rollback",
+        step=12,
+        rank=0,
+        node="n1",
+        device=None,
+        message="loss 40.1 is 9.3 MADs above the median 2.4",
+        evidence={"z": 9.3, "median": 2.4},
+    ),
+    ev.MessageDeadLettered: ev.MessageDeadLettered(
+        **BASE,
+        stream="VIGIL_STEPS",
+        consumer="telemetry-steps",
+        subject="vigil.job.j1.step",
+        reason="MalformedMessage: not JSON",
+        payload="{oops",
+        num_delivered=1,
+    ),
+}

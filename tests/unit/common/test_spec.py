@@ -1,0 +1,77 @@
+import pytest
+
+from vigil_common.errors import SpecError
+from vigil_common.spec import PRESETS, JobSpec, parse_spec
+
+FULL = """
+name: tiny-gpt
+priority: 0
+resources: {nodes: 1, gpus_per_node: 2}
+model: {preset: tiny}
+train: {steps: 200, micro_batch: 8, grad_accum: 1, lr: 3.0e-4, precision: auto, zero_stage: auto, grad_clip: 1.0, seed: 0}
+data: {path: null, format: text}
+checkpoint: {every: 20, keep: 5}
+guardian: {nan: rollback, spike: rollback, divergence: rollback, imbalance: alert, hang_timeout_s: 60, max_rollbacks: 3}
+faults: [{kind: nan, step: 40, rank: 1}, {kind: spike, step: 80, factor: 20}]
+"""
+
+
+def fields(text: str) -> dict[str, str]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(text)
+    return {e["field"]: e["message"] for e in info.value.errors}
+
+
+def test_the_contract_example_parses_as_yaml_and_json():
+    spec = parse_spec(FULL)
+    assert spec.resources.world_size == 2
+    assert [f.kind for f in spec.faults] == ["nan", "spike"]
+    again = parse_spec(spec.model_dump_json(), content_type="application/json")
+    assert again == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("name: t\ntrain: {lr: -1}", "train.lr"),
+        ("name: t\ntrain: {lr: 0.1, color: red}", "train.color"),
+        ("name: t\nresources: {nodes: 0}", "resources.nodes"),
+        ("name: t\ntrain: {zero_stage: 4}", "train.zero_stage"),
+        ("name: t\nfaults: [{kind: nan, step: 5, rank: 3}]", "faults.0.rank"),
+        ("name: t\ntrain: {steps: 10}\nfaults: [{kind: crash, step: 10}]", "faults.0.step"),
+        ("name: t\nmodel: {d_model: 250}", "model.d_model"),
+        ("name: t\nmodel: {n_kv_head: 3}", "model.n_kv_head"),
+        ("name: 'rm -rf /'", "name"),
+        ("name: t\nshell: 'echo hi'", "shell"),
+    ],
+)
+def test_bad_values_name_their_field(text, field):
+    assert field in fields(text)
+
+
+def test_unknown_field_message_says_so():
+    assert fields("name: t\ncommand: ls")["command"] == "unknown field"
+
+
+def test_not_a_mapping_and_not_yaml():
+    assert "(spec)" in fields("- a\n- b")
+    assert "(spec)" in fields("name: [unclosed")
+
+
+def test_explicit_dimensions_override_a_preset():
+    dims = parse_spec("name: t\nmodel: {preset: tiny, seq_len: 64}").model.resolved()
+    assert dims.seq_len == 64 and dims.d_model == PRESETS["tiny"].d_model
+
+
+def test_explicit_model_without_preset_needs_every_dimension():
+    assert "model" in fields("name: t\nmodel: {preset: null, n_layer: 2}")
+    spec = parse_spec(
+        "name: t\nmodel: {preset: null, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, vocab_size: 256}"
+    )
+    assert spec.model.resolved().n_kv_head == 2
+
+
+def test_specs_are_immutable():
+    spec = JobSpec(name="t")
+    with pytest.raises(ValueError):
+        spec.name = "u"  # type: ignore[misc]

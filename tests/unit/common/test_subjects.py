@@ -1,0 +1,60 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from vigil_common import events as ev
+from vigil_common import subjects
+
+ROOT = Path(__file__).resolve().parents[3]
+SOURCE_DIRS = ["libs", "services", "cli", "bench"]
+
+
+def test_builders_validate_tokens():
+    assert subjects.step("j-1") == "vigil.job.j-1.step"
+    for bad in ["a.b", "*", ">", "a b", "", "x" * 65]:
+        with pytest.raises(ValueError, match="subject token"):
+            subjects.step(bad)
+
+
+@pytest.mark.parametrize(
+    ("subject", "stream"),
+    [
+        (subjects.heartbeat("n1"), "VIGIL_NODES"),
+        (subjects.gpu("n1"), "VIGIL_NODES"),
+        (subjects.launch("j1"), "VIGIL_JOBS"),
+        (subjects.status("j1"), "VIGIL_JOBS"),
+        (subjects.step("j1"), "VIGIL_STEPS"),
+        (subjects.cmd("j1"), "VIGIL_COMMANDS"),
+        (subjects.incident("j1"), "VIGIL_INCIDENTS"),
+        (subjects.dead_letter("VIGIL_STEPS"), "VIGIL_DEAD_LETTERS"),
+    ],
+)
+def test_every_subject_is_stored_by_exactly_one_stream(subject, stream):
+    owners = [s.name for s in subjects.STREAMS for p in s.subjects if subjects._matches(p, subject)]
+    assert owners == [stream]
+    assert subjects.stream_for(subject).name == stream
+
+
+def test_every_event_is_carried_by_some_subject():
+    carried = {cls for classes in subjects.CARRIES.values() for cls in classes}
+    assert carried == set(ev.EVENT_CLASSES)
+
+
+def test_command_stream_never_evicts_silently():
+    assert subjects.COMMANDS.discard_new
+    for spec in subjects.STREAMS:
+        assert spec.max_bytes > 0 and spec.max_age_s > 0 and spec.duplicate_window_s > 0
+
+
+def test_no_subject_is_spelled_outside_the_registry():
+    literal = re.compile(r"""["'`]vigil\.(node|job|incident|deadletter|probe)\b""")
+    offenders = []
+    for folder in SOURCE_DIRS:
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "subjects.py" and path.parent.name == "common":
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if literal.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, "use vigil_common.subjects builders:\n" + "\n".join(offenders)
