@@ -1,0 +1,1 @@
+"""The rank program: a GPT decoder trained by DeepSpeed, instrumented for Vigil."""
