@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
     log_level: str = "INFO"
+    trace_file: Path | None = Field(
+        None, description="also write every span as a JSON line here (traces without a collector)"
+    )
 
     @field_validator("node_name")
     @classmethod

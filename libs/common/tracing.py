@@ -9,6 +9,7 @@ they are created and dropped, which costs next to nothing.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -16,7 +17,7 @@ from opentelemetry.propagate import extract as _extract
 from opentelemetry.propagate import inject as _inject
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 
 def otlp_configured() -> bool:
@@ -25,8 +26,14 @@ def otlp_configured() -> bool:
     )
 
 
-def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider:
-    """A tracer provider for one service; OTLP export when configured, or `exporter` when given (tests)."""
+def setup_tracing(
+    service_name: str, exporter: SpanExporter | None = None, *, trace_file: Path | None = None
+) -> TracerProvider:
+    """A tracer provider for one service.
+
+    Spans go over OTLP when configured, to `exporter` when given (tests), and as JSON lines
+    to `trace_file` when given (`VIGIL_TRACE_FILE`: traces without a collector).
+    """
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: f"vigil-{service_name}"}))
     if exporter is None and otlp_configured():
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -34,6 +41,11 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
         exporter = OTLPSpanExporter()
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
+    if trace_file is not None:
+        trace_file.parent.mkdir(parents=True, exist_ok=True)
+        out = trace_file.open("a", buffering=1)  # closed with the process; line-buffered JSON lines
+        lines = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
+        provider.add_span_processor(BatchSpanProcessor(lines))
     return provider
 
 
