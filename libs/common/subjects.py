@@ -55,6 +55,11 @@ def incident(job_id: str) -> str:
     return f"{PREFIX}.incident.{token(job_id, 'job id')}"
 
 
+def node_incident(node: str) -> str:
+    """Incidents about a node's device that runs no job (a `gpu_health` incident with job_id None)."""
+    return f"{PREFIX}.incident.node_{token(node, 'node name')}"
+
+
 def dead_letter(stream: str) -> str:
     return f"{PREFIX}.deadletter.{token(stream, 'stream name')}"
 

@@ -1,0 +1,125 @@
+"""Every job and device the guardian watches: events in, decisions out (pure; no I/O)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from datetime import datetime
+
+from vigil_common.events import (
+    STATUS_EVENTS,
+    GpuSampled,
+    LaunchJob,
+    Message,
+    StepCompleted,
+)
+from vigil_common.spec import GuardianSpec
+from vigil_guardian.gpu_health import DeviceHealth, GpuLimits
+from vigil_guardian.policy import Decision, decide, incident_id
+from vigil_guardian.watch import JobWatch
+
+FINISHED_MAX = 10_000
+KNOWN_MAX = 100_000
+
+
+class Guardian:
+    """The decision core of the guardian service."""
+
+    def __init__(self, limits: GpuLimits | None = None) -> None:
+        self.limits = limits or GpuLimits()
+        self.jobs: dict[str, JobWatch] = {}
+        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.devices: dict[tuple[str, int], DeviceHealth] = {}
+        self.published: OrderedDict[str, None] = OrderedDict()  # incident ids already out
+
+    def job(self, job_id: str) -> JobWatch | None:
+        if job_id in self.finished:
+            return None
+        if job_id not in self.jobs:
+            self.jobs[job_id] = JobWatch(job_id)
+        return self.jobs[job_id]
+
+    def on_event(self, event: Message, now: datetime, *, quiet: bool = False) -> list[Decision]:
+        """Feed one event; returns the decisions to publish (none already published)."""
+        if isinstance(event, GpuSampled):
+            return self._fresh(self._on_gpu(event, now))
+        if event.job_id is None:
+            return []
+        watch = self.job(event.job_id)
+        if watch is None:
+            return []
+        if isinstance(event, StepCompleted):
+            out = watch.on_step(event, now, quiet=quiet)
+        elif isinstance(event, LaunchJob):
+            watch.on_launch(event)
+            out = []
+        elif isinstance(event, STATUS_EVENTS):
+            out = watch.on_status(event, now)
+        else:
+            out = []
+        if watch.terminal:
+            self.finish(event.job_id)
+        return self._fresh(out)
+
+    def check_hangs(self, now: datetime) -> list[Decision]:
+        out: list[Decision] = []
+        for watch in list(self.jobs.values()):
+            out += watch.check_hang(now)
+        return self._fresh(out)
+
+    def finish(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+        self.finished[job_id] = None
+        while len(self.finished) > FINISHED_MAX:
+            self.finished.popitem(last=False)
+
+    def mark_published(self, iid: str) -> None:
+        self.published[iid] = None
+        while len(self.published) > KNOWN_MAX:
+            self.published.popitem(last=False)
+
+    def _fresh(self, decisions: list[Decision]) -> list[Decision]:
+        return [d for d in decisions if d.incident.event_id not in self.published]
+
+    # --- devices ------------------------------------------------------------------------------------
+
+    def device_job(self, node: str, index: int) -> tuple[JobWatch, int] | None:
+        """The job (and rank) running on a device, from the launches seen."""
+        for watch in self.jobs.values():
+            for rank, (n, d) in watch.placement.items():
+                if (n, d) == (node, index) and rank not in watch.exited:
+                    return watch, rank
+        return None
+
+    def _on_gpu(self, sample: GpuSampled, now: datetime) -> list[Decision]:
+        health = self.devices.setdefault((sample.node, sample.index), DeviceHealth(self.limits))
+        verdict = health.observe(sample)
+        if verdict is None:
+            return []
+        found = self.device_job(sample.node, sample.index)
+        if found is not None:
+            watch, rank = found
+            verdict = dataclasses.replace(verdict, rank=rank)
+            last = [p[1] for p in watch.progress.values() if p[1] is not None]
+            anomaly = min(last) + 1 if last else None
+            return [watch.decide(verdict, now, anomaly_step=anomaly, key=sample.event_id)]
+        iid = incident_id(None, sample.node, sample.index, "gpu_health", sample.event_id)
+        return [
+            decide(
+                verdict,
+                iid=iid,
+                job_id=None,
+                attempt=0,
+                spec=GuardianSpec(),
+                checkpoints={},
+                rollbacks=0,
+                now=now,
+            )
+        ]
+
+    def device_levels(self) -> dict[tuple[str, int], int]:
+        return {k: h.level for k, h in self.devices.items() if h.level}
+
+    def restore_devices(self, levels: dict[tuple[str, int], int]) -> None:
+        for key, level in levels.items():
+            self.devices.setdefault(key, DeviceHealth(self.limits)).level = level

@@ -1,0 +1,172 @@
+"""The policy: what the guardian does about a verdict, per the job's `GuardianSpec`.
+
+- `alert`: an incident only.
+- `halt`: the incident and `HaltJob`.
+- `rollback`: for numeric faults (nan, spike, divergence) `HaltJob` then an in-place `RollbackJob`
+  to the newest valid checkpoint with step <= the anomaly step (a checkpoint with step s holds the
+  state after s updates, so it precedes the anomalous update), skipping the spike's data window;
+  for faults a rollback in place cannot cure (a hang, a sick GPU, a straggler) a
+  `RollbackJob(restart=True)`, relaunching the ranks. After `max_rollbacks` rollbacks the next one
+  becomes `fail`; with no checkpoint to go back to, it becomes `halt`.
+- `fail`: the incident (action "fail", which the scheduler turns into FAILED) and `CancelJob`.
+
+Ids are derived from the incident's identity, so re-deciding the same fault (a redelivered event,
+a restart) republishes the same ids, which JetStream de-duplicates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from vigil_common import subjects
+from vigil_common.events import (
+    CancelJob,
+    Command,
+    HaltJob,
+    IncidentAction,
+    IncidentRaised,
+    RollbackJob,
+)
+from vigil_common.spec import GuardianSpec
+from vigil_guardian.verdict import Verdict
+
+IN_PLACE = frozenset({"nan", "spike", "divergence"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An incident and the commands it causes, in publish order."""
+
+    incident: IncidentRaised
+    commands: tuple[Command, ...] = ()
+    effects: dict[str, Any] = field(default_factory=dict)  # for the caller: rollback target, etc.
+
+    @property
+    def action(self) -> IncidentAction:
+        return self.incident.action
+
+    def messages(self) -> list[tuple[str, IncidentRaised | Command]]:
+        """(subject, message) in publish order. Commands go first (they are what stops the damage),
+        except for `fail`, whose incident goes first so that the scheduler records FAILED, not CANCELLED."""
+        job = self.incident.job_id
+        inc_subject = (
+            subjects.incident(job) if job else subjects.node_incident(self.incident.node or "unknown")
+        )
+        cmds: list[tuple[str, IncidentRaised | Command]] = (
+            [(subjects.cmd(job), c) for c in self.commands] if job else []
+        )
+        inc: list[tuple[str, IncidentRaised | Command]] = [(inc_subject, self.incident)]
+        return inc + cmds if self.action == "fail" else cmds + inc
+
+
+def incident_id(*key: object) -> str:
+    """A stable id for an incident's identity (job, attempt, generation, kind, where)."""
+    return "inc-" + hashlib.sha256(repr(key).encode()).hexdigest()[:28]
+
+
+def action_for(kind: str, spec: GuardianSpec) -> IncidentAction:
+    return getattr(spec, kind) if kind in GuardianSpec.model_fields else "alert"
+
+
+def rollback_target(checkpoints: Mapping[int, str], anomaly_step: int | None) -> tuple[int, str] | None:
+    """The newest checkpoint (step, path) with step <= `anomaly_step` (any, when the step is unknown)."""
+    steps = [s for s in checkpoints if anomaly_step is None or s <= anomaly_step]
+    if not steps:
+        return None
+    best = max(steps)
+    return best, checkpoints[best]
+
+
+def decide(
+    verdict: Verdict,
+    *,
+    iid: str,
+    job_id: str | None,
+    attempt: int,
+    spec: GuardianSpec,
+    checkpoints: Mapping[int, str],
+    rollbacks: int,
+    now: datetime,
+    anomaly_step: int | None = None,
+    data_position: int | None = None,
+) -> Decision:
+    """Turn a verdict into an incident and commands.
+
+    Args:
+        iid: the incident id (see `incident_id`).
+        checkpoints: the job's valid checkpoints, step -> path.
+        rollbacks: rollbacks already made for this job.
+        anomaly_step: the step whose update is suspect (defaults to the verdict's step).
+        data_position: the data step of the anomalous batch (the spike's skip window starts there).
+    """
+    action = action_for(verdict.kind, spec) if job_id else "alert"
+    evidence: dict[str, Any] = dict(verdict.evidence)
+    reason = verdict.message
+    commands: list[Command] = []
+    effects: dict[str, Any] = {}
+    anomaly = verdict.step if anomaly_step is None else anomaly_step
+
+    if action == "rollback" and rollbacks >= spec.max_rollbacks:
+        action = "fail"
+        reason = f"{verdict.message}; max_rollbacks ({spec.max_rollbacks}) reached"
+        evidence["max_rollbacks"] = spec.max_rollbacks
+    target = rollback_target(checkpoints, anomaly) if action == "rollback" else None
+    if action == "rollback" and target is None:
+        action = "halt"
+        evidence["no_checkpoint"] = f"no valid checkpoint at or before step {anomaly}"
+
+    common = {"job_id": job_id, "attempt": attempt, "occurred_at": now, "incident_id": iid}
+    if action == "rollback" and target is not None:
+        step, path = target
+        in_place = verdict.kind in IN_PLACE
+        skip = None
+        if verdict.kind == "spike" and spec.spike_skip_steps and data_position is not None:
+            skip = (data_position, data_position + spec.spike_skip_steps)
+        if in_place:
+            commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
+        commands.append(
+            RollbackJob(
+                event_id=f"{iid}-rollback",
+                checkpoint=path,
+                step=step,
+                skip_data=skip,
+                restart=not in_place,
+                reason=reason,
+                **common,
+            )
+        )
+        evidence.update(
+            checkpoint=path,
+            checkpoint_step=step,
+            skip_data=list(skip) if skip else None,
+            restart=not in_place,
+            rollback=rollbacks + 1,
+        )
+        effects.update(rollback_step=step, in_place=in_place)
+    elif action == "halt":
+        commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
+    elif action == "fail":
+        commands.append(
+            CancelJob(
+                event_id=f"{iid}-cancel", job_id=job_id, attempt=attempt, occurred_at=now, reason=reason
+            )
+        )
+    incident = IncidentRaised(
+        event_id=iid,
+        job_id=job_id,
+        attempt=attempt,
+        occurred_at=now,
+        kind=verdict.kind,
+        action=action,
+        step=verdict.step,
+        rank=verdict.rank,
+        node=verdict.node,
+        device=verdict.device,
+        message=reason,
+        evidence=evidence,
+    )
+    return Decision(incident, tuple(commands), effects)

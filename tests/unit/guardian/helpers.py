@@ -1,0 +1,73 @@
+"""Synthetic events for the guardian's unit tests."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from vigil_common.events import GpuSampled, LaunchJob, RankPlacement, StepCompleted
+from vigil_common.spec import JobSpec
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+JOB = "j-000000000001"
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def step(
+    step: int,
+    rank: int = 0,
+    loss: float = 2.0,
+    *,
+    t: float | None = None,
+    attempt: int = 1,
+    step_time: float = 0.1,
+    comm: float = 0.01,
+    **kw: Any,
+) -> StepCompleted:
+    return StepCompleted(
+        job_id=kw.pop("job_id", JOB),
+        attempt=attempt,
+        rank=rank,
+        node=kw.pop("node", f"n{rank}"),
+        step=step,
+        loss=loss,
+        grad_norm=kw.pop("grad_norm", 1.0),
+        lr=1e-3,
+        tokens=1024,
+        tokens_per_s=1e4,
+        step_time_s=step_time,
+        comm_time_s=comm,
+        data_position=kw.pop("data_position", step),
+        occurred_at=at(step * step_time if t is None else t),
+        **kw,
+    )
+
+
+def launch(world: int = 2, *, attempt: int = 1, t: float = 0.0, **guardian: Any) -> LaunchJob:
+    spec = JobSpec(name="t", resources={"nodes": world, "gpus_per_node": 1}, guardian=guardian)
+    return LaunchJob(
+        job_id=JOB,
+        attempt=attempt,
+        occurred_at=at(t),
+        spec=spec,
+        placement=[RankPlacement(rank=r, node=f"n{r}", device=0, local_rank=0) for r in range(world)],
+        master_addr="127.0.0.1",
+        master_port=29500,
+    )
+
+
+def gpu(**kw: Any) -> GpuSampled:
+    base: dict[str, Any] = dict(
+        node="n0",
+        index=0,
+        device_kind="gpu",
+        uuid="GPU-0",
+        temperature_c=60.0,
+        memory_used_bytes=10,
+        memory_total_bytes=100,
+        occurred_at=T0,
+    )
+    return GpuSampled(**{**base, **kw})

@@ -1,0 +1,102 @@
+from tests.unit.guardian.helpers import JOB, T0
+from vigil_common import subjects
+from vigil_common.spec import GuardianSpec
+from vigil_guardian.policy import decide, incident_id, rollback_target
+from vigil_guardian.verdict import Verdict
+
+CKPTS = {0: "/c/step_00000000", 5: "/c/step_00000005", 10: "/c/step_00000010"}
+
+
+def run(kind="nan", step=7, rollbacks=0, checkpoints=CKPTS, **spec):
+    v = Verdict(kind=kind, step=step, rank=1, node="n1", message=f"{kind} at {step}")
+    return decide(
+        v,
+        iid=incident_id(JOB, kind, step),
+        job_id=JOB,
+        attempt=2,
+        spec=GuardianSpec(**spec),
+        checkpoints=checkpoints,
+        rollbacks=rollbacks,
+        now=T0,
+        data_position=42,
+    )
+
+
+def test_rollback_target_is_newest_at_or_before_the_anomaly():
+    assert rollback_target(CKPTS, 7) == (5, "/c/step_00000005")
+    assert rollback_target(CKPTS, 5) == (5, "/c/step_00000005")  # state before step 5's update
+    assert rollback_target(CKPTS, 4) == (0, "/c/step_00000000")
+    assert rollback_target({}, 4) is None
+
+
+def test_nan_rollback_halts_then_rolls_back_in_place():
+    d = run("nan", 7)
+    assert d.action == "rollback"
+    halt, rollback = d.commands
+    assert halt.type == "job.halt" and rollback.type == "job.rollback"
+    assert (rollback.checkpoint, rollback.step, rollback.restart, rollback.skip_data) == (
+        CKPTS[5],
+        5,
+        False,
+        None,
+    )
+    assert rollback.attempt == 2 and rollback.incident_id == d.incident.event_id
+    assert [s for s, _ in d.messages()] == [subjects.cmd(JOB), subjects.cmd(JOB), subjects.incident(JOB)]
+    assert d.incident.evidence["checkpoint_step"] == 5
+
+
+def test_spike_skips_its_data_window():
+    d = run("spike", 12, spike_skip_steps=3)
+    assert d.commands[1].skip_data == (42, 45)
+    assert run("spike", 12, spike_skip_steps=0).commands[1].skip_data is None
+
+
+def test_hang_restarts_instead():
+    d = run("hang", 8)
+    assert [c.type for c in d.commands] == ["job.rollback"]
+    assert d.commands[0].restart
+
+
+def test_actions_from_the_spec():
+    assert run("nan", nan="alert").commands == ()
+    assert [c.type for c in run("nan", nan="halt").commands] == ["job.halt"]
+    assert run("imbalance").action == "alert"  # the default
+    d = run("nan", nan="fail")
+    assert [c.type for c in d.commands] == ["job.cancel"]
+    # the incident goes out before the cancel, so the job ends FAILED rather than CANCELLED
+    assert [m.type for _, m in d.messages()] == ["incident.raised", "job.cancel"]
+
+
+def test_max_rollbacks_turns_into_fail():
+    assert run("nan", rollbacks=2, max_rollbacks=3).action == "rollback"
+    d = run("nan", rollbacks=3, max_rollbacks=3)
+    assert d.action == "fail" and "max_rollbacks" in d.incident.message
+    assert d.commands[0].type == "job.cancel" and "max_rollbacks" in d.commands[0].reason
+
+
+def test_no_checkpoint_halts():
+    d = run("nan", 3, checkpoints={5: "/c/5"})
+    assert d.action == "halt" and "no_checkpoint" in d.incident.evidence
+
+
+def test_ids_are_stable():
+    a, b = run("nan", 7), run("nan", 7)
+    assert a.incident.event_id == b.incident.event_id
+    assert [c.event_id for c in a.commands] == [c.event_id for c in b.commands]
+    assert run("nan", 8).incident.event_id != a.incident.event_id
+
+
+def test_deviceless_incident_goes_to_the_node_subject():
+    v = Verdict(kind="gpu_health", node="n3", device=1, message="hot")
+    d = decide(
+        v,
+        iid="inc-x",
+        job_id=None,
+        attempt=0,
+        spec=GuardianSpec(gpu_health="rollback"),
+        checkpoints={},
+        rollbacks=0,
+        now=T0,
+    )
+    assert d.action == "alert" and d.commands == ()
+    assert d.messages() == [(subjects.node_incident("n3"), d.incident)]

@@ -1,0 +1,209 @@
+"""The guardian's decisions on synthetic event streams whose answers are known."""
+
+import math
+
+from tests.unit.guardian.helpers import JOB, at, gpu, launch, step
+from vigil_common.events import CheckpointSaved, JobStateChanged, RankExited, RollbackCompleted
+from vigil_guardian.fleet import Guardian
+from vigil_guardian.watch import JobWatch
+
+
+def ckpt(s, t=0.0):
+    return CheckpointSaved(
+        job_id=JOB,
+        attempt=1,
+        step=s,
+        path=f"/c/step_{s:08d}",
+        bytes=1,
+        manifest_sha256="x",
+        data_position=s,
+        occurred_at=at(t),
+    )
+
+
+def rc(to, frm, t, checkpoint=None):
+    return RollbackCompleted(
+        job_id=JOB,
+        attempt=1,
+        from_step=frm,
+        to_step=to,
+        checkpoint=checkpoint or f"/c/step_{to:08d}",
+        command_id="c",
+        duration_s=0.1,
+        node="n0",
+        occurred_at=at(t),
+    )
+
+
+def feed(g, events, now=None):
+    out = []
+    for e in events:
+        out += g.on_event(e, now or e.occurred_at)
+    for d in out:
+        g.mark_published(d.incident.event_id)
+    return out
+
+
+def noisy(k):
+    return 3.0 - 0.01 * k + 0.02 * ((k * 7) % 5 - 2)
+
+
+def normal_steps(first, last, world=2, t0=0.0):
+    return [step(k, r, noisy(k), t=t0 + 0.1 * (k - first)) for k in range(first, last) for r in range(world)]
+
+
+def started(world=2, **guardian):
+    g = Guardian()
+    feed(g, [launch(world, **guardian), ckpt(0), ckpt(5, 0.55)])
+    return g
+
+
+def test_nan_on_one_rank_rolls_back_once_to_the_newest_checkpoint_at_or_before_it():
+    g = started()
+    assert feed(g, normal_steps(0, 7)) == []
+    out = feed(g, [step(7, 0, math.nan, t=0.70, skipped=True)], now=at(0.705))
+    assert len(out) == 1
+    d = out[0]
+    assert (d.incident.kind, d.incident.action, d.incident.step, d.incident.rank) == ("nan", "rollback", 7, 0)
+    assert [c.type for c in d.commands] == ["job.halt", "job.rollback"]
+    assert d.commands[1].checkpoint == "/c/step_00000005" and d.commands[1].step == 5
+    # the same fault seen on the other rank, and steps in flight, are not new incidents
+    assert feed(g, [step(7, 1, math.nan, t=0.70, skipped=True)]) == []
+    assert feed(g, [step(8, 0, math.nan, t=0.80, skipped=True), step(8, 1, math.nan, t=0.80)]) == []
+    # the rollback completes; the re-run of steps 5.. is a new timeline, not a new fault
+    assert feed(g, [rc(5, 8, 1.0)]) == []
+    assert feed(g, [step(k, r, noisy(k), t=1.0 + 0.1 * (k - 4)) for k in range(5, 15) for r in (0, 1)]) == []
+    # a late event of the abandoned timeline is dropped
+    assert feed(g, [step(9, 1, math.nan, t=0.90)]) == []
+    assert g.jobs[JOB].rollbacks == 1 and g.jobs[JOB].generation == 1
+
+
+def test_a_fault_that_comes_back_after_every_rollback_ends_in_fail():
+    g = started(max_rollbacks=1)
+    feed(g, normal_steps(0, 7))
+    first = feed(g, [step(7, 0, math.nan, t=0.7)], now=at(0.71))
+    assert first[0].action == "rollback"
+    feed(g, [rc(5, 7, 1.0)])
+    feed(g, [step(k, r, noisy(k), t=1.0 + 0.1 * (k - 4)) for k in (5, 6) for r in (0, 1)])
+    again = feed(g, [step(7, 0, math.nan, t=1.35)], now=at(1.36))
+    assert len(again) == 1 and again[0].action == "fail"
+    assert [m.type for _, m in again[0].messages()] == ["incident.raised", "job.cancel"]
+    # the job is over: nothing more from it
+    assert feed(g, [step(8, 0, math.nan, t=1.45)]) == []
+    feed(g, [JobStateChanged(job_id=JOB, attempt=1, from_state="RUNNING", to_state="FAILED", cause="x")])
+    assert JOB not in g.jobs
+
+
+def test_spike_rolls_back_with_the_data_window_skipped():
+    g = started(spike_skip_steps=2, spike_warmup=10)
+    assert feed(g, normal_steps(0, 20)) == []
+    out = feed(g, [step(20, 1, noisy(20) * 50, t=2.0, data_position=20)], now=at(2.01))
+    assert len(out) == 1
+    d = out[0]
+    assert (d.incident.kind, d.incident.rank, d.incident.step) == ("spike", 1, 20)
+    rollback = d.commands[1]
+    assert rollback.skip_data == (20, 22) and rollback.step == 5
+
+
+def test_slow_rank_gives_one_imbalance_incident_naming_it():
+    g = started(world=3, imbalance_steps=4)
+    out = []
+    for k in range(12):
+        out += feed(
+            g,
+            [step(k, r, noisy(k), t=0.5 * k, step_time=0.4, comm=0.02 if r == 2 else 0.22) for r in range(3)],
+        )
+    assert len(out) == 1
+    inc = out[0].incident
+    assert (inc.kind, inc.rank, inc.node, inc.action, inc.step) == ("imbalance", 2, "n2", "alert", 3)
+
+
+def test_missing_steps_give_a_hang_then_the_policys_action():
+    g = started(hang_timeout_s=10)
+    feed(g, normal_steps(0, 6))
+    feed(g, [step(6, 0, noisy(6), t=0.6)])  # rank 1 goes silent after step 5
+    assert g.check_hangs(at(5.2)) == []  # 20 x 0.1 s would be 2 s, but the floor is MIN_HANG_S (5 s)
+    out = g.check_hangs(at(10.6))
+    assert len(out) == 1
+    d = out[0]
+    assert (d.incident.kind, d.incident.rank, d.incident.step, d.incident.action) == (
+        "hang",
+        1,
+        6,
+        "rollback",
+    )
+    assert [c.type for c in d.commands] == ["job.rollback"] and d.commands[0].restart
+    assert d.commands[0].step == 5
+    for dd in out:
+        g.mark_published(dd.incident.event_id)
+    assert g.check_hangs(at(30.0)) == []
+    # the relaunch (attempt 2) starts a fresh watch of the job
+    feed(g, [launch(2, attempt=2, t=31.0, hang_timeout_s=10)])
+    assert g.jobs[JOB].attempt == 2 and g.jobs[JOB].recovering is None
+    assert feed(g, [step(6, 0, math.nan, t=0.6)]) == []  # attempt 1: stale
+
+
+def test_no_hang_while_halted_or_before_running():
+    g = started(hang_timeout_s=5)
+    assert g.check_hangs(at(100.0)) == []  # launched, no rank started, no step yet
+    feed(g, normal_steps(0, 3))
+    feed(g, [JobStateChanged(job_id=JOB, attempt=1, from_state="RUNNING", to_state="HALTED", cause="op")])
+    assert g.check_hangs(at(100.0)) == []
+
+
+def test_rank_exit_alerts_unless_vigil_killed_it():
+    g = started()
+    bad = RankExited(job_id=JOB, attempt=1, rank=1, node="n1", exit_code=3, failure="error", last_step=4)
+    out = feed(g, [bad])
+    assert [(d.incident.kind, d.incident.action, d.incident.rank) for d in out] == [("rank_exit", "alert", 1)]
+    assert feed(g, [bad]) == []  # redelivered: same incident, already out
+    killed = RankExited(
+        job_id=JOB, attempt=1, rank=0, node="n0", exit_code=None, signal=15, failure="killed_by_vigil"
+    )
+    assert feed(g, [killed]) == []
+
+
+def test_gpu_health_on_a_busy_device_follows_the_jobs_policy():
+    g = started(gpu_health="rollback")
+    feed(g, normal_steps(0, 7))
+    out = feed(g, [gpu(node="n1", index=0, temperature_c=99.0, occurred_at=at(0.75))], now=at(0.75))
+    assert len(out) == 1
+    d = out[0]
+    assert (d.incident.kind, d.incident.job_id, d.incident.node, d.incident.device, d.incident.rank) == (
+        "gpu_health",
+        JOB,
+        "n1",
+        0,
+        1,
+    )
+    assert d.commands[0].restart and d.commands[0].step == 5
+    idle = feed(g, [gpu(node="n9", index=3, xid=79)])
+    assert idle[0].incident.job_id is None and idle[0].incident.device == 3 and idle[0].commands == ()
+
+
+def test_restart_rebuilds_windows_by_quiet_replay_and_misses_nothing():
+    g = started(spike_warmup=10)
+    history = normal_steps(0, 20)
+    feed(g, history)
+    snap = g.jobs[JOB].snapshot()
+    # a new guardian: control state from the snapshot, windows from a quiet replay of the steps
+    g2 = Guardian()
+    g2.jobs[JOB] = JobWatch.restore(JOB, snap)
+    for e in history:
+        assert g2.on_event(e, e.occurred_at, quiet=True) == []
+    assert g2.jobs[JOB].checkpoints == {0: "/c/step_00000000", 5: "/c/step_00000005"}
+    out = feed(g2, [step(20, 0, 200.0, t=2.0)], now=at(2.01))
+    assert [d.incident.kind for d in out] == ["spike"]  # the window was rebuilt: no warm-up again
+    # and a redelivered event already judged is not judged twice
+    assert feed(g2, [history[-1]]) == []
+
+
+def test_snapshot_round_trip_keeps_recovery():
+    g = started()
+    feed(g, normal_steps(0, 7))
+    feed(g, [step(7, 0, math.nan, t=0.7)], now=at(0.71))
+    w = JobWatch.restore(JOB, g.jobs[JOB].snapshot())
+    assert w.recovering == g.jobs[JOB].recovering and w.rollbacks == 1
+    assert w.snapshot() == g.jobs[JOB].snapshot()
+    # the in-flight event (redelivered after the restart) stays quiet
+    assert w.on_step(step(7, 1, math.nan, t=0.7), at(1.0)) == []
