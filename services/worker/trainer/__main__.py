@@ -1,0 +1,5 @@
+import sys
+
+from vigil_worker.trainer.rank import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""Fault injection from the job spec, for tests and demos.
+
+A fault fires once per job, like a transient hardware fault, so that a rollback past it succeeds;
+`repeat: true` makes it fire every time its step is reached. "Once per job" survives a rollback and a
+restart of the ranks: a fired fault leaves a marker file under the job's checkpoint directory
+(`<root>/<job>/.vigil/faults/<index>.fired`, created with O_EXCL, so no two processes race).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from vigil_common.spec import CrashFault, Fault, HangFault, NanFault, SlowRankFault, SpikeFault
+
+
+class FaultInjector:
+    def __init__(self, faults: list[Fault], rank: int, marker_dir: Path) -> None:
+        self.rank = rank
+        self.marker_dir = marker_dir
+        self._mine = [(i, f) for i, f in enumerate(faults) if f.rank == rank]
+        self._slow_from: dict[int, float] = {}  # index -> delay, for slow_rank faults that fired
+
+    def _fire(self, index: int, fault: Fault) -> bool:
+        """True if the fault fires now: always for `repeat`, else only the first time in the job."""
+        if fault.repeat:
+            return True
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.marker_dir / f"{index}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{fault.kind} step={fault.step} rank={self.rank} at={time.time():.3f}\n")
+        return True
+
+    def loss_factor(self, step: int) -> float:
+        """What this rank's loss is multiplied by at `step` before backward: NaN, a spike factor, or 1."""
+        factor = 1.0
+        for i, f in self._mine:
+            if f.step == step and isinstance(f, NanFault | SpikeFault) and self._fire(i, f):
+                factor *= float("nan") if isinstance(f, NanFault) else f.factor
+        return factor
+
+    def delay_s(self, step: int) -> float:
+        """Extra seconds this rank sleeps at `step` (slow_rank: from its step on, once it has fired)."""
+        for i, f in self._mine:
+            if (
+                isinstance(f, SlowRankFault)
+                and f.step == step
+                and i not in self._slow_from
+                and self._fire(i, f)
+            ):
+                self._slow_from[i] = f.delay_s
+        return sum(self._slow_from.values())
+
+    def clear_transient(self) -> None:
+        """A rollback ends a slow phase (a repeat fault re-arms when its step comes again)."""
+        self._slow_from.clear()
+
+    def crash_code(self, step: int) -> int | None:
+        for i, f in self._mine:
+            if isinstance(f, CrashFault) and f.step == step and self._fire(i, f):
+                return f.exit_code
+        return None
+
+    def hangs(self, step: int) -> bool:
+        return any(isinstance(f, HangFault) and f.step == step and self._fire(i, f) for i, f in self._mine)

@@ -1,0 +1,100 @@
+import json
+import os
+
+import pytest
+import torch
+
+from vigil_common.errors import CheckpointError
+from vigil_worker.trainer import checkpoint as ckpt
+
+
+def make(root, job="j1", step=0, files=None):
+    path = ckpt.step_dir(root, job, step)
+    (path / "ds").mkdir(parents=True)
+    for name, data in (files or {"ds/model.pt": b"weights", "ds/optim.pt": b"moments"}).items():
+        (path / name).write_bytes(data)
+    return ckpt.write_manifest(path, job_id=job, step=step, data_position=step + 3, skip_windows=[(1, 2)])
+
+
+def test_manifest_lists_every_file_and_verifies(tmp_path):
+    m = make(tmp_path, step=20)
+    assert set(m.files) == {"ds/model.pt", "ds/optim.pt"}
+    body = json.loads((m.path / ckpt.MANIFEST).read_text())
+    assert body["step"] == 20 and body["data_position"] == 23 and body["skip_windows"] == [[1, 2]]
+    v = ckpt.verify(m.path, root=tmp_path)
+    assert (v.step, v.data_position, v.skip_windows, v.sha256) == (20, 23, [(1, 2)], m.sha256)
+    assert v.bytes == len(b"weights") + len(b"moments")
+    assert not list(m.path.glob("*.tmp"))  # the manifest appeared by rename
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: (p / "ds/model.pt").write_bytes(b"weightz"), "SHA-256"),
+        (lambda p: (p / "ds/model.pt").write_bytes(b"w"), "bytes"),
+        (lambda p: (p / "ds/optim.pt").unlink(), "missing"),
+        (lambda p: (p / "ds/extra.pt").write_bytes(b"x"), "not in the manifest"),
+        (lambda p: (p / ckpt.MANIFEST).unlink(), "no manifest"),
+        (lambda p: (p / ckpt.MANIFEST).write_text("{"), "unreadable"),
+    ],
+)
+def test_a_damaged_checkpoint_is_refused(tmp_path, damage, message):
+    m = make(tmp_path)
+    damage(m.path)
+    with pytest.raises(CheckpointError, match=message):
+        ckpt.verify(m.path, root=tmp_path)
+
+
+def test_manifest_entries_cannot_escape(tmp_path):
+    m = make(tmp_path)
+    body = json.loads((m.path / ckpt.MANIFEST).read_text())
+    body["files"]["../../etc/passwd"] = {"bytes": 1, "sha256": "0"}
+    (m.path / ckpt.MANIFEST).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match="escapes"):
+        ckpt.verify(m.path, root=tmp_path)
+
+
+def test_paths_are_confined_under_the_root(tmp_path):
+    root = tmp_path / "root"
+    m = make(root)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    with pytest.raises(CheckpointError, match=r"'\.\.'"):
+        ckpt.confine(root, root / "j1" / ".." / "j1" / "step_00000000")
+    with pytest.raises(CheckpointError, match="outside"):
+        ckpt.verify(outside, root=root)
+    os.symlink(outside, root / "j1" / "step_00000099")
+    with pytest.raises(CheckpointError, match="symlink"):
+        ckpt.verify(root / "j1" / "step_00000099", root=root)
+    os.symlink(m.path / "ds" / "model.pt", m.path / "ds" / "link.pt")
+    with pytest.raises(CheckpointError, match="symlink"):
+        ckpt.verify(m.path, root=root)
+    assert ckpt.confine(root, "j1/step_00000000") == m.path  # relative to the root
+
+
+def test_newest_valid_skips_corrupt_and_later_ones(tmp_path):
+    for s in (0, 10, 20, 30):
+        make(tmp_path, step=s)
+    (ckpt.step_dir(tmp_path, "j1", 20) / "ds" / "model.pt").write_bytes(b"bitrot!")
+    assert ckpt.newest_valid(tmp_path, "j1").step == 30
+    assert ckpt.newest_valid(tmp_path, "j1", at_or_before=25).step == 10
+    assert ckpt.newest_valid(tmp_path, "nojob") is None
+
+
+def test_keep_last_k(tmp_path):
+    for s in (0, 10, 20, 30):
+        make(tmp_path, step=s)
+    ckpt.step_dir(tmp_path, "j1", 5).mkdir()  # an incomplete one, older than those kept
+    removed = ckpt.retain(tmp_path, "j1", keep=2)
+    assert sorted(p.name for p in removed) == ["step_00000000", "step_00000005", "step_00000010"]
+    assert [s for s, _ in ckpt.checkpoints(tmp_path, "j1")] == [20, 30]
+
+
+def test_safe_load_refuses_pickled_code(tmp_path):
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(2)}, good)
+    assert torch.equal(ckpt.safe_load(good)["w"], torch.ones(2))
+    evil = tmp_path / "evil.pt"
+    torch.save({"f": os.system}, evil)
+    with pytest.raises(Exception, match=r"weights_only|Unsupported global"):
+        ckpt.safe_load(evil)

@@ -1,0 +1,101 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vigil_common.errors import SpecError
+from vigil_common.spec import DataSpec
+from vigil_worker.trainer.data import (
+    ByteTokenizer,
+    batch,
+    builtin_corpus_files,
+    first_position,
+    load_tokens,
+    next_position,
+)
+
+
+def test_builtin_corpus_is_local_text():
+    files = builtin_corpus_files()
+    assert len(files) > 10 and all(f.is_file() for f in files)
+    assert sum(f.stat().st_size for f in files) >= 1_000_000
+
+
+def test_builtin_corpus_cache_is_built_once(tmp_path):
+    first = load_tokens(DataSpec(), tmp_path, vocab_size=256)
+    assert first.tokens.dtype == np.uint16 and len(first) > 1_000_000
+    mtime = first.path.stat().st_mtime_ns
+    again = load_tokens(DataSpec(), tmp_path, vocab_size=256)
+    assert again.path == first.path and again.path.stat().st_mtime_ns == mtime
+    assert isinstance(again.tokens, np.memmap)
+
+
+def test_text_file_round_trips_through_bytes(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("héllo world")
+    cache = load_tokens(DataSpec(path=str(src)), tmp_path / "cache", vocab_size=256)
+    assert bytes(cache.tokens[:-1].astype(np.uint8)).decode() == "héllo world"
+    assert cache.tokens[-1] == ByteTokenizer.eot
+
+
+def test_jsonl_text_and_chat(tmp_path):
+    src = tmp_path / "d.jsonl"
+    rows = [
+        {"text": "one"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    ]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    cache = load_tokens(DataSpec(path=str(src), format="jsonl"), tmp_path / "c", vocab_size=256)
+    text = bytes(cache.tokens.astype(np.uint8)).decode()
+    assert text == "one\x00<|user|>\nhi\n<|assistant|>\nyo\n\x00"
+
+
+def test_bad_jsonl_names_file_and_line(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"text": "ok"}\n{"nope": 1}\n')
+    with pytest.raises(SpecError, match=r"d\.jsonl:2"):
+        load_tokens(DataSpec(path=str(src), format="jsonl"), tmp_path / "c", vocab_size=256)
+
+
+def test_directory_of_text(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.txt").write_text("bbb")
+    (tmp_path / "docs" / "a.md").write_text("aaa")
+    (tmp_path / "docs" / "skip.bin").write_bytes(b"\xff")
+    cache = load_tokens(DataSpec(path=str(tmp_path / "docs")), tmp_path / "c", vocab_size=256)
+    assert bytes(cache.tokens.astype(np.uint8)) == b"aaa\x00bbb\x00"
+
+
+def test_missing_path_and_small_vocab_name_the_field(tmp_path):
+    with pytest.raises(SpecError, match=r"data\.path"):
+        load_tokens(DataSpec(path=str(tmp_path / "nothing")), tmp_path / "c", vocab_size=256)
+    with pytest.raises(SpecError, match=r"model\.vocab_size"):
+        load_tokens(DataSpec(), tmp_path / "c", vocab_size=100)
+
+
+def test_tokenizer_file_needs_a_file(tmp_path):
+    pytest.importorskip("tokenizers")
+    with pytest.raises(SpecError, match=r"data\.tokenizer"):
+        load_tokens(DataSpec(tokenizer=str(tmp_path / "none.json")), tmp_path / "c", vocab_size=256)
+
+
+def test_batches_are_a_pure_function():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(seed=1, data_position=7, rank=0, micro=0, micro_batch=4, seq_len=16)
+    x1, y1 = batch(tokens, **kw)
+    x2, y2 = batch(tokens, **kw)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert x1.shape == (4, 16) and x1.dtype == torch.int64
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one
+    for other in (dict(kw, rank=1), dict(kw, data_position=8), dict(kw, seed=2), dict(kw, micro=1)):
+        assert not torch.equal(batch(tokens, **other)[0], x1)
+
+
+def test_skip_windows():
+    assert next_position(4, []) == 5
+    assert next_position(4, [(5, 8)]) == 8
+    assert next_position(4, [(5, 8), (8, 9)]) == 9
+    assert first_position(5, [(5, 8)]) == 8
+    assert first_position(0, []) == 0
+    assert first_position(3, [(5, 8)]) == 3

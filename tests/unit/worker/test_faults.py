@@ -1,0 +1,39 @@
+import math
+
+from vigil_common.spec import parse_spec
+from vigil_worker.trainer.faults import FaultInjector
+
+
+def spec_faults(*faults):
+    return parse_spec({"name": "f", "resources": {"gpus_per_node": 2}, "faults": list(faults)}).faults
+
+
+def test_nan_fires_once_per_job_even_across_processes(tmp_path):
+    faults = spec_faults({"kind": "nan", "step": 3, "rank": 1})
+    first = FaultInjector(faults, rank=1, marker_dir=tmp_path)
+    assert first.loss_factor(2) == 1.0
+    assert math.isnan(first.loss_factor(3))
+    assert first.loss_factor(3) == 1.0  # after a rollback past step 3
+    restarted = FaultInjector(faults, rank=1, marker_dir=tmp_path)  # a new process of the same job
+    assert restarted.loss_factor(3) == 1.0
+    assert FaultInjector(faults, rank=0, marker_dir=tmp_path / "other").loss_factor(3) == 1.0  # not its rank
+
+
+def test_repeat_fires_every_time(tmp_path):
+    inj = FaultInjector(spec_faults({"kind": "spike", "step": 1, "factor": 10, "repeat": True}), 0, tmp_path)
+    assert inj.loss_factor(1) == 10.0 and inj.loss_factor(1) == 10.0
+
+
+def test_slow_rank_from_its_step_until_a_rollback(tmp_path):
+    inj = FaultInjector(spec_faults({"kind": "slow_rank", "step": 2, "delay_s": 0.5}), 0, tmp_path)
+    assert [inj.delay_s(s) for s in range(5)] == [0, 0, 0.5, 0.5, 0.5]
+    inj.clear_transient()
+    assert [inj.delay_s(s) for s in range(5)] == [0, 0, 0, 0, 0]
+
+
+def test_crash_and_hang(tmp_path):
+    inj = FaultInjector(
+        spec_faults({"kind": "crash", "step": 4, "exit_code": 7}, {"kind": "hang", "step": 5}), 0, tmp_path
+    )
+    assert inj.crash_code(3) is None and inj.crash_code(4) == 7 and inj.crash_code(4) is None
+    assert not inj.hangs(4) and inj.hangs(5) and not inj.hangs(5)
