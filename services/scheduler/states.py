@@ -36,7 +36,8 @@ _ENDS = {FAILED, CANCELLED}
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     PENDING: frozenset({SCHEDULED} | _ENDS),
-    SCHEDULED: frozenset({RUNNING, PENDING, SUCCEEDED} | _ENDS),
+    # HALTED / ROLLING_BACK from SCHEDULED: a guardian command may overtake the last RankStarted.
+    SCHEDULED: frozenset({RUNNING, HALTED, ROLLING_BACK, PENDING, SUCCEEDED} | _ENDS),
     RUNNING: frozenset({HALTED, ROLLING_BACK, PENDING, SUCCEEDED} | _ENDS),
     HALTED: frozenset({ROLLING_BACK, RUNNING, PENDING} | _ENDS),
     ROLLING_BACK: frozenset({RUNNING, SCHEDULED, HALTED, PENDING} | _ENDS),

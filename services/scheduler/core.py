@@ -1,0 +1,254 @@
+"""The scheduler's core: submit and cancel, the placement pass, node-lost detection, and the
+transaction helper every change goes through (commit, then wake the outbox relay)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import datetime
+
+import asyncpg
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from vigil_common import subjects, tracing
+from vigil_common.errors import Conflict, NotFound
+from vigil_common.events import IncidentRaised, LaunchJob, RankPlacement
+from vigil_common.settings import Settings
+from vigil_common.spec import JobSpec
+from vigil_scheduler import inventory, lifecycle, outbox, states
+from vigil_scheduler.lifecycle import Job
+from vigil_scheduler.outbox import Relay
+from vigil_scheduler.placement import Placement, PlacementRequest, plan
+from vigil_scheduler.timing import wait_any
+
+log = logging.getLogger(__name__)
+
+_SCHEDULE_LOCK = 0x76736368  # "vsch": one placement pass at a time, across schedulers
+MASTER_PORTS = range(29500, 39500)
+
+
+def new_job_id() -> str:
+    return "j-" + uuid.uuid4().hex[:12]
+
+
+class Scheduler:
+    def __init__(
+        self, settings: Settings, pool: asyncpg.Pool, relay: Relay, provider: TracerProvider | None = None
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.relay = relay
+        self.tracer = tracing.tracer(provider, "vigil.scheduler")
+        self._placement_wanted = asyncio.Event()
+        self._rng = random.Random()
+        self.started_at: datetime | None = None
+
+    @asynccontextmanager
+    async def tx(self) -> AsyncIterator[asyncpg.Connection]:
+        """One transaction; after it commits, the outbox relay is woken to publish what it added."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            yield conn
+        self.relay.wake()
+
+    def want_placement(self) -> None:
+        self._placement_wanted.set()
+
+    # --- the API's operations ----------------------------------------------------------------------
+
+    async def submit(self, spec: JobSpec, parent: dict[str, str] | None = None) -> Job:
+        """Store the job PENDING; the submit span's context is kept so schedule and launch join its trace."""
+        with self.tracer.start_as_current_span(
+            "submit job", context=tracing.extract(parent), kind=trace.SpanKind.SERVER
+        ) as span:
+            job_id = new_job_id()
+            span.set_attribute("vigil.job_id", job_id)
+            async with self.tx() as conn:
+                job = await lifecycle.insert_job(conn, job_id, spec, tracing.inject({}))
+        self.want_placement()
+        return job
+
+    async def cancel(self, job_id: str, reason: str = "by request") -> Job:
+        async with self.tx() as conn:
+            job = await lifecycle.lock_job(conn, job_id)
+            if job is None:
+                raise NotFound(f"no job {job_id!r}")
+            if job.terminal:
+                raise Conflict(
+                    f"job {job_id} is already {job.state}; only a running or queued job can be cancelled"
+                )
+            job = await lifecycle.cancel(conn, job, reason)
+        self.want_placement()
+        return job
+
+    # --- placement -----------------------------------------------------------------------------------
+
+    async def schedule_pass(self) -> list[Placement]:
+        """Place queued jobs in priority, then submission order; launch each placed one (via the outbox)."""
+        async with self.tx() as conn:
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEDULE_LOCK)
+            rows = await conn.fetch(
+                f"SELECT {lifecycle.JOB_COLUMNS} FROM jobs WHERE queued"
+                " ORDER BY priority DESC, seq FOR UPDATE"
+            )
+            if not rows:
+                return []
+            jobs = {job.id: job for job in map(Job.from_row, rows)}
+            snapshot = await inventory.load_inventory(conn)
+            requests = [
+                PlacementRequest(
+                    job_id=job.id,
+                    world_size=job.world_size,
+                    max_nodes=job.max_nodes,
+                    priority=job.priority,
+                    seq=job.seq,
+                    reusable=frozenset((p["node"], p["device"]) for p in job.previous_placement or []),
+                )
+                for job in jobs.values()
+            ]
+            placed, _ = plan(requests, snapshot)
+            for placement in placed:
+                node = snapshot.node(placement.ranks[0].node)
+                assert node is not None
+                await self._launch(conn, jobs[placement.job_id], placement, node.address)
+            return placed
+
+    async def _launch(
+        self, conn: asyncpg.Connection, job: Job, placement: Placement, master_addr: str
+    ) -> None:
+        with self.tracer.start_as_current_span(
+            "schedule job", context=tracing.extract(job.trace_context), attributes={"vigil.job_id": job.id}
+        ):
+            claimed = await conn.execute(
+                """UPDATE devices d SET job_id = $1, attempt = $2, rank = p.rank
+                   FROM unnest($3::text[], $4::int[], $5::int[]) AS p(node, index, rank)
+                   WHERE d.node = p.node AND d.index = p.index AND (d.job_id IS NULL OR d.job_id = $1)""",
+                job.id,
+                job.attempt,
+                [r.node for r in placement.ranks],
+                [r.device for r in placement.ranks],
+                [r.rank for r in placement.ranks],
+            )
+            if claimed != f"UPDATE {len(placement.ranks)}":
+                raise Conflict(f"job {job.id}: a device of its placement was taken meanwhile ({claimed})")
+            port = await self._master_port(conn, job, master_addr)
+            ranks = [
+                RankPlacement(rank=r.rank, node=r.node, device=r.device, local_rank=r.local_rank)
+                for r in placement.ranks
+            ]
+            skip = (job.skip_data[0], job.skip_data[1]) if job.skip_data else None
+            launch = LaunchJob(
+                event_id=f"launch-{job.id}-{job.attempt}",  # the same id for any re-publish of this attempt
+                job_id=job.id,
+                attempt=job.attempt,
+                spec=JobSpec.model_validate(job.spec),
+                placement=ranks,
+                master_addr=master_addr,
+                master_port=port,
+                resume_from=job.resume_from,
+                skip_data=skip,
+            )
+            nodes = ", ".join(f"{n} ({sum(r.node == n for r in ranks)})" for n in placement.nodes)
+            await lifecycle.transition(
+                conn,
+                job,
+                states.SCHEDULED,
+                f"attempt {job.attempt} placed on {nodes}",
+                queued=False,
+                placement=[r.model_dump() for r in ranks],
+                master_addr=master_addr,
+                master_port=port,
+            )
+            await outbox.enqueue(conn, subjects.launch(job.id), launch)
+        log.info("job %s attempt %d scheduled on %s", job.id, job.attempt, nodes)
+
+    async def _master_port(self, conn: asyncpg.Connection, job: Job, master_addr: str) -> int:
+        """A rendezvous port no other active job on that address uses, and not the last attempt's."""
+        used = {
+            r["master_port"]
+            for r in await conn.fetch(
+                """SELECT master_port FROM jobs WHERE master_addr = $1 AND master_port IS NOT NULL
+                   AND state NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED')""",
+                master_addr,
+            )
+        }
+        while True:
+            port = self._rng.choice(MASTER_PORTS)
+            if port not in used:
+                return port
+
+    async def placement_loop(self, stop: asyncio.Event, poll_s: float = 2.0) -> None:
+        """Run a pass whenever something may have freed or added room, and every `poll_s` anyway."""
+        while not stop.is_set():
+            self._placement_wanted.clear()
+            try:
+                await self.schedule_pass()
+            except (Conflict, asyncpg.PostgresError, OSError) as exc:
+                log.warning("placement pass failed, retrying: %s", exc)
+            await wait_any(self._placement_wanted, stop, poll_s)
+
+    # --- failure detection ----------------------------------------------------------------------------
+
+    async def check_nodes(self) -> list[str]:
+        """Mark silent nodes lost and requeue (or fail) the jobs that had ranks there."""
+        assert self.started_at is not None
+        async with self.tx() as conn:
+            lost = await inventory.lost_nodes(conn, self.settings.node_lost_after, self.started_at)
+            for node in lost:
+                log.warning(
+                    "node %s lost: no heartbeat for %d intervals", node, self.settings.node_lost_after
+                )
+                for job_id in await inventory.jobs_on_node(conn, node):
+                    await self.requeue_locked(
+                        conn,
+                        job_id,
+                        f"node {node} lost (no heartbeat for {self.settings.node_lost_after} intervals)",
+                        node=node,
+                    )
+        if lost:
+            self.want_placement()
+        return lost
+
+    async def requeue_locked(
+        self, conn: asyncpg.Connection, job_id: str, cause: str, *, node: str | None = None
+    ) -> Job | None:
+        """Requeue a job whose ranks are gone (inside the caller's transaction), with a node_lost
+        incident when a node is to blame."""
+        job = await lifecycle.lock_job(conn, job_id)
+        if job is None or not states.holds_devices(job.state) or job.queued:
+            return job
+        moved = await lifecycle.requeue(conn, job, cause, max_attempts=self.settings.max_attempts)
+        if node is not None:
+            await lifecycle.raise_incident(
+                conn,
+                job,
+                IncidentRaised(
+                    job_id=job.id,
+                    attempt=job.attempt,
+                    kind="node_lost",
+                    action="fail" if moved.state == states.FAILED else "alert",
+                    node=node,
+                    message=cause,
+                    evidence={"requeued_as_attempt": moved.attempt if moved.state != states.FAILED else None},
+                ),
+            )
+        return moved
+
+    async def start(self) -> None:
+        """Note the start time (the database's clock): nodes get a full lost-after window from here."""
+        self.started_at = await self.pool.fetchval("SELECT now()")
+
+    async def liveness_loop(self, stop: asyncio.Event) -> None:
+        if self.started_at is None:
+            await self.start()
+        tick = min(1.0, self.settings.heartbeat_interval_s / 2)
+        while not stop.is_set():
+            try:
+                await self.check_nodes()
+            except (asyncpg.PostgresError, OSError) as exc:
+                log.warning("node check failed, retrying: %s", exc)
+            await wait_any(asyncio.Event(), stop, tick)

@@ -1,0 +1,1 @@
+"""The Litestar HTTP gateway, served by the scheduler service."""

@@ -1,0 +1,92 @@
+"""The app factory: routes, auth, error mapping, body limit, OpenAPI, and a lifespan that puts the
+scheduler's pool, bus and core on `app.state`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import asyncpg
+from litestar import Litestar, Router
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
+
+from vigil_common.bus import Bus
+from vigil_common.settings import Settings
+from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway.auth import bearer_guard
+from vigil_scheduler.gateway.controllers import (
+    EventsController,
+    HealthController,
+    InventoryController,
+    JobController,
+)
+from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
+
+API_PREFIX = "/api/v1"
+
+
+@dataclass(frozen=True)
+class Deps:
+    """What the gateway needs from the service that hosts it (owned and closed by that service)."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    bus: Bus
+    scheduler: Scheduler
+    api_token: str
+
+
+def _from_state(name: str) -> Provide:
+    def provide(state: State) -> object:
+        return state[name]
+
+    return Provide(provide, sync_to_thread=False)
+
+
+def create_app(deps: Deps) -> Litestar:
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.update(
+            pool=deps.pool,
+            bus=deps.bus,
+            scheduler=deps.scheduler,
+            api_token=deps.api_token,
+            closing=asyncio.Event(),
+        )
+        try:
+            yield
+        finally:
+            app.state.closing.set()  # ends open event streams
+
+    api = Router(
+        API_PREFIX,
+        route_handlers=[JobController, InventoryController, EventsController],
+        guards=[bearer_guard],
+        security=[{"bearer": []}],
+    )
+    return Litestar(
+        route_handlers=[api, HealthController],
+        lifespan=[lifespan],
+        state=State({"closing": asyncio.Event()}),  # set when the service stops: ends event streams
+        dependencies={
+            "pool": _from_state("pool"),
+            "bus": _from_state("bus"),
+            "scheduler": _from_state("scheduler"),
+        },
+        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        request_max_body_size=deps.settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(
+            title="Vigil",
+            version="1",
+            description="Control plane for distributed LLM training: jobs, inventory, incidents, events.",
+            path="/schema",
+            components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
+        ),
+        logging_config=None,  # the service configures logging
+        debug=False,
+    )

@@ -1,0 +1,170 @@
+"""Thin controllers: each parses the request, calls the scheduler or a query, and shapes the answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import asyncpg
+from litestar import Controller, Request, Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, QueryParameter, RawBody
+from litestar.response import ServerSentEvent, ServerSentEventMessage
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
+
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.events import IncidentRaised, JobStateChanged
+from vigil_common.spec import parse_spec
+from vigil_scheduler import queries
+from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway.schemas import GpuPage, Health, JobDetailOut, JobOut, JobPage, NodePage, Page
+
+Limit = Annotated[int, QueryParameter(ge=1, le=1000, description="items per page")]
+Cursor = Annotated[str | None, QueryParameter(description="the `next` of the previous page")]
+StateFilter = Annotated[str | None, QueryParameter(name="state", description="only jobs in this state")]
+Pool = NamedDependency[asyncpg.Pool]
+BusDep = NamedDependency[Bus]
+SchedulerDep = NamedDependency[Scheduler]
+JobId = FromPath[str]
+KEEPALIVE_S = 15.0
+
+
+class JobController(Controller):
+    path = "/jobs"
+    tags = ["jobs"]
+
+    @post("/", status_code=HTTP_201_CREATED, summary="Submit a job spec (JSON or YAML body)")
+    async def submit(self, request: Request, body: RawBody, scheduler: SchedulerDep) -> JobOut:
+        spec = parse_spec(body, content_type=request.headers.get("content-type"))
+        job = await scheduler.submit(spec, parent=dict(request.headers))
+        return JobOut.model_validate(queries.job_view(job))
+
+    @get("/", summary="Jobs, newest first")
+    async def list_jobs(
+        self, pool: Pool, state_filter: StateFilter = None, limit: Limit = 100, cursor: Cursor = None
+    ) -> JobPage:
+        page = await queries.list_jobs(pool, state=state_filter, limit=limit, cursor=cursor)
+        return JobPage.model_validate(page)
+
+    @get("/{job_id:str}", summary="One job: state, placement, attempts, last step, latest loss")
+    async def get_job(self, pool: Pool, job_id: JobId) -> JobDetailOut:
+        return JobDetailOut.model_validate(await queries.job_detail(pool, job_id))
+
+    @post("/{job_id:str}/cancel", status_code=HTTP_200_OK, summary="Cancel a queued or running job")
+    async def cancel(self, scheduler: SchedulerDep, job_id: JobId) -> JobOut:
+        job = await scheduler.cancel(job_id)
+        return JobOut.model_validate(queries.job_view(job))
+
+    @get("/{job_id:str}/steps", summary="Step metrics, per rank or aggregated per step")
+    async def steps(
+        self,
+        pool: Pool,
+        job_id: JobId,
+        rank: FromQuery[int | None] = None,
+        attempt: FromQuery[int | None] = None,
+        aggregate: FromQuery[bool] = False,
+        limit: Limit = 100,
+        cursor: Cursor = None,
+    ) -> Page:
+        await queries.require_job(pool, job_id)
+        return Page.model_validate(
+            await queries.readmodel().steps(
+                pool, job_id, rank=rank, attempt=attempt, aggregate=aggregate, limit=limit, cursor=cursor
+            )
+        )
+
+    @get("/{job_id:str}/checkpoints", summary="Checkpoints with step, validity, size")
+    async def checkpoints(self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None) -> Page:
+        await queries.require_job(pool, job_id)
+        return Page.model_validate(
+            await queries.readmodel().checkpoints(pool, job_id, limit=limit, cursor=cursor)
+        )
+
+    @get("/{job_id:str}/incidents", summary="What the guardian saw and did for this job")
+    async def job_incidents(
+        self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None
+    ) -> Page:
+        await queries.require_job(pool, job_id)
+        return Page.model_validate(
+            await queries.readmodel().incidents(pool, job_id=job_id, limit=limit, cursor=cursor)
+        )
+
+
+class InventoryController(Controller):
+    tags = ["inventory"]
+
+    @get("/nodes", summary="Nodes with their devices and liveness")
+    async def nodes(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> NodePage:
+        return NodePage.model_validate(await queries.list_nodes(pool, limit=limit, cursor=cursor))
+
+    @get("/gpus", summary="Devices with health, owner job and latest sample")
+    async def gpus(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> GpuPage:
+        return GpuPage.model_validate(await queries.list_gpus(pool, limit=limit, cursor=cursor))
+
+    @get("/incidents", summary="Incidents of every job, newest first", tags=["incidents"])
+    async def incidents(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> Page:
+        return Page.model_validate(await queries.readmodel().incidents(pool, limit=limit, cursor=cursor))
+
+
+class EventsController(Controller):
+    tags = ["events"]
+
+    @get("/events", summary="Server-sent events: job state changes and incidents, live")
+    async def events(
+        self, request: Request, bus: BusDep, job: FromQuery[str | None] = None
+    ) -> ServerSentEvent:
+        closing: asyncio.Event = request.app.state.closing
+        return ServerSentEvent(_live_events(bus, closing, job))
+
+
+async def _live_events(
+    bus: Bus, closing: asyncio.Event, job: str | None
+) -> AsyncIterator[ServerSentEventMessage]:
+    """JobStateChanged and IncidentRaised as they are published, with a keep-alive comment when idle."""
+    async with bus.watch(subjects.ALL_STATUS, subjects.ALL_INCIDENTS) as events:
+        stream = aiter(events)
+        pending = asyncio.ensure_future(anext(stream))
+        stopping = asyncio.ensure_future(closing.wait())
+        try:
+            yield ServerSentEventMessage(comment="connected")
+            while True:
+                done, _ = await asyncio.wait(
+                    {pending, stopping}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
+                )
+                if stopping in done:
+                    return
+                if pending not in done:
+                    yield ServerSentEventMessage(comment="keep-alive")
+                    continue
+                event = pending.result()
+                pending = asyncio.ensure_future(anext(stream))
+                if isinstance(event, JobStateChanged | IncidentRaised) and job in (None, event.job_id):
+                    yield ServerSentEventMessage(
+                        data=event.model_dump_json(), event=event.type, id=event.event_id
+                    )
+        finally:
+            pending.cancel()
+            stopping.cancel()
+
+
+class HealthController(Controller):
+    tags = ["health"]
+
+    @get("/healthz", summary="The process is up")
+    async def healthz(self) -> Health:
+        return Health(status="ok")
+
+    @get("/readyz", summary="Postgres and NATS answer (503 when not)")
+    async def readyz(self, pool: Pool, bus: BusDep) -> Response[Health]:
+        checks = {"postgres": "ok", "nats": "ok" if bus.nc.is_connected else "disconnected"}
+        try:
+            await asyncio.wait_for(pool.fetchval("SELECT 1"), timeout=2)
+        except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            checks["postgres"] = f"error: {exc}"
+        ready = all(v == "ok" for v in checks.values())
+        return Response(
+            Health(status="ready" if ready else "not ready", checks=checks),
+            status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE,
+        )

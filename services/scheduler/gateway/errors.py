@@ -1,0 +1,98 @@
+"""The one place errors become HTTP responses: VigilError's hierarchy and Litestar's own exceptions
+map to a JSON body `{"status", "error", "message", "fields"}`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import MediaType, Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.status_codes import (
+    HTTP_401_UNAUTHORIZED,
+    HTTP_404_NOT_FOUND,
+    HTTP_409_CONFLICT,
+    HTTP_422_UNPROCESSABLE_ENTITY,
+    HTTP_500_INTERNAL_SERVER_ERROR,
+    HTTP_503_SERVICE_UNAVAILABLE,
+)
+
+from vigil_common.errors import Conflict, NotFound, PermanentError, RetryableError, SpecError, VigilError
+from vigil_common.pages import BadCursor
+
+log = logging.getLogger(__name__)
+
+
+class Unauthorized(PermanentError):
+    """No bearer token, or the wrong one."""
+
+
+def _status(exc: VigilError) -> int:
+    if isinstance(exc, Unauthorized):
+        return HTTP_401_UNAUTHORIZED
+    if isinstance(exc, NotFound):
+        return HTTP_404_NOT_FOUND
+    if isinstance(exc, Conflict):
+        return HTTP_409_CONFLICT
+    if isinstance(exc, PermanentError):  # bad spec, bad cursor or limit: the request itself is wrong
+        return HTTP_422_UNPROCESSABLE_ENTITY
+    if isinstance(exc, RetryableError):
+        return HTTP_503_SERVICE_UNAVAILABLE
+    return HTTP_500_INTERNAL_SERVER_ERROR
+
+
+def _fields(exc: Exception) -> list[dict[str, str]]:
+    if isinstance(exc, SpecError):
+        return exc.errors
+    if isinstance(exc, BadCursor):
+        return [{"field": "cursor", "message": str(exc)}]
+    if isinstance(exc, PermanentError) and str(exc).startswith("limit "):
+        return [{"field": "limit", "message": str(exc)}]
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list):
+        return [
+            {
+                "field": str(e.get("key") or e.get("source") or "(request)"),
+                "message": str(e.get("message", "")),
+            }
+            for e in exc.extra
+            if isinstance(e, dict)
+        ]
+    return []
+
+
+def body(status: int, error: str, message: str, fields: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    return {"status": status, "error": error, "message": message, "fields": fields or []}
+
+
+def vigil_error(request: Request, exc: VigilError) -> Response[dict[str, Any]]:
+    status = _status(exc)
+    if status >= 500:
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status == HTTP_401_UNAUTHORIZED else None
+    return Response(
+        body(status, type(exc).__name__, str(exc), _fields(exc)),
+        status_code=status,
+        media_type=MediaType.JSON,
+        headers=headers,
+    )
+
+
+def http_error(request: Request, exc: HTTPException) -> Response[dict[str, Any]]:
+    status = HTTP_422_UNPROCESSABLE_ENTITY if isinstance(exc, ValidationException) else exc.status_code
+    return Response(
+        body(status, type(exc).__name__, exc.detail, _fields(exc)),
+        status_code=status,
+        media_type=MediaType.JSON,
+        headers=exc.headers,
+    )
+
+
+def internal_error(request: Request, exc: Exception) -> Response[dict[str, Any]]:
+    log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+    status = HTTP_500_INTERNAL_SERVER_ERROR
+    return Response(
+        body(status, "InternalError", "internal error; see the scheduler's log"), status_code=status
+    )
+
+
+EXCEPTION_HANDLERS = {VigilError: vigil_error, HTTPException: http_error, Exception: internal_error}

@@ -1,0 +1,119 @@
+"""HTTP shapes, kept apart from the internal models (the job row, bus events)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class RankOut(Out):
+    rank: int
+    node: str
+    device: int
+    local_rank: int
+
+
+class JobOut(Out):
+    id: str
+    name: str
+    state: str
+    priority: int
+    attempt: int
+    placement: list[RankOut]
+    master_addr: str | None = None
+    master_port: int | None = None
+    resume_from: str | None = None
+    last_step: int | None = None
+    loss: float | None = None
+    reason: str | None = None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+    spec: dict[str, Any]
+
+
+class TransitionOut(Out):
+    attempt: int
+    from_state: str | None
+    to_state: str
+    cause: str
+    occurred_at: datetime
+
+
+class RankStatusOut(Out):
+    rank: int
+    node: str
+    started_at: datetime | None
+    exited_at: datetime | None
+    exit_code: int | None
+    failure: str | None
+
+
+class JobDetailOut(JobOut):
+    transitions: list[TransitionOut]
+    ranks: list[RankStatusOut]
+
+
+class JobPage(Out):
+    items: list[JobOut]
+    next: str | None
+
+
+class DeviceOut(Out):
+    node: str
+    index: int
+    kind: str
+    name: str
+    uuid: str
+    memory_bytes: int
+    nvlink_peers: list[int]
+    healthy: bool
+    unhealthy_reason: str | None
+    reported_free: bool
+    present: bool
+    job_id: str | None
+    rank: int | None
+
+
+class NodeOut(Out):
+    name: str
+    address: str
+    alive: bool
+    last_heartbeat: datetime
+    started_at: datetime
+    interval_s: float
+    lost_at: datetime | None
+    devices: list[DeviceOut]
+
+
+class NodePage(Out):
+    items: list[NodeOut]
+    next: str | None
+
+
+class GpuOut(DeviceOut):
+    alive: bool
+    latest: dict[str, Any] | None
+
+
+class GpuPage(Out):
+    items: list[GpuOut]
+    next: str | None
+
+
+class Page(Out):
+    """A page of telemetry rows (steps, checkpoints, incidents) as the read model returns them."""
+
+    items: list[dict[str, Any]]
+    next: str | None
+
+
+class Health(Out):
+    status: str
+    checks: dict[str, str] = {}

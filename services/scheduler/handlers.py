@@ -1,0 +1,277 @@
+"""What the scheduler does with each event it consumes (flows.md, step 6).
+
+Every handler is idempotent under redelivery: events of an older attempt than the job's are
+ignored, and a transition the state machine does not allow is skipped, not an error. The
+scheduler's own JobStateChanged, CancelJob and node_lost incidents come back here and are
+ignored the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+import asyncpg
+
+from vigil_common.bus import Delivery
+from vigil_common.events import (
+    CancelJob,
+    CheckpointSaved,
+    HaltJob,
+    IncidentRaised,
+    Message,
+    NodeHeartbeat,
+    RankExited,
+    RanksHalted,
+    RankStarted,
+    ResumeJob,
+    RollbackCompleted,
+    RollbackJob,
+    utcnow,
+)
+from vigil_scheduler import inventory, lifecycle, states
+from vigil_scheduler.core import Scheduler
+from vigil_scheduler.lifecycle import Job
+
+log = logging.getLogger(__name__)
+
+
+class Handlers:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    # --- heartbeats -----------------------------------------------------------------------------------
+
+    async def heartbeats(self, batch: list[tuple[Message, Delivery]]) -> None:
+        latest: dict[str, NodeHeartbeat] = {}
+        now = utcnow()
+        for event, _ in batch:
+            if isinstance(event, NodeHeartbeat) and not self._stale(event, now):
+                latest[event.node] = event  # a batch is in stream order: keep each node's newest
+        restarted: list[str] = []
+        changed = False
+        async with self.s.tx() as conn:
+            for name in sorted(latest):
+                result = await inventory.record_heartbeat(conn, latest[name])
+                changed = changed or result.changed
+                if result.restarted:
+                    restarted.append(name)
+        for name in restarted:  # a new worker process: ranks it no longer reports are gone
+            async with self.s.tx() as conn:
+                for job_id in await inventory.jobs_with_vanished_ranks(conn, name):
+                    await self.s.requeue_locked(
+                        conn, job_id, f"the worker on node {name} restarted; its ranks are gone"
+                    )
+        if changed or restarted:
+            self.s.want_placement()
+
+    def _stale(self, hb: NodeHeartbeat, now: datetime) -> bool:
+        """A heartbeat from before this scheduler started, or older than the lost-after window, says
+        nothing about the node now (a restarted scheduler replays them from the stream)."""
+        if self.s.started_at is not None and hb.occurred_at < self.s.started_at:
+            return True
+        return (now - hb.occurred_at).total_seconds() > self.s.settings.node_lost_after * hb.interval_s
+
+    # --- status: ranks, checkpoints, rollbacks ------------------------------------------------------------
+
+    async def status(self, event: Message, delivery: Delivery) -> None:
+        if isinstance(event, RankStarted):
+            await self._rank_started(event)
+        elif isinstance(event, RankExited):
+            await self._rank_exited(event)
+        elif isinstance(event, CheckpointSaved):
+            await self._checkpoint_saved(event)
+        elif isinstance(event, RanksHalted):
+            await self._on_current(event, self._ranks_halted)
+        elif isinstance(event, RollbackCompleted):
+            await self._on_current(event, self._rollback_completed)
+        # JobStateChanged: our own, or history; nothing to do.
+
+    async def _rank_started(self, event: RankStarted) -> None:
+        async with self.s.tx() as conn:
+            job = await self._current(conn, event)
+            if job is None:
+                return
+            await conn.execute(
+                """INSERT INTO job_ranks (job_id, attempt, rank, node, started_at) VALUES ($1, $2, $3, $4, $5)
+                   ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = $4,
+                       started_at = COALESCE(job_ranks.started_at, $5)""",
+                job.id,
+                job.attempt,
+                event.rank,
+                event.node,
+                event.occurred_at,
+            )
+            started = await conn.fetchval(
+                "SELECT count(*) FROM job_ranks WHERE job_id = $1 AND attempt = $2"
+                " AND started_at IS NOT NULL",
+                job.id,
+                job.attempt,
+            )
+            if job.state == states.SCHEDULED and started >= job.world_size:
+                await lifecycle.transition(conn, job, states.RUNNING, f"all {job.world_size} ranks started")
+
+    async def _rank_exited(self, event: RankExited) -> None:
+        freed = False
+        async with self.s.tx() as conn:
+            job = await self._current(conn, event)
+            if job is None:
+                return
+            await conn.execute(
+                """INSERT INTO job_ranks (job_id, attempt, rank, node, exited_at, exit_code, failure)
+                   VALUES ($1, $2, $3, $4, $5, $6, $7)
+                   ON CONFLICT (job_id, attempt, rank)
+                   DO UPDATE SET exited_at = $5, exit_code = $6, failure = $7""",
+                job.id,
+                job.attempt,
+                event.rank,
+                event.node,
+                event.occurred_at,
+                event.exit_code,
+                event.failure,
+            )
+            if job.queued or not states.holds_devices(job.state):
+                return
+            if event.exit_code == 0:
+                ok = await conn.fetchval(
+                    "SELECT count(*) FROM job_ranks WHERE job_id = $1 AND attempt = $2 AND exit_code = 0",
+                    job.id,
+                    job.attempt,
+                )
+                if ok >= job.world_size:
+                    await lifecycle.transition(
+                        conn, job, states.SUCCEEDED, f"all {job.world_size} ranks exited 0"
+                    )
+                    freed = True
+                return
+            how = f"code {event.exit_code}" if event.exit_code is not None else f"signal {event.signal}"
+            cause = f"rank {event.rank} on {event.node} exited with {how} ({event.failure})"
+            await lifecycle.requeue(conn, job, cause, max_attempts=self.s.settings.max_attempts)
+            freed = True
+        if freed:
+            self.s.want_placement()
+
+    async def _checkpoint_saved(self, event: CheckpointSaved) -> None:
+        async with self.s.tx() as conn:
+            if event.job_id is None or await lifecycle.get_job(conn, event.job_id) is None:
+                return
+            await conn.execute(
+                """INSERT INTO scheduler_checkpoints (job_id, step, path, data_position, attempt)
+                   VALUES ($1, $2, $3, $4, $5)
+                   ON CONFLICT (job_id, step) DO UPDATE SET path = $3, data_position = $4, attempt = $5,
+                       valid = true, saved_at = now()""",
+                event.job_id,
+                event.step,
+                event.path,
+                event.data_position,
+                event.attempt,
+            )
+
+    async def _ranks_halted(self, conn: asyncpg.Connection, job: Job, event: RanksHalted) -> None:
+        if job.state == states.RUNNING:  # the HaltJob itself may still be on its way to us
+            await lifecycle.transition(conn, job, states.HALTED, f"ranks halted at step {event.step}")
+
+    async def _rollback_completed(self, conn: asyncpg.Connection, job: Job, event: RollbackCompleted) -> None:
+        await _supersede(conn, job.id, after_step=event.to_step)
+        cause = f"rolled back from step {event.from_step} to {event.to_step} ({event.checkpoint})"
+        # Remembered, so a RollbackJob that reaches us after its completion changes nothing.
+        await conn.execute(
+            "UPDATE jobs SET completed_commands = array_append(completed_commands, $2) WHERE id = $1",
+            job.id,
+            event.command_id,
+        )
+        if job.state in (states.ROLLING_BACK, states.HALTED):
+            await lifecycle.transition(conn, job, states.RUNNING, cause)
+
+    # --- commands (from the guardian, or other tools) ----------------------------------------------------
+
+    async def commands(self, event: Message, delivery: Delivery) -> None:
+        if isinstance(event, HaltJob):
+            await self._on_current(event, self._halt)
+        elif isinstance(event, RollbackJob):
+            await self._on_current(event, self._rollback)
+        elif isinstance(event, ResumeJob):
+            await self._on_current(event, self._resume)
+        elif isinstance(event, CancelJob):
+            await self._on_current(event, self._cancelled)
+
+    async def _halt(self, conn: asyncpg.Connection, job: Job, event: HaltJob) -> None:
+        if job.state in (states.RUNNING, states.SCHEDULED, states.ROLLING_BACK) and not job.queued:
+            await lifecycle.transition(conn, job, states.HALTED, f"halted: {event.reason}")
+
+    async def _rollback(self, conn: asyncpg.Connection, job: Job, event: RollbackJob) -> None:
+        if event.event_id in job.completed_commands:
+            return
+        if event.restart:
+            if not states.holds_devices(job.state) or job.queued:
+                return
+            await _supersede(conn, job.id, after_step=event.step)
+            await lifecycle.requeue(
+                conn,
+                job,
+                f"restart from step {event.step}: {event.reason}",
+                max_attempts=self.s.settings.max_attempts,
+                to_state=states.ROLLING_BACK,
+                resume_from=event.checkpoint,
+                skip_data=event.skip_data,
+            )
+            self.s.want_placement()
+        elif job.state in (states.RUNNING, states.HALTED, states.SCHEDULED):
+            await lifecycle.transition(
+                conn, job, states.ROLLING_BACK, f"rollback to step {event.step}: {event.reason}"
+            )
+
+    async def _resume(self, conn: asyncpg.Connection, job: Job, event: ResumeJob) -> None:
+        if job.state == states.HALTED:
+            await lifecycle.transition(conn, job, states.RUNNING, f"resumed: {event.reason or 'by command'}")
+
+    async def _cancelled(self, conn: asyncpg.Connection, job: Job, event: CancelJob) -> None:
+        # Our own cancels are terminal already; this one came from another tool (the guardian).
+        await lifecycle.transition(
+            conn,
+            job,
+            states.CANCELLED,
+            f"CancelJob: {event.reason or 'no reason given'}",
+            reason=event.reason,
+        )
+        self.s.want_placement()
+
+    # --- incidents -----------------------------------------------------------------------------------------
+
+    async def incidents(self, event: Message, delivery: Delivery) -> None:
+        if not isinstance(event, IncidentRaised):
+            return
+        if event.kind == "gpu_health" and event.node is not None and event.device is not None:
+            async with self.s.tx() as conn:
+                if await inventory.mark_unhealthy(conn, event.node, event.device, event.message):
+                    log.warning("device %s:%d marked unhealthy: %s", event.node, event.device, event.message)
+        if event.action == "fail":
+            await self._on_current(event, self._fail)
+
+    async def _fail(self, conn: asyncpg.Connection, job: Job, event: IncidentRaised) -> None:
+        await lifecycle.transition(
+            conn, job, states.FAILED, f"{event.kind}: {event.message}", reason=event.message
+        )
+        self.s.want_placement()
+
+    # --- helpers -------------------------------------------------------------------------------------------
+
+    async def _current(self, conn: asyncpg.Connection, event: Message) -> Job | None:
+        """The event's job, locked, when the event is about its current attempt and it has not ended."""
+        job = await lifecycle.lock_job(conn, event.job_id)
+        if job is None or job.terminal or event.attempt != job.attempt:
+            return None
+        return job
+
+    async def _on_current(self, event, apply) -> None:  # type: ignore[no-untyped-def]
+        async with self.s.tx() as conn:
+            job = await self._current(conn, event)
+            if job is not None:
+                await apply(conn, job, event)
+
+
+async def _supersede(conn: asyncpg.Connection, job_id: str, *, after_step: int) -> None:
+    """Checkpoints past a rollback's target are from the abandoned timeline: never resume from them."""
+    await conn.execute(
+        "UPDATE scheduler_checkpoints SET valid = false WHERE job_id = $1 AND step > $2", job_id, after_step
+    )

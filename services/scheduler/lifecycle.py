@@ -1,0 +1,210 @@
+"""Job state changes in Postgres. Each one, in the caller's transaction: the job row, a
+`job_transitions` row with its cause, a `JobStateChanged` in the outbox, and the devices released
+when the new state holds none. Callers lock the job first with `lock_job`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from vigil_common import subjects
+from vigil_common.events import CancelJob, IncidentRaised, JobStateChanged
+from vigil_common.spec import JobSpec
+from vigil_scheduler import outbox, states
+
+JOB_COLUMNS = """id, seq, name, state, priority, spec, world_size, max_nodes, attempt, queued, placement,
+    previous_placement, master_addr, master_port, resume_from, skip_data, reason, completed_commands,
+    trace_context, created_at, updated_at, finished_at"""
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    seq: int
+    name: str
+    state: str
+    priority: int
+    spec: dict[str, Any]
+    world_size: int
+    max_nodes: int
+    attempt: int
+    queued: bool
+    placement: list[dict[str, Any]] | None
+    previous_placement: list[dict[str, Any]] | None
+    master_addr: str | None
+    master_port: int | None
+    resume_from: str | None
+    skip_data: list[int] | None
+    reason: str | None
+    completed_commands: list[str]
+    trace_context: dict[str, str]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> Job:
+        data = dict(row)
+        for key in ("spec", "placement", "previous_placement", "trace_context"):
+            if isinstance(data[key], str):
+                data[key] = json.loads(data[key])
+        data["skip_data"] = list(data["skip_data"]) if data["skip_data"] is not None else None
+        data["completed_commands"] = list(data["completed_commands"])
+        return cls(**data)
+
+    @property
+    def terminal(self) -> bool:
+        return states.is_terminal(self.state)
+
+
+async def insert_job(
+    conn: asyncpg.Connection, job_id: str, spec: JobSpec, trace_context: dict[str, str]
+) -> Job:
+    """Store a new PENDING job (queued for placement) and its first transition."""
+    row = await conn.fetchrow(
+        f"""INSERT INTO jobs (id, name, state, priority, spec, world_size, max_nodes, trace_context)
+            VALUES ($1, $2, 'PENDING', $3, $4, $5, $6, $7) RETURNING {JOB_COLUMNS}""",
+        job_id,
+        spec.name,
+        spec.priority,
+        spec.model_dump_json(),
+        spec.resources.world_size,
+        spec.resources.nodes,
+        json.dumps(trace_context),
+    )
+    job = Job.from_row(row)
+    await _record(conn, job, None, states.PENDING, "submitted")
+    return job
+
+
+async def get_job(conn: asyncpg.Connection, job_id: str) -> Job | None:
+    row = await conn.fetchrow(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1", job_id)
+    return Job.from_row(row) if row else None
+
+
+async def lock_job(conn: asyncpg.Connection, job_id: str | None) -> Job | None:
+    """The job row, locked until the transaction ends (None when there is no such job)."""
+    if job_id is None:
+        return None
+    row = await conn.fetchrow(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1 FOR UPDATE", job_id)
+    return Job.from_row(row) if row else None
+
+
+async def transition(conn: asyncpg.Connection, job: Job, to_state: str, cause: str, **updates: Any) -> Job:
+    """Move `job` to `to_state` with `cause`; `updates` are other job columns to set at the same time.
+
+    Raises Conflict when the state machine does not allow the move.
+    """
+    states.check(job.id, job.state, to_state)
+    values: dict[str, Any] = {"state": to_state, **updates}
+    if states.is_terminal(to_state):
+        values.setdefault("queued", False)
+    sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(values, start=2))
+    extra = ", finished_at = now()" if states.is_terminal(to_state) else ""
+    row = await conn.fetchrow(
+        f"UPDATE jobs SET {sets}, updated_at = now(){extra} WHERE id = $1 RETURNING {JOB_COLUMNS}",
+        job.id,
+        *(_encode(k, v) for k, v in values.items()),
+    )
+    moved = Job.from_row(row)
+    if not states.holds_devices(to_state):
+        await release_devices(conn, job.id)
+    await _record(conn, moved, job.state, to_state, cause)
+    return moved
+
+
+async def requeue(
+    conn: asyncpg.Connection,
+    job: Job,
+    cause: str,
+    *,
+    max_attempts: int,
+    to_state: str = states.PENDING,
+    resume_from: str | None = None,
+    skip_data: tuple[int, int] | None = None,
+) -> Job:
+    """Start the next attempt: back to the queue (PENDING, or ROLLING_BACK for a restart) with
+    attempt + 1, resuming from `resume_from` or the newest valid checkpoint. Past `max_attempts`
+    the job is FAILED with the cause."""
+    if job.attempt >= max_attempts:
+        return await transition(
+            conn,
+            job,
+            states.FAILED,
+            f"{cause}; no attempts left ({job.attempt} of {max_attempts} used)",
+            reason=cause,
+        )
+    if resume_from is None:
+        resume_from = await newest_checkpoint(conn, job.id)
+    return await transition(
+        conn,
+        job,
+        to_state,
+        cause,
+        attempt=job.attempt + 1,
+        queued=True,
+        previous_placement=job.placement or job.previous_placement,
+        placement=None,
+        resume_from=resume_from,
+        skip_data=list(skip_data) if skip_data else None,
+    )
+
+
+async def cancel(conn: asyncpg.Connection, job: Job, reason: str) -> Job:
+    """CANCELLED, devices released, and a CancelJob on the job's cmd subject for the workers."""
+    moved = await transition(conn, job, states.CANCELLED, f"cancelled: {reason}", reason=reason)
+    await outbox.enqueue(
+        conn, subjects.cmd(job.id), CancelJob(job_id=job.id, attempt=job.attempt, reason=reason)
+    )
+    return moved
+
+
+async def raise_incident(conn: asyncpg.Connection, job: Job, incident: IncidentRaised) -> None:
+    await outbox.enqueue(conn, subjects.incident(job.id), incident)
+
+
+async def release_devices(conn: asyncpg.Connection, job_id: str) -> None:
+    await conn.execute(
+        "UPDATE devices SET job_id = NULL, attempt = NULL, rank = NULL WHERE job_id = $1", job_id
+    )
+
+
+async def newest_checkpoint(conn: asyncpg.Connection, job_id: str) -> str | None:
+    return await conn.fetchval(
+        "SELECT path FROM scheduler_checkpoints WHERE job_id = $1 AND valid ORDER BY step DESC LIMIT 1",
+        job_id,
+    )
+
+
+async def _record(
+    conn: asyncpg.Connection, job: Job, from_state: str | None, to_state: str, cause: str
+) -> None:
+    event = JobStateChanged(
+        job_id=job.id,
+        attempt=job.attempt,
+        from_state=from_state,
+        to_state=to_state,
+        cause=cause,  # type: ignore[arg-type]
+    )
+    await conn.execute(
+        """INSERT INTO job_transitions (job_id, attempt, from_state, to_state, cause, event_id)
+           VALUES ($1, $2, $3, $4, $5, $6)""",
+        job.id,
+        job.attempt,
+        from_state,
+        to_state,
+        cause,
+        event.event_id,
+    )
+    await outbox.enqueue(conn, subjects.status(job.id), event)
+
+
+def _encode(key: str, value: Any) -> Any:
+    if key in ("placement", "previous_placement", "trace_context", "spec") and value is not None:
+        return json.dumps(value)
+    return value

@@ -1,0 +1,113 @@
+"""The scheduler service: bus consumers, the placement and node-lost loops, the outbox relay and the
+Litestar gateway, all in one TaskGroup until `stop` is set."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+
+import uvicorn
+
+from vigil_common import subjects, tracing
+from vigil_common.bus import Bus, ConsumerSpec
+from vigil_common.db import create_pool, migrate
+from vigil_common.errors import ConfigError
+from vigil_common.settings import Settings
+from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway.app import Deps, create_app
+from vigil_scheduler.gateway.auth import resolve_token
+from vigil_scheduler.handlers import Handlers
+from vigil_scheduler.outbox import Relay
+
+log = logging.getLogger(__name__)
+
+HEARTBEATS = ConsumerSpec(
+    stream=subjects.NODES,
+    durable="scheduler-heartbeats",
+    filter_subject=subjects.ALL_HEARTBEATS,
+    deliver_new=True,
+)
+STATUS = ConsumerSpec(stream=subjects.JOBS, durable="scheduler-status", filter_subject=subjects.ALL_STATUS)
+COMMANDS = ConsumerSpec(
+    stream=subjects.COMMANDS, durable="scheduler-commands", filter_subject=subjects.ALL_CMDS
+)
+INCIDENTS = ConsumerSpec(
+    stream=subjects.INCIDENTS, durable="scheduler-incidents", filter_subject=subjects.ALL_INCIDENTS
+)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the service's stop event ends it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    if not settings.database_url or not settings.nats_url:
+        raise ConfigError(
+            "the scheduler needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
+        )
+    provider = tracing.setup_tracing("scheduler")
+    async with AsyncExitStack() as stack:
+        stack.callback(provider.shutdown)
+        pool = await create_pool(settings.database_url)
+        stack.push_async_callback(pool.close)
+        await migrate(pool)
+        bus = await Bus.connect(settings.nats_url, name="scheduler", provider=provider)
+        stack.push_async_callback(bus.close)
+        await bus.ensure_streams()
+
+        relay = Relay(pool, bus, provider)
+        scheduler = Scheduler(settings, pool, relay, provider)
+        handlers = Handlers(scheduler)
+        await scheduler.start()
+        app = create_app(Deps(settings, pool, bus, scheduler, resolve_token(settings)))
+        server = _Server(
+            uvicorn.Config(
+                app,
+                host=settings.http_host,
+                port=settings.http_port,
+                log_config=None,
+                access_log=False,
+                lifespan="on",
+                timeout_graceful_shutdown=3,
+            )
+        )
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(relay.run(stop))
+            tasks.create_task(scheduler.liveness_loop(stop))
+            tasks.create_task(scheduler.placement_loop(stop))
+            tasks.create_task(bus.consume_batches(HEARTBEATS, handlers.heartbeats, stop))
+            tasks.create_task(bus.consume(STATUS, handlers.status, stop))
+            tasks.create_task(bus.consume(COMMANDS, handlers.commands, stop))
+            tasks.create_task(bus.consume(INCIDENTS, handlers.incidents, stop))
+            tasks.create_task(_serve(server, app.state.closing, stop))
+        log.info("scheduler stopped")
+
+
+async def _serve(server: uvicorn.Server, closing: asyncio.Event, stop: asyncio.Event) -> None:
+    """Serve HTTP until `stop`; a server that cannot start stops the whole service."""
+    serving = asyncio.create_task(server.serve())
+    try:
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({serving, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if serving.done() and not stop.is_set():
+            stop.set()
+            serving.result()
+            raise ConfigError(
+                f"the gateway stopped: could not serve on {server.config.host}:{server.config.port}"
+            )
+    except SystemExit as exc:  # uvicorn exits when it cannot bind
+        stop.set()
+        raise ConfigError(f"the gateway cannot listen on {server.config.host}:{server.config.port}") from exc
+    finally:
+        closing.set()  # ends open event streams, so the graceful shutdown is quick
+        server.should_exit = True
+        with contextlib.suppress(SystemExit):
+            await serving

@@ -1,0 +1,160 @@
+"""The read side of the scheduler's tables for the gateway: jobs, nodes and devices as paged dicts.
+Steps, checkpoints, incidents and GPU samples come from `vigil_common.readmodel` (telemetry's tables)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from types import ModuleType
+from typing import Any
+
+import asyncpg
+
+from vigil_common.errors import NotFound, RetryableError
+from vigil_common.pages import Page, check_limit, decode_cursor, page
+from vigil_scheduler.lifecycle import JOB_COLUMNS, Job
+
+
+def readmodel() -> ModuleType:
+    """`vigil_common.readmodel`, imported on first use (telemetry's read side)."""
+    try:
+        return importlib.import_module("vigil_common.readmodel")
+    except ModuleNotFoundError as exc:
+        raise RetryableError("the telemetry read model (vigil_common.readmodel) is not installed") from exc
+
+
+async def progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Last step and loss per job from telemetry; empty when telemetry has nothing (or is absent)."""
+    if not job_ids:
+        return {}
+    try:
+        model = readmodel()
+    except RetryableError:
+        return {}
+    try:
+        return await model.job_progress(pool, job_ids)
+    except asyncpg.UndefinedTableError:  # telemetry's migration has not run here
+        return {}
+
+
+def job_view(job: Job, prog: dict[str, Any] | None = None) -> dict[str, Any]:
+    prog = prog or {}
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "priority": job.priority,
+        "attempt": job.attempt,
+        "placement": job.placement or [],
+        "master_addr": job.master_addr,
+        "master_port": job.master_port,
+        "resume_from": job.resume_from,
+        "last_step": prog.get("last_step"),
+        "loss": prog.get("loss"),
+        "reason": job.reason,
+        "created_at": job.created_at,
+        "updated_at": job.updated_at,
+        "finished_at": job.finished_at,
+        "spec": job.spec,
+        "seq": job.seq,
+    }
+
+
+async def list_jobs(pool: asyncpg.Pool, *, state: str | None, limit: int, cursor: str | None) -> Page:
+    """Newest first."""
+    check_limit(limit)
+    key = decode_cursor(cursor)
+    after = int(key[0]) if key else None
+    rows = await pool.fetch(
+        f"""SELECT {JOB_COLUMNS} FROM jobs
+            WHERE ($1::text IS NULL OR state = $1) AND ($2::bigint IS NULL OR seq < $2)
+            ORDER BY seq DESC LIMIT $3""",
+        state,
+        after,
+        limit + 1,
+    )
+    jobs = [Job.from_row(r) for r in rows]
+    prog = await progress(pool, [j.id for j in jobs[:limit]])
+    return page([job_view(j, prog.get(j.id)) for j in jobs], limit, ("seq",))
+
+
+async def job_detail(pool: asyncpg.Pool, job_id: str) -> dict[str, Any]:
+    row = await pool.fetchrow(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1", job_id)
+    if row is None:
+        raise NotFound(f"no job {job_id!r}")
+    job = Job.from_row(row)
+    view = job_view(job, (await progress(pool, [job.id])).get(job.id))
+    view["transitions"] = [
+        dict(r)
+        for r in await pool.fetch(
+            """SELECT attempt, from_state, to_state, cause, occurred_at FROM job_transitions
+               WHERE job_id = $1 ORDER BY id""",
+            job_id,
+        )
+    ]
+    view["ranks"] = [
+        dict(r)
+        for r in await pool.fetch(
+            """SELECT rank, node, started_at, exited_at, exit_code, failure FROM job_ranks
+               WHERE job_id = $1 AND attempt = $2 ORDER BY rank""",
+            job_id,
+            job.attempt,
+        )
+    ]
+    return view
+
+
+async def require_job(pool: asyncpg.Pool, job_id: str) -> None:
+    if not await pool.fetchval("SELECT true FROM jobs WHERE id = $1", job_id):
+        raise NotFound(f"no job {job_id!r}")
+
+
+_DEVICE_COLUMNS = """d.node, d.index, d.kind, d.name, d.uuid, d.memory_bytes, d.nvlink_peers,
+    (d.reported_healthy AND NOT d.marked_unhealthy) AS healthy, d.unhealthy_reason, d.reported_free,
+    d.present, d.job_id, d.rank"""
+
+
+async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
+    check_limit(limit)
+    key = decode_cursor(cursor)
+    rows = await pool.fetch(
+        """SELECT name, address, alive, last_heartbeat, started_at, interval_s, lost_at FROM nodes
+           WHERE ($1::text IS NULL OR name > $1) ORDER BY name LIMIT $2""",
+        key[0] if key else None,
+        limit + 1,
+    )
+    names = [r["name"] for r in rows[:limit]]
+    devices: dict[str, list[dict[str, Any]]] = {}
+    for d in await pool.fetch(
+        f"SELECT {_DEVICE_COLUMNS} FROM devices d WHERE d.node = ANY($1::text[]) ORDER BY d.node, d.index",
+        names,
+    ):
+        devices.setdefault(d["node"], []).append(_device(d))
+    items = [{**dict(r), "devices": devices.get(r["name"], [])} for r in rows]
+    return page(items, limit, ("name",))
+
+
+async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
+    check_limit(limit)
+    key = decode_cursor(cursor)
+    node, index = (str(key[0]), int(key[1])) if key and len(key) == 2 else (None, None)
+    rows = await pool.fetch(
+        f"""SELECT {_DEVICE_COLUMNS}, n.alive FROM devices d JOIN nodes n ON n.name = d.node
+            WHERE ($1::text IS NULL OR (d.node, d.index) > ($1, $2::int))
+            ORDER BY d.node, d.index LIMIT $3""",
+        node,
+        index,
+        limit + 1,
+    )
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    with contextlib.suppress(RetryableError, asyncpg.UndefinedTableError):
+        latest = await readmodel().latest_gpu_samples(pool)
+    items = [{**_device(r), "alive": r["alive"], "latest": latest.get((r["node"], r["index"]))} for r in rows]
+    return page(items, limit, ("node", "index"))
+
+
+def _device(r: asyncpg.Record) -> dict[str, Any]:
+    out = dict(r)
+    out["nvlink_peers"] = list(out["nvlink_peers"])
+    out.pop("alive", None)
+    return out

@@ -1,0 +1,227 @@
+"""A scheduler per test (in-process, its own fresh database, a free HTTP port) on the session's
+real NATS and Postgres, plus simulated worker nodes that publish heartbeats and rank events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import httpx
+import pytest
+
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import free_port
+from vigil_common.events import Device, JobStateChanged, Message, NodeHeartbeat
+from vigil_common.settings import Settings
+from vigil_scheduler.main import run
+
+TOKEN = "test-token-0123456789abcdef"
+HEARTBEAT_S = 0.25
+
+
+async def fresh_database(server_url: str) -> str:
+    """A new, migrated database on the session's server, so each scheduler starts from nothing."""
+    name = "sched_" + uuid.uuid4().hex[:12]
+    conn = await asyncpg.connect(server_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    parts = urlsplit(server_url)
+    url = urlunsplit(parts._replace(path="/" + name))
+    pool = await create_pool(url)
+    try:
+        await migrate(pool)
+    finally:
+        await pool.close()
+    return url
+
+
+@pytest.fixture
+async def db_url(database_url: str) -> str:
+    return await fresh_database(database_url)
+
+
+def scheduler_settings(db_url: str, nats_url: str, data_dir: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "database_url": db_url,
+        "nats_url": nats_url,
+        "data_dir": data_dir,
+        "http_port": free_port(),
+        "api_token": TOKEN,
+        "heartbeat_interval_s": HEARTBEAT_S,
+        "node_lost_after": 3,
+        "max_attempts": 3,
+        "max_body_bytes": 64 * 1024,
+    }
+    values.update(overrides)
+    return Settings.load(**values)
+
+
+@dataclass
+class Running:
+    settings: Settings
+    http: httpx.AsyncClient
+    pool: asyncpg.Pool
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.http_host}:{self.settings.http_port}"
+
+
+async def wait_ready(base_url: str, timeout_s: float = 30.0, task: asyncio.Task[None] | None = None) -> None:
+    """Poll /readyz until the gateway answers 200."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(base_url=base_url, timeout=2) as http:
+        while True:
+            if task is not None and task.done():
+                task.result()
+                raise AssertionError("the scheduler exited before it was ready")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get("/readyz")).status_code == 200:
+                    return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{base_url} not ready in {timeout_s}s")
+            await asyncio.sleep(0.05)  # polling a readiness endpoint
+
+
+@pytest.fixture
+async def scheduler(db_url: str, nats_url: str, tmp_path: Path) -> AsyncIterator[Running]:
+    settings = scheduler_settings(db_url, nats_url, tmp_path)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(settings, stop))
+    pool = await create_pool(db_url, max_size=3)
+    base = f"http://{settings.http_host}:{settings.http_port}"
+    try:
+        await wait_ready(base, task=task)
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        ) as http:
+            yield Running(settings, http, pool)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=20)
+        await pool.close()
+
+
+@dataclass
+class FakeNode:
+    """A simulated worker: heartbeats every HEARTBEAT_S with `slots` CPU devices until stopped."""
+
+    bus: Bus
+    name: str
+    slots: int = 2
+    address: str = "127.0.0.1"
+    busy: set[int] = field(default_factory=set)
+    sick: set[int] = field(default_factory=set)
+    kind: str = "cpu"
+    _task: asyncio.Task[None] | None = None
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    def heartbeat(self) -> NodeHeartbeat:
+        return NodeHeartbeat(
+            node=self.name,
+            address=self.address,
+            devices=[
+                Device(
+                    index=i,
+                    kind=self.kind,
+                    name=f"{self.kind}-{i}",
+                    uuid=f"{self.name}-{i}",  # type: ignore[arg-type]
+                    healthy=i not in self.sick,
+                )
+                for i in range(self.slots)
+            ],
+            free=[i for i in range(self.slots) if i not in self.busy],
+            interval_s=HEARTBEAT_S,
+            started_at=self.started_at,
+        )
+
+    async def beat(self) -> None:
+        await self.bus.publish(subjects.heartbeat(self.name), self.heartbeat())
+
+    def start(self) -> FakeNode:
+        async def loop() -> None:
+            while True:
+                await self.beat()
+                await asyncio.sleep(HEARTBEAT_S)  # the heartbeat period itself, not synchronisation
+
+        self._task = asyncio.create_task(loop())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+@pytest.fixture
+async def nodes(bus: Bus) -> AsyncIterator[Callable[..., FakeNode]]:
+    made: list[FakeNode] = []
+
+    def make(slots: int = 2, **kw: Any) -> FakeNode:
+        node = FakeNode(bus, f"n-{uuid.uuid4().hex[:8]}", slots, **kw).start()
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        await node.stop()
+
+
+async def next_event(
+    bus: Bus,
+    subject: str,
+    predicate: Callable[[Message], bool],
+    timeout_s: float = 15.0,
+) -> Message:
+    """The first message on `subject` (from the stream's start) that satisfies `predicate`."""
+    async with bus.watch(subject, from_start=True) as events:
+
+        async def first() -> Message:
+            async for event in events:
+                if predicate(event):
+                    return event
+            raise AssertionError("watch ended")
+
+        return await asyncio.wait_for(first(), timeout_s)
+
+
+async def wait_state(
+    bus: Bus, job_id: str, state: str, timeout_s: float = 15.0, attempt: int | None = None
+) -> JobStateChanged:
+    event = await next_event(
+        bus,
+        subjects.status(job_id),
+        lambda e: isinstance(e, JobStateChanged) and e.to_state == state and attempt in (None, e.attempt),
+        timeout_s,
+    )
+    assert isinstance(event, JobStateChanged)
+    return event
+
+
+async def count_on(bus: Bus, stream: str, subject: str) -> int:
+    """How many messages the stream holds on exactly `subject`."""
+    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+def spec(name: str = "t", nodes: int = 1, per_node: int = 2, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "resources": {"nodes": nodes, "gpus_per_node": per_node},
+        "train": {"steps": 20},
+        **extra,
+    }
