@@ -75,8 +75,7 @@ async def record_heartbeat(conn: asyncpg.Connection, hb: NodeHeartbeat) -> Heart
         )
         if restarted:  # a new worker process: the guardian's marks were about the old one's run
             await conn.execute(
-                "UPDATE devices SET marked_unhealthy = false, unhealthy_reason = NULL WHERE node = $1",
-                hb.node,
+                "DELETE FROM device_marks WHERE node = $1 AND marked_at < $2", hb.node, hb.started_at
             )
     return HeartbeatResult(
         new_node=before is None or not before["alive"], restarted=restarted, changed=changed
@@ -115,10 +114,10 @@ async def jobs_with_vanished_ranks(conn: asyncpg.Connection, node: str) -> list[
 
 
 async def mark_unhealthy(conn: asyncpg.Connection, node: str, index: int, reason: str) -> bool:
-    """Mark a device unhealthy (guardian `gpu_health`); True when it was healthy before."""
+    """Mark a device unhealthy (guardian `gpu_health`); True when it was not marked before."""
     status = await conn.execute(
-        """UPDATE devices SET marked_unhealthy = true, unhealthy_reason = $3
-           WHERE node = $1 AND index = $2 AND NOT marked_unhealthy""",
+        """INSERT INTO device_marks (node, index, reason) VALUES ($1, $2, $3)
+           ON CONFLICT (node, index) DO NOTHING""",
         node,
         index,
         reason,
@@ -130,9 +129,10 @@ async def load_inventory(conn: asyncpg.Connection) -> Inventory:
     """The snapshot placement works on: live nodes with their present devices."""
     rows = await conn.fetch(
         """SELECT n.name, n.address, d.index, d.kind,
-                  d.reported_healthy AND NOT d.marked_unhealthy AS healthy,
+                  d.reported_healthy AND m.node IS NULL AS healthy,
                   d.reported_free, d.job_id, d.nvlink_peers
            FROM nodes n JOIN devices d ON d.node = n.name
+           LEFT JOIN device_marks m ON m.node = d.node AND m.index = d.index
            WHERE n.alive AND d.present
            ORDER BY n.name, d.index"""
     )

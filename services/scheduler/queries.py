@@ -110,8 +110,11 @@ async def require_job(pool: asyncpg.Pool, job_id: str) -> None:
 
 
 _DEVICE_COLUMNS = """d.node, d.index, d.kind, d.name, d.uuid, d.memory_bytes, d.nvlink_peers,
-    (d.reported_healthy AND NOT d.marked_unhealthy) AS healthy, d.unhealthy_reason, d.reported_free,
-    d.present, d.job_id, d.rank"""
+    (d.reported_healthy AND m.node IS NULL) AS healthy,
+    COALESCE(m.reason, CASE WHEN NOT d.reported_healthy THEN 'reported unhealthy by its worker' END)
+        AS unhealthy_reason,
+    d.reported_free, d.present, d.job_id, d.rank"""
+_MARKS = "LEFT JOIN device_marks m ON m.node = d.node AND m.index = d.index"
 
 
 async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
@@ -126,7 +129,8 @@ async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> P
     names = [r["name"] for r in rows[:limit]]
     devices: dict[str, list[dict[str, Any]]] = {}
     for d in await pool.fetch(
-        f"SELECT {_DEVICE_COLUMNS} FROM devices d WHERE d.node = ANY($1::text[]) ORDER BY d.node, d.index",
+        f"SELECT {_DEVICE_COLUMNS} FROM devices d {_MARKS}"
+        " WHERE d.node = ANY($1::text[]) ORDER BY d.node, d.index",
         names,
     ):
         devices.setdefault(d["node"], []).append(_device(d))
@@ -139,7 +143,7 @@ async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Pa
     key = decode_cursor(cursor)
     node, index = (str(key[0]), int(key[1])) if key and len(key) == 2 else (None, None)
     rows = await pool.fetch(
-        f"""SELECT {_DEVICE_COLUMNS}, n.alive FROM devices d JOIN nodes n ON n.name = d.node
+        f"""SELECT {_DEVICE_COLUMNS}, n.alive FROM devices d JOIN nodes n ON n.name = d.node {_MARKS}
             WHERE ($1::text IS NULL OR (d.node, d.index) > ($1, $2::int))
             ORDER BY d.node, d.index LIMIT $3""",
         node,

@@ -84,14 +84,22 @@ CREATE TABLE devices (
     present          boolean NOT NULL DEFAULT true,         -- in the worker's latest heartbeat
     reported_healthy boolean NOT NULL DEFAULT true,
     reported_free    boolean NOT NULL DEFAULT true,
-    marked_unhealthy boolean NOT NULL DEFAULT false,        -- by a guardian gpu_health incident
-    unhealthy_reason text,
     job_id           text REFERENCES jobs (id),
     attempt          integer,
     rank             integer,
     PRIMARY KEY (node, index)
 );
 CREATE INDEX devices_job ON devices (job_id) WHERE job_id IS NOT NULL;
+
+-- Devices the guardian found sick (gpu_health incidents). Kept apart from `devices` so a mark that
+-- arrives before the node's first heartbeat is not lost; cleared when the node's worker restarts.
+CREATE TABLE device_marks (
+    node      text NOT NULL,
+    index     integer NOT NULL,
+    reason    text NOT NULL,
+    marked_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (node, index)
+);
 
 CREATE TABLE job_ranks (
     job_id     text NOT NULL REFERENCES jobs (id),

@@ -21,7 +21,16 @@ from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import free_port
-from vigil_common.events import Device, JobStateChanged, Message, NodeHeartbeat
+from vigil_common.events import (
+    CheckpointSaved,
+    Device,
+    JobStateChanged,
+    LaunchJob,
+    Message,
+    NodeHeartbeat,
+    RankExited,
+    RankStarted,
+)
 from vigil_common.settings import Settings
 from vigil_scheduler.main import run
 
@@ -200,12 +209,23 @@ async def next_event(
 
 
 async def wait_state(
-    bus: Bus, job_id: str, state: str, timeout_s: float = 15.0, attempt: int | None = None
+    bus: Bus,
+    job_id: str,
+    state: str,
+    timeout_s: float = 15.0,
+    attempt: int | None = None,
+    cause: str = "",
 ) -> JobStateChanged:
+    """The first JobStateChanged of the job to `state` (of `attempt`, with a cause starting with `cause`)."""
     event = await next_event(
         bus,
         subjects.status(job_id),
-        lambda e: isinstance(e, JobStateChanged) and e.to_state == state and attempt in (None, e.attempt),
+        lambda e: (
+            isinstance(e, JobStateChanged)
+            and e.to_state == state
+            and attempt in (None, e.attempt)
+            and e.cause.startswith(cause)
+        ),
         timeout_s,
     )
     assert isinstance(event, JobStateChanged)
@@ -225,3 +245,71 @@ def spec(name: str = "t", nodes: int = 1, per_node: int = 2, **extra: Any) -> di
         "train": {"steps": 20},
         **extra,
     }
+
+
+async def launched(bus: Bus, job_id: str, attempt: int = 1, timeout_s: float = 15.0) -> LaunchJob:
+    event = await next_event(
+        bus, subjects.launch(job_id), lambda e: isinstance(e, LaunchJob) and e.attempt == attempt, timeout_s
+    )
+    assert isinstance(event, LaunchJob)
+    return event
+
+
+async def start_ranks(bus: Bus, launch: LaunchJob) -> None:
+    """What the workers publish once the launch's ranks run."""
+    for p in launch.placement:
+        await bus.publish(
+            subjects.status(launch.job_id or ""),
+            RankStarted(
+                job_id=launch.job_id,
+                attempt=launch.attempt,
+                rank=p.rank,
+                node=p.node,
+                pid=4000 + p.rank,
+                log_path=f"/tmp/{launch.job_id}-{p.rank}.log",
+            ),
+        )
+
+
+async def exit_rank(bus: Bus, launch: LaunchJob, rank: int, code: int, attempt: int | None = None) -> None:
+    node = launch.placement[rank].node
+    await bus.publish(
+        subjects.status(launch.job_id or ""),
+        RankExited(
+            job_id=launch.job_id,
+            attempt=attempt or launch.attempt,
+            rank=rank,
+            node=node,
+            exit_code=code,
+            failure="ok" if code == 0 else "error",
+        ),
+    )
+
+
+async def checkpoint(bus: Bus, job_id: str, attempt: int, step: int) -> str:
+    path = f"/ckpt/{job_id}/step_{step:08d}"
+    await bus.publish(
+        subjects.status(job_id),
+        CheckpointSaved(
+            job_id=job_id,
+            attempt=attempt,
+            step=step,
+            path=path,
+            bytes=1000,
+            manifest_sha256="0" * 64,
+            data_position=step + 1,
+        ),
+    )
+    return path
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:
+    """Poll the async `check` until it returns something truthy (a condition on state, with a deadline)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        result = await check()
+        if result:
+            return result
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout_s}s")
+        await asyncio.sleep(0.05)  # polling a condition

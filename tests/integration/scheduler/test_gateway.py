@@ -1,0 +1,166 @@
+"""The gateway's contract: auth, errors as JSON, spec as JSON or YAML, pages, OpenAPI, events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.events import IncidentRaised
+
+from .conftest import TOKEN, spec, wait_state
+
+pytestmark = pytest.mark.integration
+
+
+async def test_auth_on_api_only(scheduler) -> None:
+    async with httpx.AsyncClient(base_url=scheduler.base_url) as anon:
+        for path in ("/healthz", "/readyz", "/schema/openapi.json"):
+            assert (await anon.get(path)).status_code == 200, path
+        r = await anon.get("/api/v1/jobs")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"] == "Unauthorized"
+        assert (await anon.post("/api/v1/jobs", json=spec())).status_code == 401
+        wrong = await anon.get("/api/v1/jobs", headers={"Authorization": "Bearer " + "x" * len(TOKEN)})
+        assert wrong.status_code == 401 and wrong.json()["message"] == "invalid bearer token"
+        basic = await anon.get("/api/v1/nodes", headers={"Authorization": f"Basic {TOKEN}"})
+        assert basic.status_code == 401
+    schema = (await scheduler.http.get("/schema/openapi.json")).json()
+    paths = set(schema["paths"])
+    for path in (
+        "/api/v1/jobs",
+        "/api/v1/jobs/{job_id}",
+        "/api/v1/jobs/{job_id}/cancel",
+        "/api/v1/jobs/{job_id}/steps",
+        "/api/v1/jobs/{job_id}/checkpoints",
+        "/api/v1/jobs/{job_id}/incidents",
+        "/api/v1/incidents",
+        "/api/v1/nodes",
+        "/api/v1/gpus",
+        "/api/v1/events",
+    ):
+        assert path in paths, path
+
+
+async def test_bad_specs_are_422_naming_each_field(scheduler) -> None:
+    bad = spec(train={"steps": 10, "lr": -1}, colour="red")
+    r = await scheduler.http.post("/api/v1/jobs", json=bad)
+    assert r.status_code == 422
+    fields = {f["field"]: f["message"] for f in r.json()["fields"]}
+    assert "train.lr" in fields and fields["colour"] == "unknown field"
+
+    r = await scheduler.http.post(
+        "/api/v1/jobs", content=b"name: [unclosed", headers={"Content-Type": "application/yaml"}
+    )
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "(spec)"
+
+    r = await scheduler.http.post("/api/v1/jobs", json=spec(faults=[{"kind": "nan", "step": 1, "rank": 9}]))
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "faults.0.rank"
+
+    r = await scheduler.http.get("/api/v1/jobs", params={"limit": 0})
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "limit"
+    r = await scheduler.http.get("/api/v1/jobs", params={"cursor": "!!"})
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "cursor"
+
+
+async def test_yaml_body_and_body_limit(scheduler) -> None:
+    yaml_spec = "name: from-yaml\npriority: 3\nresources: {nodes: 1, gpus_per_node: 1}\ntrain: {steps: 5}\n"
+    r = await scheduler.http.post(
+        "/api/v1/jobs", content=yaml_spec, headers={"Content-Type": "application/yaml"}
+    )
+    assert r.status_code == 201, r.text
+    assert r.json()["name"] == "from-yaml" and r.json()["spec"]["priority"] == 3
+
+    huge = json.dumps(spec(data={"path": "x" * (scheduler.settings.max_body_bytes + 10)}))
+    r = await scheduler.http.post("/api/v1/jobs", content=huge, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["status"] == 413
+
+
+async def test_unknown_job_is_404_and_lists_are_pages(scheduler) -> None:
+    for path in (
+        "/api/v1/jobs/j-nope",
+        "/api/v1/jobs/j-nope/steps",
+        "/api/v1/jobs/j-nope/checkpoints",
+        "/api/v1/jobs/j-nope/incidents",
+    ):
+        r = await scheduler.http.get(path)
+        assert r.status_code == 404 and "j-nope" in r.json()["message"], path
+    assert (await scheduler.http.post("/api/v1/jobs/j-nope/cancel")).status_code == 404
+
+    ids = [
+        (await scheduler.http.post("/api/v1/jobs", json=spec(f"p{i}", per_node=64))).json()["id"]
+        for i in range(3)
+    ]
+    first = (await scheduler.http.get("/api/v1/jobs", params={"limit": 2})).json()
+    assert [j["id"] for j in first["items"]] == ids[::-1][:2] and first["next"]
+    second = (await scheduler.http.get("/api/v1/jobs", params={"limit": 2, "cursor": first["next"]})).json()
+    assert [j["id"] for j in second["items"]] == [ids[0]] and second["next"] is None
+    pending = (await scheduler.http.get("/api/v1/jobs", params={"state": "PENDING"})).json()["items"]
+    assert {j["id"] for j in pending} == set(ids)
+    for path in (
+        "/api/v1/nodes",
+        "/api/v1/gpus",
+        "/api/v1/incidents",
+        f"/api/v1/jobs/{ids[0]}/steps",
+        f"/api/v1/jobs/{ids[0]}/checkpoints",
+        f"/api/v1/jobs/{ids[0]}/incidents",
+    ):
+        page = (await scheduler.http.get(path)).json()
+        assert set(page) == {"items", "next"}, path
+
+
+async def test_job_shows_progress_from_telemetry(scheduler) -> None:
+    job = (await scheduler.http.post("/api/v1/jobs", json=spec(per_node=64))).json()
+    await scheduler.pool.execute(
+        """INSERT INTO telemetry_job_progress (job_id, attempt, last_step, loss, occurred_at)
+           VALUES ($1, 1, 41, 'NaN', now())""",
+        job["id"],
+    )
+    got = (await scheduler.http.get(f"/api/v1/jobs/{job['id']}")).json()
+    assert got["last_step"] == 41 and got["loss"] is None  # NaN has no JSON number
+    await scheduler.pool.execute("UPDATE telemetry_job_progress SET loss = 2.5 WHERE job_id = $1", job["id"])
+    listed = (await scheduler.http.get("/api/v1/jobs")).json()["items"][0]
+    assert listed["id"] == job["id"] and listed["loss"] == 2.5
+
+
+async def test_events_stream_state_changes_and_incidents(scheduler, nodes, bus: Bus) -> None:
+    node = nodes(slots=1)
+    await node.beat()
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    received: list[tuple[str, dict]] = []
+    connected = asyncio.Event()
+
+    async def listen() -> None:
+        async with (
+            httpx.AsyncClient(base_url=scheduler.base_url, timeout=30) as http,
+            http.stream("GET", "/api/v1/events", headers=headers) as r,
+        ):
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            event = None
+            async for line in r.aiter_lines():
+                if line.startswith(": connected"):
+                    connected.set()
+                elif line.startswith("event: "):
+                    event = line.removeprefix("event: ")
+                elif line.startswith("data: ") and event:
+                    received.append((event, json.loads(line.removeprefix("data: "))))
+                    if event == "incident.raised":
+                        return
+
+    listener = asyncio.create_task(listen())
+    await asyncio.wait_for(connected.wait(), 10)
+    job = (await scheduler.http.post("/api/v1/jobs", json=spec(per_node=1))).json()
+    await wait_state(bus, job["id"], "SCHEDULED")
+    await bus.publish(
+        subjects.incident(job["id"]),
+        IncidentRaised(job_id=job["id"], attempt=1, kind="straggler", action="alert", message="slow rank 0"),
+    )
+    await asyncio.wait_for(listener, 15)
+    states = [d["to_state"] for e, d in received if e == "job.state_changed" and d["job_id"] == job["id"]]
+    assert states == ["PENDING", "SCHEDULED"]
+    assert received[-1][1]["message"] == "slow rank 0"
