@@ -8,6 +8,7 @@ import click
 
 # Modules that define commands; each exposes `register(group)`.
 COMMAND_MODULES: tuple[str, ...] = (
+    "vigil_cli.worker",
     "vigil_cli.up",
     "vigil_cli.bench",
 )

@@ -80,6 +80,8 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
 
     while st.step < spec.train.steps:
         step, pos = st.step, st.data_position
+        if ctx.comm:
+            ctx.comm.take()  # collectives outside the step (checkpoints, rollbacks) are not its comm time
         t0 = time.perf_counter()
         if ctx.faults:
             _injected_trouble(ctx, step)
@@ -202,6 +204,7 @@ def _injected_trouble(ctx: RankContext, step: int) -> None:
     assert ctx.faults is not None
     if (code := ctx.faults.crash_code(step)) is not None:
         log.error("injected crash at step %d: exiting with code %d", step, code)
+        write_exit_file(code)
         ctx.sink.close(timeout_s=5.0)
         logging.shutdown()
         os._exit(code)
@@ -211,6 +214,13 @@ def _injected_trouble(ctx: RankContext, step: int) -> None:
             time.sleep(3600)
     if delay := ctx.faults.delay_s(step):
         time.sleep(delay)
+
+
+def write_exit_file(code: int) -> None:
+    """Leave the exit code where the worker looks for it (VIGIL_EXIT_FILE), for a worker that restarted
+    meanwhile and so is not this process's parent any more."""
+    if path := os.environ.get("VIGIL_EXIT_FILE"):
+        Path(path).write_text(f"{code}\n")
 
 
 def _guard_update(ctx: RankContext, all_finite: bool) -> None:

@@ -70,15 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from vigil_common.errors import CheckpointError, SpecError
+    from vigil_worker.trainer.loop import write_exit_file
 
+    code = 1
     try:
-        return _run(args, rank, world, local_rank, cuda)
+        code = _run(args, rank, world, local_rank, cuda)
     except SpecError as exc:
         log.error("bad job spec: %s", exc)
-        return EXIT_SPEC
+        code = EXIT_SPEC
     except CheckpointError as exc:
         log.error("checkpoint: %s", exc)
-        return EXIT_CHECKPOINT
+        code = EXIT_CHECKPOINT
+    finally:
+        write_exit_file(code)  # 1 when an exception escapes (its traceback follows in the log)
+    return code
 
 
 def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int, cuda: bool) -> int:
@@ -123,8 +128,9 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int, cuda:
 
     # --- process group ------------------------------------------------------------------------------------
     if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = 0 if torch.cuda.device_count() == 1 else local_rank  # the worker shows each rank one GPU
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
         # DeepSpeed's shared-memory op serves inference all-reduces only; skip its JIT build on CPU

@@ -1,0 +1,62 @@
+"""`vigil worker` (the node agent) and `vigil checkpoint verify PATH`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from vigil_common.errors import CheckpointError
+from vigil_common.service import run_service
+from vigil_common.settings import Settings
+
+
+def register(group: click.Group) -> None:
+    @group.command("worker")
+    @click.option("--node-name", help="overrides VIGIL_NODE_NAME")
+    @click.option("--cpu-slots", type=int, help="overrides VIGIL_CPU_SLOTS (nodes without GPUs)")
+    @click.option("--data-dir", type=click.Path(path_type=Path), help="overrides VIGIL_DATA_DIR")
+    def worker(node_name: str | None, cpu_slots: int | None, data_dir: Path | None) -> None:
+        """Run this node's worker: register its devices, heartbeat, and run the ranks launched here."""
+        from vigil_worker.main import run
+
+        settings = Settings.load(node_name=node_name, cpu_slots=cpu_slots, data_dir=data_dir)
+        run_service(run, settings)
+
+    @group.group("checkpoint")
+    def checkpoint() -> None:
+        """Checkpoint tools."""
+
+    @checkpoint.command("verify")
+    @click.argument("path", type=click.Path(path_type=Path))
+    @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+    def verify(path: Path, as_json: bool) -> None:
+        """Check the checkpoint at PATH against its manifest (every file's size and SHA-256).
+
+        Exits 0 when it verifies, 1 when it does not."""
+        from vigil_worker.trainer.checkpoint import verify as verify_checkpoint
+
+        try:
+            m = verify_checkpoint(path)
+        except CheckpointError as exc:
+            if as_json:
+                click.echo(json.dumps({"path": str(path), "valid": False, "error": str(exc)}))
+            else:
+                click.echo(f"INVALID {path}: {exc}", err=True)
+            raise SystemExit(1) from exc
+        result = {
+            "path": str(m.path),
+            "valid": True,
+            "step": m.step,
+            "data_position": m.data_position,
+            "files": len(m.files),
+            "bytes": m.bytes,
+            "manifest_sha256": m.sha256,
+        }
+        if as_json:
+            click.echo(json.dumps(result))
+        else:
+            click.echo(
+                f"OK {m.path}: step {m.step}, {len(m.files)} files, {m.bytes} bytes, manifest {m.sha256[:16]}"
+            )

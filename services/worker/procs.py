@@ -1,0 +1,166 @@
+"""The ranks a worker started: child processes from an argument list (never a shell), persisted so a
+restarted worker finds them again.
+
+Each rank runs in its own session (so a Ctrl-C meant for the worker does not kill training, and the
+rank's whole process group can be signalled). Its record (pid, the kernel's start time of that pid,
+log and exit-code file) lives in `<state_dir>/ranks.json`; a restarted worker checks each pid against
+/proc (same pid *and* same start time, so a recycled pid is not mistaken for the rank) and reports the
+truth: still running (adopted and watched), or exited with the code the rank wrote to its exit file,
+or lost when it left none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+def start_ticks(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[19])  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+@dataclass
+class RankRecord:
+    job_id: str
+    attempt: int
+    rank: int
+    device: int
+    pid: int
+    ticks: int
+    log_path: str
+    exit_path: str
+    started_at: float = field(default_factory=time.time)
+    killed: bool = False  # ended by this worker (cancel, newer attempt, a sibling's death)
+    reported: bool = False  # RankExited published
+
+    def alive(self) -> bool:
+        return start_ticks(self.pid) == self.ticks
+
+
+@dataclass
+class Exit:
+    code: int | None  # None when killed by a signal or unknown
+    signal: int | None
+    lost: bool = False  # no way to know how it ended (it left no exit file and was not our child)
+
+
+class RankTable:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.path = state_dir / "ranks.json"
+        self.records: list[RankRecord] = []
+        self.attempts: dict[str, int] = {}  # job id -> highest attempt this worker has run
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    # --- persistence --------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        if self.path.exists():
+            raw = json.loads(self.path.read_text())
+            self.records = [RankRecord(**r) for r in raw.get("ranks", [])]
+            self.attempts = {k: int(v) for k, v in raw.get("attempts", {}).items()}
+
+    def save(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        body = {"ranks": [asdict(r) for r in self.records if not r.reported], "attempts": self.attempts}
+        tmp.write_text(json.dumps(body, indent=1))
+        os.replace(tmp, self.path)
+
+    # --- queries --------------------------------------------------------------------------------------------
+
+    def running(self, job_id: str | None = None) -> list[RankRecord]:
+        return [r for r in self.records if not r.reported and (job_id is None or r.job_id == job_id)]
+
+    def on_device(self, index: int) -> RankRecord | None:
+        return next((r for r in self.running() if r.device == index), None)
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        device: int,
+        log_path: Path,
+        exit_path: Path,
+    ) -> RankRecord:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        exit_path.unlink(missing_ok=True)
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(  # an argument list: no shell ever sees job input
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        ticks = start_ticks(proc.pid)
+        record = RankRecord(
+            job_id=job_id,
+            attempt=attempt,
+            rank=rank,
+            device=device,
+            pid=proc.pid,
+            ticks=ticks if ticks is not None else -1,
+            log_path=str(log_path),
+            exit_path=str(exit_path),
+        )
+        self._children[proc.pid] = proc
+        self.records.append(record)
+        self.save()
+        return record
+
+    def poll(self, record: RankRecord) -> Exit | None:
+        """How the rank ended, or None while it runs."""
+        child = self._children.get(record.pid)
+        if child is not None:
+            code = child.poll()
+            if code is None:
+                return None
+            self._children.pop(record.pid, None)
+            return Exit(code=code, signal=None) if code >= 0 else Exit(code=None, signal=-code)
+        if record.alive():
+            return None
+        return self._exit_file(record)
+
+    @staticmethod
+    def _exit_file(record: RankRecord) -> Exit:
+        try:
+            return Exit(code=int(Path(record.exit_path).read_text().strip()), signal=None)
+        except (FileNotFoundError, ValueError):
+            return Exit(code=None, signal=None, lost=True)
+
+    def signal(self, record: RankRecord, sig: int) -> None:
+        """Signal the rank's process group (the rank and anything it started)."""
+        if record.pid in self._children or record.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(record.pid, sig)
+
+    def terminate(self, record: RankRecord) -> None:
+        record.killed = True
+        self.signal(record, signal.SIGTERM)
+        self.save()
+
+    def mark_reported(self, record: RankRecord) -> None:
+        record.reported = True
+        self.records = [r for r in self.records if not r.reported]
+        self.save()

@@ -1,0 +1,87 @@
+"""Real DeepSpeed ranks on CPU, launched by real workers, over real NATS."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from tests.integration.worker.conftest import both_exited, launch, rank_logs, record, tiny_spec
+from vigil_common import events as ev
+from vigil_common import subjects
+from vigil_worker.trainer import checkpoint as ckpt
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+async def test_two_rank_job_on_two_workers(ready_cluster, bus, job_id, zero_stage):
+    spec = tiny_spec(steps=8, zero_stage=zero_stage)
+    async with record(bus, job_id) as rec:
+        t0 = time.monotonic()
+        await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
+        await rec.until(both_exited(), timeout=180)
+        elapsed = time.monotonic() - t0
+    logs = rank_logs(ready_cluster, job_id)
+    assert {e.rank: e.exit_code for e in rec.exits().values()} == {0: 0, 1: 0}, logs
+    assert all(e.failure == "ok" for e in rec.exits().values())
+    started = rec.of(ev.RankStarted)
+    assert {(e.rank, e.node) for e in started} == {
+        (0, ready_cluster.nodes()[0]),
+        (1, ready_cluster.nodes()[1]),
+    }
+
+    steps = rec.of(ev.StepCompleted)
+    for rank in (0, 1):
+        assert sorted(e.step for e in steps if e.rank == rank) == list(range(8)), f"rank {rank}"
+    by_step = {e.step: e for e in steps if e.rank == 0}
+    assert by_step[7].loss < by_step[0].loss - 0.3, [round(by_step[s].loss, 3) for s in range(8)]
+    for e in steps:
+        assert e.tokens == 4 * 32 and e.step_time_s > 0 and e.forward_time_s > 0 and e.backward_time_s > 0
+        assert e.comm_time_s > 0, "gradient reduction happened, so it was measured"
+        assert e.comm_time_s < e.step_time_s
+        assert e.grad_norm is not None and math.isfinite(e.grad_norm) and not e.skipped
+        assert e.mem_allocated_bytes and e.lr > 0
+
+    saved = rec.of(ev.CheckpointSaved)
+    assert sorted(e.step for e in saved) == [0, 4, 8]
+    for e in saved:
+        m = ckpt.verify(e.path, root=ready_cluster.checkpoint_root)
+        assert m.sha256 == e.manifest_sha256 and m.step == e.step and m.bytes == e.bytes
+    print(f"zero {zero_stage}: launch to both exits {elapsed:.1f}s")
+
+
+async def test_crashed_rank_is_reported_with_its_exit_code(ready_cluster, bus, job_id):
+    spec = tiny_spec(steps=50, faults=[{"kind": "crash", "step": 2, "rank": 1, "exit_code": 7}])
+    async with record(bus, job_id) as rec:
+        await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
+        await rec.until(both_exited(), timeout=120)
+    exits = rec.exits()
+    assert exits[1].exit_code == 7 and exits[1].failure == "error", rank_logs(ready_cluster, job_id)
+    assert "injected crash at step 2" in exits[1].log_tail
+    # its partner does not linger: ended by its worker or failed out of the broken collective
+    assert exits[0].failure in ("killed_by_vigil", "error", "signal")
+    assert max(e.step for e in rec.of(ev.StepCompleted, rank=1)) == 1
+
+
+async def test_halt_leaves_no_rank_blocked(ready_cluster, bus, job_id):
+    spec = tiny_spec(steps=400, checkpoint={"every": 1000, "keep": 2})
+    async with record(bus, job_id) as rec:
+        await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
+        await rec.until(lambda r: r.of(ev.StepCompleted, step=2))
+        await bus.publish(subjects.cmd(job_id), ev.HaltJob(job_id=job_id, attempt=1, reason="test"))
+        halted = (await rec.until(lambda r: r.of(ev.RanksHalted)))[0]
+        # both ranks stopped at the same boundary: no step after it from either
+        last = {rank: max(e.step for e in rec.of(ev.StepCompleted, rank=rank)) for rank in (0, 1)}
+        assert last == {0: halted.step, 1: halted.step}
+        # neither rank sits in a collective: both take the resume and step on
+        await bus.publish(subjects.cmd(job_id), ev.ResumeJob(job_id=job_id, attempt=1))
+        for rank in (0, 1):
+            await rec.until(lambda r, rank=rank: r.of(ev.StepCompleted, rank=rank, step=halted.step + 2))
+        # a command for another attempt is ignored
+        await bus.publish(subjects.cmd(job_id), ev.HaltJob(job_id=job_id, attempt=9, reason="stale"))
+        await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test over"))
+        await rec.until(both_exited(), timeout=60)
+    assert len(rec.of(ev.RanksHalted)) == 1
+    assert {e.failure for e in rec.exits().values()} == {"killed_by_vigil"}
