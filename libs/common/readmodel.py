@@ -1,0 +1,194 @@
+"""The read side of telemetry's tables (migration 0003), for the gateway.
+
+Every list is a page (`vigil_common.pages.Page`): `{"items": [...], "next": cursor | None}`,
+in a stable key order, so a cursor never skips or repeats an item.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import asyncpg
+
+from vigil_common.errors import PermanentError
+from vigil_common.pages import Page, check_limit, decode_cursor, encode_cursor
+
+_STEP_FIELDS = """step, rank, attempt, node, loss, grad_norm, lr, tokens, tokens_per_s, step_time_s,
+    data_time_s, forward_time_s, backward_time_s, comm_time_s, optimizer_time_s, mem_allocated_bytes,
+    mem_peak_bytes, skipped, data_position, occurred_at"""
+
+
+def _key(cursor: str | None, types: tuple[type, ...]) -> list[Any] | None:
+    """A decoded cursor whose parts have the given types (a malformed one is the caller's error)."""
+    key = decode_cursor(cursor)
+    if key is None:
+        return None
+    try:
+        if len(key) != len(types):
+            raise ValueError
+        return [t(k) for t, k in zip(types, key, strict=True)]
+    except (TypeError, ValueError) as exc:
+        raise PermanentError(f"cursor {cursor!r} is not one this server handed out") from exc
+
+
+def _page(rows: list[asyncpg.Record], limit: int, key: tuple[str, ...], hidden: tuple[str, ...] = ()) -> Page:
+    """A page from up to `limit + 1` rows in key order; `hidden` columns (sort keys) are left out of items."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    nxt = encode_cursor([_plain(rows[-1][k]) for k in key]) if more and rows else None
+    items = [{k: v for k, v in dict(r).items() if k not in hidden} for r in rows]
+    return {"items": items, "next": nxt}
+
+
+def _plain(value: Any) -> Any:
+    return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+async def steps(
+    pool: asyncpg.Pool,
+    job_id: str,
+    *,
+    rank: int | None = None,
+    attempt: int | None = None,
+    aggregate: bool = False,
+    limit: int = 100,
+    cursor: str | None = None,
+) -> Page:
+    """Step metrics of a job in (attempt, step) order.
+
+    Per rank (optionally one `rank`): every event, including steps re-run after a rollback
+    (later `occurred_at`). Aggregated: one item per (attempt, step) over the newest event of
+    each rank: mean loss and grad norm, summed tokens/s, the slowest step and communication
+    times, and how many ranks reported.
+    """
+    check_limit(limit)
+    if aggregate:
+        return await _aggregated(pool, job_id, attempt=attempt, limit=limit, cursor=cursor)
+    key = _key(cursor, (int, int, int, int))
+    rows = await pool.fetch(
+        f"""SELECT {_STEP_FIELDS}, seq FROM telemetry_steps
+            WHERE job_id = $1 AND ($2::int IS NULL OR rank = $2) AND ($3::int IS NULL OR attempt = $3)
+              AND ($4::int IS NULL OR (attempt, step, rank, seq) > ($4, $5::int, $6::int, $7::bigint))
+            ORDER BY attempt, step, rank, seq LIMIT $8""",
+        job_id,
+        rank,
+        attempt,
+        *(key or (None, None, None, None)),
+        limit + 1,
+    )
+    return _page(rows, limit, ("attempt", "step", "rank", "seq"), hidden=("seq",))
+
+
+async def _aggregated(
+    pool: asyncpg.Pool, job_id: str, *, attempt: int | None, limit: int, cursor: str | None
+) -> Page:
+    key = _key(cursor, (int, int))
+    rows = await pool.fetch(
+        """WITH keys AS (
+               SELECT DISTINCT attempt, step FROM telemetry_steps
+               WHERE job_id = $1 AND ($2::int IS NULL OR attempt = $2)
+                 AND ($3::int IS NULL OR (attempt, step) > ($3, $4::int))
+               ORDER BY attempt, step LIMIT $5
+           ), newest AS (
+               SELECT DISTINCT ON (s.attempt, s.step, s.rank) s.*
+               FROM telemetry_steps s JOIN keys k ON k.attempt = s.attempt AND k.step = s.step
+               WHERE s.job_id = $1
+               ORDER BY s.attempt, s.step, s.rank, s.seq DESC
+           )
+           SELECT step, NULL::int AS rank, attempt, count(*)::int AS ranks, avg(loss) AS loss,
+                  avg(grad_norm) AS grad_norm, max(lr) AS lr, sum(tokens)::bigint AS tokens,
+                  sum(tokens_per_s) AS tokens_per_s, max(step_time_s) AS step_time_s,
+                  max(comm_time_s) AS comm_time_s, bool_or(skipped) AS skipped,
+                  max(occurred_at) AS occurred_at
+           FROM newest GROUP BY attempt, step ORDER BY attempt, step""",
+        job_id,
+        attempt,
+        *(key or (None, None)),
+        limit + 1,
+    )
+    return _page(rows, limit, ("attempt", "step"))
+
+
+async def checkpoints(
+    pool: asyncpg.Pool, job_id: str, *, limit: int = 100, cursor: str | None = None
+) -> Page:
+    """A job's checkpoints by step: step, path, valid, bytes, created_at (and attempt, data_position)."""
+    check_limit(limit)
+    key = _key(cursor, (int,))
+    rows = await pool.fetch(
+        """SELECT step, path, valid, bytes, created_at, attempt, data_position, manifest_sha256
+           FROM telemetry_checkpoints WHERE job_id = $1 AND ($2::int IS NULL OR step > $2)
+           ORDER BY step LIMIT $3""",
+        job_id,
+        key[0] if key else None,
+        limit + 1,
+    )
+    return _page(rows, limit, ("step",))
+
+
+async def incidents(
+    pool: asyncpg.Pool, *, job_id: str | None = None, limit: int = 100, cursor: str | None = None
+) -> Page:
+    """Incidents, newest first: id, job_id, kind, step, rank, node, action, evidence, occurred_at
+    (and attempt, device, message)."""
+    check_limit(limit)
+    key = _key(cursor, (int,))
+    rows = await pool.fetch(
+        """SELECT id, job_id, attempt, kind, action, step, rank, node, device, message, evidence, occurred_at,
+                  seq
+           FROM telemetry_incidents
+           WHERE ($1::text IS NULL OR job_id = $1) AND ($2::bigint IS NULL OR seq < $2)
+           ORDER BY seq DESC LIMIT $3""",
+        job_id,
+        key[0] if key else None,
+        limit + 1,
+    )
+    page = _page(rows, limit, ("seq",), hidden=("seq",))
+    for item in page["items"]:
+        item["evidence"] = json.loads(item["evidence"])
+    return page
+
+
+_GPU_FIELDS = """node, index, device_kind, uuid, job_id, utilization_pct, memory_used_bytes,
+    memory_total_bytes, temperature_c, power_w, sm_clock_mhz, mem_clock_mhz, throttle_reasons, ecc_corrected,
+    ecc_uncorrected, xid, occurred_at"""
+
+
+async def gpu_samples(
+    pool: asyncpg.Pool, *, node: str, index: int, limit: int = 100, cursor: str | None = None
+) -> Page:
+    """One device's samples, newest first."""
+    check_limit(limit)
+    key = _key(cursor, (str, str))
+    rows = await pool.fetch(
+        f"""SELECT {_GPU_FIELDS}, event_id FROM telemetry_gpu_samples
+            WHERE node = $1 AND index = $2
+              AND ($3::text IS NULL OR (occurred_at, event_id) < ($3::text::timestamptz, $4::text))
+            ORDER BY occurred_at DESC, event_id DESC LIMIT $5""",
+        node,
+        index,
+        *(key or (None, None)),
+        limit + 1,
+    )
+    page = _page(rows, limit, ("occurred_at", "event_id"), hidden=("event_id",))
+    for item in page["items"]:
+        item["throttle_reasons"] = list(item["throttle_reasons"])
+    return page
+
+
+async def latest_gpu_samples(pool: asyncpg.Pool) -> dict[tuple[str, int], dict[str, Any]]:
+    """The newest sample of every device that has reported: (node, index) -> sample."""
+    rows = await pool.fetch("SELECT node, index, sample FROM telemetry_gpu_latest")
+    return {(r["node"], r["index"]): json.loads(r["sample"]) for r in rows}
+
+
+async def job_progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """{job_id: {"last_step": int, "loss": float, "attempt": int}} for jobs that have made steps."""
+    rows = await pool.fetch(
+        "SELECT job_id, attempt, last_step, loss FROM telemetry_job_progress WHERE job_id = ANY($1::text[])",
+        list(job_ids),
+    )
+    return {
+        r["job_id"]: {"last_step": r["last_step"], "loss": r["loss"], "attempt": r["attempt"]} for r in rows
+    }

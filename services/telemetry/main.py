@@ -1,0 +1,123 @@
+"""The telemetry service: stores every step, GPU sample, status event and incident in Postgres,
+traces each training step, and serves Prometheus metrics.
+
+Each consumer takes batches from its durable consumer and writes a batch in one transaction;
+the bus acknowledges the batch only after the handler returns, i.e. after the commit. Rows are
+keyed by event_id, so a batch redelivered after a crash adds nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from contextlib import AsyncExitStack
+
+import asyncpg
+from opentelemetry import trace
+
+from vigil_common import subjects, tracing
+from vigil_common.bus import Bus, ConsumerSpec, Delivery
+from vigil_common.db import create_pool, migrate
+from vigil_common.errors import ConfigError
+from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
+from vigil_common.settings import Settings
+from vigil_telemetry import store
+from vigil_telemetry.metrics import Registry, serve_metrics
+from vigil_telemetry.traces import StepTraces
+
+log = logging.getLogger(__name__)
+
+# A batch commits in well under a second; after a crash its messages come back after ACK_WAIT_S.
+ACK_WAIT_S = 10.0
+
+
+def _spec(stream: subjects.StreamSpec, durable: str, filter_subject: str) -> ConsumerSpec:
+    return ConsumerSpec(stream=stream, durable=durable, filter_subject=filter_subject, ack_wait_s=ACK_WAIT_S)
+
+
+STEPS = _spec(subjects.STEPS, "telemetry-steps", subjects.ALL_STEPS)
+GPU = _spec(subjects.NODES, "telemetry-gpu", subjects.ALL_GPU)
+STATUS = _spec(subjects.JOBS, "telemetry-status", subjects.ALL_STATUS)
+LAUNCHES = _spec(subjects.JOBS, "telemetry-launches", subjects.ALL_LAUNCHES)
+INCIDENTS = _spec(subjects.INCIDENTS, "telemetry-incidents", subjects.ALL_INCIDENTS)
+
+Batch = list[tuple[Message, Delivery]]
+
+
+class Telemetry:
+    """The batch handlers, around one pool, one metrics registry and the step traces."""
+
+    def __init__(self, pool: asyncpg.Pool, registry: Registry, traces: StepTraces) -> None:
+        self.pool = pool
+        self.registry = registry
+        self.traces = traces
+
+    async def _write(self, writer, events: list[Message], consumer: str) -> None:  # type: ignore[no-untyped-def]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await writer(conn, events)
+        self.registry.observe(events)
+        self.registry.inc("vigil_telemetry_events_total", len(events), consumer=consumer)
+
+    async def steps(self, batch: Batch) -> None:
+        events = [e for e, _ in batch if isinstance(e, StepCompleted)]
+        await self._write(store.write_steps, events, "steps")
+        for e in events:
+            self.traces.add_step(e)
+
+    async def gpu(self, batch: Batch) -> None:
+        await self._write(store.write_gpu, [e for e, _ in batch if isinstance(e, GpuSampled)], "gpu")
+
+    async def status(self, batch: Batch) -> None:
+        events = [e for e, _ in batch]
+        await self._write(store.write_status, events, "status")
+        for e in events:
+            if isinstance(e, CheckpointSaved):
+                self.traces.add_checkpoint(e)
+
+    async def incidents(self, batch: Batch) -> None:
+        await self._write(
+            store.write_incidents, [e for e, _ in batch if isinstance(e, IncidentRaised)], "incidents"
+        )
+
+    async def launches(self, batch: Batch) -> None:
+        for e, delivery in batch:
+            if isinstance(e, LaunchJob):
+                self.traces.launch(e, trace.get_current_span(delivery.trace_context).get_span_context())
+
+    async def flush_traces(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
+        while not stop.is_set():
+            self.traces.flush()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+        self.traces.flush(everything=True)
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    """Connect, migrate, consume until `stop`, then drain and close."""
+    if not settings.database_url or not settings.nats_url:
+        raise ConfigError(
+            "telemetry needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
+        )
+    provider = tracing.setup_tracing("telemetry")
+    async with AsyncExitStack() as stack:
+        stack.callback(provider.shutdown)
+        pool = await create_pool(settings.database_url)
+        stack.push_async_callback(pool.close)
+        await migrate(pool)
+        bus = await Bus.connect(settings.nats_url, name="telemetry", provider=provider)
+        stack.push_async_callback(bus.close)
+        await bus.ensure_streams()
+
+        registry = Registry()
+        t = Telemetry(pool, registry, StepTraces(provider))
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(bus.consume_batches(STEPS, t.steps, stop))
+            tasks.create_task(bus.consume_batches(GPU, t.gpu, stop))
+            tasks.create_task(bus.consume_batches(STATUS, t.status, stop))
+            tasks.create_task(bus.consume_batches(INCIDENTS, t.incidents, stop))
+            tasks.create_task(bus.consume_batches(LAUNCHES, t.launches, stop))
+            tasks.create_task(t.flush_traces(stop))
+            if settings.metrics_port:
+                tasks.create_task(serve_metrics(registry, settings.http_host, settings.metrics_port, stop))
+        log.info("telemetry stopped")

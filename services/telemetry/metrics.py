@@ -1,0 +1,156 @@
+"""Prometheus-format metrics at `/metrics`, from the events telemetry stores.
+
+A small registry (gauges and counters with labels) and a minimal HTTP server on its own port;
+the text format is Prometheus' exposition format 0.0.4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Iterable
+
+from vigil_common.events import (
+    TERMINAL_STATES,
+    GpuSampled,
+    IncidentRaised,
+    JobStateChanged,
+    Message,
+    StepCompleted,
+)
+
+log = logging.getLogger(__name__)
+
+Labels = tuple[tuple[str, str], ...]
+
+_HELP: dict[str, tuple[str, str]] = {
+    "vigil_step_loss": ("gauge", "Training loss of a rank's latest step"),
+    "vigil_step_grad_norm": ("gauge", "Gradient norm of a rank's latest step"),
+    "vigil_step_tokens_per_second": ("gauge", "Tokens per second of a rank's latest step"),
+    "vigil_step_time_seconds": ("gauge", "Duration of a rank's latest step"),
+    "vigil_step_comm_seconds": ("gauge", "Communication time of a rank's latest step"),
+    "vigil_step_last": ("gauge", "Number of a rank's latest step"),
+    "vigil_steps_total": ("counter", "Step events stored, per job"),
+    "vigil_gpu_utilization_percent": ("gauge", "Device utilisation"),
+    "vigil_gpu_memory_used_bytes": ("gauge", "Device memory in use"),
+    "vigil_gpu_memory_total_bytes": ("gauge", "Device memory in all"),
+    "vigil_gpu_temperature_celsius": ("gauge", "Device temperature"),
+    "vigil_gpu_power_watts": ("gauge", "Device power draw"),
+    "vigil_incidents_total": ("counter", "Incidents raised, by kind and action"),
+    "vigil_telemetry_events_total": ("counter", "Events stored by telemetry, by consumer"),
+}
+
+
+class Registry:
+    """Metric values by name and labels; `render()` gives the exposition text."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[Labels, float]] = {name: {} for name in _HELP}
+
+    def set(self, name: str, value: float | None, **labels: object) -> None:
+        if value is not None:
+            self._values[name][_labels(labels)] = float(value)
+
+    def inc(self, name: str, amount: float = 1.0, **labels: object) -> None:
+        series = self._values[name]
+        key = _labels(labels)
+        series[key] = series.get(key, 0.0) + amount
+
+    def get(self, name: str, **labels: object) -> float | None:
+        return self._values[name].get(_labels(labels))
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for name, series in self._values.items():
+            kind, text = _HELP[name]
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            for key, value in sorted(series.items()):
+                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in key)
+                lines.append(
+                    f"{name}{{{label_text}}} {_number(value)}" if key else f"{name} {_number(value)}"
+                )
+        return "\n".join(lines) + "\n"
+
+    # --- from events ----------------------------------------------------------------------------
+
+    def observe(self, events: Iterable[Message]) -> None:
+        for e in events:
+            if isinstance(e, StepCompleted):
+                labels = {"job": e.job_id, "rank": e.rank}
+                self.set("vigil_step_loss", e.loss, **labels)
+                self.set("vigil_step_grad_norm", e.grad_norm, **labels)
+                self.set("vigil_step_tokens_per_second", e.tokens_per_s, **labels)
+                self.set("vigil_step_time_seconds", e.step_time_s, **labels)
+                self.set("vigil_step_comm_seconds", e.comm_time_s, **labels)
+                self.set("vigil_step_last", e.step, **labels)
+                self.inc("vigil_steps_total", job=e.job_id)
+            elif isinstance(e, GpuSampled):
+                labels = {"node": e.node, "index": e.index, "kind": e.device_kind}
+                self.set("vigil_gpu_utilization_percent", e.utilization_pct, **labels)
+                self.set("vigil_gpu_memory_used_bytes", e.memory_used_bytes, **labels)
+                self.set("vigil_gpu_memory_total_bytes", e.memory_total_bytes, **labels)
+                self.set("vigil_gpu_temperature_celsius", e.temperature_c, **labels)
+                self.set("vigil_gpu_power_watts", e.power_w, **labels)
+            elif isinstance(e, IncidentRaised):
+                self.inc("vigil_incidents_total", kind=e.kind, action=e.action)
+            elif isinstance(e, JobStateChanged) and e.to_state in TERMINAL_STATES and e.job_id:
+                for name in (
+                    "vigil_step_loss",
+                    "vigil_step_grad_norm",
+                    "vigil_step_tokens_per_second",
+                    "vigil_step_time_seconds",
+                    "vigil_step_comm_seconds",
+                    "vigil_step_last",
+                ):
+                    series = self._values[name]
+                    for key in [k for k in series if ("job", e.job_id) in k]:
+                        del series[key]
+
+
+def _labels(labels: dict[str, object]) -> Labels:
+    return tuple(sorted((k, str(v)) for k, v in labels.items()))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+
+
+async def serve_metrics(registry: Registry, host: str, port: int, stop: asyncio.Event) -> None:
+    """Serve `GET /metrics` until `stop` is set."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            method, path, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            if method == "GET" and path.split("?")[0] == "/metrics":
+                status, body, ctype = "200 OK", registry.render().encode(), "text/plain; version=0.0.4"
+            else:
+                status, body, ctype = "404 Not Found", b"only GET /metrics here\n", "text/plain"
+            head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}; charset=utf-8\r\n"
+            head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, host, port)
+    log.info("telemetry: metrics at http://%s:%d/metrics", host, port)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -1,0 +1,40 @@
+"""Running a service in-process for a test, and waiting on conditions (never on sleeps alone)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from vigil_common.settings import Settings
+
+
+@contextlib.asynccontextmanager
+async def service(
+    run: Callable[[Settings, asyncio.Event], Awaitable[None]], settings: Settings
+) -> AsyncIterator[tuple[asyncio.Task[None], asyncio.Event]]:
+    """`run(settings, stop)` as a task; stopped (gracefully) on the way out unless already done."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(settings, stop))
+    try:
+        yield task, stop
+    finally:
+        stop.set()
+        if not task.done():
+            await asyncio.wait_for(task, 30)
+        elif not task.cancelled() and task.exception():
+            raise task.exception()  # type: ignore[misc]
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 30.0, what: str = "") -> Any:
+    """Poll `check` until it returns something truthy, or fail after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last: Any = None
+    while True:
+        last = await check()
+        if last:
+            return last
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or check}; last: {last!r}")
+        await asyncio.sleep(0.05)  # polling interval of a condition wait

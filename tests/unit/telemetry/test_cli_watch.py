@@ -1,0 +1,48 @@
+import json
+from datetime import UTC, datetime
+
+from vigil_cli.observe import format_json, format_line
+from vigil_common.events import IncidentRaised, JobStateChanged, RollbackCompleted
+
+T = datetime(2026, 1, 1, 12, 30, 5, 250000, tzinfo=UTC)
+
+
+def test_readable_lines():
+    inc = IncidentRaised(
+        job_id="j-1",
+        attempt=2,
+        kind="nan",
+        action="rollback",
+        step=7,
+        rank=1,
+        node="n1",
+        message="non-finite loss",
+        occurred_at=T,
+    )
+    assert (
+        format_line(inc)
+        == "12:30:05.250  j-1#2  INCIDENT nan -> ROLLBACK  step 7 rank 1 on n1: non-finite loss"
+    )
+    st = JobStateChanged(
+        job_id="j-1", attempt=2, from_state="RUNNING", to_state="HALTED", cause="nan", occurred_at=T
+    )
+    assert format_line(st) == "12:30:05.250  j-1#2  STATE    RUNNING -> HALTED  (nan)"
+    rb = RollbackCompleted(
+        job_id="j-1",
+        attempt=2,
+        from_step=8,
+        to_step=5,
+        checkpoint="/c/5",
+        command_id="c",
+        duration_s=1.5,
+        node="n0",
+        skip_data=(7, 8),
+        occurred_at=T,
+    )
+    assert "ROLLBACK step 8 -> 5 in 1.50s, data 7..8 skipped" in format_line(rb)
+
+
+def test_json_lines_are_the_events():
+    inc = IncidentRaised(job_id="j-1", attempt=2, kind="hang", action="alert", message="m", occurred_at=T)
+    assert json.loads(format_json(inc))["kind"] == "hang"
+    assert "\n" not in format_json(inc)
