@@ -11,6 +11,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vigil_cli.worker",
     "vigil_cli.up",
     "vigil_cli.bench",
+    "vigil_cli.jobs",
     "vigil_cli.observe",
 )
 
