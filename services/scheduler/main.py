@@ -52,7 +52,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         raise ConfigError(
             "the scheduler needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
         )
-    provider = tracing.setup_tracing("scheduler")
+    provider = tracing.setup_tracing("scheduler", trace_file=settings.trace_file)
     async with AsyncExitStack() as stack:
         stack.callback(provider.shutdown)
         pool = await create_pool(settings.database_url)
