@@ -14,6 +14,7 @@ rollback completes (or the halt ends), so one fault gives one incident.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -31,6 +32,7 @@ from vigil_common.events import (
     RanksHalted,
     RankStarted,
     RollbackCompleted,
+    RollbackJob,
     StepCompleted,
 )
 from vigil_common.spec import GuardianSpec
@@ -265,9 +267,13 @@ class JobWatch:
         data_position: int | None = None,
         anomaly_step: int | None = None,
         key: object = None,
+        iid: str | None = None,
     ) -> Decision:
         """A decision for a verdict under this job's policy, applying its effect on the job."""
-        iid = incident_id(self.job_id, self.attempt, self.generation, v.kind, key, v.rank, v.node, v.device)
+        iid = iid or incident_id(
+            self.job_id, self.attempt, self.generation, v.kind, key, v.rank, v.node, v.device
+        )
+        before = {"rollbacks_before": self.rollbacks, "recovering_before": self.recovering}
         d = decide(
             v,
             iid=iid,
@@ -283,14 +289,28 @@ class JobWatch:
         ts = now.timestamp()
         if d.action == "rollback":
             self.rollbacks += 1
-            in_place = d.effects["in_place"]
-            target = next(c for c in d.commands if c.type == "job.rollback")
-            self.recovering = Recovering(
-                "rollback" if in_place else "restart", ts, d.effects["rollback_step"], target.checkpoint
-            )  # type: ignore[attr-defined]
+            target = next(c for c in d.commands if isinstance(c, RollbackJob))
+            kind = "restart" if target.restart else "rollback"
+            self.recovering = Recovering(kind, ts, target.step, target.checkpoint)
         elif d.action in ("halt", "fail"):
             self.recovering = Recovering(d.action, ts)  # type: ignore[arg-type]
-        return d
+        redo = {"verdict": v, "data_position": data_position, "anomaly_step": anomaly_step, **before}
+        return dataclasses.replace(d, effects={**d.effects, "redo": redo})
+
+    def refresh(self, d: Decision) -> Decision:
+        """The same decision made again with what the job knows now (checkpoints or policy that
+        arrived on the status and launch subjects a moment after the step that caused it)."""
+        redo = d.effects.get("redo")
+        if redo is None or self.terminal:
+            return d
+        self.rollbacks, self.recovering = redo["rollbacks_before"], redo["recovering_before"]
+        return self.decide(
+            redo["verdict"],
+            d.incident.occurred_at,
+            data_position=redo["data_position"],
+            anomaly_step=redo["anomaly_step"],
+            iid=d.incident.event_id,
+        )
 
     def on_status(self, event: Message, now: datetime) -> list[Decision]:
         if isinstance(event, CheckpointSaved):

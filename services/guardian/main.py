@@ -1,0 +1,274 @@
+"""The guardian service: watches every step, GPU sample and status event, decides, and commands.
+
+Lifecycle: connect, load saved state and rebuild the detector windows (a quiet replay of each
+active job's steps up to what the durable consumer has acknowledged), then consume launches,
+status, steps and GPU samples in one TaskGroup with a hang check on a timer and the webhook
+notifier, until `stop`; drain and close.
+
+A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then
+its `IncidentRaised` on `subjects.incident(job)`; then the job's control state and the incident
+id are saved, and only then is the event that caused it acknowledged. Ids are stable per fault,
+so a crash between publishing and saving republishes the same ids (JetStream drops them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from contextlib import AsyncExitStack
+from datetime import datetime, timedelta
+
+import asyncpg
+import nats.errors
+import nats.js.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from vigil_common import subjects, tracing
+from vigil_common.bus import Bus, ConsumerSpec, Delivery
+from vigil_common.db import create_pool, migrate
+from vigil_common.errors import ConfigError, MalformedMessage
+from vigil_common.events import GpuSampled, Message, StepCompleted, decode, utcnow
+from vigil_common.settings import Settings
+from vigil_guardian import store
+from vigil_guardian.fleet import Guardian
+from vigil_guardian.notifier import Notifier
+from vigil_guardian.policy import Decision
+from vigil_guardian.watch import JobWatch
+
+log = logging.getLogger(__name__)
+
+STEPS = ConsumerSpec(
+    stream=subjects.STEPS, durable="guardian-steps", filter_subject=subjects.ALL_STEPS, deliver_new=True
+)
+GPU = ConsumerSpec(
+    stream=subjects.NODES, durable="guardian-gpu", filter_subject=subjects.ALL_GPU, deliver_new=True
+)
+STATUS = ConsumerSpec(
+    stream=subjects.JOBS, durable="guardian-status", filter_subject=subjects.ALL_STATUS, deliver_new=True
+)
+LAUNCHES = ConsumerSpec(
+    stream=subjects.JOBS, durable="guardian-launches", filter_subject=subjects.ALL_LAUNCHES, deliver_new=True
+)
+HANG_CHECK_S = 0.5
+
+
+class GuardianService:
+    """The I/O around the pure `Guardian`: publish decisions, save state, notify."""
+
+    def __init__(self, core: Guardian, bus: Bus, pool: asyncpg.Pool, notifier: Notifier) -> None:
+        self.core = core
+        self.bus = bus
+        self.pool = pool
+        self.notifier = notifier
+        self._saved: dict[str, dict] = {}  # the last snapshot written per job
+        self._devices = core.device_levels()
+        self._lock = asyncio.Lock()
+
+    async def handle(self, event: Message, delivery: Delivery | None = None) -> None:
+        """Judge one event; publish and save what it decides before it is acknowledged."""
+        job = event.job_id
+        watch = self.core.jobs.get(job) if job else None
+        mark = _mark(watch)
+        decisions = self.core.on_event(event, utcnow())
+        if isinstance(event, StepCompleted) and not decisions and watch is not None and _mark(watch) == mark:
+            return  # the common case: a step that changes nothing but the windows
+        decisions = await self.act(decisions, sync=isinstance(event, StepCompleted | GpuSampled))
+        jobs = {job} if job else set()
+        jobs |= {d.incident.job_id for d in decisions if d.incident.job_id}
+        await self.persist(jobs, decisions, devices=isinstance(event, GpuSampled))
+
+    async def act(self, decisions: list[Decision], *, sync: bool = True) -> list[Decision]:
+        """Publish each decision; returns them as published.
+
+        With `sync`, a decision that names a checkpoint is made again once the status and launch
+        consumers have handled what is already in their streams (a CheckpointSaved published just
+        before the faulty step may not be known yet); its HaltJob goes out before that wait.
+        """
+        out = []
+        for d in decisions:
+            messages = d.messages()
+            watch = self.core.jobs.get(d.incident.job_id or "")
+            if sync and watch is not None and d.action in ("rollback", "halt") and "redo" in d.effects:
+                if messages[0][1].type == "job.halt":
+                    await self.bus.publish(*messages[0])
+                await self.caught_up()
+                d = watch.refresh(d)
+                messages = d.messages()  # a HaltJob sent already is dropped by JetStream as a duplicate
+            for subject, message in messages:
+                await self.bus.publish(subject, message)
+            self.core.mark_published(d.incident.event_id)
+            self.notifier.notify(d.incident)
+            log.warning(
+                "incident %s %s -> %s: %s",
+                d.incident.job_id or d.incident.node,
+                d.incident.kind,
+                d.action,
+                d.incident.message,
+            )
+            out.append(d)
+        return out
+
+    async def caught_up(self, timeout_s: float = 2.0) -> None:
+        """Wait (at most `timeout_s`) until the status and launch consumers have nothing pending."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            behind = 0
+            for spec in (STATUS, LAUNCHES):
+                with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                    info = await self.bus.js.consumer_info(spec.stream.name, spec.durable)
+                    behind += info.num_pending + info.num_ack_pending
+            if not behind or loop.time() > deadline:
+                return
+            await asyncio.sleep(0.01)  # the other consumers are working: look again shortly
+
+    async def persist(self, job_ids: set[str], decisions: list[Decision], *, devices: bool = False) -> None:
+        async with self._lock:
+            rows = []
+            for job_id in sorted(job_ids):
+                watch = self.core.jobs.get(job_id)
+                if watch is not None:
+                    snap, terminal = watch.snapshot(), False
+                elif job_id in self.core.finished and job_id in self._saved:
+                    snap, terminal = self._saved[job_id], True  # ended: written once, never loaded again
+                else:
+                    continue
+                if self._saved.get(job_id) != snap or terminal:
+                    rows.append((job_id, snap, terminal))
+            levels = self.core.device_levels() if devices else None
+            if levels == self._devices:
+                levels = None
+            if not rows and not decisions and levels is None:
+                return
+            await store.save(self.pool, jobs=rows, incidents=[d.incident for d in decisions], devices=levels)
+            for job_id, snap, terminal in rows:
+                if terminal:
+                    self._saved.pop(job_id, None)
+                else:
+                    self._saved[job_id] = snap
+            if levels is not None:
+                self._devices = levels
+
+    async def hang_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            decisions = self.core.check_hangs(utcnow())
+            if decisions:
+                decisions = await self.act(decisions)
+                await self.persist({d.incident.job_id for d in decisions if d.incident.job_id}, decisions)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), HANG_CHECK_S)
+
+    def remember(self, job_id: str, snap: dict) -> None:
+        self._saved[job_id] = snap
+
+
+def _mark(watch: JobWatch | None) -> tuple[object, ...] | None:
+    """What a step can change in a job's saved state besides its decisions."""
+    if watch is None:
+        return None
+    return (
+        watch.attempt,
+        watch.running_since is None,
+        watch.generation,
+        watch.recovering is None,
+        watch.state,
+    )
+
+
+async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool) -> None:
+    """Load saved state, then rebuild each active job's windows from the steps it has already judged."""
+    saved = await store.load(pool)
+    core = service.core
+    for job_id in saved.finished:
+        core.finish(job_id)
+    for iid in saved.incidents:
+        core.mark_published(iid)
+    core.restore_devices(saved.devices)
+    service._devices = core.device_levels()
+    for job_id, snap in saved.jobs.items():
+        core.jobs[job_id] = JobWatch.restore(job_id, snap)
+        service.remember(job_id, snap)
+    try:
+        info = await bus.js.consumer_info(STEPS.stream.name, STEPS.durable)
+    except nats.js.errors.NotFoundError:
+        return  # never consumed: nothing was judged
+    upto = info.ack_floor.stream_seq
+    replayed = 0
+    for watch in list(core.jobs.values()):
+        replayed += await _replay(bus, core, watch, upto)
+    if saved.jobs:
+        log.info("guardian: restored %d jobs, replayed %d step events", len(saved.jobs), replayed)
+
+
+async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int) -> int:
+    """Feed a job's step events (stream sequence <= `upto`) quietly: windows only, no decisions."""
+    if upto <= 0:
+        return 0
+    start = datetime.fromtimestamp(max(watch.replay_from, 0.0), tz=utcnow().tzinfo) - timedelta(seconds=1)
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_TIME,
+        opt_start_time=start,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=30.0,
+    )
+    sub = await bus.js.pull_subscribe(subjects.step(watch.job_id), stream=subjects.STEPS.name, config=config)
+    fed = 0
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(500, timeout=1.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            done = False
+            for msg in msgs:
+                meta = msg.metadata
+                if meta.sequence.stream > upto:
+                    done = True
+                    break
+                try:
+                    event = decode(msg.data, (StepCompleted,))
+                except MalformedMessage:
+                    continue
+                core.on_event(event, event.occurred_at, quiet=True)
+                fed += 1
+            if done or not msgs or msgs[-1].metadata.num_pending == 0:
+                break
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return fed
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    """Connect, restore, consume until `stop`, then drain and close."""
+    if not settings.database_url or not settings.nats_url:
+        raise ConfigError(
+            "the guardian needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
+        )
+    provider = tracing.setup_tracing("guardian")
+    async with AsyncExitStack() as stack:
+        stack.callback(provider.shutdown)
+        pool = await create_pool(settings.database_url)
+        stack.push_async_callback(pool.close)
+        await migrate(pool)
+        bus = await Bus.connect(settings.nats_url, name="guardian", provider=provider)
+        stack.push_async_callback(bus.close)
+        await bus.ensure_streams()
+
+        notifier = Notifier(settings.webhook_urls)
+        service = GuardianService(Guardian(), bus, pool, notifier)
+        await restore(service, bus, pool)
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(bus.consume(LAUNCHES, service.handle, stop))
+            tasks.create_task(bus.consume(STATUS, service.handle, stop))
+            tasks.create_task(bus.consume(STEPS, service.handle, stop))
+            tasks.create_task(bus.consume(GPU, service.handle, stop))
+            tasks.create_task(service.hang_loop(stop))
+            tasks.create_task(notifier.run(stop))
+        log.info(
+            "guardian stopped (webhooks: %d delivered, %d failed, %d dropped)",
+            notifier.delivered,
+            notifier.failed,
+            notifier.dropped,
+        )

@@ -1,0 +1,78 @@
+"""The guardian's state in Postgres (migration 0004): job control state, published incidents, sick devices."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from vigil_common.events import IncidentRaised
+
+RECENT_INCIDENTS = 100_000
+RECENT_FINISHED = 10_000
+
+
+@dataclass
+class Saved:
+    """What a starting guardian loads."""
+
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+    incidents: list[str] = field(default_factory=list)
+    devices: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+async def load(pool: asyncpg.Pool) -> Saved:
+    saved = Saved()
+    for r in await pool.fetch("SELECT job_id, state FROM guardian_jobs WHERE NOT terminal"):
+        saved.jobs[r["job_id"]] = json.loads(r["state"])
+    saved.finished = [
+        r["job_id"]
+        for r in await pool.fetch(
+            "SELECT job_id FROM guardian_jobs WHERE terminal ORDER BY updated_at DESC LIMIT $1",
+            RECENT_FINISHED,
+        )
+    ][::-1]
+    saved.incidents = [
+        r["id"]
+        for r in await pool.fetch(
+            "SELECT id FROM guardian_incidents ORDER BY created_at DESC LIMIT $1", RECENT_INCIDENTS
+        )
+    ][::-1]
+    for r in await pool.fetch("SELECT node, index, level FROM guardian_devices"):
+        saved.devices[(r["node"], r["index"])] = r["level"]
+    return saved
+
+
+async def save(
+    pool: asyncpg.Pool,
+    *,
+    jobs: Sequence[tuple[str, dict[str, Any], bool]] = (),
+    incidents: Sequence[IncidentRaised] = (),
+    devices: dict[tuple[str, int], int] | None = None,
+) -> None:
+    """Write job snapshots (job_id, snapshot, terminal), incidents published and device levels, in one go."""
+    async with pool.acquire() as conn, conn.transaction():
+        if jobs:
+            await conn.executemany(
+                """INSERT INTO guardian_jobs (job_id, state, terminal, updated_at) VALUES ($1, $2, $3, now())
+                   ON CONFLICT (job_id) DO UPDATE SET state = EXCLUDED.state, terminal = EXCLUDED.terminal,
+                       updated_at = now()""",
+                [(job_id, json.dumps(snap), terminal) for job_id, snap, terminal in jobs],
+            )
+        if incidents:
+            await conn.executemany(
+                """INSERT INTO guardian_incidents (id, job_id, kind, action, step) VALUES ($1, $2, $3, $4, $5)
+                   ON CONFLICT (id) DO NOTHING""",
+                [(i.event_id, i.job_id, i.kind, i.action, i.step) for i in incidents],
+            )
+        if devices is not None:
+            await conn.execute("DELETE FROM guardian_devices")
+            if devices:
+                await conn.executemany(
+                    "INSERT INTO guardian_devices (node, index, level) VALUES ($1, $2, $3)",
+                    [(node, index, level) for (node, index), level in devices.items()],
+                )

@@ -1,0 +1,244 @@
+"""The guardian end to end on real NATS and Postgres, fed synthetic step streams on the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.integration.telemetry.helpers import eventually, service
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.events import (
+    CheckpointSaved,
+    JobStateChanged,
+    LaunchJob,
+    Message,
+    RankPlacement,
+    RankStarted,
+    StepCompleted,
+)
+from vigil_common.settings import Settings
+from vigil_common.spec import JobSpec
+from vigil_guardian.main import run
+
+pytestmark = pytest.mark.integration
+
+
+def cfg(nats_url: str, database_url: str, tmp_path) -> Settings:
+    return Settings.load(nats_url=nats_url, database_url=database_url, data_dir=tmp_path, metrics_port=0)
+
+
+class Job:
+    """A synthetic job: its launch, checkpoints and ranks' steps, published on the bus."""
+
+    def __init__(self, bus: Bus, job_id: str, world: int = 2, **guardian: object) -> None:
+        self.bus, self.id, self.world = bus, job_id, world
+        self.spec = JobSpec(
+            name="synthetic", resources={"nodes": world, "gpus_per_node": 1}, guardian=guardian
+        )
+
+    async def launch(self) -> None:
+        await self.bus.publish(
+            subjects.launch(self.id),
+            LaunchJob(
+                job_id=self.id,
+                attempt=1,
+                spec=self.spec,
+                master_addr="127.0.0.1",
+                master_port=29500,
+                placement=[
+                    RankPlacement(rank=r, node=f"node{r}", device=0, local_rank=0) for r in range(self.world)
+                ],
+            ),
+        )
+        for r in range(self.world):
+            await self.bus.publish(
+                subjects.status(self.id),
+                RankStarted(
+                    job_id=self.id, attempt=1, rank=r, node=f"node{r}", pid=100 + r, log_path="/dev/null"
+                ),
+            )
+
+    async def checkpoint(self, step: int) -> None:
+        await self.bus.publish(
+            subjects.status(self.id),
+            CheckpointSaved(
+                job_id=self.id,
+                attempt=1,
+                step=step,
+                path=f"/ckpt/{self.id}/step_{step:08d}",
+                bytes=1,
+                manifest_sha256="x",
+                data_position=step,
+            ),
+        )
+
+    async def step(self, k: int, rank: int, loss: float | None = None, **kw: object) -> None:
+        loss = 3.0 - 0.01 * k + 0.02 * ((k * 7 + rank) % 5 - 2) if loss is None else loss
+        base = dict(step_time_s=0.1, comm_time_s=0.01, data_position=k, grad_norm=1.0)
+        await self.bus.publish(
+            subjects.step(self.id),
+            StepCompleted(
+                job_id=self.id,
+                attempt=1,
+                rank=rank,
+                node=f"node{rank}",
+                step=k,
+                loss=loss,
+                lr=1e-3,
+                tokens=100,
+                tokens_per_s=1000.0,
+                **{**base, **kw},
+            ),
+        )
+
+    async def steps(self, first: int, last: int) -> None:
+        for k in range(first, last):
+            for r in range(self.world):
+                await self.step(k, r)
+
+    async def end(self) -> None:
+        await self.bus.publish(
+            subjects.status(self.id),
+            JobStateChanged(
+                job_id=self.id, attempt=1, from_state="RUNNING", to_state="SUCCEEDED", cause="test over"
+            ),
+        )
+
+
+async def take(events: AsyncIterator[Message], n: int, timeout: float = 15.0) -> list[Message]:
+    out = []
+    for _ in range(n):
+        out.append(await asyncio.wait_for(anext(events), timeout))
+    return out
+
+
+async def ready(bus: Bus) -> bool:
+    """The guardian's durable consumers exist (events published from now on reach it)."""
+    for stream, durable in (
+        (subjects.STEPS, "guardian-steps"),
+        (subjects.JOBS, "guardian-status"),
+        (subjects.JOBS, "guardian-launches"),
+        (subjects.NODES, "guardian-gpu"),
+    ):
+        try:
+            await bus.js.consumer_info(stream.name, durable)
+        except Exception:
+            return False
+    return True
+
+
+@pytest.fixture
+async def guardian(bus, nats_url, migrated, tmp_path):
+    async with service(run, cfg(nats_url, migrated, tmp_path)) as (task, _):
+        await eventually(lambda: ready(bus), what="the guardian's consumers")
+        yield task
+
+
+async def test_nan_halts_and_rolls_back_to_the_newest_checkpoint_at_or_before_it(bus, pool, guardian, job_id):
+    job = Job(bus, job_id)
+    await job.launch()
+    await job.checkpoint(0)
+    await job.steps(0, 5)
+    await job.checkpoint(5)
+    await job.steps(5, 7)
+    async with bus.watch(subjects.cmd(job_id), subjects.incident(job_id)) as events:
+        await job.step(7, 1, math.nan, skipped=True)
+        await job.step(7, 0, math.nan, skipped=True)
+        halt, rollback, incident = await take(events, 3)
+    assert (halt.type, rollback.type, incident.type) == ("job.halt", "job.rollback", "incident.raised")
+    assert (
+        rollback.checkpoint == f"/ckpt/{job_id}/step_00000005" and rollback.step == 5 and not rollback.restart
+    )
+    assert (incident.kind, incident.action, incident.step, incident.rank) == ("nan", "rollback", 7, 1)
+    assert halt.incident_id == rollback.incident_id == incident.event_id and rollback.attempt == 1
+    await eventually(lambda: pool.fetchval("SELECT kind FROM guardian_incidents WHERE job_id = $1", job_id))
+    await job.end()
+
+
+async def test_spike_rolls_back_with_its_data_window_skipped(bus, guardian, job_id):
+    job = Job(bus, job_id, spike_skip_steps=3)
+    await job.launch()
+    await job.checkpoint(0)
+    await job.steps(0, 20)
+    await job.checkpoint(20)
+    await job.steps(20, 25)
+    async with bus.watch(subjects.cmd(job_id)) as events:
+        await job.step(25, 0, loss=80.0, data_position=31)
+        _halt, rollback = await take(events, 2)
+    assert rollback.step == 20 and rollback.skip_data == (31, 34)
+    assert "spike" in rollback.reason
+    await job.end()
+
+
+async def test_slow_rank_gives_an_imbalance_incident_naming_it(bus, guardian, job_id):
+    job = Job(bus, job_id, world=3, imbalance_steps=3)
+    await job.launch()
+    async with bus.watch(subjects.incident(job_id)) as events:
+        for k in range(6):
+            for r in range(3):  # rank 1 computes 0.3 s longer; the others wait for it in the all-reduce
+                await job.step(k, r, step_time_s=0.5, comm_time_s=0.05 if r == 1 else 0.35)
+        (incident,) = await take(events, 1)
+    assert (incident.kind, incident.rank, incident.node, incident.action) == (
+        "imbalance",
+        1,
+        "node1",
+        "alert",
+    )
+    assert incident.step == 2 and len(incident.evidence["ratios"]) == 3
+    await job.end()
+
+
+async def test_missing_steps_give_a_hang_incident_then_the_policys_action(bus, guardian, job_id):
+    job = Job(bus, job_id, hang_timeout_s=1.0)
+    await job.launch()
+    await job.checkpoint(0)
+    await job.steps(0, 3)
+    async with bus.watch(subjects.cmd(job_id), subjects.incident(job_id)) as events:
+        await job.step(3, 0)  # rank 1 never reports step 3
+        rollback, incident = await take(events, 2)
+    assert (incident.kind, incident.rank, incident.action, incident.step) == ("hang", 1, "rollback", 3)
+    assert incident.evidence["silent_s"] > 1.0
+    assert rollback.restart and rollback.step == 0 and rollback.checkpoint.endswith("step_00000000")
+    await job.end()
+
+
+async def test_a_guardian_restart_mid_run_misses_nothing(bus, pool, nats_url, migrated, tmp_path, job_id):
+    job = Job(bus, job_id, spike_warmup=10, spike_skip_steps=1)
+    async with service(run, cfg(nats_url, migrated, tmp_path)) as (task, _):
+        await eventually(lambda: ready(bus), what="the guardian's consumers")
+        await job.launch()
+        await job.checkpoint(0)
+        await job.steps(0, 10)
+        await job.checkpoint(10)
+        await job.steps(10, 15)
+        saved = f"SELECT state->'checkpoints' ? '10' FROM guardian_jobs WHERE job_id = '{job_id}'"
+        await eventually(lambda: pool.fetchval(saved), what="the checkpoint in the saved state")
+        await eventually(lambda: _steps_acked(bus), what="steps judged")
+        task.cancel()  # killed, not stopped
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    # while the guardian is down the run goes on, and a spike comes
+    await job.steps(15, 18)
+    await job.step(18, 1, loss=90.0, data_position=18)
+    async with (
+        bus.watch(subjects.cmd(job_id), subjects.incident(job_id)) as events,
+        service(run, cfg(nats_url, migrated, tmp_path)),
+    ):
+        _halt, rollback, incident = await take(events, 3, timeout=30)
+        # judged once: no second incident for anything already seen
+        with pytest.raises(TimeoutError):
+            await take(events, 1, timeout=1.0)
+    assert (incident.kind, incident.step, incident.rank) == ("spike", 18, 1)
+    # a spike needs the warm-up window: it was rebuilt from the steps judged before the kill
+    assert incident.evidence["window"] >= 10
+    assert rollback.step == 10 and rollback.skip_data == (18, 19)
+    await job.end()
+
+
+async def _steps_acked(bus: Bus) -> bool:
+    info = await bus.js.consumer_info(subjects.STEPS.name, "guardian-steps")
+    return info.num_ack_pending == 0 and info.num_pending == 0
