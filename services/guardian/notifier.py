@@ -81,7 +81,9 @@ class Notifier:
         headers = {"Content-Type": "application/json", "Idempotency-Key": incident.event_id}
         for attempt in range(1, self.attempts + 1):
             try:
-                response = await client.post(url, content=body, headers=headers)
+                response = await _until(client.post(url, content=body, headers=headers), stop)
+                if response is None:
+                    break  # stopping: a slow hook does not hold up the shutdown
                 if response.status_code < 300:
                     self.delivered += 1
                     return
