@@ -214,8 +214,9 @@ def _deepspeed_safe_globals() -> list[Any]:
     """The few DeepSpeed classes its checkpoints pickle besides tensors and plain containers."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def use_safe_loading(engine: Any) -> None:

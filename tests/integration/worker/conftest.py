@@ -157,10 +157,17 @@ class Recorder:
             e for e in self.events if isinstance(e, cls) and all(getattr(e, k) == v for k, v in match.items())
         ]
 
-    async def until(self, predicate: Callable[[Recorder], Any], timeout: float = 120.0) -> Any:
+    async def until(
+        self, predicate: Callable[[Recorder], Any], timeout: float = 120.0, *, fail_on_exit: bool = True
+    ) -> Any:
+        """Wait until `predicate(self)` is truthy; fail at once if a rank dies meanwhile."""
+
         async def wait() -> Any:
             async with self.changed:
                 while not (result := predicate(self)):
+                    dead = [e for e in self.of(ev.RankExited) if e.failure != "ok"]
+                    if fail_on_exit and dead:
+                        raise AssertionError(f"a rank died: {dead[0].failure}\n{dead[0].log_tail}")
                     await self.changed.wait()
                 return result
 
@@ -190,8 +197,10 @@ async def record(bus: Bus, job_id: str) -> AsyncIterator[Recorder]:
                 await task
 
 
-def both_exited(attempt: int = 1) -> Callable[[Recorder], bool]:
-    return lambda r: len(r.exits(attempt)) == 2
+async def until_exited(rec: Recorder, attempt: int = 1, timeout: float = 120.0) -> dict[int, ev.RankExited]:
+    """Both ranks' RankExited, whatever their failure."""
+    await rec.until(lambda r: len(r.exits(attempt)) == 2, timeout, fail_on_exit=False)
+    return rec.exits(attempt)
 
 
 def rank_logs(cluster: Cluster, job_id: str) -> str:

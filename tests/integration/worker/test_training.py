@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.integration.worker.conftest import both_exited, launch, rank_logs, record, tiny_spec
+from tests.integration.worker.conftest import launch, rank_logs, record, tiny_spec, until_exited
 from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_worker.trainer import checkpoint as ckpt
@@ -21,7 +21,7 @@ async def test_two_rank_job_on_two_workers(ready_cluster, bus, job_id, zero_stag
     async with record(bus, job_id) as rec:
         t0 = time.monotonic()
         await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
-        await rec.until(both_exited(), timeout=180)
+        await until_exited(rec, timeout=180)
         elapsed = time.monotonic() - t0
     logs = rank_logs(ready_cluster, job_id)
     assert {e.rank: e.exit_code for e in rec.exits().values()} == {0: 0, 1: 0}, logs
@@ -56,7 +56,7 @@ async def test_crashed_rank_is_reported_with_its_exit_code(ready_cluster, bus, j
     spec = tiny_spec(steps=50, faults=[{"kind": "crash", "step": 2, "rank": 1, "exit_code": 7}])
     async with record(bus, job_id) as rec:
         await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
-        await rec.until(both_exited(), timeout=120)
+        await until_exited(rec, timeout=120)
     exits = rec.exits()
     assert exits[1].exit_code == 7 and exits[1].failure == "error", rank_logs(ready_cluster, job_id)
     assert "injected crash at step 2" in exits[1].log_tail
@@ -82,6 +82,6 @@ async def test_halt_leaves_no_rank_blocked(ready_cluster, bus, job_id):
         # a command for another attempt is ignored
         await bus.publish(subjects.cmd(job_id), ev.HaltJob(job_id=job_id, attempt=9, reason="stale"))
         await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test over"))
-        await rec.until(both_exited(), timeout=60)
+        await until_exited(rec, timeout=60)
     assert len(rec.of(ev.RanksHalted)) == 1
     assert {e.failure for e in rec.exits().values()} == {"killed_by_vigil"}
