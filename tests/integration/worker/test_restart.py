@@ -1,0 +1,79 @@
+"""A restarted worker finds the ranks it had started, or learns how they ended, and reports the truth."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from tests.integration.worker.conftest import (
+    launch,
+    rank_logs,
+    record,
+    start_worker,
+    stop_worker,
+    tiny_spec,
+    until_exited,
+    wait_heartbeat,
+)
+from vigil_common import events as ev
+from vigil_common import subjects
+from vigil_worker.procs import start_ticks
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+async def gone(pid: int, timeout: float = 60.0) -> None:
+    """Wait for a process that is not our child to end: its pidfd becomes readable then."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    ended = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(fd, ended.set)
+    try:
+        await asyncio.wait_for(ended.wait(), timeout)
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+async def test_restarted_worker_adopts_running_ranks_and_reports_how_they_ended(
+    ready_cluster, bus, nats_url, job_id
+):
+    spec = tiny_spec(steps=2000, checkpoint={"every": 1000, "keep": 2})
+    node_a = ready_cluster.workers[0].node
+    async with record(bus, job_id) as rec:
+        await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
+        await rec.until(lambda r: r.of(ev.StepCompleted, rank=0, step=2))
+        rank0 = rec.of(ev.RankStarted, rank=0)[0]
+
+        # the worker goes away; its rank trains on
+        await asyncio.to_thread(stop_worker, ready_cluster.workers[0])
+        seen = max(e.step for e in rec.of(ev.StepCompleted, rank=0))
+        await rec.until(lambda r: r.of(ev.StepCompleted, rank=0, step=seen + 3))
+
+        # back again: it finds the rank and keeps its slot busy
+        ready_cluster.workers[0] = start_worker(nats_url, ready_cluster.data_dir, node_a, 1)
+        beat = await wait_heartbeat(bus, node_a)
+        assert beat.free == [] and [d.kind for d in beat.devices] == ["cpu"]
+        assert not rec.of(ev.RankExited)
+
+        # down again; meanwhile the job is cancelled: node b ends rank 1 and rank 0 fails out of its collective
+        await asyncio.to_thread(stop_worker, ready_cluster.workers[0])
+        await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test"))
+        await rec.until(lambda r: r.exits().get(1), fail_on_exit=False)
+        await gone(rank0.pid)
+        assert 0 not in rec.exits()  # nobody was watching rank 0 when it ended
+
+        # the restarted worker reports how it ended, from the exit code the rank left behind
+        ready_cluster.workers[0] = start_worker(nats_url, ready_cluster.data_dir, node_a, 1)
+        exits = await until_exited(rec, timeout=60)
+    assert exits[1].failure == "killed_by_vigil"
+    assert exits[0].node == node_a and exits[0].exit_code not in (0, None), rank_logs(ready_cluster, job_id)
+    assert exits[0].failure == "error"
+    beat = await wait_heartbeat(bus, node_a)
+    assert beat.free == [0]
+    assert start_ticks(rank0.pid) is None
