@@ -1,0 +1,110 @@
+"""Two real workers on this machine, real DeepSpeed ranks: killing the worker (and its ranks, as when a
+machine dies) fails the job over to the other worker, which resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.events import CheckpointSaved, NodeHeartbeat, RankStarted, StepCompleted
+
+from .conftest import launched, next_event, wait_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def start_worker(nats_url: str, data_dir: Path, node: str) -> subprocess.Popen[bytes]:
+    env = dict(
+        os.environ,
+        VIGIL_NATS_URL=nats_url,
+        VIGIL_DATA_DIR=str(data_dir),  # shared, as nodes share checkpoint storage
+        VIGIL_NODE_NAME=node,
+        VIGIL_CPU_SLOTS="1",
+        VIGIL_HEARTBEAT_INTERVAL_S="0.5",
+        OMP_NUM_THREADS="1",
+    )
+    with (data_dir / f"worker-{node}.log").open("ab") as out:
+        return subprocess.Popen(
+            [str(Path(sys.executable).parent / "vigil"), "worker"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+@pytest.fixture
+def workers(nats_url: str, tmp_path: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    tag = uuid.uuid4().hex[:6]
+    procs = {f"w-{tag}-{x}": start_worker(nats_url, tmp_path, f"w-{tag}-{x}") for x in "ab"}
+    rank_pids: list[int] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(20)
+                if proc.poll() is None:
+                    proc.kill()
+        for state in tmp_path.glob("worker/*/ranks.json"):  # ranks outlive their worker by design
+            import json
+
+            rank_pids += [r["pid"] for r in json.loads(state.read_text()).get("ranks", [])]
+        for pid in rank_pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+async def test_killed_worker_fails_over_to_the_other_from_the_last_checkpoint(
+    scheduler, workers, bus: Bus
+) -> None:
+    for node in workers:
+        await next_event(bus, subjects.heartbeat(node), lambda e: isinstance(e, NodeHeartbeat), timeout_s=60)
+    spec = {
+        "name": "e2e-failover",
+        "resources": {"nodes": 1, "gpus_per_node": 1},
+        "model": {"preset": "tiny", "n_layer": 2, "seq_len": 32},
+        "train": {"steps": 16, "micro_batch": 4, "lr": 3e-3, "warmup_steps": 1, "zero_stage": 0},
+        "checkpoint": {"every": 4},
+        "faults": [{"kind": "slow_rank", "step": 0, "delay_s": 0.4}],  # time to kill it mid-run
+    }
+    job = (await scheduler.http.post("/api/v1/jobs", json=spec)).json()
+    jid = job["id"]
+    first = await launched(bus, jid)
+    victim = first.placement[0].node
+    survivor = next(n for n in workers if n != victim)
+    started = await next_event(bus, subjects.status(jid), lambda e: isinstance(e, RankStarted), timeout_s=60)
+    saved = await next_event(
+        bus, subjects.status(jid), lambda e: isinstance(e, CheckpointSaved) and e.step >= 4, timeout_s=120
+    )
+
+    workers[victim].kill()  # the machine dies: worker and ranks at once
+    workers[victim].wait(10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(started.pid, signal.SIGKILL)
+
+    second = await launched(bus, jid, attempt=2, timeout_s=30)
+    assert [p.node for p in second.placement] == [survivor]
+    assert second.resume_from is not None
+    resumed_step = int(Path(second.resume_from).name.removeprefix("step_"))
+    assert resumed_step >= saved.step
+    first_step = await next_event(
+        bus, subjects.step(jid), lambda e: isinstance(e, StepCompleted) and e.attempt == 2, timeout_s=120
+    )
+    assert first_step.step == resumed_step and first_step.node == survivor
+    done = await wait_state(bus, jid, "SUCCEEDED", timeout_s=180)
+    assert done.attempt == 2
+    got = (await scheduler.http.get(f"/api/v1/jobs/{jid}")).json()
+    causes = [t["cause"] for t in got["transitions"]]
+    assert f"node {victim} lost (no heartbeat for 3 intervals)" in causes
