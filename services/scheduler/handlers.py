@@ -146,6 +146,18 @@ class Handlers:
                 return
             how = f"code {event.exit_code}" if event.exit_code is not None else f"signal {event.signal}"
             cause = f"rank {event.rank} on {event.node} exited with {how} ({event.failure})"
+            if event.failure == "killed_by_vigil":
+                # A worker ends a rank's siblings when it dies: the rank that died tells us why. Only
+                # when every rank is gone without such a report is this the cause.
+                exited = await conn.fetchval(
+                    "SELECT count(*) FROM job_ranks"
+                    " WHERE job_id = $1 AND attempt = $2 AND exited_at IS NOT NULL",
+                    job.id,
+                    job.attempt,
+                )
+                if exited < job.world_size:
+                    return
+                cause = f"every rank was ended by its worker (last: rank {event.rank} on {event.node})"
             await lifecycle.requeue(conn, job, cause, max_attempts=self.s.settings.max_attempts)
             freed = True
         if freed:

@@ -63,10 +63,14 @@ class Relay:
 
     async def run(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
         """Relay until `stop`; a failed publish is retried on the next round, keeping the order."""
+        rounds = 0
         while not stop.is_set():
             try:
                 while await self.publish_pending():
                     pass
+                rounds += 1
+                if rounds % 3600 == 1:
+                    await self.prune()
             except (VigilError, OSError, asyncpg.PostgresError) as exc:
                 log.warning("outbox relay: %s; retrying", exc)
             await wait_any(self._wake, stop, poll_s)
@@ -97,6 +101,14 @@ class Relay:
         if failure is not None:
             raise failure
         return len(done)
+
+    async def prune(self, keep_days: float = 1.0) -> None:
+        """Forget published events after a while; launches stay (they guard one launch per attempt)."""
+        await self.pool.execute(
+            """DELETE FROM outbox WHERE published_at < now() - make_interval(secs => $1)
+               AND type <> 'job.launch'""",
+            keep_days * 86_400,
+        )
 
     async def _publish(self, row: asyncpg.Record) -> None:
         event = decode(bytes(row["payload"]))

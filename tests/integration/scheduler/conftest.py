@@ -271,7 +271,14 @@ async def start_ranks(bus: Bus, launch: LaunchJob) -> None:
         )
 
 
-async def exit_rank(bus: Bus, launch: LaunchJob, rank: int, code: int, attempt: int | None = None) -> None:
+async def exit_rank(
+    bus: Bus,
+    launch: LaunchJob,
+    rank: int,
+    code: int | None,
+    attempt: int | None = None,
+    failure: str | None = None,
+) -> None:
     node = launch.placement[rank].node
     await bus.publish(
         subjects.status(launch.job_id or ""),
@@ -281,7 +288,8 @@ async def exit_rank(bus: Bus, launch: LaunchJob, rank: int, code: int, attempt: 
             rank=rank,
             node=node,
             exit_code=code,
-            failure="ok" if code == 0 else "error",
+            signal=None if code is not None else 15,
+            failure=failure or ("ok" if code == 0 else "error"),  # type: ignore[arg-type]
         ),
     )
 

@@ -170,3 +170,15 @@ async def test_priority_then_submission_order(scheduler, nodes, bus: Bus) -> Non
     await scheduler.http.post(f"/api/v1/jobs/{running['id']}/cancel")
     await launched(bus, high["id"])
     assert (await scheduler.http.get(f"/api/v1/jobs/{low['id']}")).json()["state"] == "PENDING"
+
+
+async def test_a_rank_killed_because_its_sibling_died_is_not_the_cause(scheduler, nodes, bus: Bus) -> None:
+    node = nodes(slots=2)
+    await node.beat()
+    job = (await scheduler.http.post("/api/v1/jobs", json=spec())).json()
+    first = await launched(bus, job["id"])
+    await start_ranks(bus, first)
+    await exit_rank(bus, first, 0, None, failure="killed_by_vigil")  # reported before the rank that died
+    await exit_rank(bus, first, 1, 3)
+    requeued = await wait_state(bus, job["id"], "PENDING", attempt=2)
+    assert requeued.cause == f"rank 1 on {node.name} exited with code 3 (error)"

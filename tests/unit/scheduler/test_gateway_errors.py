@@ -1,0 +1,71 @@
+"""The gateway's error mapping and bearer auth, on a small in-memory app (no network)."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from litestar import Litestar, get
+from litestar.datastructures import State
+from litestar.params import FromPath
+from litestar.testing import TestClient
+
+from vigil_common.errors import Conflict, NotFound, RetryableError, SpecError
+from vigil_common.settings import Settings
+from vigil_scheduler.gateway.auth import bearer_guard, resolve_token
+from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
+
+TOKEN = "unit-token-0123456789"
+RAISES = {
+    "missing": NotFound("no job 'j-x'"),
+    "finished": Conflict("job j-x is already SUCCEEDED"),
+    "spec": SpecError([{"field": "train.lr", "message": "must be > 0"}]),
+    "busy": RetryableError("database restarting"),
+    "bug": RuntimeError("oops"),
+}
+
+
+@get("/fail/{what:str}", guards=[bearer_guard])
+async def fail(what: FromPath[str]) -> None:
+    raise RAISES[what]
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    app = Litestar(
+        [fail], exception_handlers=EXCEPTION_HANDLERS, state=State({"api_token": TOKEN}), logging_config=None
+    )  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        c.headers["Authorization"] = f"Bearer {TOKEN}"
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("what", "status"), [("missing", 404), ("finished", 409), ("spec", 422), ("busy", 503), ("bug", 500)]
+)
+def test_each_error_class_has_one_status(client: TestClient, what: str, status: int) -> None:
+    r = client.get(f"/fail/{what}")
+    assert r.status_code == status
+    body = r.json()
+    assert body["status"] == status and set(body) == {"status", "error", "message", "fields"}
+    if what == "spec":
+        assert body["fields"] == [{"field": "train.lr", "message": "must be > 0"}]
+    if what == "bug":
+        assert "oops" not in body["message"]  # internals stay in the log
+
+
+def test_bearer_token_is_required(client: TestClient) -> None:
+    assert client.get("/fail/missing", headers={"Authorization": ""}).status_code == 401
+    r = client.get("/fail/missing", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+
+
+def test_token_from_env_else_file_else_generated(tmp_path: Path) -> None:
+    assert resolve_token(Settings.load(api_token=TOKEN, data_dir=tmp_path)) == TOKEN
+    generated = resolve_token(Settings.load(data_dir=tmp_path))
+    path = tmp_path / "api_token"
+    assert path.read_text().strip() == generated and len(generated) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert resolve_token(Settings.load(data_dir=tmp_path)) == generated  # the CLI and `vigil up` agree
