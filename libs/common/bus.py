@@ -89,6 +89,33 @@ class Delivery:
     trace_context: otel_context.Context = field(default_factory=otel_context.Context)
 
 
+class EventStream:
+    """Decoded messages from `Bus.watch`, in arrival order. Iterate with `async for`, or call
+    `next(timeout)`; a cancelled wait (a timeout, say) loses nothing and the stream goes on."""
+
+    def __init__(self, queue: asyncio.Queue[Msg], decoder: Callable[[Msg], Message]) -> None:
+        self._queue = queue
+        self._decode = decoder
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Message:
+        while True:
+            msg = await self._queue.get()
+            try:
+                return self._decode(msg)
+            except MalformedMessage as exc:
+                log.warning("watch: skipping malformed message on %s: %s", msg.subject, exc)
+
+    async def next(self, timeout: float | None = None) -> Message | None:
+        """The next message, or None when none arrives within `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(self.__anext__(), timeout)
+        except TimeoutError:
+            return None
+
+
 class Bus:
     """A connected NATS client with JetStream. Build with `await Bus.connect(url, name)`."""
 
@@ -399,15 +426,7 @@ class Bus:
                     )
                 )
 
-            async def events() -> AsyncIterator[Message]:
-                while True:
-                    msg = await queue.get()
-                    try:
-                        yield self._decode(msg)
-                    except MalformedMessage as exc:
-                        log.warning("watch: skipping malformed message on %s: %s", msg.subject, exc)
-
-            yield events()
+            yield EventStream(queue, self._decode)
         finally:
             for sub in subs:
                 with contextlib.suppress(Exception):

@@ -231,3 +231,11 @@ async def test_ensure_streams_is_idempotent(bus: Bus):
     assert str(getattr(info.config.discard, "value", info.config.discard)) == "new"
     assert str(getattr(info.config.storage, "value", info.config.storage)) == "file"
     assert info.config.duplicate_window == subjects.COMMANDS.duplicate_window_s
+
+
+async def test_a_watch_survives_a_timed_out_wait(bus: Bus, job_id: str):
+    async with bus.watch(subjects.cmd(job_id)) as events:
+        assert await events.next(0.05) is None
+        sent = ev.ResumeJob(job_id=job_id, attempt=1)
+        await bus.publish(subjects.cmd(job_id), sent)
+        assert await events.next(10) == sent
