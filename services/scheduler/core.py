@@ -152,7 +152,7 @@ class Scheduler:
                 resume_from=job.resume_from,
                 skip_data=skip,
             )
-            nodes = ", ".join(f"{n} ({sum(r.node == n for r in ranks)})" for n in placement.nodes)
+            nodes = ", ".join(f"{n} ({sum(r.node == n for r in ranks)} ranks)" for n in placement.nodes)
             await lifecycle.transition(
                 conn,
                 job,
