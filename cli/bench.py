@@ -14,6 +14,8 @@ from vigil_common.settings import Settings
 # name -> module exposing `run(settings: Settings) -> dict` (sync or async).
 BENCHES: dict[str, str] = {
     "bus": "vigil_bench.bus",
+    "overhead": "vigil_bench.overhead",
+    "recovery": "vigil_bench.recovery",
     "schedule": "vigil_bench.schedule",
 }
 

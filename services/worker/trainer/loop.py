@@ -13,6 +13,7 @@ import os
 import resource
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ class TrainState:
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
     handled_seq: int = 0  # commands handled (sequence numbers are 1-based)
     halted: bool = False
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step run, in order
+    step_ends: deque[float] = field(
+        default_factory=lambda: deque(maxlen=8)
+    )  # time.monotonic() of recent ends
 
 
 def train(ctx: RankContext, st: TrainState) -> TrainState:
@@ -143,6 +148,8 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
         sync()
         tf = time.perf_counter()
         applied = bool(engine.was_step_applied())
+        st.step_seconds.append(tf - t0)
+        st.step_ends.append(time.monotonic())
         if not ctx.bare and not all_finite and applied:
             raise RuntimeError(f"step {step}: a non-finite update was applied; refusing to go on")
 
@@ -358,16 +365,17 @@ def handle_commands(ctx: RankContext, st: TrainState, agreed_seq: int) -> None:
                     ),
                 )
         elif isinstance(cmd, ev.RollbackJob) and not cmd.restart:
-            rollback(ctx, st, cmd)
+            rollback(ctx, st, cmd, seq)
         elif isinstance(cmd, ev.ResumeJob) and st.halted:
             st.halted = False
             log.warning("resumed at step %d", st.step)
         # CancelJob and restart rollbacks are the worker's: it ends these processes.
 
 
-def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob) -> None:
+def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob, seq: int) -> None:
     """Load a checkpoint in place (no process restart), add the data-skip window, and train on."""
     t0 = time.perf_counter()
+    now, arrived = time.monotonic(), ctx.sink.arrival(seq)
     from_step = max(st.step - 1, 0)
     m = choose_checkpoint(ctx, cmd.checkpoint, cmd.step)
     load_s = load_checkpoint(ctx, st, m)
@@ -379,7 +387,13 @@ def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob) -> None:
     st.halted = False
     duration = time.perf_counter() - t0
     log.warning("rolled back from step %d to %d (%s) in %.3fs", from_step, st.step, m.path, duration)
-    _record_timing(ctx, {"event": "rollback", "load_s": load_s, "total_s": duration, "to_step": st.step})
+    timing: dict[str, Any] = {"event": "rollback", "load_s": load_s, "total_s": duration, "to_step": st.step}
+    if arrived is not None:
+        # waited: command arrival to acting on it. in_flight: arrival to the end of the step that was
+        # running then, which any in-place rollback has to let finish (ranks cannot leave mid-collective)
+        ends = [e for e in st.step_ends if e >= arrived]
+        timing.update(waited_s=now - arrived, in_flight_s=(ends[0] if ends else now) - arrived)
+    record_timing(ctx, timing)
     if ctx.rank == 0:
         ctx.sink.emit(
             subjects.status(ctx.job_id),
@@ -397,7 +411,7 @@ def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob) -> None:
         )
 
 
-def _record_timing(ctx: RankContext, record: dict[str, Any]) -> None:
+def record_timing(ctx: RankContext, record: dict[str, Any]) -> None:
     """Timings the benches read (one JSON object per line)."""
     if ctx.timings_path is not None:
         with ctx.timings_path.open("a") as fh:

@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int, cuda:
         TrainState,
         choose_checkpoint,
         load_checkpoint,
+        record_timing,
         save_checkpoint,
         train,
     )
@@ -207,6 +208,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int, cuda:
         save_checkpoint(ctx, st)  # so a fault before the first periodic checkpoint can be rolled back
 
     train(ctx, st)
+    record_timing(ctx, {"event": "steps", "seconds": st.step_seconds})
 
     if args.final_weights:
         _save_full_weights(engine, plan.zero_stage, rank, args.final_weights)

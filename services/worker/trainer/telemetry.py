@@ -36,6 +36,8 @@ class Sink(Protocol):
 
     def command(self, seq: int, timeout_s: float) -> Message: ...
 
+    def arrival(self, seq: int) -> float | None: ...
+
     def close(self, timeout_s: float = 10.0) -> None: ...
 
 
@@ -54,6 +56,9 @@ class NullSink:
     def command(self, seq: int, timeout_s: float) -> Message:
         raise TimeoutError("no command source")
 
+    def arrival(self, seq: int) -> float | None:
+        return None
+
     def close(self, timeout_s: float = 10.0) -> None:
         pass
 
@@ -67,6 +72,7 @@ class BusSink:
         self.failed = 0
         self._queue_size = queue_size
         self._commands: list[Message] = []
+        self._arrivals: list[float] = []  # time.monotonic() when each command reached this rank
         self._cond = threading.Condition()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -104,6 +110,11 @@ class BusSink:
                 if left <= 0 or not self._cond.wait(left):
                     raise TimeoutError(f"command #{seq} did not arrive within {timeout_s}s")
             return self._commands[seq - 1]
+
+    def arrival(self, seq: int) -> float | None:
+        """When command `seq` reached this rank (time.monotonic())."""
+        with self._cond:
+            return self._arrivals[seq - 1] if 0 < seq <= len(self._arrivals) else None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Publish what is queued (up to `timeout_s`), then disconnect."""
@@ -161,6 +172,7 @@ class BusSink:
         async for event in commands:  # type: ignore[attr-defined]
             with self._cond:
                 self._commands.append(event)
+                self._arrivals.append(time.monotonic())
                 self._cond.notify_all()
 
     async def _publish_all(self, bus: Bus) -> None:

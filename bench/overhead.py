@@ -1,0 +1,94 @@
+"""`vigil bench overhead`: the cost of Vigil's instrumentation on a training step.
+
+The same two-rank DeepSpeed job (tiny GPT, ZeRO-1, CPU, gloo) runs with everything Vigil adds to a
+step on (section timers, the comm timer, the per-step control all-reduce with the finiteness guard
+and command boundary, and a StepCompleted event per rank per step published to a real NATS through
+the background thread) and off (`--bare`: plain DeepSpeed). Runs alternate, the order flipping every
+pair, so drift on a shared machine hits both alike. `value` is the median step time with Vigil on,
+`floor` with it off, both over every step after the first WARMUP of each run. Target: ratio <= 1.03
+on a CPU configuration whose step takes at least 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from vigil_bench import result
+from vigil_common.bus import Bus
+from vigil_common.embedded import EmbeddedNats
+from vigil_common.settings import Settings
+from vigil_worker.local import start_ranks
+
+PAIRS = 3
+STEPS = 20
+WARMUP = 4
+SPEC = {
+    "name": "bench-overhead",
+    "resources": {"gpus_per_node": 2},
+    "model": {"preset": "tiny"},  # 3.2M parameters, seq_len 128
+    "train": {"steps": STEPS, "micro_batch": 8, "zero_stage": 1, "warmup_steps": 2},
+    "checkpoint": {"every": 1_000_000, "keep": 1},  # no periodic checkpoint inside the measured steps
+}
+
+
+def _one_run(tmp: Path, name: str, extra: list[str]) -> list[float]:
+    run_dir = tmp / name
+    timings = run_dir / "timings.jsonl"
+    ranks = start_ranks(
+        ["--spec", str(tmp / "spec.yaml"), "--job-id", name, "--checkpoint-root", str(tmp / "ckpt"),
+         "--cache-dir", str(tmp / "cache"), "--timings", str(timings), *extra],
+        2, run_dir,
+    )  # fmt: skip
+    try:
+        codes = ranks.wait(300)
+    finally:
+        ranks.kill()
+    if codes != [0, 0]:
+        raise RuntimeError(f"bench run {name} failed: exit codes {codes}\n{ranks.tail()}")
+    for line in timings.read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "steps" and record["rank"] == 0:
+            return [float(s) for s in record["seconds"]][WARMUP:]
+    raise RuntimeError(f"bench run {name}: no step timings")
+
+
+def run(settings: Settings) -> dict[str, object]:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-overhead-")))
+        url = settings.nats_url or stack.enter_context(EmbeddedNats(tmp / "nats")).url
+
+        async def ensure() -> None:
+            bus = await Bus.connect(url, "bench-overhead")
+            await bus.ensure_streams()
+            await bus.close()
+
+        asyncio.run(ensure())
+        (tmp / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+        on: list[float] = []
+        off: list[float] = []
+        for i in range(PAIRS):  # off, on / on, off / ...: neither side always runs first
+            order = ("off", "on") if i % 2 == 0 else ("on", "off")
+            for side in order:
+                if side == "off":
+                    off += _one_run(tmp, f"off-{i}", ["--bare"])
+                else:
+                    on += _one_run(tmp, f"on-{i}", ["--nats-url", url])
+    value, floor = statistics.median(on), statistics.median(off)
+    return result(
+        "overhead",
+        value,
+        floor,
+        "s/step",
+        "ratio <= 1.03 (CPU, step >= 50 ms)",
+        steps_measured=len(on),
+        mean_on_s=round(statistics.fmean(on), 6),
+        mean_off_s=round(statistics.fmean(off), 6),
+        config="tiny GPT 3.2M params, seq 128, micro-batch 8, 2 ranks, ZeRO-1, fp32, CPU/gloo, 1 thread/rank",
+    )
