@@ -71,14 +71,8 @@ class FileTokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         self.name = "file:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eot = next(
-            (
-                self._tok.token_to_id(t)
-                for t in ("<|endoftext|>", "</s>", "<eos>")
-                if self._tok.token_to_id(t)
-            ),
-            None,
-        )
+        found = [self._tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>")]
+        eot = next((i for i in found if i is not None), None)
         self.eot = eot if eot is not None else 0
 
     def encode(self, text: str) -> np.ndarray:

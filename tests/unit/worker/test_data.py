@@ -99,3 +99,25 @@ def test_skip_windows():
     assert first_position(5, [(5, 8)]) == 8
     assert first_position(0, []) == 0
     assert first_position(3, [(5, 8)]) == 3
+
+
+def test_tokenizer_file(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"])
+    text = ["the quick brown fox jumps over the lazy dog"] * 50
+    tok.train_from_iterator(text, trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    src = tmp_path / "a.txt"
+    src.write_text("the lazy fox")
+    spec = DataSpec(path=str(src), tokenizer=str(path))
+    cache = load_tokens(spec, tmp_path / "c", vocab_size=512)
+    ids = [int(t) for t in cache.tokens]
+    assert ids[:-1] == tok.encode("the lazy fox").ids
+    assert ids[-1] == tok.token_to_id("<|endoftext|>")
+    with pytest.raises(SpecError, match=r"model\.vocab_size"):
+        load_tokens(spec, tmp_path / "c", vocab_size=8)
