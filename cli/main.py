@@ -13,6 +13,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vigil_cli.bench",
     "vigil_cli.jobs",
     "vigil_cli.observe",
+    "vigil_cli.demo",
 )
 
 

@@ -27,7 +27,12 @@ from vigil_common.settings import Settings
 log = logging.getLogger("vigil.stack")
 
 # Every service `vigil up` runs, in start order; each module exposes `run(settings, stop)`.
-SERVICES: tuple[str, ...] = ()
+SERVICES: tuple[str, ...] = (
+    "vigil_scheduler.main",
+    "vigil_telemetry.main",
+    "vigil_guardian.main",
+    "vigil_worker.main",
+)
 
 
 @dataclass
