@@ -66,7 +66,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         scheduler = Scheduler(settings, pool, relay, provider)
         handlers = Handlers(scheduler)
         await scheduler.start()
-        app = create_app(Deps(settings, pool, bus, scheduler, resolve_token(settings)))
+        deps = Deps(settings, pool, bus, scheduler, resolve_token(settings))
+        app = create_app(deps)
         server = _Server(
             uvicorn.Config(
                 app,
@@ -86,7 +87,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             tasks.create_task(bus.consume(STATUS, handlers.status, stop))
             tasks.create_task(bus.consume(COMMANDS, handlers.commands, stop))
             tasks.create_task(bus.consume(INCIDENTS, handlers.incidents, stop))
-            tasks.create_task(_serve(server, app.state.closing, stop))
+            tasks.create_task(_serve(server, deps.closing, stop))
         log.info("scheduler stopped")
 
 

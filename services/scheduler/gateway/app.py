@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncpg
 from litestar import Litestar, Router
@@ -39,6 +39,7 @@ class Deps:
     bus: Bus
     scheduler: Scheduler
     api_token: str
+    closing: asyncio.Event = field(default_factory=asyncio.Event)  # set when the service stops
 
 
 def _from_state(name: str) -> Provide:
@@ -56,12 +57,12 @@ def create_app(deps: Deps) -> Litestar:
             bus=deps.bus,
             scheduler=deps.scheduler,
             api_token=deps.api_token,
-            closing=asyncio.Event(),
+            closing=deps.closing,
         )
         try:
             yield
         finally:
-            app.state.closing.set()  # ends open event streams
+            deps.closing.set()  # ends open event streams
 
     api = Router(
         API_PREFIX,
@@ -72,7 +73,6 @@ def create_app(deps: Deps) -> Litestar:
     return Litestar(
         route_handlers=[api, HealthController],
         lifespan=[lifespan],
-        state=State({"closing": asyncio.Event()}),  # set when the service stops: ends event streams
         dependencies={
             "pool": _from_state("pool"),
             "bus": _from_state("bus"),

@@ -11,8 +11,9 @@ import pytest
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised
+from vigil_scheduler.main import run
 
-from .conftest import TOKEN, spec, wait_state
+from .conftest import TOKEN, scheduler_settings, spec, wait_ready, wait_state
 
 pytestmark = pytest.mark.integration
 
@@ -164,3 +165,30 @@ async def test_events_stream_state_changes_and_incidents(scheduler, nodes, bus: 
     states = [d["to_state"] for e, d in received if e == "job.state_changed" and d["job_id"] == job["id"]]
     assert states == ["PENDING", "SCHEDULED"]
     assert received[-1][1]["message"] == "slow rank 0"
+
+
+async def test_stopping_ends_open_event_streams(db_url: str, nats_url: str, tmp_path) -> None:
+    settings = scheduler_settings(db_url, nats_url, tmp_path)
+    stop = asyncio.Event()
+    service = asyncio.create_task(run(settings, stop))
+    base = f"http://127.0.0.1:{settings.http_port}"
+    await wait_ready(base, task=service)
+    connected = asyncio.Event()
+
+    async def listen() -> str:
+        async with (
+            httpx.AsyncClient(base_url=base, timeout=30) as http,
+            http.stream("GET", "/api/v1/events", headers={"Authorization": f"Bearer {TOKEN}"}) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith(": connected"):
+                    connected.set()
+        return "ended"
+
+    listener = asyncio.create_task(listen())
+    await asyncio.wait_for(connected.wait(), 10)
+    t0 = asyncio.get_running_loop().time()
+    stop.set()
+    await asyncio.wait_for(service, 20)
+    assert asyncio.get_running_loop().time() - t0 < 2.5  # not the graceful-shutdown timeout
+    assert await asyncio.wait_for(listener, 5) == "ended"  # a clean end of the stream, not a cut
