@@ -18,6 +18,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from vigil_common.errors import VigilError
 from vigil_common.events import TERMINAL_STATES
 from vigil_common.settings import Settings
 
@@ -143,7 +144,10 @@ def register(group: click.Group) -> None:
         from vigil_common.service import run_service
         from vigil_scheduler.main import run
 
-        run_service(run, resolve_urls(Settings.load(http_port=http_port)))
+        try:
+            run_service(run, resolve_urls(Settings.load(http_port=http_port)))
+        except (VigilError, ExceptionGroup) as exc:
+            raise click.ClickException(_first_error(exc)) from exc
 
     @group.command("submit")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -305,3 +309,13 @@ def follow_job(gw: Gateway, job_id: str, console: Console, as_json: bool) -> str
         raise click.ClickException(f"lost the event stream from {gw.base}: {exc}") from exc
     finally:
         done.set()
+
+
+def _first_error(exc: BaseException) -> str:
+    """The message of the first VigilError in `exc` (a service's TaskGroup wraps them in groups)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if isinstance(inner, VigilError | BaseExceptionGroup):
+                return _first_error(inner)
+        raise exc
+    return str(exc)
