@@ -17,6 +17,8 @@ BENCHES: dict[str, str] = {
     "overhead": "vigil_bench.overhead",
     "recovery": "vigil_bench.recovery",
     "schedule": "vigil_bench.schedule",
+    "guardian": "vigil_bench.guardian",
+    "ingest": "vigil_bench.ingest",
 }
 
 

@@ -23,6 +23,7 @@ from vigil_common.errors import ConfigError
 from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry import store
+from vigil_telemetry.ingest import StepIngest
 from vigil_telemetry.metrics import Registry, serve_metrics
 from vigil_telemetry.traces import StepTraces
 
@@ -59,11 +60,11 @@ class Telemetry:
         self.registry.observe(events)
         self.registry.inc("vigil_telemetry_events_total", len(events), consumer=consumer)
 
-    async def steps(self, batch: Batch) -> None:
-        events = [e for e, _ in batch if isinstance(e, StepCompleted)]
+    async def steps(self, events: list[StepCompleted]) -> None:
         await self._write(store.write_steps, events, "steps")
-        for e in events:
-            self.traces.add_step(e)
+        if self.traces.enabled:
+            for e in events:
+                self.traces.add_step(e)
 
     async def gpu(self, batch: Batch) -> None:
         await self._write(store.write_gpu, [e for e, _ in batch if isinstance(e, GpuSampled)], "gpu")
@@ -99,7 +100,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         raise ConfigError(
             "telemetry needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
         )
-    provider = tracing.setup_tracing("telemetry")
+    provider = tracing.setup_tracing("telemetry", trace_file=settings.trace_file)
+    # Step traces are built only when they go somewhere (OTLP or VIGIL_TRACE_FILE).
+    traced = tracing.otlp_configured() or settings.trace_file is not None
     async with AsyncExitStack() as stack:
         stack.callback(provider.shutdown)
         pool = await create_pool(settings.database_url)
@@ -110,9 +113,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         await bus.ensure_streams()
 
         registry = Registry()
-        t = Telemetry(pool, registry, StepTraces(provider))
+        t = Telemetry(pool, registry, StepTraces(provider, enabled=traced))
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(bus.consume_batches(STEPS, t.steps, stop))
+            tasks.create_task(StepIngest(bus, STEPS, t.steps).run(stop))
             tasks.create_task(bus.consume_batches(GPU, t.gpu, stop))
             tasks.create_task(bus.consume_batches(STATUS, t.status, stop))
             tasks.create_task(bus.consume_batches(INCIDENTS, t.incidents, stop))

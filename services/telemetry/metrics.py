@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from vigil_common.events import (
     TERMINAL_STATES,
@@ -75,9 +75,14 @@ class Registry:
 
     # --- from events ----------------------------------------------------------------------------
 
-    def observe(self, events: Iterable[Message]) -> None:
-        for e in events:
+    def observe(self, events: Sequence[Message]) -> None:
+        newest: set[tuple[str | None, int]] = set()
+        for e in reversed(events):  # gauges show each rank's (device's) newest value; older ones only count
             if isinstance(e, StepCompleted):
+                self.inc("vigil_steps_total", job=e.job_id)
+                if (e.job_id, e.rank) in newest:
+                    continue
+                newest.add((e.job_id, e.rank))
                 labels = {"job": e.job_id, "rank": e.rank}
                 self.set("vigil_step_loss", e.loss, **labels)
                 self.set("vigil_step_grad_norm", e.grad_norm, **labels)
@@ -85,8 +90,10 @@ class Registry:
                 self.set("vigil_step_time_seconds", e.step_time_s, **labels)
                 self.set("vigil_step_comm_seconds", e.comm_time_s, **labels)
                 self.set("vigil_step_last", e.step, **labels)
-                self.inc("vigil_steps_total", job=e.job_id)
             elif isinstance(e, GpuSampled):
+                if (e.node, e.index) in newest:
+                    continue
+                newest.add((e.node, e.index))
                 labels = {"node": e.node, "index": e.index, "kind": e.device_kind}
                 self.set("vigil_gpu_utilization_percent", e.utilization_pct, **labels)
                 self.set("vigil_gpu_memory_used_bytes", e.memory_used_bytes, **labels)

@@ -1,8 +1,9 @@
 """Writes batches of events to telemetry's tables (migration 0003), one row per event_id.
 
-Each writer takes a connection inside the caller's transaction and inserts a whole batch with
-one `INSERT ... SELECT FROM unnest(...)` per table (a single round trip), `ON CONFLICT DO
-NOTHING` on the event id, so a redelivered event never becomes a second row.
+Each writer takes a connection inside the caller's transaction and inserts a whole batch at once
+(steps: COPY; the others: one `INSERT ... SELECT FROM unnest(...)`), and an event already stored
+is skipped (`ON CONFLICT DO NOTHING` on the event id), so a redelivered event never becomes a
+second row.
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
 STEP_FIELDS = tuple(name for name, _ in STEP_COLUMNS)
 
 
-def _unnest_insert(table: str, columns: Sequence[tuple[str, str]], conflict: str) -> str:
-    names = ", ".join(n for n, _ in columns)
-    arrays = ", ".join(f"${i}::{t}[]" for i, (_, t) in enumerate(columns, start=1))
-    return f"INSERT INTO {table} ({names}) SELECT * FROM unnest({arrays}) {conflict}"
-
-
-INSERT_STEPS = _unnest_insert("telemetry_steps", STEP_COLUMNS, "ON CONFLICT (event_id) DO NOTHING")
+_STEP_NAMES = ", ".join(STEP_FIELDS)
+# A per-session staging table: COPY the batch in (the fastest way into Postgres), then move it
+# with one INSERT ... ON CONFLICT DO NOTHING. Its rows vanish at commit.
+CREATE_STAGE = (
+    "CREATE TEMP TABLE IF NOT EXISTS stage_steps ("
+    + ", ".join(f"{n} {t}" for n, t in STEP_COLUMNS)
+    + ") ON COMMIT DELETE ROWS"
+)
+MOVE_STAGE = (
+    f"INSERT INTO telemetry_steps ({_STEP_NAMES}) SELECT {_STEP_NAMES} FROM stage_steps "
+    "ON CONFLICT (event_id) DO NOTHING"
+)
 
 
 def step_rows(events: Sequence[StepCompleted]) -> list[tuple[Any, ...]]:
@@ -64,10 +70,23 @@ def step_rows(events: Sequence[StepCompleted]) -> list[tuple[Any, ...]]:
 
 
 async def write_steps(conn: asyncpg.Connection, events: Sequence[StepCompleted]) -> None:
+    """Insert a batch of steps (inside the caller's transaction); events already stored are skipped.
+
+    The batch is COPYed straight into the table under a savepoint: the common case, no event seen
+    before, costs no more than a raw COPY. When the batch holds an event already stored (a
+    redelivery after a crash), the savepoint is rolled back and the batch goes through the staging
+    table and `ON CONFLICT DO NOTHING` instead.
+    """
     if not events:
         return
-    columns = [list(c) for c in zip(*step_rows(events), strict=True)]
-    await conn.execute(INSERT_STEPS, *columns)
+    rows = step_rows(events)
+    try:
+        async with conn.transaction():
+            await conn.copy_records_to_table("telemetry_steps", records=rows, columns=STEP_FIELDS)
+    except asyncpg.UniqueViolationError:
+        await conn.execute(CREATE_STAGE)
+        await conn.copy_records_to_table("stage_steps", records=rows, columns=STEP_FIELDS)
+        await conn.execute(MOVE_STAGE)
     newest: dict[str, StepCompleted] = {}
     for e in events:
         if e.job_id and (e.job_id not in newest or e.occurred_at >= newest[e.job_id].occurred_at):

@@ -46,7 +46,10 @@ class _Pending:
 class StepTraces:
     """Collects step events and emits one trace per (job, attempt, step)."""
 
-    def __init__(self, provider: TracerProvider | None, *, max_wait_s: float = 2.0) -> None:
+    def __init__(
+        self, provider: TracerProvider | None, *, max_wait_s: float = 2.0, enabled: bool = True
+    ) -> None:
+        self.enabled = enabled
         self._tracer = (
             provider.get_tracer("vigil.telemetry") if provider else trace.get_tracer("vigil.telemetry")
         )

@@ -1,0 +1,158 @@
+"""`vigil bench ingest`: step events persisted per second through telemetry, against a raw COPY.
+
+A backlog of N StepCompleted events is published on the steps stream first (not timed). Then
+the telemetry service starts and drains it: pull from JetStream, decode, insert batches
+idempotently, acknowledge. Its rate is the rows stored per second from its first committed
+batch to the last (startup excluded). The floor, in the same run: asyncpg's
+`copy_records_to_table` of the very same rows into a table shaped like telemetry's (same columns
+and indexes), which is as fast as Postgres ingests from Python. `value`/`floor` are rates, so
+the ratio is telemetry's share of raw COPY speed. Target: ratio >= 0.5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import asyncpg
+
+from vigil_bench import result
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
+from vigil_common.events import StepCompleted, utcnow
+from vigil_common.settings import Settings
+from vigil_telemetry import main as telemetry
+from vigil_telemetry import store
+
+N = 30_000
+RANKS = 8
+
+
+def _events(job: str) -> list[StepCompleted]:
+    t0 = utcnow()
+    return [
+        StepCompleted(
+            job_id=job,
+            attempt=1,
+            rank=i % RANKS,
+            node=f"n{i % RANKS // 4}",
+            step=i // RANKS,
+            loss=3.0 - i * 1e-5,
+            grad_norm=1.0,
+            lr=3e-4,
+            tokens=4096,
+            tokens_per_s=50_000.0,
+            data_time_s=0.001,
+            forward_time_s=0.03,
+            backward_time_s=0.06,
+            comm_time_s=0.01,
+            optimizer_time_s=0.005,
+            step_time_s=0.11,
+            mem_allocated_bytes=1 << 30,
+            mem_peak_bytes=2 << 30,
+            data_position=i // RANKS,
+            occurred_at=t0 + timedelta(milliseconds=i),
+        )
+        for i in range(N)
+    ]
+
+
+async def _copy_floor(pool: asyncpg.Pool, events: list[StepCompleted]) -> float:
+    """Seconds for a raw COPY of the rows into a fresh table shaped like telemetry_steps."""
+    rows = store.step_rows(events)
+    async with pool.acquire() as conn:
+        await conn.execute("DROP TABLE IF EXISTS bench_copy_steps")
+        await conn.execute("CREATE TABLE bench_copy_steps (LIKE telemetry_steps INCLUDING ALL)")
+        try:
+            t = time.perf_counter()
+            await conn.copy_records_to_table(
+                "bench_copy_steps", records=rows, columns=list(store.STEP_FIELDS)
+            )
+            return time.perf_counter() - t
+        finally:
+            await conn.execute("DROP TABLE bench_copy_steps")
+
+
+async def _telemetry_rate(settings: Settings, pool: asyncpg.Pool, job: str) -> tuple[float, int, float]:
+    """(seconds, rows, startup seconds) for telemetry to store the job's backlog."""
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    service = asyncio.create_task(telemetry.run(settings, stop))
+    try:
+        first_t = first_n = None
+        while True:
+            n = await pool.fetchval("SELECT count(*) FROM telemetry_steps WHERE job_id = $1", job)
+            now = time.perf_counter()
+            if n and first_t is None:
+                first_t, first_n = now, n
+            if n >= N:
+                assert first_t is not None and first_n is not None
+                return now - first_t, N - first_n, first_t - started
+            if service.done():
+                service.result()
+                raise RuntimeError("telemetry stopped early")
+            await asyncio.sleep(0.02)  # polling the row count
+    finally:
+        stop.set()
+        await asyncio.wait_for(service, 30)
+
+
+async def _measure(settings: Settings) -> dict[str, object]:
+    assert settings.nats_url and settings.database_url
+    pool = await create_pool(settings.database_url)
+    bus = await Bus.connect(settings.nats_url, "bench-ingest")
+    try:
+        await migrate(pool)
+        await bus.ensure_streams()
+        job = "bench-" + uuid.uuid4().hex[:10]
+        events = _events(job)
+        subject = subjects.step(job)
+        for i in range(0, N, 1000):
+            await asyncio.gather(*(bus.publish(subject, e) for e in events[i : i + 1000]))
+        copy_s = await _copy_floor(pool, events)
+        tele_s, tele_n, startup_s = await _telemetry_rate(settings, pool, job)
+        copy_rate, tele_rate = N / copy_s, tele_n / tele_s
+        copy_s2 = await _copy_floor(pool, events)  # again after, so machine drift hits both
+        copy_rate = (copy_rate + N / copy_s2) / 2
+        stored = await pool.fetchval("SELECT count(*) FROM telemetry_steps WHERE job_id = $1", job)
+        await pool.execute("DELETE FROM telemetry_steps WHERE job_id = $1", job)
+        await pool.execute("DELETE FROM telemetry_job_progress WHERE job_id = $1", job)
+        await bus.js.purge_stream(subjects.STEPS.name, subject=subject)
+    finally:
+        await bus.close()
+        await pool.close()
+    return result(
+        "ingest",
+        value=tele_rate,
+        floor=copy_rate,
+        unit="step events persisted per second",
+        target="ratio >= 0.5",
+        events=N,
+        telemetry_events_per_s=round(tele_rate, 1),
+        raw_copy_rows_per_s=round(copy_rate, 1),
+        rows_stored=stored,
+        telemetry_startup_s=round(startup_s, 3),
+    )
+
+
+async def run(settings: Settings) -> dict[str, object]:
+    with contextlib.ExitStack() as stack:
+        where = []
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-")))
+        updates: dict[str, object] = {"data_dir": tmp, "metrics_port": 0}
+        if not settings.nats_url:
+            updates["nats_url"] = stack.enter_context(EmbeddedNats(tmp / "nats")).url
+            where.append("embedded nats-server -js (file storage, sync_interval: always)")
+        if not settings.database_url:
+            updates["database_url"] = stack.enter_context(EmbeddedPostgres(tmp / "postgres")).url
+            where.append("embedded Postgres")
+        out = await _measure(settings.model_copy(update=updates))
+        out["servers"] = ", ".join(where) or "user's NATS and Postgres"
+        return out
