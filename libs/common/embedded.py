@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -203,10 +204,23 @@ class EmbeddedPostgres:
             with contextlib.suppress(RetryableError):
                 self._run(str(self.bin_dir() / "pg_ctl"), "-D", str(self.pgdata), "-m", "fast", "-w", "stop")
 
-    def stop(self) -> None:
-        if self.port is None or not (self.pgdata / "postmaster.pid").exists():
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Fast shutdown (SIGINT to the postmaster: clients disconnected, data flushed), then wait.
+
+        Signalled directly rather than through `pg_ctl`, which would run as the server's user
+        and fail if a folder above the data dir has become untraversable meanwhile."""
+        if self.port is None:
             return
-        self._run(str(self.bin_dir() / "pg_ctl"), "-D", str(self.pgdata), "-m", "fast", "-w", "stop")
+        pid = _postmaster_pid(self.pgdata)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # waiting for the postmaster to exit
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> EmbeddedPostgres:
         self.start()
@@ -214,6 +228,23 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _postmaster_pid(pgdata: Path) -> int | None:
+    try:
+        return int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 # --- endpoints shared between `vigil up` and services started alone --------------------------------
