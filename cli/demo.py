@@ -87,6 +87,7 @@ async def _demo(
         update={
             "data_dir": data_dir,
             "http_port": free_port(),
+            "metrics_port": free_port(),
             "cpu_slots": 2,
             "heartbeat_interval_s": 1.0,
             "gpu_sample_interval_s": 2.0,

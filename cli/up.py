@@ -39,6 +39,8 @@ async def _up(settings: Settings) -> None:
             console.print(
                 f"  gateway   http://{s.http_host}:{s.http_port}  (token in {s.data_dir / 'api_token'})"
             )
+            if s.metrics_port:
+                console.print(f"  metrics   http://{s.http_host}:{s.metrics_port}/metrics")
             console.print(f"  services  {', '.join(name.split('.')[0] for name in SERVICES)}")
         console.print("Ctrl-C to stop.")
         if SERVICES:
