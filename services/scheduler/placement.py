@@ -42,6 +42,13 @@ class NodeState:
     devices: tuple[Slot, ...]
     alive: bool = True
     address: str = "127.0.0.1"
+    # Indexed once per snapshot (placement reads it for every node of the cluster): the devices that
+    # are healthy, given to no job and reported free by the worker.
+    free: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        free = tuple(d.index for d in self.devices if d.healthy and d.job_id is None and d.reported_free)
+        object.__setattr__(self, "free", free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,14 +163,18 @@ def fits_ever(request: PlacementRequest, inventory: Inventory) -> bool:
 
 def place(request: PlacementRequest, inventory: Inventory) -> Placement | None:
     """Place every rank of the job, or none. See the module docstring for the rules."""
-    candidates: list[tuple[NodeState, list[int]]] = []
+    by_count: dict[int, list[tuple[NodeState, Sequence[int]]]] = {}
+    own_nodes = {name for name, _ in request.reusable}
     for node in inventory.nodes:
         if not node.alive:
             continue
-        free = [d.index for d in node.devices if usable(node, d, request)]
+        free: Sequence[int] = node.free
+        if node.name in own_nodes:  # the job's previous devices count as free although still busy
+            free = [d.index for d in node.devices if usable(node, d, request)]
         if free:
-            candidates.append((node, free))
-    candidates.sort(key=lambda c: (-len(c[1]), c[0].name))
+            by_count.setdefault(len(free), []).append((node, free))
+    # Most free devices first; ties in inventory order (by name, as the scheduler loads it).
+    candidates = [c for count in sorted(by_count, reverse=True) for c in by_count[count]]
     need = request.world_size
     prefix = list(accumulate(len(free) for _, free in candidates[: request.max_nodes]))
     k = next((i + 1 for i, total in enumerate(prefix) if total >= need), None)
@@ -171,7 +182,7 @@ def place(request: PlacementRequest, inventory: Inventory) -> Placement | None:
         return None
 
     # The k-1 largest nodes are used whole; the remainder goes to the best-fit node among the rest.
-    chosen: list[tuple[NodeState, list[int]]] = []
+    chosen: list[tuple[NodeState, Sequence[int]]] = []
     remaining = need
     for node, free in candidates[: k - 1]:
         chosen.append((node, free))
