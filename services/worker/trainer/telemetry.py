@@ -130,9 +130,9 @@ class BusSink:
 
     def _put(self, item: tuple[str, Message] | None) -> None:
         assert self._queue is not None
-        if item is None:  # close: always accepted
+        if item is None:  # close: the publisher stops once the queue is empty
             self._closing = True
-            with contextlib.suppress(asyncio.QueueFull):
+            with contextlib.suppress(asyncio.QueueFull):  # full: the publisher is busy and sees _closing
                 self._queue.put_nowait(None)
             return
         try:
@@ -187,3 +187,5 @@ class BusSink:
             except Exception as exc:
                 self.failed += 1
                 log.warning("bus sink: publishing %s to %s failed: %s", event.type, subject, exc)
+            if self._closing and self._queue.empty():
+                return

@@ -100,4 +100,4 @@ async def test_corrupt_checkpoint_is_refused_and_the_previous_good_one_used(read
             )
         await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test over"))
         await until_exited(rec, timeout=60)
-    assert "refusing checkpoint" in rank_logs(ready_cluster, job_id)
+    assert "refusing checkpoint" in rank_logs(ready_cluster, job_id, tail=10**7)

@@ -85,3 +85,19 @@ async def test_halt_leaves_no_rank_blocked(ready_cluster, bus, job_id):
         await until_exited(rec, timeout=60)
     assert len(rec.of(ev.RanksHalted)) == 1
     assert {e.failure for e in rec.exits().values()} == {"killed_by_vigil"}
+
+
+async def test_a_launch_for_an_attempt_already_run_is_ignored(ready_cluster, bus, job_id):
+    first = launch(ready_cluster, job_id, tiny_spec(steps=2))
+    other = job_id + "-next"
+    async with record(bus, job_id) as rec, record(bus, other) as rec_other:
+        await bus.publish(subjects.launch(job_id), first)
+        await until_exited(rec)
+        # the same attempt again (a redelivery or a confused scheduler), then another job
+        await bus.publish(subjects.launch(job_id), first.model_copy(update={"event_id": ev.new_id()}))
+        await bus.publish(subjects.launch(other), launch(ready_cluster, other, tiny_spec(steps=1)))
+        # launches are handled in order: once the next job's ranks start, the repeat was seen
+        await rec_other.until(lambda r: len(r.of(ev.RankStarted)) == 2)
+        await until_exited(rec_other)
+    assert len(rec.of(ev.RankStarted)) == 2, "the repeated launch started nothing"
+    assert {e.exit_code for e in rec_other.exits().values()} == {0}
