@@ -203,7 +203,6 @@ async def until_exited(rec: Recorder, attempt: int = 1, timeout: float = 120.0) 
     return rec.exits(attempt)
 
 
-def rank_logs(cluster: Cluster, job_id: str) -> str:
-    return "\n".join(
-        p.read_text()[-4000:] for p in sorted((cluster.data_dir / "logs" / job_id).glob("*.log"))
-    )
+def rank_logs(cluster: Cluster, job_id: str, tail: int = 4000) -> str:
+    logs = sorted((cluster.data_dir / "logs" / job_id).glob("*.log"))
+    return "\n".join(p.read_text()[-tail:] for p in logs)
