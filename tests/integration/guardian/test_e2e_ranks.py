@@ -1,0 +1,247 @@
+"""Every service in one process (scheduler and gateway, telemetry, guardian, a worker) and real
+DeepSpeed ranks with faults injected: the guardian catches each and the job still succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import httpx
+import pytest
+import torch
+
+from tests.integration.telemetry.helpers import eventually
+from vigil_cli.stack import run_services
+from vigil_common import readmodel, subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import free_port
+from vigil_common.events import (
+    TERMINAL_STATES,
+    CheckpointSaved,
+    HaltJob,
+    IncidentRaised,
+    JobStateChanged,
+    LaunchJob,
+    Message,
+    RollbackCompleted,
+    RollbackJob,
+    StepCompleted,
+)
+from vigil_common.settings import Settings
+from vigil_worker.trainer.checkpoint import _deepspeed_safe_globals, safe_load
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TOKEN = "e2e-token-0123456789abcdef"
+TINY = {"preset": "tiny", "n_layer": 2, "seq_len": 32}
+TRAIN = {"micro_batch": 4, "lr": 3e-3, "warmup_steps": 1, "zero_stage": 0}
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    http: httpx.AsyncClient
+    bus: Bus
+    pool: asyncpg.Pool
+    node: str
+
+
+@dataclass
+class Run:
+    """Everything the bus carried about one job, in arrival order."""
+
+    job_id: str
+    events: list[Message] = field(default_factory=list)
+
+    def of(self, cls: type[Message]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, cls)]
+
+
+async def fresh_database(server_url: str) -> str:
+    name = "e2e_" + uuid.uuid4().hex[:12]
+    conn = await asyncpg.connect(server_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return urlunsplit(urlsplit(server_url)._replace(path="/" + name))
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    nats_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    db = await fresh_database(database_url)
+    node = "e2e-" + uuid.uuid4().hex[:6]
+    port = free_port()
+    settings = Settings.load(
+        nats_url=nats_url,
+        database_url=db,
+        data_dir=tmp_path_factory.mktemp("e2e"),
+        http_port=port,
+        api_token=TOKEN,
+        node_name=node,
+        cpu_slots=2,
+        heartbeat_interval_s=0.5,
+        metrics_port=0,
+    )
+    stop = asyncio.Event()
+    services = asyncio.create_task(run_services(settings, stop))
+    bus = await Bus.connect(nats_url, "e2e-test")
+    pool = await create_pool(db)
+    await migrate(pool)
+    http = httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    try:
+
+        async def node_up() -> bool:
+            if services.done():
+                services.result()
+            with contextlib.suppress(httpx.HTTPError):
+                nodes = (await http.get("/api/v1/nodes")).json()["items"]
+                return any(n["name"] == node and n["alive"] for n in nodes)
+            return False
+
+        await eventually(node_up, timeout=90, what="the stack and its worker")
+        yield Stack(settings, http, bus, pool, node)
+    finally:
+        stop.set()
+        await asyncio.wait_for(services, 60)
+        await http.aclose()
+        await pool.close()
+        await bus.close()
+
+
+async def train(stack: Stack, spec: dict[str, Any], timeout_s: float = 240) -> Run:
+    """Submit `spec` and collect the job's events until it ends."""
+    run: Run | None = None
+    ended = asyncio.Event()
+    watched = (
+        subjects.ALL_LAUNCHES,
+        subjects.ALL_STEPS,
+        subjects.ALL_STATUS,
+        subjects.ALL_CMDS,
+        subjects.ALL_INCIDENTS,
+    )
+    async with stack.bus.watch(*watched) as events:
+
+        async def collect() -> None:
+            async for e in events:
+                if run is not None and e.job_id == run.job_id:
+                    run.events.append(e)
+                    if isinstance(e, JobStateChanged) and e.to_state in TERMINAL_STATES:
+                        ended.set()
+
+        collector = asyncio.create_task(collect())
+        response = await stack.http.post("/api/v1/jobs", json=spec)
+        assert response.status_code == 201, response.text
+        run = Run(response.json()["id"])
+        try:
+            await asyncio.wait_for(ended.wait(), timeout_s)
+        finally:
+            collector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collector
+    return run
+
+
+def all_finite(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+    if isinstance(obj, dict):
+        return all(all_finite(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return all(all_finite(v) for v in obj)
+    return not isinstance(obj, float) or math.isfinite(obj)
+
+
+def non_finite_files(checkpoints: list[str]) -> list[Path]:
+    """The torch files of these checkpoints holding a NaN or Inf anywhere (weights, optimizer state)."""
+    bad = []
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        for path in checkpoints:
+            files = list(Path(path).rglob("*.pt"))
+            assert files, f"no torch files in {path}"
+            bad += [f for f in files if not all_finite(safe_load(f))]
+    return bad
+
+
+async def test_nan_is_rolled_back_before_two_more_steps_and_a_slow_rank_is_named(stack: Stack):
+    k = 7
+    run = await train(
+        stack,
+        {
+            "name": "e2e-nan",
+            "resources": {"nodes": 1, "gpus_per_node": 2},
+            "model": TINY,
+            "train": {**TRAIN, "steps": 14},
+            "checkpoint": {"every": 3, "keep": 10},
+            "guardian": {"nan": "rollback", "imbalance_steps": 3},
+            "faults": [
+                {"kind": "nan", "step": k, "rank": 1},
+                {"kind": "slow_rank", "step": 0, "rank": 0, "delay_s": 0.3},
+            ],
+        },
+    )
+    assert run.of(JobStateChanged)[-1].to_state == "SUCCEEDED"
+    incidents = {i.kind: i for i in run.of(IncidentRaised)}
+    nan = incidents["nan"]
+    assert (nan.action, nan.step) == ("rollback", k)
+    # the slow rank, named with its node
+    imbalance = incidents["imbalance"]
+    assert (imbalance.rank, imbalance.node, imbalance.action) == (0, stack.node, "alert")
+    # halt, then a rollback in place to the newest checkpoint at or before step k
+    halt, rollback = run.of(HaltJob), run.of(RollbackJob)
+    assert len(halt) == 1 and len(rollback) == 1
+    assert (
+        rollback[0].step == 6 and rollback[0].checkpoint.endswith("step_00000006") and not rollback[0].restart
+    )
+    (done,) = run.of(RollbackCompleted)
+    assert done.to_step == 6 and done.from_step < k + 2
+    # no rank ran step k + 2 before the rollback took effect
+    before = [e for e in run.of(StepCompleted) if e.occurred_at < done.occurred_at]
+    assert {e.rank for e in before} == {0, 1} and max(e.step for e in before) < k + 2
+    # every step after the rollback is finite, and no NaN ever reached a saved checkpoint
+    after = [e for e in run.of(StepCompleted) if e.occurred_at > done.occurred_at]
+    assert after and all(math.isfinite(e.loss) for e in after)
+    saved = run.of(CheckpointSaved)
+    assert {c.step for c in saved} >= {0, 3, 6, 9, 12}
+    assert not non_finite_files([c.path for c in saved])
+    # telemetry stored the run and the incidents
+    stored = await eventually(lambda: readmodel.incidents(stack.pool, job_id=run.job_id), what="incidents")
+    assert {"nan", "imbalance"} <= {i["kind"] for i in stored["items"]}
+    steps = await readmodel.steps(stack.pool, run.job_id, aggregate=True, limit=100)
+    assert [s["step"] for s in steps["items"]] == list(range(14))
+
+
+async def test_a_hung_rank_gives_a_hang_incident_and_a_relaunch_that_finishes(stack: Stack):
+    run = await train(
+        stack,
+        {
+            "name": "e2e-hang",
+            "resources": {"nodes": 1, "gpus_per_node": 2},
+            "model": TINY,
+            "train": {**TRAIN, "steps": 10},
+            "checkpoint": {"every": 3},
+            "guardian": {"hang": "rollback", "hang_step_multiple": 5},
+            "faults": [{"kind": "hang", "step": 5, "rank": 1}],
+        },
+    )
+    assert run.of(JobStateChanged)[-1].to_state == "SUCCEEDED"
+    (hang,) = [i for i in run.of(IncidentRaised) if i.kind == "hang"]
+    assert hang.action == "rollback" and hang.step == 5 and hang.rank in (0, 1)
+    (restart,) = run.of(RollbackJob)
+    assert restart.restart and restart.step == 3
+    relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
+    assert relaunch and relaunch[0].resume_from and relaunch[0].resume_from.endswith("step_00000003")
+    assert max(e.step for e in run.of(StepCompleted) if e.attempt == 2) == 9
