@@ -67,8 +67,11 @@ def _print(out: TextIO, line: str) -> None:
     out.flush()
 
 
-async def watch_events(settings: Settings, job_id: str | None, emit, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
-    """Call `emit(event)` for each new incident and status event until `stop` is set."""
+async def watch_events(  # type: ignore[no-untyped-def]
+    settings: Settings, job_id: str | None, emit, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Call `emit(event)` for each new incident and status event until `stop` is set (`ready` is set
+    once the subscription is in place)."""
     from vigil_common.bus import Bus
 
     assert settings.nats_url
@@ -80,6 +83,8 @@ async def watch_events(settings: Settings, job_id: str | None, emit, stop: async
             else (subjects.ALL_INCIDENTS, subjects.ALL_STATUS)
         )
         async with bus.watch(*wanted) as events:
+            if ready is not None:
+                ready.set()
             stream = aiter(events)
             stopped = asyncio.ensure_future(stop.wait())
             try:
