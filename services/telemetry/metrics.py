@@ -154,7 +154,13 @@ async def serve_metrics(registry: Registry, host: str, port: int, stop: asyncio.
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
-    server = await asyncio.start_server(handle, host, port)
+    try:
+        server = await asyncio.start_server(handle, host, port)
+    except OSError as exc:  # a busy port costs the metrics, not the telemetry service
+        log.error(
+            "telemetry: cannot serve /metrics on %s:%d (%s); set VIGIL_METRICS_PORT (0: off)", host, port, exc
+        )
+        return
     log.info("telemetry: metrics at http://%s:%d/metrics", host, port)
     try:
         await stop.wait()

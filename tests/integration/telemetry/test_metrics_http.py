@@ -1,0 +1,43 @@
+"""`/metrics` over HTTP on loopback, and a busy port that costs only the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+
+from tests.integration.telemetry.helpers import eventually
+from vigil_common.embedded import free_port
+from vigil_telemetry.metrics import Registry, serve_metrics
+
+pytestmark = pytest.mark.integration
+
+
+async def test_serves_metrics_and_404_elsewhere():
+    registry, stop, port = Registry(), asyncio.Event(), free_port()
+    registry.inc("vigil_incidents_total", kind="nan", action="halt")
+    server = asyncio.create_task(serve_metrics(registry, "127.0.0.1", port, stop))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+
+        async def up():
+            try:
+                return await client.get("/metrics")
+            except httpx.ConnectError:
+                return None
+
+        response = await eventually(up, timeout=10, what="the metrics server")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        assert 'vigil_incidents_total{action="halt",kind="nan"} 1' in response.text
+        assert (await client.get("/other")).status_code == 404
+    stop.set()
+    await asyncio.wait_for(server, 5)
+
+
+async def test_a_busy_port_turns_metrics_off_without_failing():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        await asyncio.wait_for(serve_metrics(Registry(), "127.0.0.1", port, asyncio.Event()), 5)  # returns
