@@ -118,6 +118,8 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
             tc = time.perf_counter()
             # --- backward (at the accumulation boundary DeepSpeed reduces the gradients: comm) --------
             engine.backward(loss)
+            if micro < accum - 1:
+                engine.step()  # not the boundary: DeepSpeed only counts the micro-step (no update)
             sync()
             td = time.perf_counter()
             t_data, t_fwd, t_bwd = t_data + tb - ta, t_fwd + tc - tb, t_bwd + td - tc
@@ -142,7 +144,7 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
             _guard_update(ctx, all_finite)
         comm_s = ctx.comm.take() if ctx.comm else 0.0
 
-        # --- optimizer step (skipped inside DeepSpeed when the update is not finite) ------------------
+        # --- optimizer step at the accumulation boundary (skipped when the update is not finite) -------
         te = time.perf_counter()
         engine.step()
         sync()
