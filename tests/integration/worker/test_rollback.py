@@ -27,10 +27,14 @@ async def halt(bus, rec, job_id: str) -> ev.RanksHalted:
     return (await rec.until(lambda r: r.of(ev.RanksHalted)))[0]
 
 
-async def rollback(bus, rec, job_id: str, checkpoint: Path, step: int) -> ev.RollbackCompleted:
+async def rollback(
+    bus, rec, job_id: str, checkpoint: Path, step: int, skip: tuple[int, int] | None = None
+) -> ev.RollbackCompleted:
     await bus.publish(
         subjects.cmd(job_id),
-        ev.RollbackJob(job_id=job_id, attempt=1, checkpoint=str(checkpoint), step=step, reason="test"),
+        ev.RollbackJob(
+            job_id=job_id, attempt=1, checkpoint=str(checkpoint), step=step, skip_data=skip, reason="test"
+        ),
     )
     return (await rec.until(lambda r: r.of(ev.RollbackCompleted)))[0]
 
@@ -89,7 +93,7 @@ async def test_corrupt_checkpoint_is_refused_and_the_previous_good_one_used(read
         _, err = await cli.communicate()
         assert cli.returncode == 1 and b"SHA-256" in err
 
-        done = await rollback(bus, rec, job_id, step8, 8)
+        done = await rollback(bus, rec, job_id, step8, 8, skip=(4, 6))
         assert Path(done.checkpoint) == ckpt.step_dir(root, job_id, 4) and done.to_step == 4
         seen = len(rec.of(ev.StepCompleted))
         for rank in (0, 1):  # training goes on from step 4
@@ -100,4 +104,7 @@ async def test_corrupt_checkpoint_is_refused_and_the_previous_good_one_used(read
             )
         await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test over"))
         await until_exited(rec, timeout=60)
+    # the data window [4, 6) is skipped: step 4 now reads data position 6
+    replayed = [e for e in rec.events[seen:] if isinstance(e, ev.StepCompleted) and e.step == 4]
+    assert {e.data_position for e in replayed} == {6}
     assert "refusing checkpoint" in rank_logs(ready_cluster, job_id, tail=10**7)
