@@ -100,7 +100,7 @@ class Guardian:
         if found is not None:
             watch, rank = found
             verdict = dataclasses.replace(verdict, rank=rank)
-            last = [p[1] for p in watch.progress.values() if p[1] is not None]
+            last = [p[1] for p in watch.windows.progress.values() if p[1] is not None]
             anomaly = min(last) + 1 if last else None
             return [watch.decide(verdict, now, anomaly_step=anomaly, key=sample.event_id)]
         iid = incident_id(None, sample.node, sample.index, "gpu_health", sample.event_id)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -36,16 +34,15 @@ from vigil_common.events import (
     StepCompleted,
 )
 from vigil_common.spec import GuardianSpec
-from vigil_guardian import numeric
-from vigil_guardian.collective import ImbalanceTracker
+from vigil_guardian.exits import rank_exit
 from vigil_guardian.hang import hang
 from vigil_guardian.policy import Decision, decide, incident_id
 from vigil_guardian.verdict import Verdict
+from vigil_guardian.windows import Windows
 
 EPISODE_GAP = 5  # anomalies of one kind within this many steps of the last one are one episode
 BUFFER_MAX = 20_000  # events held back during a recovery
 SEEN_MAX = 50_000  # event ids remembered, so a redelivered event is judged once
-PENDING_MAX = 64  # incomplete steps kept for the imbalance detector
 
 
 @dataclass
@@ -90,23 +87,10 @@ class JobWatch:
     # --- state ------------------------------------------------------------------------------------
 
     def _reset_windows(self) -> None:
-        self.losses: dict[int, deque[tuple[int, float]]] = {}
-        self._resize_windows()
-        self.pending: dict[int, dict[int, StepCompleted]] = {}
-        self.step_times: deque[float] = deque(maxlen=101)
-        self.progress: dict[int, tuple[float, int | None]] = {}
+        self.windows = Windows(self.spec)
         self.episodes: dict[str, Episode] = {}
         self.buffer: list[StepCompleted] = []
         self.hang_raised = False
-
-    def _resize_windows(self) -> None:
-        """Apply a new policy's window sizes and thresholds, keeping what has been seen."""
-        self._keep = max(
-            self.spec.spike_window,
-            self.spec.divergence_window + numeric.smoothing_width(self.spec.divergence_window),
-        )
-        self.losses = {r: deque(s, maxlen=self._keep) for r, s in self.losses.items()}
-        self.tracker = ImbalanceTracker(self.spec.imbalance_threshold, self.spec.imbalance_steps)
 
     @property
     def terminal(self) -> bool:
@@ -123,10 +107,9 @@ class JobWatch:
         if self.state is not None and self.state != "SCHEDULED":
             return False
         # No word from the scheduler (or only SCHEDULED): inferred from the ranks.
-        return self.world_size is not None and (len(self.started) >= self.world_size or bool(self.progress))
-
-    def median_step_s(self) -> float | None:
-        return statistics.median(self.step_times) if self.step_times else None
+        return self.world_size is not None and (
+            len(self.started) >= self.world_size or bool(self.windows.progress)
+        )
 
     def _new_attempt(self, attempt: int, at: float) -> None:
         self.attempt = attempt
@@ -161,7 +144,7 @@ class JobWatch:
         if not self.attempt_started_at:
             self.attempt_started_at = event.occurred_at.timestamp()
         if spec_changed:
-            self._resize_windows()
+            self.windows.resize(self.spec)
 
     def on_step(self, event: StepCompleted, now: datetime, *, quiet: bool = False) -> list[Decision]:
         """Judge one rank's step. `quiet`: rebuild windows only (a replay of events already judged)."""
@@ -185,52 +168,10 @@ class JobWatch:
         return self._judge(event, now, quiet)
 
     def _judge(self, event: StepCompleted, now: datetime, quiet: bool) -> list[Decision]:
-        spec = self.spec
-        rank, step = event.rank, event.step
-        t = event.occurred_at.timestamp()
         if self.running_since is None:
-            self.running_since = t
-        self.progress[rank] = (t, step)
+            self.running_since = event.occurred_at.timestamp()
         self.hang_raised = False
-        if math.isfinite(event.step_time_s) and event.step_time_s > 0:
-            self.step_times.append(event.step_time_s)
-
-        verdict = numeric.non_finite(event)
-        if verdict is None:
-            series = self.losses.setdefault(rank, deque(maxlen=self._keep))
-            history = [x for _, x in series][-spec.spike_window :]
-            verdict = numeric.spike(
-                history,
-                event.loss,
-                zscore=spec.spike_zscore,
-                warmup=spec.spike_warmup,
-                step=step,
-                rank=rank,
-                node=event.node,
-            )
-            series.append((step, event.loss))
-            if verdict is None:
-                verdict = numeric.divergence(
-                    [x for _, x in series],
-                    window=spec.divergence_window,
-                    tolerance=spec.divergence_tolerance,
-                    step=step,
-                    rank=rank,
-                    node=event.node,
-                )
-        verdicts = [verdict] if verdict else []
-
-        if self.world_size and self.world_size >= 2:
-            group = self.pending.setdefault(step, {})
-            group[rank] = event
-            if len(group) >= self.world_size:
-                for s in [s for s in self.pending if s <= step]:
-                    del self.pending[s]
-                if found := self.tracker.observe(list(group.values()), self.nodes):
-                    verdicts.append(found)
-            while len(self.pending) > PENDING_MAX:
-                del self.pending[min(self.pending)]
-
+        verdicts = self.windows.observe(event, self.world_size, self.nodes)
         out = []
         for v in verdicts:
             if self.recovering is not None:
@@ -329,25 +270,8 @@ class JobWatch:
                 self.running_since = t
         elif isinstance(event, RankExited):
             self.exited.add(event.rank)
-            self.progress.pop(event.rank, None)
-            failed = event.failure != "ok" or event.exit_code not in (0, None)
-            if failed and event.failure != "killed_by_vigil":
-                v = Verdict(
-                    kind="rank_exit",
-                    step=event.last_step,
-                    rank=event.rank,
-                    node=event.node,
-                    message=f"rank {event.rank} on {event.node} exited: {event.failure}"
-                    + (f", exit code {event.exit_code}" if event.exit_code is not None else "")
-                    + (f", signal {event.signal}" if event.signal else ""),
-                    evidence={
-                        "exit_code": event.exit_code,
-                        "signal": event.signal,
-                        "failure": event.failure,
-                        "last_step": event.last_step,
-                        "log_tail": event.log_tail[-2000:],
-                    },
-                )
+            self.windows.progress.pop(event.rank, None)
+            if v := rank_exit(event):
                 iid = incident_id(self.job_id, self.attempt, "rank_exit", event.rank)
                 return [
                     decide(
@@ -378,7 +302,8 @@ class JobWatch:
             return []
         t = event.occurred_at.timestamp()
         self.running_since = t
-        self.progress = {r: (t, p[1]) for r, p in self.progress.items()}  # the wait starts again
+        progress = self.windows.progress
+        self.windows.progress = {r: (t, p[1]) for r, p in progress.items()}  # the wait starts again
         self.hang_raised = False
         if self.recovering is not None and self.recovering.kind == "halt":
             return self._release(-math.inf, now)  # resumed after a halt: the timeline goes on
@@ -396,15 +321,9 @@ class JobWatch:
         self.generation += 1
         self.gen_started_at = t
         to = event.to_step
-        for rank, series in self.losses.items():
-            self.losses[rank] = deque(((s, x) for s, x in series if s < to), maxlen=self._keep)
         self.checkpoints = {s: p for s, p in self.checkpoints.items() if s <= to}  # later ones: abandoned
-        self.pending.clear()
-        self.tracker.reset()
+        self.windows.rewind(to, t, [r for r in range(self.world_size or 0) if r not in self.exited])
         self.episodes.clear()
-        self.progress = {
-            r: (t, to - 1 if to else None) for r in range(self.world_size or 0) if r not in self.exited
-        }
         self.hang_raised = False
         self.state = "RUNNING"
         self.running_since = t
@@ -441,13 +360,13 @@ class JobWatch:
             progress = {r: (rec.since, last) for r in ranks}
         elif self.running():
             start = self.running_since or self.attempt_started_at or ts
-            progress = {r: self.progress.get(r, (start, None)) for r in ranks}
+            progress = {r: self.windows.progress.get(r, (start, None)) for r in ranks}
         else:
             return []
         v = hang(
             ts,
             progress,
-            self.median_step_s(),
+            self.windows.median_step_s(),
             timeout_s=self.spec.hang_timeout_s,
             multiple=self.spec.hang_step_multiple,
             nodes=self.nodes,
