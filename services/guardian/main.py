@@ -51,6 +51,7 @@ LAUNCHES = ConsumerSpec(
     stream=subjects.JOBS, durable="guardian-launches", filter_subject=subjects.ALL_LAUNCHES, deliver_new=True
 )
 HANG_CHECK_S = 0.5
+REPLAY_HORIZON_S = 3600.0
 
 
 class GuardianService:
@@ -205,7 +206,9 @@ async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int) -> int:
     """Feed a job's step events (stream sequence <= `upto`) quietly: windows only, no decisions."""
     if upto <= 0:
         return 0
-    start = datetime.fromtimestamp(max(watch.replay_from, 0.0), tz=utcnow().tzinfo) - timedelta(seconds=1)
+    # The windows hold the last few dozen steps per rank: an hour of steps is plenty to rebuild them.
+    since = max(watch.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S, 0.0)
+    start = datetime.fromtimestamp(since, tz=utcnow().tzinfo) - timedelta(seconds=1)
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.BY_START_TIME,
         opt_start_time=start,

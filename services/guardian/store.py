@@ -27,7 +27,10 @@ class Saved:
 
 async def load(pool: asyncpg.Pool) -> Saved:
     saved = Saved()
-    for r in await pool.fetch("SELECT job_id, state FROM guardian_jobs WHERE NOT terminal"):
+    # A job silent for a week (no status, checkpoint or decision) is abandoned, not watched.
+    active = """SELECT job_id, state FROM guardian_jobs
+                WHERE NOT terminal AND updated_at > now() - interval '7 days'"""
+    for r in await pool.fetch(active):
         saved.jobs[r["job_id"]] = json.loads(r["state"])
     saved.finished = [
         r["job_id"]
