@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
     gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)
+    worker_end_ranks_on_stop: bool = Field(
+        False, description="a stopping worker ends its ranks (vigil up); false: they train on for its restart"
+    )
     max_attempts: int = Field(5, ge=1, le=1000, description="launch attempts before a job is FAILED")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")

@@ -4,7 +4,7 @@ events for this node into running ranks; reports rank starts and exits; ends ran
 Lifecycle: connect to NATS, find ranks a previous run of this worker started (report the truth about
 each), then in a TaskGroup: heartbeats, device samples, the rank monitor, and durable consumers of
 launches and commands. On stop the consumers drain and the bus closes; running ranks are left running,
-so a restarted worker picks them up again.
+so a restarted worker picks them up again (unless VIGIL_WORKER_END_RANKS_ON_STOP, as under `vigil up`).
 """
 
 from __future__ import annotations
@@ -399,6 +399,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             tg.create_task(worker.heartbeat_loop(stop))
             tg.create_task(worker.sample_loop(stop))
             tg.create_task(worker.monitor_loop(stop))
+        if settings.worker_end_ranks_on_stop and (ranks := worker.table.running()):
+            log.info("worker %s: ending %d rank(s) on the way out", settings.node_name, len(ranks))
+            await worker.end_ranks(ranks)
         log.info(
             "worker %s stopped; %d rank(s) left running", settings.node_name, len(worker.table.running())
         )

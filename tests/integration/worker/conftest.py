@@ -130,15 +130,23 @@ def tiny_spec(**train: Any) -> dict[str, Any]:
 
 
 def launch(cluster: Cluster, job_id: str, spec: dict[str, Any], **extra: Any) -> ev.LaunchJob:
+    """Rank 0 on the first worker, rank 1 on the second."""
     a, b = cluster.nodes()
+    placement = [
+        ev.RankPlacement(rank=0, node=a, device=0, local_rank=0),
+        ev.RankPlacement(rank=1, node=b, device=0, local_rank=0),
+    ]
+    return launch_on(placement, job_id, spec, **extra)
+
+
+def launch_on(
+    placement: list[ev.RankPlacement], job_id: str, spec: dict[str, Any], **extra: Any
+) -> ev.LaunchJob:
     return ev.LaunchJob(
         job_id=job_id,
         attempt=extra.pop("attempt", 1),
         spec=parse_spec(spec),
-        placement=[
-            ev.RankPlacement(rank=0, node=a, device=0, local_rank=0),
-            ev.RankPlacement(rank=1, node=b, device=0, local_rank=0),
-        ],
+        placement=placement,
         master_addr="127.0.0.1",
         master_port=free_port(),
         **extra,

@@ -9,6 +9,7 @@ import pytest
 
 from tests.integration.worker.conftest import (
     launch,
+    launch_on,
     rank_logs,
     record,
     start_worker,
@@ -77,3 +78,24 @@ async def test_restarted_worker_adopts_running_ranks_and_reports_how_they_ended(
     beat = await wait_heartbeat(bus, node_a)
     assert beat.free == [0]
     assert start_ticks(rank0.pid) is None
+
+
+async def test_a_worker_told_to_end_its_ranks_on_stop_does_so(bus, nats_url, tmp_path, job_id, monkeypatch):
+    """One worker with two slots runs both ranks; stopping it (as `vigil up` does) ends them."""
+    monkeypatch.setenv("VIGIL_WORKER_END_RANKS_ON_STOP", "true")
+    node = "node-" + job_id[2:8] + "-solo"
+    worker = start_worker(nats_url, tmp_path, node, 2)
+    try:
+        await wait_heartbeat(bus, node)
+        placement = [ev.RankPlacement(rank=r, node=node, device=r, local_rank=r) for r in (0, 1)]
+        spec = tiny_spec(steps=2000, checkpoint={"every": 1000, "keep": 2})
+        solo = launch_on(placement, job_id, spec)
+        async with record(bus, job_id) as rec:
+            await bus.publish(subjects.launch(job_id), solo)
+            await rec.until(lambda r: r.of(ev.StepCompleted, rank=1, step=1))
+            await asyncio.to_thread(stop_worker, worker)
+            exits = await until_exited(rec, timeout=60)
+    finally:
+        await asyncio.to_thread(stop_worker, worker)
+    assert worker.proc.returncode == 0, worker.log.read_text()[-3000:]
+    assert {e.failure for e in exits.values()} == {"killed_by_vigil"}
