@@ -97,7 +97,13 @@ async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
         write_endpoints(settings, nats_url, database_url)
         stack.callback(lambda: (data_dir / "endpoints.json").unlink(missing_ok=True))
         settings = settings.model_copy(
-            update={"nats_url": nats_url, "database_url": database_url, "api_token": api_token(settings)}
+            update={
+                "nats_url": nats_url,
+                "database_url": database_url,
+                "api_token": api_token(settings),
+                # One process hosts everything: when it stops, no rank may be left behind.
+                "worker_end_ranks_on_stop": True,
+            }
         )
         bus = await Bus.connect(nats_url, "vigil-up")
         try:
