@@ -18,7 +18,10 @@ def test_the_demo_rescues_its_run(tmp_path: Path):
     vigil = Path(sys.executable).parent / "vigil"
     proc = subprocess.run(
         [str(vigil), "demo", "--steps", "40", "--json", "--data-dir", str(tmp_path / "demo")],
-        env=env, capture_output=True, text=True, timeout=420,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
     )
     assert proc.stdout.strip(), proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -31,3 +34,50 @@ def test_the_demo_rescues_its_run(tmp_path: Path):
     assert summary["ok"] is True and proc.returncode == 0
     assert Path(summary["plot"]).stat().st_size > 10_000
     assert summary["last_step"] == 39
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{proc.name}: {cmdline[:200]}")
+    return found
+
+
+def test_ctrl_c_mid_run_leaves_no_process_behind(tmp_path: Path):
+    import signal
+    import time
+
+    data = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")}
+    vigil = Path(sys.executable).parent / "vigil"
+    proc = subprocess.Popen(
+        [str(vigil), "demo", "--steps", "400", "--data-dir", str(data)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        # ranks are training once the first periodic checkpoint exists
+        while not list((data / "checkpoints").glob("*/step_00000005")):
+            assert proc.poll() is None, "the demo ended before training started"
+            assert time.monotonic() < deadline, "no checkpoint within 180s"
+            time.sleep(0.2)  # polling the file system for the ranks' progress, bounded by the deadline
+        assert _processes_mentioning(str(data))  # servers and ranks are running
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while (left := _processes_mentioning(str(data))) and time.monotonic() < deadline:
+        time.sleep(0.1)  # processes that got their signal may take a moment to be reaped
+    assert not left, "left behind:\n" + "\n".join(left)
+    assert proc.returncode != 0  # interrupted: not a success
