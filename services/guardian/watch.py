@@ -352,12 +352,14 @@ class JobWatch:
         if not ranks:
             return []
         rec = self.recovering
+        median = self.windows.median_step_s()
         if rec is not None:
             if rec.kind != "rollback":
                 return []
-            # A rollback that never completes is a hang too.
-            last = rec.to_step - 1 if rec.to_step else None
-            progress = {r: (rec.since, last) for r in ranks}
+            # A rollback that does not complete within hang_timeout_s is a hang too (loading a
+            # checkpoint takes what it takes, whatever the step time: no step-time multiple here).
+            progress = {r: (rec.since, rec.to_step - 1 if rec.to_step else None) for r in ranks}
+            median = None
         elif self.running():
             start = self.running_since or self.attempt_started_at or ts
             progress = {r: self.windows.progress.get(r, (start, None)) for r in ranks}
@@ -366,13 +368,20 @@ class JobWatch:
         v = hang(
             ts,
             progress,
-            self.windows.median_step_s(),
+            median,
             timeout_s=self.spec.hang_timeout_s,
             multiple=self.spec.hang_step_multiple,
             nodes=self.nodes,
         )
         if v is None:
             return []
+        if rec is not None:
+            v = dataclasses.replace(
+                v,
+                message=f"hang: the rollback to step {rec.to_step} has not completed after "
+                f"{v.evidence['silent_s']:.1f}s (limit {v.evidence['limit_s']:.1f}s)",
+                evidence={**v.evidence, "rollback_to": rec.to_step},
+            )
         self.hang_raised = True
         self.recovering = None  # a stuck rollback is abandoned: the hang decision takes over
         return [self.decide(v, now, anomaly_step=v.step, key=round(progress[v.rank or 0][0], 3))]

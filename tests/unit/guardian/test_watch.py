@@ -207,3 +207,15 @@ def test_snapshot_round_trip_keeps_recovery():
     assert w.snapshot() == g.jobs[JOB].snapshot()
     # the in-flight event (redelivered after the restart) stays quiet
     assert w.on_step(step(7, 1, math.nan, t=0.7), at(1.0)) == []
+
+
+def test_a_rollback_that_never_completes_is_a_hang_after_the_timeout():
+    g = started(hang_timeout_s=30)
+    feed(g, normal_steps(0, 7))
+    feed(g, [step(7, 0, math.nan, t=0.7)], now=at(0.71))
+    assert g.check_hangs(at(20.0)) == []  # no step-time multiple: loading a checkpoint may be slow
+    out = g.check_hangs(at(31.0))
+    assert len(out) == 1
+    d = out[0]
+    assert d.incident.kind == "hang" and "rollback to step 5 has not completed" in d.incident.message
+    assert d.commands[0].restart and d.commands[0].step == 5
