@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -76,11 +77,16 @@ async def test_halt_leaves_no_rank_blocked(ready_cluster, bus, job_id):
     async with record(bus, job_id) as rec:
         await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
         await rec.until(lambda r: r.of(ev.StepCompleted, step=2))
+        # the worker samples its slot: the rank's process, honestly labelled as a CPU slot
+        async with bus.watch(subjects.gpu(ready_cluster.nodes()[1])) as samples:
+            sample = await asyncio.wait_for(anext(s async for s in samples if s.job_id == job_id), 30)
+        assert sample.device_kind == "cpu" and sample.memory_used_bytes > 0 and sample.temperature_c is None
         await bus.publish(subjects.cmd(job_id), ev.HaltJob(job_id=job_id, attempt=1, reason="test"))
         halted = (await rec.until(lambda r: r.of(ev.RanksHalted)))[0]
-        # both ranks stopped at the same boundary: no step after it from either
-        last = {rank: max(e.step for e in rec.of(ev.StepCompleted, rank=rank)) for rank in (0, 1)}
-        assert last == {0: halted.step, 1: halted.step}
+        # both ranks stopped at the same boundary: each finished it, and no step after it comes (events of
+        # different ranks travel independently, so wait for both before looking)
+        await rec.until(lambda r: all(r.of(ev.StepCompleted, rank=k, step=halted.step) for k in (0, 1)))
+        assert max(e.step for e in rec.of(ev.StepCompleted)) == halted.step
         # neither rank sits in a collective: both take the resume and step on
         await bus.publish(subjects.cmd(job_id), ev.ResumeJob(job_id=job_id, attempt=1))
         for rank in (0, 1):
@@ -90,7 +96,9 @@ async def test_halt_leaves_no_rank_blocked(ready_cluster, bus, job_id):
         await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test over"))
         await until_exited(rec, timeout=60)
     assert len(rec.of(ev.RanksHalted)) == 1
-    assert {e.failure for e in rec.exits().values()} == {"killed_by_vigil"}
+    # each worker ends its own rank; a rank whose partner died first may fail out of the collective
+    failures = [e.failure for e in rec.exits().values()]
+    assert "killed_by_vigil" in failures and set(failures) <= {"killed_by_vigil", "error"}
 
 
 async def test_a_launch_for_an_attempt_already_run_is_ignored(ready_cluster, bus, job_id):
