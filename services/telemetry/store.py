@@ -9,6 +9,7 @@ second row.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,9 +65,12 @@ MOVE_STAGE = (
 )
 
 
+_step_row = operator.itemgetter(*STEP_FIELDS)
+
+
 def step_rows(events: Sequence[StepCompleted]) -> list[tuple[Any, ...]]:
     """Row tuples in STEP_COLUMNS order (also what the ingest bench COPYs)."""
-    return [tuple(getattr(e, f) for f in STEP_FIELDS) for e in events]
+    return [_step_row(e.__dict__) for e in events]  # a pydantic model keeps its fields in __dict__
 
 
 async def write_steps(conn: asyncpg.Connection, events: Sequence[StepCompleted]) -> None:
