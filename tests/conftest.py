@@ -93,6 +93,15 @@ async def pool(migrated: str) -> AsyncIterator[object]:
 
 
 @pytest.fixture
+def server_dir() -> Iterator[Path]:
+    """A fresh folder for a test's own embedded servers, outside pytest's 0700 temp tree (the
+    embedded Postgres runs as another user, which must traverse every folder above its data)."""
+    path = Path(tempfile.mkdtemp(prefix="vigil-srv-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def job_id() -> str:
     """A fresh job id, so tests sharing the servers never see each other's messages."""
     return "j-" + uuid.uuid4().hex[:12]

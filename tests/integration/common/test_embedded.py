@@ -22,7 +22,7 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_nats_keeps_stream_data_across_a_restart(tmp_path: Path):
+def test_nats_keeps_stream_data_across_a_restart(server_dir: Path):
     async def publish(url: str) -> None:
         bus = await Bus.connect(url, "t")
         await bus.ensure_streams()
@@ -35,15 +35,15 @@ def test_nats_keeps_stream_data_across_a_restart(tmp_path: Path):
         await bus.close()
         return info.state.messages
 
-    server = EmbeddedNats(tmp_path)
+    server = EmbeddedNats(server_dir)
     server.start()
     asyncio.run(publish(server.url))
     port = server.port
     server.stop()
     assert server.proc.returncode is not None and not listening(port)
-    assert "sync_interval: always" in (tmp_path / "nats.conf").read_text()
+    assert "sync_interval: always" in (server_dir / "nats.conf").read_text()
 
-    again = EmbeddedNats(tmp_path)
+    again = EmbeddedNats(server_dir)
     again.start()
     try:
         assert asyncio.run(count(again.url)) == 1
@@ -51,7 +51,7 @@ def test_nats_keeps_stream_data_across_a_restart(tmp_path: Path):
         again.stop()
 
 
-def test_postgres_keeps_data_across_a_restart(tmp_path: Path):
+def test_postgres_keeps_data_across_a_restart(server_dir: Path):
     async def write(url: str) -> None:
         conn = await asyncpg.connect(url)
         await conn.execute("CREATE TABLE kept (x int); INSERT INTO kept VALUES (42)")
@@ -63,14 +63,14 @@ def test_postgres_keeps_data_across_a_restart(tmp_path: Path):
         await conn.close()
         return value
 
-    server = EmbeddedPostgres(tmp_path)
+    server = EmbeddedPostgres(server_dir)
     server.start()
     asyncio.run(write(server.url))
     port = server.port
     server.stop()
-    assert not listening(port) and not (tmp_path / "pgdata" / "postmaster.pid").exists()
+    assert not listening(port) and not (server_dir / "pgdata" / "postmaster.pid").exists()
 
-    again = EmbeddedPostgres(tmp_path)
+    again = EmbeddedPostgres(server_dir)
     again.start()
     try:
         assert asyncio.run(read(again.url)) == 42

@@ -25,6 +25,8 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
     while marker not in out:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or proc.poll() is not None:
+            if proc.poll() is not None:
+                out += proc.stdout.read()
             raise AssertionError(f"no {marker!r} from vigil up; output so far:\n{out}")
         if sel.select(remaining):
             line = proc.stdout.readline()
@@ -32,9 +34,9 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
     return out
 
 
-def test_vigil_up_runs_and_stops_cleanly(tmp_path: Path):
+def test_vigil_up_runs_and_stops_cleanly(server_dir: Path):
     env = {k: v for k, v in os.environ.items() if k not in ("VIGIL_NATS_URL", "VIGIL_DATABASE_URL")}
-    env["VIGIL_DATA_DIR"] = str(tmp_path / "data")
+    env["VIGIL_DATA_DIR"] = str(server_dir / "data")
     env["VIGIL_HTTP_PORT"] = "0"
     vigil = Path(sys.executable).parent / "vigil"
     proc = subprocess.Popen(
@@ -56,7 +58,7 @@ def test_vigil_up_runs_and_stops_cleanly(tmp_path: Path):
     for port in (nats_port, pg_port):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listening after Ctrl-C"
-    assert not (tmp_path / "data" / "endpoints.json").exists()
+    assert not (server_dir / "data" / "endpoints.json").exists()
 
 
 def test_vigil_help_lists_only_working_commands():

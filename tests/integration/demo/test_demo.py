@@ -13,11 +13,11 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_the_demo_rescues_its_run(tmp_path: Path):
+def test_the_demo_rescues_its_run(server_dir: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")}
     vigil = Path(sys.executable).parent / "vigil"
     proc = subprocess.run(
-        [str(vigil), "demo", "--steps", "40", "--json", "--data-dir", str(tmp_path / "demo")],
+        [str(vigil), "demo", "--steps", "40", "--json", "--data-dir", str(server_dir / "demo")],
         env=env,
         capture_output=True,
         text=True,
@@ -50,11 +50,11 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_ctrl_c_mid_run_leaves_no_process_behind(tmp_path: Path):
+def test_ctrl_c_mid_run_leaves_no_process_behind(server_dir: Path):
     import signal
     import time
 
-    data = tmp_path / "demo"
+    data = server_dir / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")}
     vigil = Path(sys.executable).parent / "vigil"
     proc = subprocess.Popen(
