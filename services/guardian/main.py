@@ -249,7 +249,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         raise ConfigError(
             "the guardian needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
         )
-    provider = tracing.setup_tracing("guardian")
+    provider = tracing.setup_tracing("guardian", trace_file=settings.trace_file)
     async with AsyncExitStack() as stack:
         stack.callback(provider.shutdown)
         pool = await create_pool(settings.database_url)
