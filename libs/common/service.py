@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
+import asyncpg
+from opentelemetry.sdk.trace import TracerProvider
+
+from vigil_common import tracing
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.errors import ConfigError
 from vigil_common.settings import Settings
 
 ServiceMain = Callable[[Settings, asyncio.Event], Awaitable[None]]
@@ -42,3 +51,35 @@ def run_service(main: ServiceMain, settings: Settings) -> None:
         await main(settings, stop)
 
     asyncio.run(runner())
+
+
+@dataclass
+class Connections:
+    """What a service holds while it runs: its tracer provider, Postgres pool and bus."""
+
+    provider: TracerProvider
+    pool: asyncpg.Pool
+    bus: Bus
+
+
+@contextlib.asynccontextmanager
+async def connect(settings: Settings, name: str) -> AsyncIterator[Connections]:
+    """Tracing, a migrated Postgres pool and a bus with its streams, closed in reverse on exit.
+
+    Raises ConfigError when a URL is missing: a service run alone needs both (or `vigil up`).
+    """
+    if not settings.database_url or not settings.nats_url:
+        raise ConfigError(
+            f"the {name} service needs VIGIL_DATABASE_URL and VIGIL_NATS_URL "
+            "(or run everything with `vigil up`)"
+        )
+    provider = tracing.setup_tracing(name, trace_file=settings.trace_file)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(provider.shutdown)
+        pool = await create_pool(settings.database_url)
+        stack.push_async_callback(pool.close)
+        await migrate(pool)
+        bus = await Bus.connect(settings.nats_url, name=name, provider=provider)
+        stack.push_async_callback(bus.close)
+        await bus.ensure_streams()
+        yield Connections(provider, pool, bus)

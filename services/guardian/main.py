@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from contextlib import AsyncExitStack
 from datetime import datetime, timedelta
 
 import asyncpg
@@ -24,11 +23,11 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from vigil_common import subjects, tracing
+from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.db import create_pool, migrate
-from vigil_common.errors import ConfigError, MalformedMessage
+from vigil_common.errors import MalformedMessage
 from vigil_common.events import GpuSampled, Message, StepCompleted, decode, utcnow
+from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_guardian import store
 from vigil_guardian.fleet import Guardian
@@ -245,20 +244,8 @@ async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int) -> int:
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     """Connect, restore, consume until `stop`, then drain and close."""
-    if not settings.database_url or not settings.nats_url:
-        raise ConfigError(
-            "the guardian needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
-        )
-    provider = tracing.setup_tracing("guardian", trace_file=settings.trace_file)
-    async with AsyncExitStack() as stack:
-        stack.callback(provider.shutdown)
-        pool = await create_pool(settings.database_url)
-        stack.push_async_callback(pool.close)
-        await migrate(pool)
-        bus = await Bus.connect(settings.nats_url, name="guardian", provider=provider)
-        stack.push_async_callback(bus.close)
-        await bus.ensure_streams()
-
+    async with service_connect(settings, "guardian") as conn:
+        bus, pool = conn.bus, conn.pool
         notifier = Notifier(settings.webhook_urls)
         service = GuardianService(Guardian(), bus, pool, notifier)
         await restore(service, bus, pool)
