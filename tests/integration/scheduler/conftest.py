@@ -187,7 +187,7 @@ async def nodes(bus: Bus) -> AsyncIterator[Callable[..., FakeNode]]:
 
     yield make
     for node in made:
-        await node.stop()
+        await asyncio.wait_for(node.stop(), 10)
 
 
 async def next_event(

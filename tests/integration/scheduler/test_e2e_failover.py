@@ -4,6 +4,7 @@ machine dies) fails the job over to the other worker, which resumes from the las
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -58,16 +59,27 @@ def workers(nats_url: str, tmp_path: Path) -> Iterator[dict[str, subprocess.Pope
                 if proc.poll() is None:
                     proc.kill()
         for state in tmp_path.glob("worker/*/ranks.json"):  # ranks outlive their worker by design
-            import json
-
             rank_pids += [r["pid"] for r in json.loads(state.read_text()).get("ranks", [])]
         for pid in rank_pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            kill_our_rank(pid, tmp_path)
+
+
+def kill_our_rank(pid: int, data_dir: Path) -> bool:
+    """SIGKILL a rank's process group, only if that pid is still one of this test's ranks (a pid of a
+    rank that ended may belong to someone else's process by now)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    if "vigil_worker.trainer" not in cmdline or str(data_dir) not in cmdline:
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    return True
 
 
 async def test_killed_worker_fails_over_to_the_other_from_the_last_checkpoint(
-    scheduler, workers, bus: Bus
+    scheduler, workers, bus: Bus, tmp_path: Path
 ) -> None:
     for node in workers:
         await next_event(bus, subjects.heartbeat(node), lambda e: isinstance(e, NodeHeartbeat), timeout_s=60)
@@ -91,8 +103,7 @@ async def test_killed_worker_fails_over_to_the_other_from_the_last_checkpoint(
 
     workers[victim].kill()  # the machine dies: worker and ranks at once
     workers[victim].wait(10)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(started.pid, signal.SIGKILL)
+    assert kill_our_rank(started.pid, tmp_path), "the rank was running on the victim"
 
     second = await launched(bus, jid, attempt=2, timeout_s=30)
     assert [p.node for p in second.placement] == [survivor]
