@@ -19,7 +19,16 @@ from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.spec import parse_spec
 from vigil_scheduler import queries
 from vigil_scheduler.core import Scheduler
-from vigil_scheduler.gateway.schemas import GpuPage, Health, JobDetailOut, JobOut, JobPage, NodePage, Page
+from vigil_scheduler.gateway.schemas import (
+    GpuPage,
+    Health,
+    JobDetailOut,
+    JobOut,
+    JobPage,
+    NodePage,
+    Page,
+    SubmitOperation,
+)
 
 Limit = Annotated[int, QueryParameter(ge=1, le=1000, description="items per page")]
 Cursor = Annotated[str | None, QueryParameter(description="the `next` of the previous page")]
@@ -35,7 +44,12 @@ class JobController(Controller):
     path = "/jobs"
     tags = ["jobs"]
 
-    @post("/", status_code=HTTP_201_CREATED, summary="Submit a job spec (JSON or YAML body)")
+    @post(
+        "/",
+        status_code=HTTP_201_CREATED,
+        summary="Submit a job spec (JSON or YAML body)",
+        operation_class=SubmitOperation,
+    )
     async def submit(self, request: Request, body: RawBody, scheduler: SchedulerDep) -> JobOut:
         spec = parse_spec(body, content_type=request.headers.get("content-type"))
         job = await scheduler.submit(spec, parent=dict(request.headers))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
 from pydantic import BaseModel, ConfigDict
 
 
@@ -117,3 +119,32 @@ class Page(Out):
 class Health(Out):
     status: str
     checks: dict[str, str] = {}
+
+
+_SECTION = Schema(type=OpenAPIType.OBJECT, description="see the job spec in ARCHITECTURE.md")
+_SPEC_SCHEMA = Schema(
+    type=OpenAPIType.OBJECT,
+    description="A job spec. Unknown fields are rejected; a 422 names each bad field.",
+    required=["name"],
+    properties={
+        "name": Schema(type=OpenAPIType.STRING, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"),
+        "priority": Schema(type=OpenAPIType.INTEGER, minimum=-1000, maximum=1000),
+        **{k: _SECTION for k in ("resources", "model", "train", "data", "checkpoint", "guardian")},
+        "faults": Schema(type=OpenAPIType.ARRAY, items=_SECTION),
+    },
+    additional_properties=False,
+)
+
+
+@dataclass
+class SubmitOperation(Operation):
+    """The submit endpoint reads its body itself (JSON or YAML), so its schema is declared here."""
+
+    def __post_init__(self) -> None:
+        self.request_body = RequestBody(
+            required=True,
+            content={
+                "application/json": OpenAPIMediaType(schema=_SPEC_SCHEMA),
+                "application/yaml": OpenAPIMediaType(schema=_SPEC_SCHEMA),
+            },
+        )

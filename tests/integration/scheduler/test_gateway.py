@@ -45,6 +45,8 @@ async def test_auth_on_api_only(scheduler) -> None:
         "/api/v1/events",
     ):
         assert path in paths, path
+    body = schema["paths"]["/api/v1/jobs"]["post"]["requestBody"]["content"]
+    assert {"application/json", "application/yaml"} <= set(body)
 
 
 async def test_bad_specs_are_422_naming_each_field(scheduler) -> None:
