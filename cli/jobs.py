@@ -122,6 +122,14 @@ def print_job(console: Console, job: dict[str, Any]) -> None:
         console.print(f"  resumes from {job['resume_from']}")
     if job.get("reason"):
         console.print(f"  reason: {job['reason']}")
+    if len(job.get("attempts") or []) > 1:
+        attempts = Table("ATTEMPT", "LAUNCHED", "PLACEMENT", "RESUMED FROM", "ENDED BY", box=None)
+        for a in job["attempts"]:
+            started = a["launched_at"][11:19]
+            attempts.add_row(
+                str(a["attempt"]), started, _nodes_of(a), a["resume_from"] or "-", a["ended"] or "-"
+            )
+        console.print(attempts)
     if job.get("transitions"):
         table = Table("WHEN", "ATTEMPT", "FROM", "TO", "CAUSE", box=None)
         for t in job["transitions"]:

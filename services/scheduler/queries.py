@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 from types import ModuleType
 from typing import Any
 
@@ -12,6 +13,7 @@ import asyncpg
 
 from vigil_common.errors import NotFound, RetryableError
 from vigil_common.pages import Page, check_limit, decode_cursor, page
+from vigil_scheduler import states
 from vigil_scheduler.lifecycle import JOB_COLUMNS, Job
 
 
@@ -92,6 +94,7 @@ async def job_detail(pool: asyncpg.Pool, job_id: str) -> dict[str, Any]:
             job_id,
         )
     ]
+    view["attempts"] = await _attempts(pool, job_id, view["transitions"])
     view["ranks"] = [
         dict(r)
         for r in await pool.fetch(
@@ -102,6 +105,30 @@ async def job_detail(pool: asyncpg.Pool, job_id: str) -> dict[str, Any]:
         )
     ]
     return view
+
+
+async def _attempts(
+    pool: asyncpg.Pool, job_id: str, transitions: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each launched attempt: where it ran, what it resumed from, and why it ended (if it did)."""
+    out = []
+    for r in await pool.fetch(
+        """SELECT attempt, payload, created_at FROM outbox
+           WHERE job_id = $1 AND type = 'job.launch' ORDER BY attempt""",
+        job_id,
+    ):
+        launch = json.loads(bytes(r["payload"]))
+        after = [t for t in transitions if t["attempt"] > r["attempt"] or states.is_terminal(t["to_state"])]
+        out.append(
+            {
+                "attempt": r["attempt"],
+                "launched_at": r["created_at"],
+                "placement": launch["placement"],
+                "resume_from": launch["resume_from"],
+                "ended": after[0]["cause"] if after else None,
+            }
+        )
+    return out
 
 
 async def require_job(pool: asyncpg.Pool, job_id: str) -> None:

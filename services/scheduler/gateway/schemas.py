@@ -57,9 +57,18 @@ class RankStatusOut(Out):
     failure: str | None
 
 
+class AttemptOut(Out):
+    attempt: int
+    launched_at: datetime
+    placement: list[RankOut]
+    resume_from: str | None
+    ended: str | None  # the cause that ended it; None while it runs
+
+
 class JobDetailOut(JobOut):
     transitions: list[TransitionOut]
-    ranks: list[RankStatusOut]
+    attempts: list[AttemptOut]
+    ranks: list[RankStatusOut]  # of the current attempt
 
 
 class JobPage(Out):
