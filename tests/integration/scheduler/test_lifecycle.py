@@ -65,7 +65,11 @@ async def test_rank_failure_requeues_from_newest_checkpoint_until_attempts_run_o
     assert got["reason"] == f"rank 1 on {node.name} exited with code 9 (error)"
     attempts = [t["attempt"] for t in got["transitions"] if t["to_state"] == "SCHEDULED"]
     assert attempts == [1, 2, 3]
-    assert [(a["attempt"], a["resume_from"]) for a in got["attempts"]] == [(1, None), (2, newest), (3, newest)]
+    assert [(a["attempt"], a["resume_from"]) for a in got["attempts"]] == [
+        (1, None),
+        (2, newest),
+        (3, newest),
+    ]
     assert got["attempts"][0]["ended"] == f"rank 1 on {node.name} exited with code 3 (error)"
     assert got["attempts"][2]["ended"].endswith("no attempts left (3 of 3 used)")
     gpus = (await scheduler.http.get("/api/v1/gpus")).json()["items"]
