@@ -8,7 +8,7 @@
   for faults a rollback in place cannot cure (a hang, a sick GPU, a straggler) a
   `RollbackJob(restart=True)`, relaunching the ranks. After `max_rollbacks` rollbacks the next one
   becomes `fail`; with no checkpoint to go back to, it becomes `halt`.
-- `fail`: the incident (action "fail", which the scheduler turns into FAILED) and `CancelJob`.
+- `fail`: the incident alone (action "fail"); the scheduler turns it into FAILED and cancels the ranks.
 
 Ids are derived from the incident's identity, so re-deciding the same fault (a redelivered event,
 a restart) republishes the same ids, which JetStream de-duplicates.
@@ -24,7 +24,6 @@ from typing import Any
 
 from vigil_common import subjects
 from vigil_common.events import (
-    CancelJob,
     Command,
     HaltJob,
     IncidentAction,
@@ -149,12 +148,8 @@ def decide(
         effects.update(rollback_step=step, in_place=in_place)
     elif action == "halt":
         commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
-    elif action == "fail":
-        commands.append(
-            CancelJob(
-                event_id=f"{iid}-cancel", job_id=job_id, attempt=attempt, occurred_at=now, reason=reason
-            )
-        )
+    # action "fail": the incident alone. The scheduler, which owns job state, turns it into
+    # FAILED and cancels the ranks itself; a CancelJob from here could race it to CANCELLED.
     incident = IncidentRaised(
         event_id=iid,
         job_id=job_id,

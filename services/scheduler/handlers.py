@@ -261,9 +261,7 @@ class Handlers:
             await self._on_current(event, self._fail)
 
     async def _fail(self, conn: asyncpg.Connection, job: Job, event: IncidentRaised) -> None:
-        await lifecycle.transition(
-            conn, job, states.FAILED, f"{event.kind}: {event.message}", reason=event.message
-        )
+        await lifecycle.fail(conn, job, f"{event.kind}: {event.message}", reason=event.message)
         self.s.want_placement()
 
     # --- helpers -------------------------------------------------------------------------------------------

@@ -164,6 +164,15 @@ async def cancel(conn: asyncpg.Connection, job: Job, reason: str) -> Job:
     return moved
 
 
+async def fail(conn: asyncpg.Connection, job: Job, cause: str, reason: str) -> Job:
+    """FAILED with its reason, devices released, and a CancelJob so the workers end the ranks."""
+    moved = await transition(conn, job, states.FAILED, cause, reason=reason)
+    await outbox.enqueue(
+        conn, subjects.cmd(job.id), CancelJob(job_id=job.id, attempt=job.attempt, reason=f"failed: {reason}")
+    )
+    return moved
+
+
 async def raise_incident(conn: asyncpg.Connection, job: Job, incident: IncidentRaised) -> None:
     await outbox.enqueue(conn, subjects.incident(job.id), incident)
 

@@ -6,7 +6,7 @@ import pytest
 
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import HaltJob, IncidentRaised, ResumeJob, RollbackCompleted, RollbackJob
+from vigil_common.events import CancelJob, HaltJob, IncidentRaised, ResumeJob, RollbackCompleted, RollbackJob
 
 from .conftest import checkpoint, eventually, exit_rank, launched, spec, start_ranks, wait_state
 
@@ -132,8 +132,13 @@ async def test_guardian_commands_drive_halt_rollback_restart_and_fail(scheduler,
             job_id=jid, attempt=2, kind="divergence", action="fail", message="max rollbacks exceeded"
         ),
     )
-    failed = await wait_state(bus, jid, "FAILED")
-    assert failed.cause == "divergence: max rollbacks exceeded"
+    async with bus.watch(subjects.cmd(jid), from_start=True) as commands:
+        failed = await wait_state(bus, jid, "FAILED")
+        assert failed.cause == "divergence: max rollbacks exceeded"
+        # the scheduler, not the guardian, tells the workers to end the failed job's ranks
+        while not isinstance(cmd := await commands.next(10), CancelJob):
+            assert cmd is not None, "no CancelJob after FAILED"
+    assert cmd.attempt == 2 and "max rollbacks exceeded" in cmd.reason
 
 
 async def test_unhealthy_devices_are_never_placed_on(scheduler, nodes, bus: Bus) -> None:
