@@ -7,14 +7,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from contextlib import AsyncExitStack
 
 import uvicorn
 
-from vigil_common import subjects, tracing
-from vigil_common.bus import Bus, ConsumerSpec
-from vigil_common.db import create_pool, migrate
+from vigil_common import subjects
+from vigil_common.bus import ConsumerSpec
 from vigil_common.errors import ConfigError
+from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.app import Deps, create_app
@@ -48,20 +47,8 @@ class _Server(uvicorn.Server):
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    if not settings.database_url or not settings.nats_url:
-        raise ConfigError(
-            "the scheduler needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
-        )
-    provider = tracing.setup_tracing("scheduler", trace_file=settings.trace_file)
-    async with AsyncExitStack() as stack:
-        stack.callback(provider.shutdown)
-        pool = await create_pool(settings.database_url)
-        stack.push_async_callback(pool.close)
-        await migrate(pool)
-        bus = await Bus.connect(settings.nats_url, name="scheduler", provider=provider)
-        stack.push_async_callback(bus.close)
-        await bus.ensure_streams()
-
+    async with service_connect(settings, "scheduler") as conn:
+        provider, pool, bus = conn.provider, conn.pool, conn.bus
         relay = Relay(pool, bus, provider)
         scheduler = Scheduler(settings, pool, relay, provider)
         handlers = Handlers(scheduler)
