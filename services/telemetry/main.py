@@ -1,19 +1,22 @@
 """The telemetry service: stores every step, GPU sample, status event and incident in Postgres,
 traces each training step, and serves Prometheus metrics.
 
-Each consumer takes batches from its durable consumer and writes a batch in one transaction;
-the bus acknowledges the batch only after the handler returns, i.e. after the commit. Rows are
-keyed by event_id, so a batch redelivered after a crash adds nothing twice.
+Each consumer takes batches from its durable consumer (`bus.consume_batches`: the next batch is
+delivered while the current one is written) and writes a batch in one transaction; the bus
+acknowledges the batch only after the handler returns, i.e. after the commit. Rows are keyed by
+event_id, so a batch redelivered after a crash adds nothing twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from contextlib import AsyncExitStack
 
 import asyncpg
+import nats.js.errors
 from opentelemetry import trace
 
 from vigil_common import subjects, tracing
@@ -23,7 +26,6 @@ from vigil_common.errors import ConfigError
 from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry import store
-from vigil_telemetry.ingest import StepIngest
 from vigil_telemetry.metrics import Registry, serve_metrics
 from vigil_telemetry.traces import StepTraces
 
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # A batch commits in well under a second; after a crash its messages come back after ACK_WAIT_S.
 ACK_WAIT_S = 10.0
+# Every rank sends one event per step: the steps stream is the one whose volume matters.
+STEP_BATCH = 2000
 
 
 def _spec(stream: subjects.StreamSpec, durable: str, filter_subject: str) -> ConsumerSpec:
@@ -60,7 +64,8 @@ class Telemetry:
         self.registry.observe(events)
         self.registry.inc("vigil_telemetry_events_total", len(events), consumer=consumer)
 
-    async def steps(self, events: list[StepCompleted]) -> None:
+    async def steps(self, batch: Batch) -> None:
+        events = [e for e, _ in batch if isinstance(e, StepCompleted)]
         await self._write(store.write_steps, events, "steps")
         if self.traces.enabled:
             for e in events:
@@ -94,6 +99,16 @@ class Telemetry:
         self.traces.flush(everything=True)
 
 
+async def _replace_push_consumer(bus: Bus, spec: ConsumerSpec) -> None:
+    """An earlier telemetry consumed steps with a push consumer of this name; the bus pulls. Rows are
+    keyed by event_id, so what the new consumer reads again adds nothing."""
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+        if info.config.deliver_subject:
+            log.warning("%s: replacing a push consumer of this name with a pull consumer", spec.durable)
+            await bus.js.delete_consumer(spec.stream.name, spec.durable)
+
+
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     """Connect, migrate, consume until `stop`, then drain and close."""
     if not settings.database_url or not settings.nats_url:
@@ -111,11 +126,15 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         bus = await Bus.connect(settings.nats_url, name="telemetry", provider=provider)
         stack.push_async_callback(bus.close)
         await bus.ensure_streams()
+        await _replace_push_consumer(bus, STEPS)
 
+        # What startup built lives as long as the process: keep it out of the collector's full
+        # scans, which otherwise walk it again and again while batches of events churn through.
+        gc.freeze()
         registry = Registry()
         t = Telemetry(pool, registry, StepTraces(provider, enabled=traced))
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(StepIngest(bus, STEPS, t.steps).run(stop))
+            tasks.create_task(bus.consume_batches(STEPS, t.steps, stop, max_batch=STEP_BATCH))
             tasks.create_task(bus.consume_batches(GPU, t.gpu, stop))
             tasks.create_task(bus.consume_batches(STATUS, t.status, stop))
             tasks.create_task(bus.consume_batches(INCIDENTS, t.incidents, stop))

@@ -77,9 +77,10 @@ class Registry:
 
     def observe(self, events: Sequence[Message]) -> None:
         newest: set[tuple[str | None, int]] = set()
+        steps: dict[str | None, int] = {}  # per job, counted once a batch (labels cost more than events)
         for e in reversed(events):  # gauges show each rank's (device's) newest value; older ones only count
             if isinstance(e, StepCompleted):
-                self.inc("vigil_steps_total", job=e.job_id)
+                steps[e.job_id] = steps.get(e.job_id, 0) + 1
                 if (e.job_id, e.rank) in newest:
                     continue
                 newest.add((e.job_id, e.rank))
@@ -114,6 +115,8 @@ class Registry:
                     series = self._values[name]
                     for key in [k for k in series if ("job", e.job_id) in k]:
                         del series[key]
+        for job, n in steps.items():
+            self.inc("vigil_steps_total", n, job=job)
 
 
 def _labels(labels: dict[str, object]) -> Labels:

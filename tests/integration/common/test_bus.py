@@ -239,3 +239,119 @@ async def test_a_watch_survives_a_timed_out_wait(bus: Bus, job_id: str):
         sent = ev.ResumeJob(job_id=job_id, attempt=1)
         await bus.publish(subjects.cmd(job_id), sent)
         assert await events.next(10) == sent
+
+
+async def run_batches(bus: Bus, spec: ConsumerSpec, handler, done: asyncio.Event, **kw) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume_batches(spec, handler, stop, **kw))
+    try:
+        await asyncio.wait_for(done.wait(), 20)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_batch_is_acked_only_after_its_handler_returns(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id)
+    for i in range(5):
+        await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason=str(i)))
+    release, running, done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    seen: list[int] = []
+
+    async def handler(batch: list[tuple[ev.Message, Delivery]]) -> None:
+        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+        seen.append(info.num_ack_pending)  # delivered to us and not acknowledged, while we run
+        running.set()
+        await release.wait()
+        done.set()
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume_batches(spec, handler, stop, max_wait_s=0.1))
+    try:
+        await asyncio.wait_for(running.wait(), 10)
+        assert seen == [5]
+        release.set()
+        await asyncio.wait_for(done.wait(), 10)
+        info = await settled(bus, spec)
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_failed_batch_is_redelivered_and_a_malformed_message_dead_lettered(bus: Bus, job_id: str):
+    spec = cmd_spec(job_id, backoff_s=(0.05,))
+    subject = subjects.cmd(job_id)
+    sent = [ev.CancelJob(job_id=job_id, attempt=1, reason=str(i)) for i in range(10)]
+    for e in sent[:5]:
+        await bus.publish(subject, e)
+    await bus.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    for e in sent[5:]:
+        await bus.publish(subject, e)
+    calls: list[list[int]] = []
+    stored: list[ev.Message] = []
+    done = asyncio.Event()
+
+    async def handler(batch: list[tuple[ev.Message, Delivery]]) -> None:
+        calls.append([d.num_delivered for _, d in batch])
+        if len(calls) == 1:
+            raise RetryableError("database away")
+        stored.extend(e for e, _ in batch)
+        if len(stored) >= len(sent):
+            done.set()
+
+    async with bus.watch(subjects.dead_letter(subjects.COMMANDS.name)) as dead:
+        await run_batches(bus, spec, handler, done, max_wait_s=0.1)
+        letter = await asyncio.wait_for(anext(dead), 10)
+    assert calls[0] == [1] * 10  # the malformed one never reaches the handler
+    assert sorted(e.event_id for e in stored) == sorted(e.event_id for e in sent)
+    assert all(n == 2 for c in calls[1:] for n in c)  # each came back once, after the failure
+    assert "not JSON" in letter.reason and letter.consumer == spec.durable
+    info = await settled(bus, spec)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_batches_of_large_messages_arrive_whole(bus: Bus, job_id: str):
+    """Frames split across socket reads: the fast parser waits for the rest of each."""
+    spec = cmd_spec(job_id)
+    sent = [
+        ev.CancelJob(job_id=job_id, attempt=1, reason=f"{i}:" + "x" * (30_000 + 997 * i)) for i in range(60)
+    ]
+    for e in sent:
+        await bus.publish(subjects.cmd(job_id), e)
+    got: list[ev.Message] = []
+    done = asyncio.Event()
+
+    async def handler(batch: list[tuple[ev.Message, Delivery]]) -> None:
+        got.extend(e for e, _ in batch)
+        if len(got) >= len(sent):
+            done.set()
+
+    await run_batches(bus, spec, handler, done, max_batch=16)
+    assert got == sent
+
+
+async def test_a_stopped_batch_consumer_loses_nothing_it_had_not_handled(bus: Bus, job_id: str):
+    """What it held is nak'd on the way out; what was still on the wire comes back after the ack wait."""
+    spec = cmd_spec(job_id, ack_wait_s=3)
+    sent = [ev.CancelJob(job_id=job_id, attempt=1, reason=str(i)) for i in range(30)]
+    for e in sent:
+        await bus.publish(subjects.cmd(job_id), e)
+    first: list[ev.Message] = []
+    done = asyncio.Event()
+
+    async def one_batch(batch: list[tuple[ev.Message, Delivery]]) -> None:
+        first.extend(e for e, _ in batch)
+        done.set()
+
+    await run_batches(bus, spec, one_batch, done, max_batch=4)  # more than 4 were delivered to it
+    rest: list[ev.Message] = []
+    done2 = asyncio.Event()
+
+    async def the_rest(batch: list[tuple[ev.Message, Delivery]]) -> None:
+        rest.extend(e for e, _ in batch)
+        if len(first) + len(rest) >= len(sent):
+            done2.set()
+
+    await run_batches(bus, spec, the_rest, done2)
+    assert sorted(e.event_id for e in first + rest) == sorted(e.event_id for e in sent)
