@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
-from contextlib import AsyncExitStack
 
 import asyncpg
-import nats.js.errors
 from opentelemetry import trace
 
 from vigil_common import subjects, tracing
-from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.db import create_pool, migrate
-from vigil_common.errors import ConfigError
+from vigil_common.bus import ConsumerSpec, Delivery
 from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
+from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_telemetry import store
 from vigil_telemetry.metrics import Registry, serve_metrics
@@ -99,40 +95,14 @@ class Telemetry:
         self.traces.flush(everything=True)
 
 
-async def _replace_push_consumer(bus: Bus, spec: ConsumerSpec) -> None:
-    """An earlier telemetry consumed steps with a push consumer of this name; the bus pulls. Rows are
-    keyed by event_id, so what the new consumer reads again adds nothing."""
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
-        if info.config.deliver_subject:
-            log.warning("%s: replacing a push consumer of this name with a pull consumer", spec.durable)
-            await bus.js.delete_consumer(spec.stream.name, spec.durable)
-
-
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     """Connect, migrate, consume until `stop`, then drain and close."""
-    if not settings.database_url or not settings.nats_url:
-        raise ConfigError(
-            "telemetry needs VIGIL_DATABASE_URL and VIGIL_NATS_URL (or run everything with `vigil up`)"
-        )
-    provider = tracing.setup_tracing("telemetry", trace_file=settings.trace_file)
     # Step traces are built only when they go somewhere (OTLP or VIGIL_TRACE_FILE).
     traced = tracing.otlp_configured() or settings.trace_file is not None
-    async with AsyncExitStack() as stack:
-        stack.callback(provider.shutdown)
-        pool = await create_pool(settings.database_url)
-        stack.push_async_callback(pool.close)
-        await migrate(pool)
-        bus = await Bus.connect(settings.nats_url, name="telemetry", provider=provider)
-        stack.push_async_callback(bus.close)
-        await bus.ensure_streams()
-        await _replace_push_consumer(bus, STEPS)
-
-        # What startup built lives as long as the process: keep it out of the collector's full
-        # scans, which otherwise walk it again and again while batches of events churn through.
-        gc.freeze()
+    async with service_connect(settings, "telemetry") as conn:
+        pool, bus = conn.pool, conn.bus
         registry = Registry()
-        t = Telemetry(pool, registry, StepTraces(provider, enabled=traced))
+        t = Telemetry(pool, registry, StepTraces(conn.provider, enabled=traced))
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(bus.consume_batches(STEPS, t.steps, stop, max_batch=STEP_BATCH))
             tasks.create_task(bus.consume_batches(GPU, t.gpu, stop))

@@ -266,7 +266,7 @@ async def test_a_batch_is_acked_only_after_its_handler_returns(bus: Bus, job_id:
         done.set()
 
     stop = asyncio.Event()
-    task = asyncio.create_task(bus.consume_batches(spec, handler, stop, max_wait_s=0.1))
+    task = asyncio.create_task(bus.consume_batches(spec, handler, stop))
     try:
         await asyncio.wait_for(running.wait(), 10)
         assert seen == [5]
@@ -301,7 +301,7 @@ async def test_a_failed_batch_is_redelivered_and_a_malformed_message_dead_letter
             done.set()
 
     async with bus.watch(subjects.dead_letter(subjects.COMMANDS.name)) as dead:
-        await run_batches(bus, spec, handler, done, max_wait_s=0.1)
+        await run_batches(bus, spec, handler, done)
         letter = await asyncio.wait_for(anext(dead), 10)
     assert calls[0] == [1] * 10  # the malformed one never reaches the handler
     assert sorted(e.event_id for e in stored) == sorted(e.event_id for e in sent)
@@ -333,7 +333,7 @@ async def test_batches_of_large_messages_arrive_whole(bus: Bus, job_id: str):
 
 async def test_a_stopped_batch_consumer_loses_nothing_it_had_not_handled(bus: Bus, job_id: str):
     """What it held is nak'd on the way out; what was still on the wire comes back after the ack wait."""
-    spec = cmd_spec(job_id, ack_wait_s=3)
+    spec = cmd_spec(job_id, ack_wait_s=3, backoff_s=(0.05,))
     sent = [ev.CancelJob(job_id=job_id, attempt=1, reason=str(i)) for i in range(30)]
     for e in sent:
         await bus.publish(subjects.cmd(job_id), e)
@@ -341,6 +341,8 @@ async def test_a_stopped_batch_consumer_loses_nothing_it_had_not_handled(bus: Bu
     done = asyncio.Event()
 
     async def one_batch(batch: list[tuple[ev.Message, Delivery]]) -> None:
+        if done.is_set():  # stopping: whatever else arrives must come back to the next consumer
+            raise RetryableError("stopping")
         first.extend(e for e, _ in batch)
         done.set()
 
