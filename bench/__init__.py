@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import tempfile
+from pathlib import Path
 from typing import Any
+
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
+from vigil_common.settings import Settings
 
 
 def result(bench: str, value: float, floor: float, unit: str, target: str, **details: Any) -> dict[str, Any]:
@@ -17,3 +24,26 @@ def result(bench: str, value: float, floor: float, unit: str, target: str, **det
         "target": target,
         **details,
     }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least `q` (0..1) of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def servers(
+    stack: contextlib.ExitStack, settings: Settings, *, database: bool = True
+) -> tuple[Settings, str]:
+    """Settings pointing at the user's NATS/Postgres when given, else at embedded servers started in a
+    temporary data dir for this run (closed with `stack`); and a line saying which."""
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-")))
+    updates: dict[str, object] = {"data_dir": tmp, "metrics_port": 0}
+    where = []
+    if not settings.nats_url:
+        updates["nats_url"] = stack.enter_context(EmbeddedNats(tmp / "nats")).url
+        where.append("embedded nats-server -js (file storage, sync_interval: always)")
+    if database and not settings.database_url:
+        updates["database_url"] = stack.enter_context(EmbeddedPostgres(tmp / "postgres")).url
+        where.append("embedded Postgres")
+    return settings.model_copy(update=updates), ", ".join(where) or "the user's servers"

@@ -14,28 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import nats
 
-from vigil_bench import result
+from vigil_bench import percentile, result, servers
 from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.embedded import EmbeddedNats
 from vigil_common.settings import Settings
 
 ROUNDS = 5
 RR_PER_ROUND = 400
 PUB_PER_ROUND = 300
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _measure(url: str) -> dict[str, object]:
@@ -97,9 +89,9 @@ async def _measure(url: str) -> dict[str, object]:
         request_reply={
             "n": len(vigil_rr),
             "vigil_p50_us": round(statistics.median(vigil_rr) * 1e6, 1),
-            "vigil_p99_us": round(_pct(vigil_rr, 0.99) * 1e6, 1),
+            "vigil_p99_us": round(percentile(vigil_rr, 0.99) * 1e6, 1),
             "raw_p50_us": round(statistics.median(raw_rr) * 1e6, 1),
-            "raw_p99_us": round(_pct(raw_rr, 0.99) * 1e6, 1),
+            "raw_p99_us": round(percentile(raw_rr, 0.99) * 1e6, 1),
         },
         jetstream_publish={
             "n": n_pub,
@@ -111,12 +103,8 @@ async def _measure(url: str) -> dict[str, object]:
 
 async def run(settings: Settings) -> dict[str, object]:
     with contextlib.ExitStack() as stack:
-        url = settings.nats_url
-        server = "user's NATS"
-        if not url:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-")))
-            url = stack.enter_context(EmbeddedNats(tmp)).url
-            server = "embedded nats-server -js (file storage, sync_interval: always)"
-        out = await _measure(url)
-        out["server"] = server
+        settings, where = servers(stack, settings, database=False)
+        assert settings.nats_url
+        out = await _measure(settings.nats_url)
+        out["server"] = where
         return out

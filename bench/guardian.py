@@ -22,16 +22,13 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
-from vigil_bench import result
+from vigil_bench import percentile, result, servers
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
 from vigil_common.events import (
     CheckpointSaved,
     JobStateChanged,
@@ -74,11 +71,6 @@ def echo_main(url: str, subject: str) -> None:
         await bus.close()
 
     asyncio.run(main())
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 async def _drained(bus: Bus) -> bool:
@@ -246,7 +238,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
                 proc.kill()
         await bus.close()
 
-    p99, floor = _pct(latencies, 0.99), _pct(rr, 0.99)
+    p99, floor = percentile(latencies, 0.99), percentile(rr, 0.99)
     return result(
         "guardian",
         value=p99 * 1e3,
@@ -257,7 +249,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         p50_ms=round(statistics.median(latencies) * 1e3, 3),
         p99_ms=round(p99 * 1e3, 3),
         core_subscriber_p50_ms=round(statistics.median(core_latencies) * 1e3, 3),
-        core_subscriber_p99_ms=round(_pct(core_latencies, 0.99) * 1e3, 3),
+        core_subscriber_p99_ms=round(percentile(core_latencies, 0.99) * 1e3, 3),
         request_reply_p50_ms=round(statistics.median(rr) * 1e3, 3),
         request_reply_p99_ms=round(floor * 1e3, 3),
         request_reply_n=len(rr),
@@ -266,15 +258,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
 
 async def run(settings: Settings) -> dict[str, object]:
     with contextlib.ExitStack() as stack:
-        where = []
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-")))
-        updates: dict[str, object] = {"data_dir": tmp}
-        if not settings.nats_url:
-            updates["nats_url"] = stack.enter_context(EmbeddedNats(tmp / "nats")).url
-            where.append("embedded nats-server -js (file storage, sync_interval: always)")
-        if not settings.database_url:
-            updates["database_url"] = stack.enter_context(EmbeddedPostgres(tmp / "postgres")).url
-            where.append("embedded Postgres")
-        out = await _measure(settings.model_copy(update=updates))
-        out["servers"] = ", ".join(where) or "user's NATS and Postgres"
+        settings, where = servers(stack, settings)
+        out = await _measure(settings)
+        out["servers"] = where
         return out

@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import asyncpg
 
-from vigil_bench import result
+from vigil_bench import result, servers
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
 from vigil_common.events import StepCompleted, utcnow
 from vigil_common.settings import Settings
 from vigil_telemetry import main as telemetry
@@ -144,15 +141,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
 
 async def run(settings: Settings) -> dict[str, object]:
     with contextlib.ExitStack() as stack:
-        where = []
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-")))
-        updates: dict[str, object] = {"data_dir": tmp, "metrics_port": 0}
-        if not settings.nats_url:
-            updates["nats_url"] = stack.enter_context(EmbeddedNats(tmp / "nats")).url
-            where.append("embedded nats-server -js (file storage, sync_interval: always)")
-        if not settings.database_url:
-            updates["database_url"] = stack.enter_context(EmbeddedPostgres(tmp / "postgres")).url
-            where.append("embedded Postgres")
-        out = await _measure(settings.model_copy(update=updates))
-        out["servers"] = ", ".join(where) or "user's NATS and Postgres"
+        settings, where = servers(stack, settings)
+        out = await _measure(settings)
+        out["servers"] = where
         return out

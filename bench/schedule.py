@@ -23,7 +23,7 @@ import uvicorn
 from litestar import Litestar, post
 from litestar.status_codes import HTTP_201_CREATED
 
-from vigil_bench import result
+from vigil_bench import percentile, result
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
 from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot, place
@@ -90,19 +90,14 @@ def measure_placement() -> dict[str, Any]:
             place(small, inventory)
             small_ms.append((time.perf_counter() - t0) * 1e3)
     return {
-        "p99_ms": _pct(big_ms, 99),
-        "p50_ms": _pct(big_ms, 50),
+        "p99_ms": percentile(big_ms, 0.99),
+        "p50_ms": percentile(big_ms, 0.5),
         "mean_ms": statistics.fmean(big_ms),
-        "small_job_p99_ms": _pct(small_ms, 99),
+        "small_job_p99_ms": percentile(small_ms, 0.99),
         "placed_fraction": placed / len(big_ms),
         "snapshot_index_ms": statistics.median(index_ms),
         "samples": len(big_ms),
     }
-
-
-def _pct(values: list[float], pct: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
 @post("/api/v1/jobs", status_code=HTTP_201_CREATED)
@@ -147,7 +142,7 @@ async def measure_gateway() -> dict[str, Any]:
         await serving
     return {
         "gateway_submissions_per_s": round(SUBMISSIONS / elapsed, 1),
-        "gateway_p99_ms": round(_pct(latencies, 99) * 1e3, 2),
+        "gateway_p99_ms": round(percentile(latencies, 0.99) * 1e3, 2),
         "gateway_clients": CLIENTS,
     }
 
