@@ -267,40 +267,6 @@ class Bus:
 
     # --- consume -------------------------------------------------------------------------------------
 
-    async def _pull(self, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
-        config = ConsumerConfig(
-            durable_name=spec.durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=spec.ack_wait_s,
-            max_deliver=spec.max_deliver + 1,  # one delivery more than we retry, to dead-letter it
-            max_ack_pending=spec.max_ack_pending,
-            filter_subject=spec.filter_subject,
-            deliver_policy=DeliverPolicy.NEW if spec.deliver_new else DeliverPolicy.ALL,
-        )
-        return await self.js.pull_subscribe(
-            spec.filter_subject, durable=spec.durable, stream=spec.stream.name, config=config
-        )
-
-    async def _fetch(
-        self, sub: JetStreamContext.PullSubscription, batch: int, stop: asyncio.Event
-    ) -> list[Msg]:
-        """Fetch up to `batch` messages, returning early (empty) when `stop` is set."""
-        fetch = asyncio.ensure_future(sub.fetch(batch, timeout=5.0))
-        stopped = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-        if not fetch.done():
-            fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *_TRANSIENT):
-                await fetch
-            return []
-        try:
-            return fetch.result()
-        except _TRANSIENT:
-            return []
-
     def _decode(self, msg: Msg) -> Message:
         try:
             carries = subjects.CARRIES[subjects.kind_of(msg.subject)]
@@ -340,36 +306,52 @@ class Bus:
             )
             await delivery.msg.nak(delay=spec.delay(delivery.num_delivered))
 
-    async def consume(
-        self, spec: ConsumerSpec, handler: Handler, stop: asyncio.Event, *, batch: int = 64
-    ) -> None:
-        """Run `handler` on each message until `stop` is set; ack after it returns."""
-        sub = await self._pull(spec)
+    async def consume(self, spec: ConsumerSpec, handler: Handler, stop: asyncio.Event) -> None:
+        """Run `handler` on each message, in order, until `stop` is set; ack after it returns.
+
+        The server pushes (at most `max_ack_pending` unacknowledged), so a message is handled
+        as soon as it is stored, with no fetch round trip in between.
+        """
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_msg(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        sub = await self._push(spec, on_msg)
+        stopped = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
-                for msg in await self._fetch(sub, batch, stop):
-                    delivery = Delivery(msg)
-                    try:
-                        event = self._decode(msg)
-                    except MalformedMessage as exc:
-                        await self._fail(spec, delivery, exc)
-                        continue
-                    with self._tracer.start_as_current_span(
-                        f"consume {spec.durable}",
-                        context=delivery.trace_context,
-                        kind=trace.SpanKind.CONSUMER,
-                    ):
-                        try:
-                            await handler(event, delivery)
-                        except asyncio.CancelledError:
-                            raise
-                        except Exception as exc:
-                            await self._fail(spec, delivery, exc)
-                        else:
-                            await msg.ack()
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    break
+                await self._handle_one(spec, getter.result(), handler)
         finally:
+            stopped.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+                while not queue.empty():  # received but not handled: back to the server at once
+                    await queue.get_nowait().nak()
+
+    async def _handle_one(self, spec: ConsumerSpec, msg: Msg, handler: Handler) -> None:
+        delivery = Delivery(msg)
+        try:
+            event = self._decode(msg)
+        except MalformedMessage as exc:
+            await self._fail(spec, delivery, exc)
+            return
+        with self._tracer.start_as_current_span(
+            f"consume {spec.durable}", context=delivery.trace_context, kind=trace.SpanKind.CONSUMER
+        ):
+            try:
+                await handler(event, delivery)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await self._fail(spec, delivery, exc)
+            else:
+                await msg.ack()
 
     async def consume_batches(
         self,
