@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from vigil_common.events import StepCompleted
 from vigil_guardian.verdict import Verdict
 
+# A spread smaller than this is scheduling jitter, not a straggler, however large a share of a
+# very short step it is (a 10 ms hiccup is 20 % of a 50 ms CPU step, and 1 % of a 1 s GPU step).
+MIN_SPREAD_S = 0.05
+
 
 @dataclass(frozen=True)
 class StepSpread:
@@ -37,12 +41,13 @@ def spread(events: Sequence[StepCompleted]) -> StepSpread:
     step_time = max(max(e.step_time_s for e in events), 1e-9)
     compute = {e.rank: max(e.step_time_s - e.comm_time_s, 0.0) for e in events}
     comm = {e.rank: e.comm_time_s for e in events}
-    ratio = max(max(compute.values()) - min(compute.values()), max(comm.values()) - min(comm.values()))
-    ratio /= step_time
+    worst = max(max(compute.values()) - min(compute.values()), max(comm.values()) - min(comm.values()))
+    ratio = worst / step_time if worst >= MIN_SPREAD_S else 0.0
     straggler = max(compute, key=lambda r: (compute[r] - comm[r], -r))
     times = {e.rank: e.occurred_at.timestamp() for e in events}
     late = max(times, key=lambda r: (times[r], -r))
-    arrival = (max(times.values()) - min(times.values())) / step_time
+    late_by = max(times.values()) - min(times.values())
+    arrival = late_by / step_time if late_by >= MIN_SPREAD_S else 0.0
     return StepSpread(events[0].step, ratio, arrival, straggler, late, step_time)
 
 

@@ -59,3 +59,16 @@ def test_late_arrival_is_a_straggler():
 
 def test_single_rank_has_no_imbalance():
     assert ImbalanceTracker(0.2, 1).observe([step(0)], NODES) is None
+
+
+def test_jitter_on_very_short_steps_is_not_an_imbalance():
+    # 15 ms of jitter is 30 % of a 50 ms CPU step, but no rank is a straggler
+    tr = ImbalanceTracker(0.2, 3)
+    jitter = [
+        [step(k, r, step_time=0.05, comm=0.005 if r == k % 3 else 0.02, t=k) for r in range(3)]
+        for k in range(10)
+    ]
+    assert all(tr.observe(steps, NODES) is None for steps in jitter)
+    assert spread(jitter[0]).ratio == 0.0
+    # the same share of a step from a real slow rank (0.3 s) still counts
+    assert spread(slow(0, extra=0.3)).ratio > 0.2
