@@ -15,14 +15,12 @@ import asyncio
 import contextlib
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 import yaml
 
-from vigil_bench import result
+from vigil_bench import result, servers
 from vigil_common.bus import Bus
-from vigil_common.embedded import EmbeddedNats
 from vigil_common.settings import Settings
 from vigil_worker.local import start_ranks
 
@@ -61,8 +59,9 @@ def _one_run(tmp: Path, name: str, extra: list[str]) -> list[float]:
 
 def run(settings: Settings) -> dict[str, object]:
     with contextlib.ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-overhead-")))
-        url = settings.nats_url or stack.enter_context(EmbeddedNats(tmp / "nats")).url
+        settings, _ = servers(stack, settings, database=False)
+        tmp, url = settings.data_dir, settings.nats_url
+        assert url
 
         async def ensure() -> None:
             bus = await Bus.connect(url, "bench-overhead")

@@ -22,7 +22,6 @@ import contextlib
 import json
 import random
 import statistics
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -31,11 +30,10 @@ from typing import Any
 
 import yaml
 
-from vigil_bench import result
+from vigil_bench import result, servers
 from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.embedded import EmbeddedNats
 from vigil_common.settings import Settings
 from vigil_worker.local import start_ranks
 from vigil_worker.trainer.checkpoint import step_dir
@@ -150,8 +148,9 @@ async def _measure(url: str, tmp: Path) -> dict[str, Any]:
 
 def run(settings: Settings) -> dict[str, object]:
     with contextlib.ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vigil-bench-recovery-")))
-        url = settings.nats_url or stack.enter_context(EmbeddedNats(tmp / "nats")).url
+        settings, _ = servers(stack, settings, database=False)
+        tmp, url = settings.data_dir, settings.nats_url
+        assert url
         m = asyncio.run(_measure(url, tmp))
     value = statistics.median(m["took"])
     load = statistics.median(r["load_s"] for r in m["records"])
