@@ -157,18 +157,20 @@ async def requeue(
 
 async def cancel(conn: asyncpg.Connection, job: Job, reason: str) -> Job:
     """CANCELLED, devices released, and a CancelJob on the job's cmd subject for the workers."""
-    moved = await transition(conn, job, states.CANCELLED, f"cancelled: {reason}", reason=reason)
-    await outbox.enqueue(
-        conn, subjects.cmd(job.id), CancelJob(job_id=job.id, attempt=job.attempt, reason=reason)
-    )
-    return moved
+    return await _end_ranks(conn, job, states.CANCELLED, f"cancelled: {reason}", reason, reason)
 
 
 async def fail(conn: asyncpg.Connection, job: Job, cause: str, reason: str) -> Job:
     """FAILED with its reason, devices released, and a CancelJob so the workers end the ranks."""
-    moved = await transition(conn, job, states.FAILED, cause, reason=reason)
+    return await _end_ranks(conn, job, states.FAILED, cause, reason, f"failed: {reason}")
+
+
+async def _end_ranks(
+    conn: asyncpg.Connection, job: Job, to_state: str, cause: str, reason: str, cancel_reason: str
+) -> Job:
+    moved = await transition(conn, job, to_state, cause, reason=reason)
     await outbox.enqueue(
-        conn, subjects.cmd(job.id), CancelJob(job_id=job.id, attempt=job.attempt, reason=f"failed: {reason}")
+        conn, subjects.cmd(job.id), CancelJob(job_id=job.id, attempt=job.attempt, reason=cancel_reason)
     )
     return moved
 
