@@ -3,8 +3,9 @@
 - publish: `Nats-Msg-Id = event_id` (JetStream drops duplicates inside the stream's window),
   waits for the publish ack, retries transient failures with the same id, and carries the
   W3C trace context in headers.
-- consume: durable pull consumers; ack only after the handler's effect is done; nak with
-  back-off on transient errors; term and dead-letter malformed messages, and go on.
+- consume: durable push consumers (per message, or in batches); ack only after the handler's
+  effect is done; nak with back-off on transient errors; term and dead-letter malformed
+  messages, and go on.
 - watch: an ephemeral ordered consumer of new messages, for the CLI, SSE and tests.
 """
 
@@ -60,7 +61,7 @@ _TRANSIENT = (
 
 @dataclass(frozen=True)
 class ConsumerSpec:
-    """A durable pull consumer on one stream."""
+    """A durable consumer on one stream."""
 
     stream: StreamSpec
     durable: str
@@ -309,30 +310,25 @@ class Bus:
     async def consume(self, spec: ConsumerSpec, handler: Handler, stop: asyncio.Event) -> None:
         """Run `handler` on each message, in order, until `stop` is set; ack after it returns.
 
-        The server pushes (at most `max_ack_pending` unacknowledged), so a message is handled
-        as soon as it is stored, with no fetch round trip in between.
+        The server pushes (at most `max_ack_pending` unacknowledged) and the handler runs in the
+        subscription's own task as each message arrives: no fetch round trip, no hand-off in
+        between. On `stop` the message being handled finishes; messages received but not yet
+        handled are nak'd, back to the server at once.
         """
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
 
         async def on_msg(msg: Msg) -> None:
-            queue.put_nowait(msg)
+            if stop.is_set():
+                await msg.nak()
+            else:
+                await self._handle_one(spec, msg, handler)
 
         sub = await self._push(spec, on_msg)
-        stopped = asyncio.ensure_future(stop.wait())
         try:
-            while not stop.is_set():
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    break
-                await self._handle_one(spec, getter.result(), handler)
+            await stop.wait()
         finally:
-            stopped.cancel()
+            # A handler stuck past ack_wait is left to the connection's close, which ends it.
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-                while not queue.empty():  # received but not handled: back to the server at once
-                    await queue.get_nowait().nak()
+                await asyncio.wait_for(sub.drain(), spec.ack_wait_s)
 
     async def _handle_one(self, spec: ConsumerSpec, msg: Msg, handler: Handler) -> None:
         delivery = Delivery(msg)
