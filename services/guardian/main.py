@@ -8,7 +8,9 @@ notifier, until `stop`; drain and close.
 A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then
 its `IncidentRaised` on `subjects.incident(job)`; then the job's control state and the incident
 id are saved, and only then is the event that caused it acknowledged. Ids are stable per fault,
-so a crash between publishing and saving republishes the same ids (JetStream drops them).
+so a crash between publishing and saving republishes the same ids (JetStream drops them). An
+event is judged once: a decision whose publishing fails stays owed, and goes out before anything
+newer on the next try (the event's redelivery, another event, or the hang timer).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.errors import MalformedMessage
-from vigil_common.events import GpuSampled, Message, StepCompleted, decode, utcnow
+from vigil_common.events import GpuSampled, IncidentRaised, Message, StepCompleted, decode, utcnow
 from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_guardian import store
@@ -56,14 +58,27 @@ REPLAY_HORIZON_S = 3600.0
 class GuardianService:
     """The I/O around the pure `Guardian`: publish decisions, save state, notify."""
 
-    def __init__(self, core: Guardian, bus: Bus, pool: asyncpg.Pool, notifier: Notifier) -> None:
+    def __init__(
+        self,
+        core: Guardian,
+        bus: Bus,
+        pool: asyncpg.Pool,
+        notifier: Notifier,
+        *,
+        publish_timeout_s: float = 10.0,
+    ) -> None:
         self.core = core
         self.bus = bus
         self.pool = pool
         self.notifier = notifier
+        self.publish_timeout_s = publish_timeout_s
         self._saved: dict[str, dict] = {}  # the last snapshot written per job
         self._devices = core.device_levels()
         self._lock = asyncio.Lock()
+        # Decided but not yet published (an attempt failed), with their `sync`; and incidents
+        # published but not yet saved. An event is judged once, so these must outlive a failure.
+        self._owed: list[tuple[Decision, bool]] = []
+        self._unsaved: list[IncidentRaised] = []
 
     async def handle(self, event: Message, delivery: Delivery | None = None) -> None:
         """Judge one event; publish and save what it decides before it is acknowledged."""
@@ -71,43 +86,72 @@ class GuardianService:
         watch = self.core.jobs.get(job) if job else None
         mark = _mark(watch)
         decisions = self.core.on_event(event, utcnow())
-        if isinstance(event, StepCompleted) and not decisions and watch is not None and _mark(watch) == mark:
+        if (
+            isinstance(event, StepCompleted)
+            and not decisions
+            and not self._owed
+            and watch is not None
+            and _mark(watch) == mark
+        ):
             return  # the common case: a step that changes nothing but the windows
-        decisions = await self.act(decisions, sync=isinstance(event, StepCompleted | GpuSampled))
-        jobs = {job} if job else set()
-        jobs |= {d.incident.job_id for d in decisions if d.incident.job_id}
-        await self.persist(jobs, decisions, devices=isinstance(event, GpuSampled))
+        await self.settle(
+            decisions,
+            {job} if job else set(),
+            sync=isinstance(event, StepCompleted | GpuSampled),
+            devices=isinstance(event, GpuSampled),
+        )
 
-    async def act(self, decisions: list[Decision], *, sync: bool = True) -> list[Decision]:
-        """Publish each decision; returns them as published.
+    async def settle(
+        self, decisions: list[Decision], job_ids: set[str], *, sync: bool = True, devices: bool = False
+    ) -> None:
+        """Publish `decisions`, after any still owed from a failed attempt, then save the state of
+        `job_ids` and of the jobs decided about.
+
+        When publishing fails, what is left stays owed and the error propagates (the event is
+        nak'd): the next call, be it the event's redelivery, another event or the hang timer,
+        publishes it first. Without that, a redelivered event would find itself already judged
+        and its halt would never go out.
+        """
+        todo, self._owed = self._owed + [(d, sync) for d in decisions], []
+        published: list[Decision] = []
+        try:
+            for d, d_sync in todo:
+                published.append(await self.act(d, sync=d_sync))
+        except BaseException:
+            self._owed = todo[len(published) :] + self._owed
+            raise
+        finally:
+            self._unsaved += [d.incident for d in published]
+        job_ids = job_ids | {d.incident.job_id for d in published if d.incident.job_id}
+        await self.persist(job_ids, devices=devices)
+
+    async def act(self, d: Decision, *, sync: bool = True) -> Decision:
+        """Publish one decision; returns it as published.
 
         With `sync`, a decision that names a checkpoint is made again once the status and launch
         consumers have handled what is already in their streams (a CheckpointSaved published just
         before the faulty step may not be known yet); its HaltJob goes out before that wait.
         """
-        out = []
-        for d in decisions:
-            messages = d.messages()
-            watch = self.core.jobs.get(d.incident.job_id or "")
-            if sync and watch is not None and d.action in ("rollback", "halt") and "redo" in d.effects:
-                if messages[0][1].type == "job.halt":
-                    await self.bus.publish(*messages[0])
-                await self.caught_up()
-                d = watch.refresh(d)
-                messages = d.messages()  # a HaltJob sent already is dropped by JetStream as a duplicate
-            for subject, message in messages:
-                await self.bus.publish(subject, message)
-            self.core.mark_published(d.incident.event_id)
-            self.notifier.notify(d.incident)
-            log.warning(
-                "incident %s %s -> %s: %s",
-                d.incident.job_id or d.incident.node,
-                d.incident.kind,
-                d.action,
-                d.incident.message,
-            )
-            out.append(d)
-        return out
+        messages = d.messages()
+        watch = self.core.jobs.get(d.incident.job_id or "")
+        if sync and watch is not None and d.action in ("rollback", "halt") and "redo" in d.effects:
+            if messages[0][1].type == "job.halt":
+                await self.bus.publish(*messages[0], timeout_s=self.publish_timeout_s)
+            await self.caught_up()
+            d = watch.refresh(d)
+            messages = d.messages()  # a HaltJob sent already is dropped by JetStream as a duplicate
+        for subject, message in messages:
+            await self.bus.publish(subject, message, timeout_s=self.publish_timeout_s)
+        self.core.mark_published(d.incident.event_id)
+        self.notifier.notify(d.incident)
+        log.warning(
+            "incident %s %s -> %s: %s",
+            d.incident.job_id or d.incident.node,
+            d.incident.kind,
+            d.action,
+            d.incident.message,
+        )
+        return d
 
     async def caught_up(self, timeout_s: float = 2.0) -> None:
         """Wait (at most `timeout_s`) until the status and launch consumers have nothing pending."""
@@ -123,7 +167,9 @@ class GuardianService:
                 return
             await asyncio.sleep(0.01)  # the other consumers are working: look again shortly
 
-    async def persist(self, job_ids: set[str], decisions: list[Decision], *, devices: bool = False) -> None:
+    async def persist(self, job_ids: set[str], *, devices: bool = False) -> None:
+        """Save the changed snapshots of `job_ids`, the incidents published since the last save and,
+        with `devices`, the device levels, in one transaction."""
         async with self._lock:
             rows = []
             for job_id in sorted(job_ids):
@@ -139,9 +185,11 @@ class GuardianService:
             levels = self.core.device_levels() if devices else None
             if levels == self._devices:
                 levels = None
-            if not rows and not decisions and levels is None:
+            incidents = list(self._unsaved)
+            if not rows and not incidents and levels is None:
                 return
-            await store.save(self.pool, jobs=rows, incidents=[d.incident for d in decisions], devices=levels)
+            await store.save(self.pool, jobs=rows, incidents=incidents, devices=levels)
+            del self._unsaved[: len(incidents)]
             for job_id, snap, terminal in rows:
                 if terminal:
                     self._saved.pop(job_id, None)
@@ -151,11 +199,14 @@ class GuardianService:
                 self._devices = levels
 
     async def hang_loop(self, stop: asyncio.Event) -> None:
+        """Check for hangs on a timer, and publish anything still owed."""
         while not stop.is_set():
             decisions = self.core.check_hangs(utcnow())
-            if decisions:
-                decisions = await self.act(decisions)
-                await self.persist({d.incident.job_id for d in decisions if d.incident.job_id}, decisions)
+            if decisions or self._owed:
+                try:
+                    await self.settle(decisions, set())
+                except Exception as exc:  # owed still: the next tick tries again
+                    log.warning("guardian: publishing decisions failed, will retry: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), HANG_CHECK_S)
 

@@ -1,0 +1,81 @@
+"""A decision whose publishing fails is not lost: the event's redelivery publishes it.
+
+The guardian judges each event once (a redelivered step is recognised and not judged again), so
+the decision itself must survive a failed attempt. Real NATS (its own server, whose command
+stream this test deletes) and Postgres.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.integration.guardian.test_guardian import Job, take
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.embedded import EmbeddedNats
+from vigil_common.errors import RetryableError
+from vigil_common.events import Message
+from vigil_guardian.fleet import Guardian
+from vigil_guardian.main import GuardianService
+from vigil_guardian.notifier import Notifier
+
+pytestmark = pytest.mark.integration
+
+
+class Recorded(Bus):
+    """A bus that also hands each event it publishes to the guardian, as its consumers would."""
+
+    sent: list[Message]
+
+    async def publish(self, subject: str, event: Message, *, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+        ack = await super().publish(subject, event, timeout_s=timeout_s)
+        if subjects.kind_of(subject) in ("launch", "status", "step"):
+            self.sent.append(event)
+        return ack
+
+
+@pytest.fixture
+async def own_bus(server_dir) -> AsyncIterator[Recorded]:
+    with EmbeddedNats(server_dir / "nats") as server:
+        bus = await Recorded.connect(server.url, "test-publish-failure")
+        bus.sent = []
+        await bus.ensure_streams()
+        yield bus  # type: ignore[misc]
+        await bus.close()
+
+
+async def test_a_halt_that_failed_to_publish_goes_out_when_the_step_comes_back(own_bus, pool, job_id):
+    bus = own_bus
+    guardian = GuardianService(Guardian(), bus, pool, Notifier([]), publish_timeout_s=0.3)
+    job = Job(bus, job_id)
+    await job.launch()
+    await job.checkpoint(0)
+    await job.steps(0, 4)
+    for event in bus.sent:
+        await guardian.handle(event)
+    bus.sent.clear()
+
+    await bus.js.delete_stream(subjects.COMMANDS.name)  # commands cannot be stored: publishing fails
+    await job.step(4, 0, math.nan, skipped=True)
+    (nan_step,) = bus.sent
+    with pytest.raises(RetryableError):
+        await guardian.handle(nan_step)  # the consumer naks; the step comes back later
+    with pytest.raises(RetryableError):
+        await guardian.handle(nan_step)  # still failing: still owed
+
+    await bus.ensure_streams()
+    await guardian.handle(nan_step)  # the redelivery: already judged, and its decision goes out now
+    async with bus.watch(subjects.cmd(job_id), from_start=True) as commands:
+        halt, rollback = await take(commands, 2)
+    assert (halt.type, rollback.type) == ("job.halt", "job.rollback")
+    assert rollback.step == 0 and halt.incident_id == rollback.incident_id
+    saved = await pool.fetchrow("SELECT kind, action FROM guardian_incidents WHERE job_id = $1", job_id)
+    assert tuple(saved) == ("nan", "rollback")
+
+    await guardian.handle(nan_step)  # once out, never again
+    async with bus.watch(subjects.cmd(job_id), from_start=True) as commands:
+        await take(commands, 2)
+        assert await commands.next(timeout=0.5) is None
