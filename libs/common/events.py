@@ -356,9 +356,14 @@ def decode(data: bytes, expected: tuple[type[Message], ...] | None = None) -> Me
     Raises MalformedMessage (permanent) naming what is wrong: not JSON, an unknown
     type or version, a type this subject does not carry, or a field that fails validation.
     """
-    # Fast path: find the envelope's type and version without building a dict, then let
-    # pydantic-core parse the bytes once. Full validation (the `type` literal included)
-    # still runs, so a wrong guess only falls through to the slow path.
+    # Fast path: the class is known (the subject carries one) or found from the envelope's type
+    # and version without building a dict; pydantic-core parses the bytes once. Full validation
+    # (the `type` and `schema_version` literals included) still runs, so a wrong guess only
+    # falls through to the slow path, which names what is wrong.
+    if expected is not None and len(expected) == 1:
+        with contextlib.suppress(ValidationError):
+            return expected[0].model_validate_json(data)
+        return _decode_slow(data, expected)
     t, v = _TYPE.search(data), _VERSION.search(data)
     if t and v:
         cls = REGISTRY.get((t.group(1).decode(), int(v.group(1))))
