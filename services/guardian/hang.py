@@ -1,4 +1,5 @@
-"""Hang: a running job from which some rank has sent no step for too long."""
+"""Hang: a running job from which some rank has sent no step for too long, or a launched job one of
+whose ranks never started."""
 
 from __future__ import annotations
 

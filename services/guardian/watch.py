@@ -363,6 +363,11 @@ class JobWatch:
         elif self.running():
             start = self.running_since or self.attempt_started_at or ts
             progress = {r: self.windows.progress.get(r, (start, None)) for r in ranks}
+        elif self.state in (None, "SCHEDULED") and self.attempt_started_at:
+            # Launched, yet some rank never started (a launch lost on its way, a worker that died
+            # starting it): its devices are held for nothing. The wait counts from the launch.
+            progress = {r: (self.attempt_started_at, None) for r in ranks if r not in self.started}
+            median = None
         else:
             return []
         v = hang(
@@ -381,6 +386,14 @@ class JobWatch:
                 message=f"hang: the rollback to step {rec.to_step} has not completed after "
                 f"{v.evidence['silent_s']:.1f}s (limit {v.evidence['limit_s']:.1f}s)",
                 evidence={**v.evidence, "rollback_to": rec.to_step},
+            )
+        elif not self.running():
+            waiting = sorted(progress)
+            v = dataclasses.replace(
+                v,
+                message=f"hang: rank {v.rank} on {v.node} has not started {v.evidence['silent_s']:.1f}s "
+                f"after the launch (limit {v.evidence['limit_s']:.1f}s; not started: {waiting})",
+                evidence={**v.evidence, "not_started": waiting},
             )
         self.hang_raised = True
         self.recovering = None  # a stuck rollback is abandoned: the hang decision takes over

@@ -3,7 +3,7 @@
 import math
 
 from tests.unit.guardian.helpers import JOB, at, gpu, launch, step
-from vigil_common.events import CheckpointSaved, JobStateChanged, RankExited, RollbackCompleted
+from vigil_common.events import CheckpointSaved, JobStateChanged, RankExited, RankStarted, RollbackCompleted
 from vigil_guardian.fleet import Guardian
 from vigil_guardian.watch import JobWatch
 
@@ -143,9 +143,32 @@ def test_missing_steps_give_a_hang_then_the_policys_action():
     assert feed(g, [step(6, 0, math.nan, t=0.6)]) == []  # attempt 1: stale
 
 
-def test_no_hang_while_halted_or_before_running():
+def test_a_launched_rank_that_never_starts_is_a_hang_after_the_timeout():
+    g = started(hang_timeout_s=30)  # launched at 0.0, with checkpoints 0 and 5 from before
+    feed(g, [RankStarted(job_id=JOB, attempt=1, rank=0, node="n0", pid=1, log_path="-", occurred_at=at(1))])
+    assert g.check_hangs(at(29.0)) == []  # starting may take a while
+    out = g.check_hangs(at(31.0))
+    assert len(out) == 1
+    d = out[0]
+    assert (d.incident.kind, d.incident.rank, d.incident.node) == ("hang", 1, "n1")
+    assert "rank 1 on n1 has not started 31.0s after the launch" in d.incident.message
+    assert d.incident.evidence["not_started"] == [1]
+    assert d.commands[0].restart  # relaunched (a new attempt), from the newest checkpoint
+    g.mark_published(d.incident.event_id)
+    assert g.check_hangs(at(60.0)) == []  # one incident
+
+
+def test_no_hang_within_the_timeout_or_while_halted():
     g = started(hang_timeout_s=5)
-    assert g.check_hangs(at(100.0)) == []  # launched, no rank started, no step yet
+    started_at = at(0.05)
+    feed(
+        g,
+        [
+            RankStarted(job_id=JOB, attempt=1, rank=r, node="n", pid=1, log_path="-", occurred_at=started_at)
+            for r in (0, 1)
+        ],
+    )
+    assert g.check_hangs(at(5.0)) == []  # every rank started, no step yet: within the timeout
     feed(g, normal_steps(0, 3))
     feed(g, [JobStateChanged(job_id=JOB, attempt=1, from_state="RUNNING", to_state="HALTED", cause="op")])
     assert g.check_hangs(at(100.0)) == []
