@@ -90,6 +90,7 @@ class GuardianService:
             isinstance(event, StepCompleted)
             and not decisions
             and not self._owed
+            and not self._unsaved
             and watch is not None
             and _mark(watch) == mark
         ):
