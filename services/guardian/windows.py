@@ -41,7 +41,8 @@ class Windows:
         return statistics.median(self.step_times) if self.step_times else None
 
     def observe(self, event: StepCompleted, world_size: int | None, nodes: dict[int, str]) -> list[Verdict]:
-        """Add one rank's step; the verdicts it brings (at most one numeric, one collective)."""
+        """Add one rank's step; the verdicts it brings: at most one numeric, and a collective one for
+        each complete step judged now."""
         spec, rank, step = self.spec, event.rank, event.step
         self.progress[rank] = (event.occurred_at.timestamp(), step)
         if math.isfinite(event.step_time_s) and event.step_time_s > 0:
@@ -72,16 +73,20 @@ class Windows:
                 )
         verdicts = [verdict] if verdict else []
 
+        # Held even before the world size is known (a launch can be judged after the first steps):
+        # every step complete by then is judged, in order, as soon as it is.
+        self.pending.setdefault(step, {})[rank] = event
         if world_size and world_size >= 2:
-            group = self.pending.setdefault(step, {})
-            group[rank] = event
-            if len(group) >= world_size:
-                for s in [s for s in self.pending if s <= step]:
-                    del self.pending[s]
+            for s in sorted(self.pending):
+                group = self.pending.get(s)
+                if group is None or len(group) < world_size:
+                    continue
+                for older in [o for o in self.pending if o <= s]:  # incomplete older steps: given up
+                    del self.pending[older]
                 if found := self.tracker.observe(list(group.values()), nodes):
                     verdicts.append(found)
-            while len(self.pending) > PENDING_MAX:
-                del self.pending[min(self.pending)]
+        while len(self.pending) > PENDING_MAX:
+            del self.pending[min(self.pending)]
         return verdicts
 
     def rewind(self, to_step: int, at: float, ranks: list[int]) -> None:

@@ -118,6 +118,21 @@ def test_slow_rank_gives_one_imbalance_incident_naming_it():
     assert (inc.kind, inc.rank, inc.node, inc.action, inc.step) == ("imbalance", 2, "n2", "alert", 3)
 
 
+def test_steps_judged_before_the_launch_is_known_still_count_toward_an_imbalance():
+    """The launch and the steps come by different consumers: the first steps may be judged before
+    the guardian knows the world size. They are held, and judged in order once it is known."""
+    g = Guardian()
+    slow = [
+        [step(k, r, noisy(k), t=0.5 * k, step_time=0.4, comm=0.02 if r == 2 else 0.22) for r in range(3)]
+        for k in range(4)
+    ]
+    out = feed(g, slow[0] + slow[1] + slow[2][:2])  # no launch yet: no world size
+    assert out == []
+    out = feed(g, [launch(3, imbalance_steps=3)] + slow[2][2:] + slow[3])
+    assert [(d.incident.kind, d.incident.rank, d.incident.step) for d in out] == [("imbalance", 2, 2)]
+    assert out[0].incident.evidence["steps"] == [0, 1, 2]
+
+
 def test_missing_steps_give_a_hang_then_the_policys_action():
     g = started(hang_timeout_s=10)
     feed(g, normal_steps(0, 6))
