@@ -26,7 +26,8 @@ pytestmark = pytest.mark.integration
 
 
 class Recorded(Bus):
-    """A bus that also hands each event it publishes to the guardian, as its consumers would."""
+    """A bus that also records the launch, status and step events it publishes, for the test to hand
+    to the guardian as its consumers would."""
 
     sent: list[Message]
 
