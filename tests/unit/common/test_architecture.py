@@ -15,12 +15,20 @@ def test_services_never_import_each_other():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_every_package_directory_is_listed_in_pyproject():
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(config["packages"])
-    found = set()
-    for name, folder in config["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
-            found.add(".".join([name, *rel.parts]))
-    assert found == listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+def test_every_source_folder_is_a_package_the_install_finds():
+    """A folder of modules without `__init__.py` would be left out of the wheel (packages.find skips it),
+    and each top-level folder holds one import package, so a module's path names its import."""
+    from setuptools import find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for where in find["where"]:
+        top = ROOT / where
+        packages = set(find_packages(str(top), include=find["include"]))
+        roots = {p for p in packages if "." not in p}
+        assert len(roots) == 1 and (top / roots.pop()).is_dir(), f"{where}: {sorted(packages)}"
+        folders = {
+            ".".join(py.parent.relative_to(top).parts)
+            for py in top.rglob("*.py")
+            if "__pycache__" not in py.parts
+        }
+        assert folders <= packages, f"{where}: add __init__.py to {sorted(folders - packages)}"
