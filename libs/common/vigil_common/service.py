@@ -41,6 +41,20 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
+async def wait_any(*events: asyncio.Event, timeout_s: float | None = None) -> bool:
+    """Wait until any of `events` is set or `timeout_s` passes; True when one was set.
+
+    `await wait_any(stop, timeout_s=5)` is a sleep that ends early on stop."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+    return any(e.is_set() for e in events)
+
+
 def run_service(main: ServiceMain, settings: Settings) -> None:
     """Run `main(settings, stop)` until it returns; signals set `stop`."""
     setup_logging(settings)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from tests.integration.telemetry.helpers import eventually
+from tests.helpers import eventually
 from vigil_cli.stack import run_services
 from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.integration.telemetry.helpers import eventually, service
+from tests.helpers import eventually, service
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.events import (

@@ -309,15 +309,3 @@ async def checkpoint(bus: Bus, job_id: str, attempt: int, step: int) -> str:
         ),
     )
     return path
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:
-    """Poll the async `check` until it returns something truthy (a condition on state, with a deadline)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        result = await check()
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"{what} not reached in {timeout_s}s")
-        await asyncio.sleep(0.05)  # polling a condition

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+from tests.helpers import eventually
 from vigil_cli.main import cli
 from vigil_common.bus import Bus
 
-from .conftest import TOKEN, eventually, exit_rank, launched, start_ranks
+from .conftest import TOKEN, exit_rank, launched, start_ranks
 
 pytestmark = pytest.mark.integration
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import eventually
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool
@@ -23,7 +24,6 @@ from .conftest import (
     TOKEN,
     checkpoint,
     count_on,
-    eventually,
     exit_rank,
     launched,
     next_event,

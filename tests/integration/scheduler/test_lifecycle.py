@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import eventually
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.events import CancelJob, HaltJob, IncidentRaised, ResumeJob, RollbackCompleted, RollbackJob
 
-from .conftest import checkpoint, eventually, exit_rank, launched, spec, start_ranks, wait_state
+from .conftest import checkpoint, exit_rank, launched, spec, start_ranks, wait_state
 
 pytestmark = pytest.mark.integration
 

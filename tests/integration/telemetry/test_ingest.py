@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from tests.integration.telemetry.helpers import eventually, service
+from tests.helpers import eventually, service
 from vigil_common import readmodel, subjects
 from vigil_common.embedded import free_port
 from vigil_common.events import (

@@ -8,7 +8,7 @@ import socket
 import httpx
 import pytest
 
-from tests.integration.telemetry.helpers import eventually
+from tests.helpers import eventually
 from vigil_common.embedded import free_port
 from vigil_telemetry.metrics import Registry, serve_metrics
 

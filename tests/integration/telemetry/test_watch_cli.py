@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.integration.telemetry.helpers import eventually
+from tests.helpers import eventually
 from vigil_cli.observe import format_json, format_line, watch_events
 from vigil_common import subjects
 from vigil_common.events import CheckpointSaved, IncidentRaised, JobStateChanged

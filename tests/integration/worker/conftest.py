@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -20,6 +19,7 @@ import pytest
 from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
+from vigil_common.embedded import free_port
 from vigil_common.spec import parse_spec
 
 
@@ -103,12 +103,6 @@ async def ready_cluster(cluster: Cluster, bus: Bus) -> Cluster:
         assert w.proc.poll() is None, w.log.read_text()[-3000:]
         await wait_heartbeat(bus, w.node)
     return cluster
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_spec(**train: Any) -> dict[str, Any]:

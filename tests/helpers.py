@@ -1,4 +1,5 @@
-"""Running a service in-process for a test, and waiting on conditions (never on sleeps alone)."""
+"""Test helpers shared by every suite: a service run in-process, and waiting on conditions (never on
+sleeps alone)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ async def service(
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 30.0, what: str = "") -> Any:
-    """Poll `check` until it returns something truthy, or fail after `timeout` seconds."""
+    """Poll the async `check` until it returns something truthy (a condition on state, with a deadline);
+    fail after `timeout` seconds, naming `what` and the last value seen."""
     deadline = asyncio.get_running_loop().time() + timeout
     last: Any = None
     while True:
