@@ -1,5 +1,5 @@
-"""`vigil scheduler` (run the scheduler and its gateway) and the gateway's clients: `submit [--follow]`,
-`jobs`, `job ID`, `cancel ID`, `nodes`, `gpus`; rich tables for people, `--json` for scripts.
+"""The gateway's clients: `submit [--follow]`, `jobs`, `job ID`, `cancel ID`, `nodes`, `gpus`; rich
+tables for people, `--json` for scripts.
 
 The clients talk HTTP to the gateway at VIGIL_HTTP_HOST:VIGIL_HTTP_PORT (or `--url`) with the bearer
 token from VIGIL_API_TOKEN, else the token file `vigil up` writes in the data dir.
@@ -18,9 +18,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from vigil_common.errors import VigilError
 from vigil_common.events import TERMINAL_STATES
 from vigil_common.settings import Settings
+from vigil_common.token import require_token
 
 STATE_STYLE = {
     "PENDING": "yellow",
@@ -43,7 +43,7 @@ class Gateway:
     def __init__(self, url: str | None) -> None:
         settings = Settings.load()
         self.base = (url or f"http://{settings.http_host}:{settings.http_port}").rstrip("/")
-        self.token = token_for(settings)
+        self.token = require_token(settings)
         self.http = httpx.Client(
             base_url=self.base, headers={"Authorization": f"Bearer {self.token}"}, timeout=30
         )
@@ -58,18 +58,6 @@ class Gateway:
         if r.status_code >= 400:
             raise click.ClickException(describe_error(r))
         return r.json()
-
-
-def token_for(settings: Settings) -> str:
-    if settings.api_token:
-        return settings.api_token
-    path = settings.data_dir / "api_token"
-    try:
-        return path.read_text().strip()
-    except OSError as exc:
-        raise click.ClickException(
-            f"no API token: set VIGIL_API_TOKEN, or run `vigil up` (it writes {path})"
-        ) from exc
 
 
 def describe_error(r: httpx.Response) -> str:
@@ -144,19 +132,6 @@ def print_job(console: Console, job: dict[str, Any]) -> None:
 
 
 def register(group: click.Group) -> None:
-    @group.command("scheduler")
-    @click.option("--http-port", type=int, help="overrides VIGIL_HTTP_PORT")
-    def scheduler(http_port: int | None) -> None:
-        """Run the scheduler service and its HTTP gateway alone (NATS/Postgres: VIGIL_* or `vigil up`)."""
-        from vigil_common.embedded import resolve_urls
-        from vigil_common.service import run_service
-        from vigil_scheduler.main import run
-
-        try:
-            run_service(run, resolve_urls(Settings.load(http_port=http_port)))
-        except (VigilError, ExceptionGroup) as exc:
-            raise click.ClickException(_first_error(exc)) from exc
-
     @group.command("submit")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @click.option("--follow", is_flag=True, help="stream state changes and progress until the job ends")
@@ -317,13 +292,3 @@ def follow_job(gw: Gateway, job_id: str, console: Console, as_json: bool) -> str
         raise click.ClickException(f"lost the event stream from {gw.base}: {exc}") from exc
     finally:
         done.set()
-
-
-def _first_error(exc: BaseException) -> str:
-    """The message of the first VigilError in `exc` (a service's TaskGroup wraps them in groups)."""
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            if isinstance(inner, VigilError | BaseExceptionGroup):
-                return _first_error(inner)
-        raise exc
-    return str(exc)

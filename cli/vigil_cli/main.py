@@ -1,30 +1,49 @@
-"""The `vigil` command line. Each command group lives in its own module and is registered here."""
+"""The `vigil` command line. Each command group lives in its own module and is registered here.
+
+A Vigil error (a bad setting, an unreachable server, a refused checkpoint) ends any command with one
+line naming the problem and exit code 1; anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
-import importlib
+from typing import Any
 
 import click
 
-# Modules that define commands; each exposes `register(group)`.
-COMMAND_MODULES: tuple[str, ...] = (
-    "vigil_cli.worker",
-    "vigil_cli.up",
-    "vigil_cli.bench",
-    "vigil_cli.jobs",
-    "vigil_cli.observe",
-    "vigil_cli.demo",
-)
+from vigil_cli import bench, checkpoint, demo, jobs, observe, services, up
+from vigil_common.errors import VigilError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def first_error(exc: BaseException) -> VigilError | None:
+    """The first VigilError in `exc`, looking inside exception groups (a service's TaskGroup wraps its
+    failures in them); None when there is none."""
+    if isinstance(exc, VigilError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := first_error(inner)) is not None:
+                return found
+    return None
+
+
+class VigilGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (VigilError, BaseExceptionGroup) as exc:
+            if (error := first_error(exc)) is None:
+                raise
+            raise click.ClickException(str(error)) from exc
+
+
+@click.group(cls=VigilGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="vigil")
 def cli() -> None:
     """Vigil: a control plane for distributed LLM training that stops bad runs before they burn compute."""
 
 
-for _name in COMMAND_MODULES:
-    importlib.import_module(_name).register(cli)
+for _module in (services, up, demo, jobs, observe, checkpoint, bench):
+    _module.register(cli)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""`vigil telemetry`, `vigil guardian` (run one service) and `vigil watch` (live incidents and job events)."""
+"""`vigil watch`: live incidents and job events from the bus, for people and scripts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TextIO
 import click
 
 from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.embedded import resolve_urls
 from vigil_common.events import (
     CheckpointSaved,
     IncidentRaised,
@@ -20,34 +22,16 @@ from vigil_common.events import (
     RankStarted,
     RollbackCompleted,
 )
-from vigil_common.service import install_stop_signals, run_service, setup_logging
+from vigil_common.service import install_stop_signals, require_urls, setup_logging
 from vigil_common.settings import Settings
 
 
 def register(group: click.Group) -> None:
-    @group.command("telemetry")
-    def telemetry() -> None:
-        """Run the telemetry service: store steps, GPU samples, status and incidents; trace steps; metrics."""
-        from vigil_common.embedded import resolve_urls
-        from vigil_telemetry.main import run
-
-        run_service(run, resolve_urls(Settings.load()))
-
-    @group.command("guardian")
-    def guardian() -> None:
-        """Run the guardian service: watch every step and GPU, raise incidents, halt and roll back."""
-        from vigil_common.embedded import resolve_urls
-        from vigil_guardian.main import run
-
-        run_service(run, resolve_urls(Settings.load()))
-
     @group.command("watch")
     @click.option("--json", "as_json", is_flag=True, help="one JSON object per line, for scripts")
     @click.option("--job", "job_id", help="only this job's events")
     def watch(as_json: bool, job_id: str | None) -> None:
         """Live incidents and job events (state changes, ranks, checkpoints, rollbacks) until Ctrl-C."""
-        from vigil_common.embedded import resolve_urls
-
         settings = resolve_urls(Settings.load())
         setup_logging(settings)
         with contextlib.suppress(KeyboardInterrupt):
@@ -72,8 +56,7 @@ async def watch_events(  # type: ignore[no-untyped-def]
 ) -> None:
     """Call `emit(event)` for each new incident and status event until `stop` is set (`ready` is set
     once the subscription is in place)."""
-    from vigil_common.bus import Bus
-
+    require_urls(settings, "watch", database=False)
     assert settings.nats_url
     bus = await Bus.connect(settings.nats_url, name="vigil-watch")
     try:

@@ -11,8 +11,6 @@ import contextlib
 import fcntl
 import importlib
 import logging
-import os
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, write_endpoints
 from vigil_common.errors import ConfigError
 from vigil_common.settings import Settings
+from vigil_common.token import ensure_token
 
 log = logging.getLogger("vigil.stack")
 
@@ -42,16 +41,6 @@ class Infra:
     settings: Settings
     embedded: list[str] = field(default_factory=list)
 
-    @property
-    def nats_url(self) -> str:
-        assert self.settings.nats_url
-        return self.settings.nats_url
-
-    @property
-    def database_url(self) -> str:
-        assert self.settings.database_url
-        return self.settings.database_url
-
 
 def _lock_data_dir(data_dir: Path) -> IO[str]:
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -64,20 +53,6 @@ def _lock_data_dir(data_dir: Path) -> IO[str]:
             f"another `vigil up` is using {data_dir}; stop it, or set VIGIL_DATA_DIR to another folder"
         ) from exc
     return handle
-
-
-def api_token(settings: Settings) -> str:
-    """The gateway token: VIGIL_API_TOKEN, else one generated once and kept in the data dir (mode 0600)."""
-    if settings.api_token:
-        return settings.api_token
-    path = settings.data_dir.resolve() / "api_token"
-    if path.exists():
-        return path.read_text().strip()
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
 
 
 @contextlib.asynccontextmanager
@@ -100,7 +75,7 @@ async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
             update={
                 "nats_url": nats_url,
                 "database_url": database_url,
-                "api_token": api_token(settings),
+                "api_token": ensure_token(settings),
                 # One process hosts everything: when it stops, no rank may be left behind.
                 "worker_end_ranks_on_stop": True,
             }

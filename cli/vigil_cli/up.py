@@ -11,6 +11,7 @@ from rich.console import Console
 from vigil_cli.stack import SERVICES, infrastructure, run_services
 from vigil_common.service import install_stop_signals, setup_logging
 from vigil_common.settings import Settings
+from vigil_common.token import token_path
 
 
 def register(group: click.Group) -> None:
@@ -35,16 +36,10 @@ async def _up(settings: Settings) -> None:
         console.print(f"[bold]vigil up[/bold]: data in {s.data_dir.resolve()}")
         console.print(f"  NATS      {s.nats_url}{'  (embedded)' if 'nats' in infra.embedded else ''}")
         console.print(f"  Postgres  {s.database_url}{'  (embedded)' if 'postgres' in infra.embedded else ''}")
-        if SERVICES:
-            console.print(
-                f"  gateway   http://{s.http_host}:{s.http_port}  (token in {s.data_dir / 'api_token'})"
-            )
-            if s.metrics_port:
-                console.print(f"  metrics   http://{s.http_host}:{s.metrics_port}/metrics")
-            console.print(f"  services  {', '.join(name.split('.')[0] for name in SERVICES)}")
+        console.print(f"  gateway   http://{s.http_host}:{s.http_port}  (token in {token_path(s)})")
+        if s.metrics_port:
+            console.print(f"  metrics   http://{s.http_host}:{s.metrics_port}/metrics")
+        console.print(f"  services  {', '.join(name.split('.')[0] for name in SERVICES)}")
         console.print("Ctrl-C to stop.")
-        if SERVICES:
-            await run_services(s, stop)
-        else:
-            await stop.wait()
+        await run_services(s, stop)
     console.print("stopped cleanly.")

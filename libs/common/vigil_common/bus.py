@@ -185,7 +185,7 @@ class Bus:
                 timeout=connect_timeout_s,
             )
         except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-            raise RetryableError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from exc
+            raise RetryableError(f"cannot reach NATS at {url}: {str(exc) or type(exc).__name__}") from exc
         nc_ref.append(nc)
         return cls(nc, name, provider)
 

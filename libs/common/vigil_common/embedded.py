@@ -263,19 +263,21 @@ def write_endpoints(settings: Settings, nats_url: str, database_url: str) -> Non
 
 
 def resolve_urls(settings: Settings) -> Settings:
-    """Settings with both URLs set: from VIGIL_* variables, else from a running `vigil up` in the data dir."""
+    """Settings with the URLs that VIGIL_* leave unset filled in from a `vigil up` running on the same
+    data dir (its endpoints file); unchanged when there is none, or its `vigil up` has died. Each
+    service then checks for what it needs (`vigil_common.service.require_urls`)."""
     if settings.nats_url and settings.database_url:
         return settings
-    path = endpoints_file(settings)
     try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"set VIGIL_NATS_URL and VIGIL_DATABASE_URL, or start the stack with `vigil up` (no {path} found)"
-        ) from exc
+        found = json.loads(endpoints_file(settings).read_text())
+        pid, nats_url, database_url = int(found["pid"]), found["nats_url"], found["database_url"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return settings
+    if pid <= 0 or not _alive(pid):
+        return settings
     return settings.model_copy(
         update={
-            "nats_url": settings.nats_url or found["nats_url"],
-            "database_url": settings.database_url or found["database_url"],
+            "nats_url": settings.nats_url or nats_url,
+            "database_url": settings.database_url or database_url,
         }
     )

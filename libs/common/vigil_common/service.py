@@ -67,6 +67,19 @@ def run_service(main: ServiceMain, settings: Settings) -> None:
     asyncio.run(runner())
 
 
+def require_urls(settings: Settings, who: str, *, database: bool = True) -> None:
+    """ConfigError naming each missing URL variable, and where else they can come from."""
+    needed = {"VIGIL_NATS_URL": settings.nats_url}
+    if database:
+        needed["VIGIL_DATABASE_URL"] = settings.database_url
+    if missing := [name for name, value in needed.items() if not value]:
+        raise ConfigError(
+            f"the {who} needs {' and '.join(missing)}: set {'them' if len(missing) > 1 else 'it'}, "
+            "or start `vigil up` with the same "
+            f"data dir ({settings.data_dir.resolve()}) and it is found there"
+        )
+
+
 @dataclass
 class Connections:
     """What a service holds while it runs: its tracer provider, Postgres pool and bus."""
@@ -82,11 +95,7 @@ async def connect(settings: Settings, name: str) -> AsyncIterator[Connections]:
 
     Raises ConfigError when a URL is missing: a service run alone needs both (or `vigil up`).
     """
-    if not settings.database_url or not settings.nats_url:
-        raise ConfigError(
-            f"the {name} service needs VIGIL_DATABASE_URL and VIGIL_NATS_URL "
-            "(or run everything with `vigil up`)"
-        )
+    require_urls(settings, name)
     provider = tracing.setup_tracing(name, trace_file=settings.trace_file)
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(provider.shutdown)

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from vigil_common.errors import ConfigError
 
 _NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MIN_TOKEN_LENGTH = 16  # the gateway's bearer token, from VIGIL_API_TOKEN or the token file
 
 
 def default_node_name() -> str:
@@ -33,7 +34,7 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path(".vigil"), description="embedded servers' data, checkpoints, logs")
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
-    api_token: str | None = Field(None, min_length=16, description="the gateway's bearer token")
+    api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")
     node_name: str = Field(default_factory=default_node_name)
     node_address: str = Field("127.0.0.1", description="where this node's ranks are reachable")
     cpu_slots: int = Field(2, ge=1, le=1024, description="slots on a node without GPUs")

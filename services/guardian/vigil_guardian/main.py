@@ -30,6 +30,7 @@ from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.errors import MalformedMessage
 from vigil_common.events import GpuSampled, IncidentRaised, Message, StepCompleted, decode, utcnow
 from vigil_common.service import connect as service_connect
+from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_guardian import store
 from vigil_guardian.fleet import Guardian
@@ -208,8 +209,7 @@ class GuardianService:
                     await self.settle(decisions, set())
                 except Exception as exc:  # owed still: the next tick tries again
                     log.warning("guardian: publishing decisions failed, will retry: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), HANG_CHECK_S)
+            await wait_any(stop, timeout_s=HANG_CHECK_S)
 
     def remember(self, job_id: str, snap: dict) -> None:
         self._saved[job_id] = snap

@@ -18,13 +18,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from vigil_common import subjects, tracing
 from vigil_common.errors import Conflict, NotFound
 from vigil_common.events import IncidentRaised, LaunchJob, RankPlacement
+from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
 from vigil_scheduler import inventory, lifecycle, outbox, states
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, PlacementRequest, plan
-from vigil_scheduler.timing import wait_any
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Scheduler:
                 await self.schedule_pass()
             except (Conflict, asyncpg.PostgresError, OSError) as exc:
                 log.warning("placement pass failed, retrying: %s", exc)
-            await wait_any(self._placement_wanted, stop, poll_s)
+            await wait_any(self._placement_wanted, stop, timeout_s=poll_s)
 
     # --- failure detection ----------------------------------------------------------------------------
 
@@ -251,4 +251,4 @@ class Scheduler:
                 await self.check_nodes()
             except (asyncpg.PostgresError, OSError) as exc:
                 log.warning("node check failed, retrying: %s", exc)
-            await wait_any(asyncio.Event(), stop, tick)
+            await wait_any(stop, timeout_s=tick)

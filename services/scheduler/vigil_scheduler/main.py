@@ -15,9 +15,9 @@ from vigil_common.bus import ConsumerSpec
 from vigil_common.errors import ConfigError
 from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
+from vigil_common.token import ensure_token
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.app import Deps, create_app
-from vigil_scheduler.gateway.auth import resolve_token
 from vigil_scheduler.handlers import Handlers
 from vigil_scheduler.outbox import Relay
 
@@ -53,7 +53,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         scheduler = Scheduler(settings, pool, relay, provider)
         handlers = Handlers(scheduler)
         await scheduler.start()
-        deps = Deps(settings, pool, bus, scheduler, resolve_token(settings))
+        deps = Deps(settings, pool, bus, scheduler, ensure_token(settings))
         app = create_app(deps)
         server = _Server(
             uvicorn.Config(

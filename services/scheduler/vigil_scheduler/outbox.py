@@ -21,7 +21,7 @@ from vigil_common import tracing
 from vigil_common.bus import Bus
 from vigil_common.errors import VigilError
 from vigil_common.events import Message, decode
-from vigil_scheduler.timing import wait_any
+from vigil_common.service import wait_any
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Relay:
                     await self.prune()
             except (VigilError, OSError, asyncpg.PostgresError) as exc:
                 log.warning("outbox relay: %s; retrying", exc)
-            await wait_any(self._wake, stop, poll_s)
+            await wait_any(self._wake, stop, timeout_s=poll_s)
             self._wake.clear()
 
     async def publish_pending(self) -> int:

@@ -10,7 +10,6 @@ event_id, so a batch redelivered after a crash adds nothing twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import asyncpg
@@ -20,6 +19,7 @@ from vigil_common import subjects, tracing
 from vigil_common.bus import ConsumerSpec, Delivery
 from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
 from vigil_common.service import connect as service_connect
+from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_telemetry import store
 from vigil_telemetry.metrics import Registry, serve_metrics
@@ -90,8 +90,7 @@ class Telemetry:
     async def flush_traces(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
         while not stop.is_set():
             self.traces.flush()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), every_s)
+            await wait_any(stop, timeout_s=every_s)
         self.traces.flush(everything=True)
 
 

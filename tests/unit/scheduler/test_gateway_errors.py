@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import stat
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from litestar import Litestar, get
@@ -13,8 +11,7 @@ from litestar.params import FromPath
 from litestar.testing import TestClient
 
 from vigil_common.errors import Conflict, NotFound, RetryableError, SpecError
-from vigil_common.settings import Settings
-from vigil_scheduler.gateway.auth import bearer_guard, resolve_token
+from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
 
 TOKEN = "unit-token-0123456789"
@@ -60,12 +57,3 @@ def test_bearer_token_is_required(client: TestClient) -> None:
     assert client.get("/fail/missing", headers={"Authorization": ""}).status_code == 401
     r = client.get("/fail/missing", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-
-
-def test_token_from_env_else_file_else_generated(tmp_path: Path) -> None:
-    assert resolve_token(Settings.load(api_token=TOKEN, data_dir=tmp_path)) == TOKEN
-    generated = resolve_token(Settings.load(data_dir=tmp_path))
-    path = tmp_path / "api_token"
-    assert path.read_text().strip() == generated and len(generated) >= 32
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert resolve_token(Settings.load(data_dir=tmp_path)) == generated  # the CLI and `vigil up` agree

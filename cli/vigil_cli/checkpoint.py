@@ -1,4 +1,4 @@
-"""`vigil worker` (the node agent) and `vigil checkpoint verify PATH`."""
+"""`vigil checkpoint verify PATH`: check a checkpoint against its manifest."""
 
 from __future__ import annotations
 
@@ -8,22 +8,9 @@ from pathlib import Path
 import click
 
 from vigil_common.errors import CheckpointError
-from vigil_common.service import run_service
-from vigil_common.settings import Settings
 
 
 def register(group: click.Group) -> None:
-    @group.command("worker")
-    @click.option("--node-name", help="overrides VIGIL_NODE_NAME")
-    @click.option("--cpu-slots", type=int, help="overrides VIGIL_CPU_SLOTS (nodes without GPUs)")
-    @click.option("--data-dir", type=click.Path(path_type=Path), help="overrides VIGIL_DATA_DIR")
-    def worker(node_name: str | None, cpu_slots: int | None, data_dir: Path | None) -> None:
-        """Run this node's worker: register its devices, heartbeat, and run the ranks launched here."""
-        from vigil_worker.main import run
-
-        settings = Settings.load(node_name=node_name, cpu_slots=cpu_slots, data_dir=data_dir)
-        run_service(run, settings)
-
     @group.group("checkpoint")
     def checkpoint() -> None:
         """Checkpoint tools."""

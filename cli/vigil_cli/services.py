@@ -1,0 +1,52 @@
+"""`vigil scheduler`, `vigil telemetry`, `vigil guardian`, `vigil worker`: run one service alone.
+
+All four take the same path: settings from VIGIL_* (flags override), the NATS and Postgres URLs from
+the environment or else from a `vigil up` running on the same data dir, then the service's
+`run(settings, stop)` until SIGINT/SIGTERM. A bad setting or an unreachable server ends the command
+with one line naming it (see `vigil_cli.main`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vigil_common.embedded import resolve_urls
+from vigil_common.service import run_service
+from vigil_common.settings import Settings
+
+
+def serve(module: str, **overrides: Any) -> None:
+    """Run `module.run(settings, stop)`; the service module is imported only now (the worker's pulls in
+    its own dependencies, which the other services do without)."""
+    settings = resolve_urls(Settings.load(**overrides))
+    run_service(importlib.import_module(module).run, settings)
+
+
+def register(group: click.Group) -> None:
+    @group.command("scheduler")
+    @click.option("--http-port", type=int, help="overrides VIGIL_HTTP_PORT")
+    def scheduler(http_port: int | None) -> None:
+        """Run the scheduler and its HTTP gateway: placement, the job state machine, the API."""
+        serve("vigil_scheduler.main", http_port=http_port)
+
+    @group.command("telemetry")
+    def telemetry() -> None:
+        """Run the telemetry service: store steps, GPU samples, status and incidents; trace steps; metrics."""
+        serve("vigil_telemetry.main")
+
+    @group.command("guardian")
+    def guardian() -> None:
+        """Run the guardian service: watch every step and GPU, raise incidents, halt and roll back."""
+        serve("vigil_guardian.main")
+
+    @group.command("worker")
+    @click.option("--node-name", help="overrides VIGIL_NODE_NAME")
+    @click.option("--cpu-slots", type=int, help="overrides VIGIL_CPU_SLOTS (nodes without GPUs)")
+    @click.option("--data-dir", type=click.Path(path_type=Path), help="overrides VIGIL_DATA_DIR")
+    def worker(node_name: str | None, cpu_slots: int | None, data_dir: Path | None) -> None:
+        """Run this node's worker: register its devices, heartbeat, and run the ranks launched here."""
+        serve("vigil_worker.main", node_name=node_name, cpu_slots=cpu_slots, data_dir=data_dir)
