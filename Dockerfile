@@ -1,44 +1,54 @@
 # syntax=docker/dockerfile:1
-# One image for every Vigil service: `vigil scheduler`, `vigil worker`, `vigil telemetry`, `vigil guardian`
-# (compose.yaml runs each in its own container). CPU build by default; a CUDA build for GPU workers:
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t vigil:gpu .
-# (compose's `gpu` profile does this for its worker).
-FROM python:3.11-slim
-
-# torch comes first, from the index that decides CPU or CUDA, so that `pip install .` below finds it
-# installed and never pulls the registry's default build (several GB of CUDA packages).
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG DEEPSPEED_VERSION=0.19.8
+# Vigil's images, one build per target:
+#   control-plane  `vigil scheduler`, `vigil telemetry`, `vigil guardian`: no torch, no DeepSpeed
+#                  docker build --target control-plane -t vigil:dev .
+#   worker         `vigil worker` and its training ranks: torch and DeepSpeed, CPU build by default;
+#                  for GPU nodes a CUDA torch:
+#                  docker build --target worker --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t vigil-worker:dev-gpu .
+# compose.yaml builds each service from its target (and the `gpu` profile's worker with a CUDA torch).
+FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-RUN pip install "pip>=24" "setuptools>=69" wheel \
- && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-
-# DeepSpeed's setup.py imports torch, so it is built against the torch above (no build isolation);
-# DS_BUILD_OPS=0: no CUDA/C++ op is compiled (the trainer uses torch's AdamW), so no compiler is needed.
-RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"
+RUN pip install "pip>=24" "setuptools>=69" wheel
 
 # A non-root user owning the data directory; named volumes mounted there start with this ownership.
 RUN useradd --create-home --uid 10001 --user-group vigil \
  && mkdir -p /var/lib/vigil/checkpoints \
  && chown -R vigil:vigil /var/lib/vigil
 
+COPY --chmod=0755 deploy/healthcheck.py /usr/local/bin/vigil-healthcheck
 WORKDIR /opt/vigil
 COPY pyproject.toml README.md ./
 COPY libs ./libs
 COPY services ./services
 COPY cli ./cli
 COPY bench ./bench
+
+FROM base AS control-plane
 RUN pip install . \
  && rm -rf build ./*.egg-info
+USER vigil
+WORKDIR /var/lib/vigil
+ENV VIGIL_DATA_DIR=/var/lib/vigil
+ENTRYPOINT ["vigil"]
+CMD ["--help"]
 
-COPY --chmod=0755 deploy/healthcheck.py /usr/local/bin/vigil-healthcheck
-
+FROM base AS worker
+# torch comes first, from the index that decides CPU or CUDA, so that `pip install .[worker]` below
+# finds it installed and never pulls the registry's default build (several GB of CUDA packages).
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG DEEPSPEED_VERSION=0.19.8
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# DeepSpeed's setup.py imports torch, so it is built against the torch above (no build isolation);
+# DS_BUILD_OPS=0: no CUDA/C++ op is compiled (the trainer uses torch's AdamW), so no compiler is needed.
+RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"
+RUN pip install ".[worker]" \
+ && rm -rf build ./*.egg-info
 USER vigil
 WORKDIR /var/lib/vigil
 ENV VIGIL_DATA_DIR=/var/lib/vigil

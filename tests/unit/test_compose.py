@@ -159,10 +159,37 @@ def test_the_four_services_and_a_worker_per_profile_are_there(services: dict[str
         "worker",
         "worker",
     ]
-    assert {services[name]["image"] for name in VIGIL_SERVICES if "profiles" not in services[name]} == {
-        "vigil:dev"
+    images = {name: (services[name]["image"], services[name]["build"]["target"]) for name in VIGIL_SERVICES}
+    assert images == {
+        "scheduler": ("vigil:dev", "control-plane"),
+        "telemetry": ("vigil:dev", "control-plane"),
+        "guardian": ("vigil:dev", "control-plane"),
+        "worker": ("vigil-worker:dev", "worker"),
+        "worker-gpu": ("vigil-worker:dev-gpu", "worker"),
     }
     assert all(services[name]["build"]["context"] == "." for name in VIGIL_SERVICES)
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """Each `FROM ... AS name` stage of the Dockerfile, with the stages it builds on prepended."""
+    stages: dict[str, str] = {}
+    current = ""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if m := re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.IGNORECASE):
+            parent, current = m.groups()
+            stages[current] = stages.get(parent, "")
+        if current:
+            stages[current] += line + "\n"
+    return stages
+
+
+def test_the_control_plane_image_installs_no_torch_and_the_worker_image_does() -> None:
+    stages = dockerfile_stages()
+    plane = [line for line in stages["control-plane"].splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in plane if re.search(r"torch|deepspeed|\[worker", line)], plane
+    assert "pip install ." in stages["control-plane"]
+    worker = stages["worker"]
+    assert re.search(r'"torch==', worker) and "deepspeed==" in worker and '".[worker]"' in worker
 
 
 def test_every_vigil_variable_is_a_setting_with_a_valid_value(
@@ -277,17 +304,23 @@ def test_collector_forwards_traces_to_jaeger(services: dict[str, dict[str, Any]]
         )
 
 
-def test_dockerfile_builds_one_non_root_image_from_files_in_the_context() -> None:
+def test_dockerfile_builds_non_root_images_from_files_in_the_context() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
-    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
-    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
-    assert "--no-build-isolation" in text and "pip install ." in text
-    order = [text.index(step) for step in ("TORCH_VERSION}", "--no-build-isolation", "RUN pip install .")]
+    assert re.search(r"^FROM python:3\.11-slim AS base$", text, re.M)
+    worker = dockerfile_stages()["worker"]
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", worker, re.M)
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", worker, re.M)
+    order = [
+        worker.index(step)
+        for step in ("TORCH_VERSION}", "--no-build-isolation", 'RUN pip install ".[worker]"')
+    ]
     assert order == sorted(order), "torch, then DeepSpeed, then Vigil"
-    users = re.findall(r"^USER (\S+)$", text, re.M)
-    assert users and users[-1] not in ("root", "0")
-    assert re.findall(r"^ENTRYPOINT (.+)$", text, re.M) == ['["vigil"]']
+    for name, stage in dockerfile_stages().items():
+        if name == "base":
+            continue
+        users = re.findall(r"^USER (\S+)$", stage, re.M)
+        assert users and users[-1] not in ("root", "0"), name
+        assert re.findall(r"^ENTRYPOINT (.+)$", stage, re.M) == ['["vigil"]'], name
     allowed = [p[1:] for p in (ROOT / ".dockerignore").read_text().split() if p.startswith("!")]
     for line in re.findall(r"^COPY (.+)$", text, re.M):
         for source in [w for w in line.split() if not w.startswith("--")][:-1]:
