@@ -13,7 +13,8 @@ from vigil_common.settings import Settings
 
 
 def result(bench: str, value: float, floor: float, unit: str, target: str, **details: Any) -> dict[str, Any]:
-    """The one result shape from ARCHITECTURE.md: value, floor and their ratio, plus details."""
+    """The one result shape every `vigil bench` prints as its last line: value, floor and their ratio,
+    plus details."""
     ratio = value / floor if floor else float("inf")
     return {
         "bench": bench,
