@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +49,14 @@ def servers(
         updates["database_url"] = stack.enter_context(EmbeddedPostgres(tmp / "postgres")).url
         where.append("embedded Postgres")
     return settings.model_copy(update=updates), ", ".join(where) or "the user's servers"
+
+
+async def measure_on_servers(
+    measure: Callable[[Settings], Awaitable[dict[str, Any]]], settings: Settings, *, database: bool = True
+) -> dict[str, Any]:
+    """`measure(settings)` against the servers for this run (`servers`), its result saying which."""
+    with contextlib.ExitStack() as stack:
+        settings, where = servers(stack, settings, database=database)
+        out = await measure(settings)
+        out["servers"] = where
+        return out

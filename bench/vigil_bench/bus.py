@@ -12,14 +12,13 @@ Vigil's cost over raw. Target: ratio <= 1.15.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 import uuid
 
 import nats
 
-from vigil_bench import percentile, result, servers
+from vigil_bench import measure_on_servers, percentile, result
 from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
@@ -102,9 +101,8 @@ async def _measure(url: str) -> dict[str, object]:
 
 
 async def run(settings: Settings) -> dict[str, object]:
-    with contextlib.ExitStack() as stack:
-        settings, where = servers(stack, settings, database=False)
-        assert settings.nats_url
-        out = await _measure(settings.nats_url)
-        out["server"] = where
-        return out
+    async def measure(s: Settings) -> dict[str, object]:
+        assert s.nats_url
+        return await _measure(s.nats_url)
+
+    return await measure_on_servers(measure, settings, database=False)

@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 
-from vigil_bench import percentile, result, servers
+from vigil_bench import measure_on_servers, percentile, result
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
@@ -257,8 +257,4 @@ async def _measure(settings: Settings) -> dict[str, object]:
 
 
 async def run(settings: Settings) -> dict[str, object]:
-    with contextlib.ExitStack() as stack:
-        settings, where = servers(stack, settings)
-        out = await _measure(settings)
-        out["servers"] = where
-        return out
+    return await measure_on_servers(_measure, settings)

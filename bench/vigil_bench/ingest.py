@@ -12,14 +12,13 @@ the ratio is telemetry's share of raw COPY speed. Target: ratio >= 0.5.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from datetime import timedelta
 
 import asyncpg
 
-from vigil_bench import result, servers
+from vigil_bench import measure_on_servers, result
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
@@ -140,8 +139,4 @@ async def _measure(settings: Settings) -> dict[str, object]:
 
 
 async def run(settings: Settings) -> dict[str, object]:
-    with contextlib.ExitStack() as stack:
-        settings, where = servers(stack, settings)
-        out = await _measure(settings)
-        out["servers"] = where
-        return out
+    return await measure_on_servers(_measure, settings)
