@@ -18,19 +18,19 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from vigil_common.events import TERMINAL_STATES
+from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.settings import Settings
 from vigil_common.token import require_token
 
-STATE_STYLE = {
-    "PENDING": "yellow",
-    "SCHEDULED": "cyan",
-    "RUNNING": "green",
-    "HALTED": "magenta",
-    "ROLLING_BACK": "magenta",
-    "SUCCEEDED": "bold green",
-    "FAILED": "bold red",
-    "CANCELLED": "dim",
+STATE_STYLE: dict[JobState, str] = {
+    JobState.PENDING: "yellow",
+    JobState.SCHEDULED: "cyan",
+    JobState.RUNNING: "green",
+    JobState.HALTED: "magenta",
+    JobState.ROLLING_BACK: "magenta",
+    JobState.SUCCEEDED: "bold green",
+    JobState.FAILED: "bold red",
+    JobState.CANCELLED: "dim",
 }
 
 url_option = click.option("--url", envvar="VIGIL_API_URL", help="the gateway (default: VIGIL_HTTP_HOST:PORT)")
@@ -149,7 +149,7 @@ def register(group: click.Group) -> None:
             console.print(f"submitted [bold]{job['id']}[/] ({job['name']}), {_state(job['state'])}")
         if follow:
             final = follow_job(gw, job["id"], console, as_json)
-            raise SystemExit(0 if final == "SUCCEEDED" else 1)
+            raise SystemExit(0 if final == JobState.SUCCEEDED else 1)
 
     @group.command("jobs")
     @click.option("--state", help="only jobs in this state")

@@ -22,16 +22,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from vigil_common.errors import MalformedMessage
-from vigil_common.spec import JobSpec
+from vigil_common.jobstates import TERMINAL_STATES as TERMINAL_STATES  # re-exported for older importers
+from vigil_common.jobstates import JobState
+from vigil_common.spec import Action, JobSpec
 
-JobState = Literal[
-    "PENDING", "SCHEDULED", "RUNNING", "HALTED", "ROLLING_BACK", "SUCCEEDED", "FAILED", "CANCELLED"
-]
-TERMINAL_STATES: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 IncidentKind = Literal[
     "nan", "spike", "divergence", "imbalance", "straggler", "hang", "gpu_health", "rank_exit", "node_lost"
 ]
-IncidentAction = Literal["alert", "halt", "rollback", "fail"]
 DeviceKind = Literal["gpu", "cpu"]
 # Why a rank ended, in the spirit of determined's FailureType.
 FailureType = Literal["ok", "error", "signal", "oom", "killed_by_vigil", "lost"]
@@ -284,7 +281,7 @@ class IncidentRaised(Message):
     type: Literal["incident.raised"] = "incident.raised"
     schema_version: Literal[1] = 1
     kind: IncidentKind
-    action: IncidentAction
+    action: Action
     step: int | None = None
     rank: int | None = None
     node: str | None = None

@@ -11,38 +11,11 @@ from typing import Any
 
 import asyncpg
 
-from vigil_common.errors import PermanentError
-from vigil_common.pages import Page, check_limit, decode_cursor, encode_cursor
+from vigil_common.pages import Page, check_limit, decode_cursor, page
 
 _STEP_FIELDS = """step, rank, attempt, node, loss, grad_norm, lr, tokens, tokens_per_s, step_time_s,
     data_time_s, forward_time_s, backward_time_s, comm_time_s, optimizer_time_s, mem_allocated_bytes,
     mem_peak_bytes, skipped, data_position, occurred_at"""
-
-
-def _key(cursor: str | None, types: tuple[type, ...]) -> list[Any] | None:
-    """A decoded cursor whose parts have the given types (a malformed one is the caller's error)."""
-    key = decode_cursor(cursor)
-    if key is None:
-        return None
-    try:
-        if len(key) != len(types):
-            raise ValueError
-        return [t(k) for t, k in zip(types, key, strict=True)]
-    except (TypeError, ValueError) as exc:
-        raise PermanentError(f"cursor {cursor!r} is not one this server handed out") from exc
-
-
-def _page(rows: list[asyncpg.Record], limit: int, key: tuple[str, ...], hidden: tuple[str, ...] = ()) -> Page:
-    """A page from up to `limit + 1` rows in key order; `hidden` columns (sort keys) are left out of items."""
-    more = len(rows) > limit
-    rows = rows[:limit]
-    nxt = encode_cursor([_plain(rows[-1][k]) for k in key]) if more and rows else None
-    items = [{k: v for k, v in dict(r).items() if k not in hidden} for r in rows]
-    return {"items": items, "next": nxt}
-
-
-def _plain(value: Any) -> Any:
-    return value.isoformat() if hasattr(value, "isoformat") else value
 
 
 async def steps(
@@ -65,7 +38,7 @@ async def steps(
     check_limit(limit)
     if aggregate:
         return await _aggregated(pool, job_id, attempt=attempt, limit=limit, cursor=cursor)
-    key = _key(cursor, (int, int, int, int))
+    key = decode_cursor(cursor, ("int", "int", "int", "bigint"))  # attempt, step, rank, seq
     rows = await pool.fetch(
         f"""SELECT {_STEP_FIELDS}, seq FROM telemetry_steps
             WHERE job_id = $1 AND ($2::int IS NULL OR rank = $2) AND ($3::int IS NULL OR attempt = $3)
@@ -77,13 +50,13 @@ async def steps(
         *(key or (None, None, None, None)),
         limit + 1,
     )
-    return _page(rows, limit, ("attempt", "step", "rank", "seq"), hidden=("seq",))
+    return page(rows, limit, ("attempt", "step", "rank", "seq"), hidden=("seq",))
 
 
 async def _aggregated(
     pool: asyncpg.Pool, job_id: str, *, attempt: int | None, limit: int, cursor: str | None
 ) -> Page:
-    key = _key(cursor, (int, int))
+    key = decode_cursor(cursor, ("int", "int"))  # attempt, step
     rows = await pool.fetch(
         """WITH keys AS (
                SELECT DISTINCT attempt, step FROM telemetry_steps
@@ -107,7 +80,7 @@ async def _aggregated(
         *(key or (None, None)),
         limit + 1,
     )
-    return _page(rows, limit, ("attempt", "step"))
+    return page(rows, limit, ("attempt", "step"))
 
 
 async def checkpoints(
@@ -115,7 +88,7 @@ async def checkpoints(
 ) -> Page:
     """A job's checkpoints by step: step, path, valid, bytes, created_at (and attempt, data_position)."""
     check_limit(limit)
-    key = _key(cursor, (int,))
+    key = decode_cursor(cursor, ("int",))  # step
     rows = await pool.fetch(
         """SELECT step, path, valid, bytes, created_at, attempt, data_position, manifest_sha256
            FROM telemetry_checkpoints WHERE job_id = $1 AND ($2::int IS NULL OR step > $2)
@@ -124,7 +97,7 @@ async def checkpoints(
         key[0] if key else None,
         limit + 1,
     )
-    return _page(rows, limit, ("step",))
+    return page(rows, limit, ("step",))
 
 
 async def incidents(
@@ -133,7 +106,7 @@ async def incidents(
     """Incidents, newest first: id, job_id, kind, step, rank, node, action, evidence, occurred_at
     (and attempt, device, message)."""
     check_limit(limit)
-    key = _key(cursor, (int,))
+    key = decode_cursor(cursor, ("bigint",))  # seq
     rows = await pool.fetch(
         """SELECT id, job_id, attempt, kind, action, step, rank, node, device, message, evidence, occurred_at,
                   seq
@@ -144,10 +117,10 @@ async def incidents(
         key[0] if key else None,
         limit + 1,
     )
-    page = _page(rows, limit, ("seq",), hidden=("seq",))
-    for item in page["items"]:
+    out = page(rows, limit, ("seq",), hidden=("seq",))
+    for item in out["items"]:
         item["evidence"] = json.loads(item["evidence"])
-    return page
+    return out
 
 
 _GPU_FIELDS = """node, index, device_kind, uuid, job_id, utilization_pct, memory_used_bytes,
@@ -160,21 +133,21 @@ async def gpu_samples(
 ) -> Page:
     """One device's samples, newest first."""
     check_limit(limit)
-    key = _key(cursor, (str, str))
+    key = decode_cursor(cursor, ("timestamptz", "text"))  # occurred_at, event_id
     rows = await pool.fetch(
         f"""SELECT {_GPU_FIELDS}, event_id FROM telemetry_gpu_samples
             WHERE node = $1 AND index = $2
-              AND ($3::text IS NULL OR (occurred_at, event_id) < ($3::text::timestamptz, $4::text))
+              AND ($3::timestamptz IS NULL OR (occurred_at, event_id) < ($3, $4::text))
             ORDER BY occurred_at DESC, event_id DESC LIMIT $5""",
         node,
         index,
         *(key or (None, None)),
         limit + 1,
     )
-    page = _page(rows, limit, ("occurred_at", "event_id"), hidden=("event_id",))
-    for item in page["items"]:
+    out = page(rows, limit, ("occurred_at", "event_id"), hidden=("event_id",))
+    for item in out["items"]:
         item["throttle_reasons"] = list(item["throttle_reasons"])
-    return page
+    return out
 
 
 async def latest_gpu_samples(pool: asyncpg.Pool) -> dict[tuple[str, int], dict[str, Any]]:

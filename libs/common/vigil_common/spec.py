@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from vigil_common.errors import SpecError
 
+# What the guardian does about a fault: a `GuardianSpec` field per kind, and the `action` an
+# `IncidentRaised` reports (`vigil_common.events`).
 Action = Literal["alert", "halt", "rollback", "fail"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 ZeroStage = Literal["auto", 0, 1, 2, 3]

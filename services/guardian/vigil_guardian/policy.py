@@ -23,14 +23,8 @@ from datetime import datetime
 from typing import Any
 
 from vigil_common import subjects
-from vigil_common.events import (
-    Command,
-    HaltJob,
-    IncidentAction,
-    IncidentRaised,
-    RollbackJob,
-)
-from vigil_common.spec import GuardianSpec
+from vigil_common.events import Command, HaltJob, IncidentRaised, RollbackJob
+from vigil_common.spec import Action, GuardianSpec
 from vigil_guardian.verdict import Verdict
 
 IN_PLACE = frozenset({"nan", "spike", "divergence"})
@@ -45,7 +39,7 @@ class Decision:
     effects: dict[str, Any] = field(default_factory=dict)  # for the caller: rollback target, etc.
 
     @property
-    def action(self) -> IncidentAction:
+    def action(self) -> Action:
         return self.incident.action
 
     def messages(self) -> list[tuple[str, IncidentRaised | Command]]:
@@ -67,7 +61,7 @@ def incident_id(*key: object) -> str:
     return "inc-" + hashlib.sha256(repr(key).encode()).hexdigest()[:28]
 
 
-def action_for(kind: str, spec: GuardianSpec) -> IncidentAction:
+def action_for(kind: str, spec: GuardianSpec) -> Action:
     return getattr(spec, kind) if kind in GuardianSpec.model_fields else "alert"
 
 

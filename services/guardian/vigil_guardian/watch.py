@@ -21,7 +21,6 @@ from datetime import datetime
 from typing import Any, Literal
 
 from vigil_common.events import (
-    TERMINAL_STATES,
     CheckpointSaved,
     JobStateChanged,
     LaunchJob,
@@ -33,6 +32,7 @@ from vigil_common.events import (
     RollbackJob,
     StepCompleted,
 )
+from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.spec import GuardianSpec
 from vigil_guardian.exits import rank_exit
 from vigil_guardian.hang import hang
@@ -73,7 +73,7 @@ class JobWatch:
         self.attempt_started_at = 0.0
         self.generation = 0
         self.gen_started_at = -math.inf
-        self.state: str | None = None
+        self.state: JobState | None = None
         self.checkpoints: dict[int, str] = {}
         self.rollbacks = 0
         self.recovering: Recovering | None = None
@@ -102,9 +102,9 @@ class JobWatch:
 
     def running(self) -> bool:
         """Is the job meant to be making steps now?"""
-        if self.state in ("RUNNING",):
+        if self.state == JobState.RUNNING:
             return True
-        if self.state is not None and self.state != "SCHEDULED":
+        if self.state is not None and self.state != JobState.SCHEDULED:
             return False
         # No word from the scheduler (or only SCHEDULED): inferred from the ranks.
         return self.world_size is not None and (
@@ -286,7 +286,7 @@ class JobWatch:
                     )
                 ]
         elif isinstance(event, RanksHalted):
-            self.state = "HALTED"
+            self.state = JobState.HALTED
         elif isinstance(event, RollbackCompleted):
             return self._on_rollback_completed(event, now)
         return []
@@ -298,7 +298,7 @@ class JobWatch:
             self._new_attempt(event.attempt, event.occurred_at.timestamp())
         was = self.state
         self.state = event.to_state
-        if event.to_state != "RUNNING" or was == "RUNNING":
+        if event.to_state != JobState.RUNNING or was == JobState.RUNNING:
             return []
         t = event.occurred_at.timestamp()
         self.running_since = t
@@ -325,7 +325,7 @@ class JobWatch:
         self.windows.rewind(to, t, [r for r in range(self.world_size or 0) if r not in self.exited])
         self.episodes.clear()
         self.hang_raised = False
-        self.state = "RUNNING"
+        self.state = JobState.RUNNING
         self.running_since = t
         return self._release(t, now)
 
@@ -363,7 +363,7 @@ class JobWatch:
         elif self.running():
             start = self.running_since or self.attempt_started_at or ts
             progress = {r: self.windows.progress.get(r, (start, None)) for r in ranks}
-        elif self.state in (None, "SCHEDULED") and self.attempt_started_at:
+        elif self.state in (None, JobState.SCHEDULED) and self.attempt_started_at:
             # Launched, yet some rank never started (a launch lost on its way, a worker that died
             # starting it): its devices are held for nothing. The wait counts from the launch.
             progress = {r: (self.attempt_started_at, None) for r in ranks if r not in self.started}
@@ -431,7 +431,7 @@ class JobWatch:
         w.attempt_started_at = snap["attempt_started_at"]
         w.generation = snap["generation"]
         w.gen_started_at = -math.inf if snap["gen_started_at"] is None else snap["gen_started_at"]
-        w.state = snap["state"]
+        w.state = JobState(snap["state"]) if snap["state"] is not None else None
         w.checkpoints = {int(s): p for s, p in snap["checkpoints"].items()}
         w.rollbacks = snap["rollbacks"]
         w.recovering = Recovering(**snap["recovering"]) if snap["recovering"] else None

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from vigil_common import subjects, tracing
 from vigil_common.errors import Conflict, NotFound
 from vigil_common.events import IncidentRaised, LaunchJob, RankPlacement
+from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
@@ -156,9 +157,8 @@ class Scheduler:
             await lifecycle.transition(
                 conn,
                 job,
-                states.SCHEDULED,
+                JobState.SCHEDULED,
                 f"attempt {job.attempt} placed on {nodes}",
-                queued=False,
                 placement=[r.model_dump() for r in ranks],
                 master_addr=master_addr,
                 master_port=port,
@@ -172,8 +172,9 @@ class Scheduler:
             r["master_port"]
             for r in await conn.fetch(
                 """SELECT master_port FROM jobs WHERE master_addr = $1 AND master_port IS NOT NULL
-                   AND state NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED')""",
+                   AND state <> ALL($2::text[])""",
                 master_addr,
+                sorted(TERMINAL_STATES),
             )
         }
         while True:
@@ -222,6 +223,7 @@ class Scheduler:
         if job is None or not states.holds_devices(job.state) or job.queued:
             return job
         moved = await lifecycle.requeue(conn, job, cause, max_attempts=self.settings.max_attempts)
+        failed = moved.state == JobState.FAILED
         if node is not None:
             await lifecycle.raise_incident(
                 conn,
@@ -230,10 +232,10 @@ class Scheduler:
                     job_id=job.id,
                     attempt=job.attempt,
                     kind="node_lost",
-                    action="fail" if moved.state == states.FAILED else "alert",
+                    action="fail" if failed else "alert",
                     node=node,
                     message=cause,
-                    evidence={"requeued_as_attempt": moved.attempt if moved.state != states.FAILED else None},
+                    evidence={"requeued_as_attempt": None if failed else moved.attempt},
                 ),
             )
         return moved

@@ -1,4 +1,4 @@
-"""What the scheduler does with each event it consumes (flows.md, step 6).
+"""What the scheduler does with each event it consumes: heartbeats, status, commands and incidents.
 
 Every handler is idempotent under redelivery: events of an older attempt than the job's are
 ignored, and a transition the state machine does not allow is skipped, not an error. The
@@ -29,6 +29,7 @@ from vigil_common.events import (
     RollbackJob,
     utcnow,
 )
+from vigil_common.jobstates import JobState
 from vigil_scheduler import inventory, lifecycle, states
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.lifecycle import Job
@@ -108,8 +109,8 @@ class Handlers:
                 job.id,
                 job.attempt,
             )
-            if job.state == states.SCHEDULED and started >= job.world_size:
-                await lifecycle.transition(conn, job, states.RUNNING, f"all {job.world_size} ranks started")
+            if job.state == JobState.SCHEDULED and started >= job.world_size:
+                await lifecycle.transition(conn, job, JobState.RUNNING, f"all {job.world_size} ranks started")
 
     async def _rank_exited(self, event: RankExited) -> None:
         freed = False
@@ -140,7 +141,7 @@ class Handlers:
                 )
                 if ok >= job.world_size:
                     await lifecycle.transition(
-                        conn, job, states.SUCCEEDED, f"all {job.world_size} ranks exited 0"
+                        conn, job, JobState.SUCCEEDED, f"all {job.world_size} ranks exited 0"
                     )
                     freed = True
                 return
@@ -180,8 +181,8 @@ class Handlers:
             )
 
     async def _ranks_halted(self, conn: asyncpg.Connection, job: Job, event: RanksHalted) -> None:
-        if job.state == states.RUNNING:  # the HaltJob itself may still be on its way to us
-            await lifecycle.transition(conn, job, states.HALTED, f"ranks halted at step {event.step}")
+        if job.state == JobState.RUNNING:  # the HaltJob itself may still be on its way to us
+            await lifecycle.transition(conn, job, JobState.HALTED, f"ranks halted at step {event.step}")
 
     async def _rollback_completed(self, conn: asyncpg.Connection, job: Job, event: RollbackCompleted) -> None:
         await _supersede(conn, job.id, after_step=event.to_step)
@@ -192,8 +193,8 @@ class Handlers:
             job.id,
             event.command_id,
         )
-        if job.state in (states.ROLLING_BACK, states.HALTED):
-            await lifecycle.transition(conn, job, states.RUNNING, cause)
+        if job.state in (JobState.ROLLING_BACK, JobState.HALTED):
+            await lifecycle.transition(conn, job, JobState.RUNNING, cause)
 
     # --- commands (from the guardian, or other tools) ----------------------------------------------------
 
@@ -208,8 +209,8 @@ class Handlers:
             await self._on_current(event, self._cancelled)
 
     async def _halt(self, conn: asyncpg.Connection, job: Job, event: HaltJob) -> None:
-        if job.state in (states.RUNNING, states.SCHEDULED, states.ROLLING_BACK) and not job.queued:
-            await lifecycle.transition(conn, job, states.HALTED, f"halted: {event.reason}")
+        if job.state in (JobState.RUNNING, JobState.SCHEDULED, JobState.ROLLING_BACK) and not job.queued:
+            await lifecycle.transition(conn, job, JobState.HALTED, f"halted: {event.reason}")
 
     async def _rollback(self, conn: asyncpg.Connection, job: Job, event: RollbackJob) -> None:
         if event.event_id in job.completed_commands:
@@ -223,26 +224,28 @@ class Handlers:
                 job,
                 f"restart from step {event.step}: {event.reason}",
                 max_attempts=self.s.settings.max_attempts,
-                to_state=states.ROLLING_BACK,
+                to_state=JobState.ROLLING_BACK,
                 resume_from=event.checkpoint,
                 skip_data=event.skip_data,
             )
             self.s.want_placement()
-        elif job.state in (states.RUNNING, states.HALTED, states.SCHEDULED):
+        elif job.state in (JobState.RUNNING, JobState.HALTED, JobState.SCHEDULED):
             await lifecycle.transition(
-                conn, job, states.ROLLING_BACK, f"rollback to step {event.step}: {event.reason}"
+                conn, job, JobState.ROLLING_BACK, f"rollback to step {event.step}: {event.reason}"
             )
 
     async def _resume(self, conn: asyncpg.Connection, job: Job, event: ResumeJob) -> None:
-        if job.state == states.HALTED:
-            await lifecycle.transition(conn, job, states.RUNNING, f"resumed: {event.reason or 'by command'}")
+        if job.state == JobState.HALTED:
+            await lifecycle.transition(
+                conn, job, JobState.RUNNING, f"resumed: {event.reason or 'by command'}"
+            )
 
     async def _cancelled(self, conn: asyncpg.Connection, job: Job, event: CancelJob) -> None:
         # Our own cancels are terminal already; this one came from another tool (the guardian).
         await lifecycle.transition(
             conn,
             job,
-            states.CANCELLED,
+            JobState.CANCELLED,
             f"CancelJob: {event.reason or 'no reason given'}",
             reason=event.reason,
         )

@@ -14,6 +14,7 @@ import asyncpg
 
 from vigil_common import subjects
 from vigil_common.events import CancelJob, IncidentRaised, JobStateChanged
+from vigil_common.jobstates import JobState
 from vigil_common.spec import JobSpec
 from vigil_scheduler import outbox, states
 
@@ -27,12 +28,17 @@ class Job:
     id: str
     seq: int
     name: str
-    state: str
+    state: JobState
     priority: int
     spec: dict[str, Any]
     world_size: int
     max_nodes: int
     attempt: int
+    # Waiting for a placement of `attempt`: not ended, and no placement yet (a new or requeued
+    # job, PENDING; or a restart, ROLLING_BACK, whose ranks are relaunched once placed). The state
+    # alone cannot tell (ROLLING_BACK is also an in-place rollback on placed ranks), so it is a
+    # stored column, indexed for the placement pass, and set only by `transition` (and the
+    # column's default for a new job), from the state and the placement.
     queued: bool
     placement: list[dict[str, Any]] | None
     previous_placement: list[dict[str, Any]] | None
@@ -50,6 +56,7 @@ class Job:
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> Job:
         data = dict(row)
+        data["state"] = JobState(data["state"])
         for key in ("spec", "placement", "previous_placement", "trace_context"):
             if isinstance(data[key], str):
                 data[key] = json.loads(data[key])
@@ -68,7 +75,7 @@ async def insert_job(
     """Store a new PENDING job (queued for placement) and its first transition."""
     row = await conn.fetchrow(
         f"""INSERT INTO jobs (id, name, state, priority, spec, world_size, max_nodes, trace_context)
-            VALUES ($1, $2, 'PENDING', $3, $4, $5, $6, $7) RETURNING {JOB_COLUMNS}""",
+            VALUES ($1, $2, $8, $3, $4, $5, $6, $7) RETURNING {JOB_COLUMNS}""",
         job_id,
         spec.name,
         spec.priority,
@@ -76,9 +83,10 @@ async def insert_job(
         spec.resources.world_size,
         spec.resources.nodes,
         json.dumps(trace_context),
+        JobState.PENDING,
     )
     job = Job.from_row(row)
-    await _record(conn, job, None, states.PENDING, "submitted")
+    await _record(conn, job, None, JobState.PENDING, "submitted")
     return job
 
 
@@ -95,15 +103,21 @@ async def lock_job(conn: asyncpg.Connection, job_id: str | None) -> Job | None:
     return Job.from_row(row) if row else None
 
 
-async def transition(conn: asyncpg.Connection, job: Job, to_state: str, cause: str, **updates: Any) -> Job:
+async def transition(
+    conn: asyncpg.Connection, job: Job, to_state: JobState, cause: str, **updates: Any
+) -> Job:
     """Move `job` to `to_state` with `cause`; `updates` are other job columns to set at the same time.
+    `queued` follows: true while the job is not ended and has no placement (see `Job.queued`).
 
     Raises Conflict when the state machine does not allow the move.
     """
     states.check(job.id, job.state, to_state)
-    values: dict[str, Any] = {"state": to_state, **updates}
-    if states.is_terminal(to_state):
-        values.setdefault("queued", False)
+    placement = updates.get("placement", job.placement)
+    values: dict[str, Any] = {
+        "state": to_state,
+        **updates,
+        "queued": placement is None and not states.is_terminal(to_state),
+    }
     sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(values, start=2))
     extra = ", finished_at = now()" if states.is_terminal(to_state) else ""
     row = await conn.fetchrow(
@@ -124,7 +138,7 @@ async def requeue(
     cause: str,
     *,
     max_attempts: int,
-    to_state: str = states.PENDING,
+    to_state: JobState = JobState.PENDING,
     resume_from: str | None = None,
     skip_data: tuple[int, int] | None = None,
 ) -> Job:
@@ -135,7 +149,7 @@ async def requeue(
         return await transition(
             conn,
             job,
-            states.FAILED,
+            JobState.FAILED,
             f"{cause}; no attempts left ({job.attempt} of {max_attempts} used)",
             reason=cause,
         )
@@ -147,7 +161,6 @@ async def requeue(
         to_state,
         cause,
         attempt=job.attempt + 1,
-        queued=True,
         previous_placement=job.placement or job.previous_placement,
         placement=None,
         resume_from=resume_from,
@@ -157,16 +170,16 @@ async def requeue(
 
 async def cancel(conn: asyncpg.Connection, job: Job, reason: str) -> Job:
     """CANCELLED, devices released, and a CancelJob on the job's cmd subject for the workers."""
-    return await _end_ranks(conn, job, states.CANCELLED, f"cancelled: {reason}", reason, reason)
+    return await _end_ranks(conn, job, JobState.CANCELLED, f"cancelled: {reason}", reason, reason)
 
 
 async def fail(conn: asyncpg.Connection, job: Job, cause: str, reason: str) -> Job:
     """FAILED with its reason, devices released, and a CancelJob so the workers end the ranks."""
-    return await _end_ranks(conn, job, states.FAILED, cause, reason, f"failed: {reason}")
+    return await _end_ranks(conn, job, JobState.FAILED, cause, reason, f"failed: {reason}")
 
 
 async def _end_ranks(
-    conn: asyncpg.Connection, job: Job, to_state: str, cause: str, reason: str, cancel_reason: str
+    conn: asyncpg.Connection, job: Job, to_state: JobState, cause: str, reason: str, cancel_reason: str
 ) -> Job:
     moved = await transition(conn, job, to_state, cause, reason=reason)
     await outbox.enqueue(
@@ -193,14 +206,10 @@ async def newest_checkpoint(conn: asyncpg.Connection, job_id: str) -> str | None
 
 
 async def _record(
-    conn: asyncpg.Connection, job: Job, from_state: str | None, to_state: str, cause: str
+    conn: asyncpg.Connection, job: Job, from_state: JobState | None, to_state: JobState, cause: str
 ) -> None:
     event = JobStateChanged(
-        job_id=job.id,
-        attempt=job.attempt,
-        from_state=from_state,
-        to_state=to_state,
-        cause=cause,  # type: ignore[arg-type]
+        job_id=job.id, attempt=job.attempt, from_state=from_state, to_state=to_state, cause=cause
     )
     await conn.execute(
         """INSERT INTO job_transitions (job_id, attempt, from_state, to_state, cause, event_id)

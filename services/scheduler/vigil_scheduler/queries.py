@@ -1,42 +1,26 @@
 """The read side of the scheduler's tables for the gateway: jobs, nodes and devices as paged dicts.
-Steps, checkpoints, incidents and GPU samples come from `vigil_common.readmodel` (telemetry's tables)."""
+Steps, checkpoints, incidents and GPU samples come from `vigil_common.readmodel` (telemetry's tables,
+which every service's migrations create, so they exist even where telemetry does not run)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
-from types import ModuleType
 from typing import Any
 
 import asyncpg
 
-from vigil_common.errors import NotFound, RetryableError
+from vigil_common import readmodel
+from vigil_common.errors import NotFound
 from vigil_common.pages import Page, check_limit, decode_cursor, page
 from vigil_scheduler import states
 from vigil_scheduler.lifecycle import JOB_COLUMNS, Job
 
 
-def readmodel() -> ModuleType:
-    """`vigil_common.readmodel`, imported on first use (telemetry's read side)."""
-    try:
-        return importlib.import_module("vigil_common.readmodel")
-    except ModuleNotFoundError as exc:
-        raise RetryableError("the telemetry read model (vigil_common.readmodel) is not installed") from exc
-
-
 async def progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """Last step and loss per job from telemetry; empty when telemetry has nothing (or is absent)."""
+    """Last step and loss per job from telemetry (absent for a job that has made no step)."""
     if not job_ids:
         return {}
-    try:
-        model = readmodel()
-    except RetryableError:
-        return {}
-    try:
-        return await model.job_progress(pool, job_ids)
-    except asyncpg.UndefinedTableError:  # telemetry's migration has not run here
-        return {}
+    return await readmodel.job_progress(pool, job_ids)
 
 
 def job_view(job: Job, prog: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -65,14 +49,13 @@ def job_view(job: Job, prog: dict[str, Any] | None = None) -> dict[str, Any]:
 async def list_jobs(pool: asyncpg.Pool, *, state: str | None, limit: int, cursor: str | None) -> Page:
     """Newest first."""
     check_limit(limit)
-    key = decode_cursor(cursor)
-    after = int(key[0]) if key else None
+    key = decode_cursor(cursor, ("bigint",))  # seq
     rows = await pool.fetch(
         f"""SELECT {JOB_COLUMNS} FROM jobs
             WHERE ($1::text IS NULL OR state = $1) AND ($2::bigint IS NULL OR seq < $2)
             ORDER BY seq DESC LIMIT $3""",
         state,
-        after,
+        key[0] if key else None,
         limit + 1,
     )
     jobs = [Job.from_row(r) for r in rows]
@@ -146,7 +129,7 @@ _MARKS = "LEFT JOIN device_marks m ON m.node = d.node AND m.index = d.index"
 
 async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
     check_limit(limit)
-    key = decode_cursor(cursor)
+    key = decode_cursor(cursor, ("text",))  # name
     rows = await pool.fetch(
         """SELECT name, address, alive, last_heartbeat, started_at, interval_s, lost_at FROM nodes
            WHERE ($1::text IS NULL OR name > $1) ORDER BY name LIMIT $2""",
@@ -167,8 +150,7 @@ async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> P
 
 async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
     check_limit(limit)
-    key = decode_cursor(cursor)
-    node, index = (str(key[0]), int(key[1])) if key and len(key) == 2 else (None, None)
+    node, index = decode_cursor(cursor, ("text", "int")) or (None, None)
     rows = await pool.fetch(
         f"""SELECT {_DEVICE_COLUMNS}, n.alive FROM devices d JOIN nodes n ON n.name = d.node {_MARKS}
             WHERE ($1::text IS NULL OR (d.node, d.index) > ($1, $2::int))
@@ -177,9 +159,7 @@ async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Pa
         index,
         limit + 1,
     )
-    latest: dict[tuple[str, int], dict[str, Any]] = {}
-    with contextlib.suppress(RetryableError, asyncpg.UndefinedTableError):
-        latest = await readmodel().latest_gpu_samples(pool)
+    latest = await readmodel.latest_gpu_samples(pool)
     items = [{**_device(r), "alive": r["alive"], "latest": latest.get((r["node"], r["index"]))} for r in rows]
     return page(items, limit, ("node", "index"))
 

@@ -1,57 +1,43 @@
-"""The job state machine: which transitions exist and which states hold devices. Pure.
+"""The job state machine: which transitions exist. Pure.
 
     PENDING -> SCHEDULED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
     RUNNING -> HALTED -> ROLLING_BACK -> RUNNING
     ROLLING_BACK -> SCHEDULED            (a restart: the new attempt is placed and launched)
     SCHEDULED | RUNNING | HALTED | ROLLING_BACK -> PENDING   (requeued with attempt + 1)
 
-Every non-terminal state may also go to FAILED or CANCELLED.
+Every non-terminal state may also go to FAILED or CANCELLED. The states themselves, which are
+terminal and which hold devices, are `vigil_common.jobstates`.
 """
 
 from __future__ import annotations
 
 from vigil_common.errors import Conflict
-from vigil_common.events import TERMINAL_STATES
+from vigil_common.jobstates import DEVICE_STATES, TERMINAL_STATES, JobState
 
-PENDING = "PENDING"
-SCHEDULED = "SCHEDULED"
-RUNNING = "RUNNING"
-HALTED = "HALTED"
-ROLLING_BACK = "ROLLING_BACK"
-SUCCEEDED = "SUCCEEDED"
-FAILED = "FAILED"
-CANCELLED = "CANCELLED"
+_ENDS = {JobState.FAILED, JobState.CANCELLED}
 
-ALL_STATES: tuple[str, ...] = (
-    PENDING,
-    SCHEDULED,
-    RUNNING,
-    HALTED,
-    ROLLING_BACK,
-    SUCCEEDED,
-    FAILED,
-    CANCELLED,
-)
-_ENDS = {FAILED, CANCELLED}
-
-TRANSITIONS: dict[str, frozenset[str]] = {
-    PENDING: frozenset({SCHEDULED} | _ENDS),
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.SCHEDULED} | _ENDS),
     # HALTED / ROLLING_BACK from SCHEDULED: a guardian command may overtake the last RankStarted.
-    SCHEDULED: frozenset({RUNNING, HALTED, ROLLING_BACK, PENDING, SUCCEEDED} | _ENDS),
-    RUNNING: frozenset({HALTED, ROLLING_BACK, PENDING, SUCCEEDED} | _ENDS),
-    HALTED: frozenset({ROLLING_BACK, RUNNING, PENDING} | _ENDS),
-    ROLLING_BACK: frozenset({RUNNING, SCHEDULED, HALTED, PENDING} | _ENDS),
-    SUCCEEDED: frozenset(),
-    FAILED: frozenset(),
-    CANCELLED: frozenset(),
+    JobState.SCHEDULED: frozenset(
+        {JobState.RUNNING, JobState.HALTED, JobState.ROLLING_BACK, JobState.PENDING, JobState.SUCCEEDED}
+        | _ENDS
+    ),
+    JobState.RUNNING: frozenset(
+        {JobState.HALTED, JobState.ROLLING_BACK, JobState.PENDING, JobState.SUCCEEDED} | _ENDS
+    ),
+    JobState.HALTED: frozenset({JobState.ROLLING_BACK, JobState.RUNNING, JobState.PENDING} | _ENDS),
+    JobState.ROLLING_BACK: frozenset(
+        {JobState.RUNNING, JobState.SCHEDULED, JobState.HALTED, JobState.PENDING} | _ENDS
+    ),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
 }
-
-# States in which a job owns its devices. Every other state (queued or terminal) owns none.
-HOLDS_DEVICES: frozenset[str] = frozenset({SCHEDULED, RUNNING, HALTED, ROLLING_BACK})
 
 
 def allowed(from_state: str, to_state: str) -> bool:
-    return to_state in TRANSITIONS[from_state]
+    return to_state in TRANSITIONS[JobState(from_state)]
 
 
 def check(job_id: str, from_state: str, to_state: str) -> None:
@@ -67,4 +53,4 @@ def is_terminal(state: str) -> bool:
 
 
 def holds_devices(state: str) -> bool:
-    return state in HOLDS_DEVICES
+    return state in DEVICE_STATES

@@ -12,14 +12,8 @@ import logging
 import math
 from collections.abc import Sequence
 
-from vigil_common.events import (
-    TERMINAL_STATES,
-    GpuSampled,
-    IncidentRaised,
-    JobStateChanged,
-    Message,
-    StepCompleted,
-)
+from vigil_common.events import GpuSampled, IncidentRaised, JobStateChanged, Message, StepCompleted
+from vigil_common.jobstates import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vigil_common.jobstates import JobState
 from vigil_scheduler import states
 from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot, place, plan
 
@@ -96,7 +97,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("submit"), st.integers(1, 6)),
         st.tuples(st.just("place"), st.just(0)),
-        st.tuples(st.just("move"), st.integers(0, 50), st.sampled_from(states.ALL_STATES)),
+        st.tuples(st.just("move"), st.integers(0, 50), st.sampled_from(list(JobState))),
     ),
     max_size=40,
 )
@@ -105,34 +106,34 @@ ops = st.lists(
 @given(inventories(), ops)
 @settings(max_examples=200, deadline=None)
 def test_devices_released_on_every_terminal_state(inv: Inventory, steps: list[tuple]) -> None:
-    jobs: dict[str, str] = {}
+    jobs: dict[str, JobState] = {}
     wants: dict[str, PlacementRequest] = {}
     for step in steps:
         if step[0] == "submit":
             job = f"j{len(jobs)}"
-            jobs[job] = states.PENDING
+            jobs[job] = JobState.PENDING
             wants[job] = PlacementRequest(job, step[1], 3, seq=len(jobs))
         elif step[0] == "place":
             placed, inv = plan(wants.values(), inv)
             for p in placed:
-                states.check(p.job_id, jobs[p.job_id], states.SCHEDULED)
-                jobs[p.job_id] = states.SCHEDULED
+                states.check(p.job_id, jobs[p.job_id], JobState.SCHEDULED)
+                jobs[p.job_id] = JobState.SCHEDULED
                 del wants[p.job_id]
         elif jobs:
             job = sorted(jobs)[step[1] % len(jobs)]
             target = step[2]
-            if target == states.SCHEDULED or not states.allowed(jobs[job], target):
+            if target == JobState.SCHEDULED or not states.allowed(jobs[job], target):
                 continue  # SCHEDULED is reached only through placement
             jobs[job] = target
             if not states.holds_devices(target):
                 inv = inv.release(job)
-            if target == states.PENDING:
+            if target == JobState.PENDING:
                 wants[job] = PlacementRequest(job, 1, 3, seq=0)
             else:
                 wants.pop(job, None)
         for job, state in jobs.items():
             held = inv.assigned(job)
-            if states.is_terminal(state) or state == states.PENDING:
+            if states.is_terminal(state) or state == JobState.PENDING:
                 assert held == set(), f"{job} is {state} but holds {held}"
             else:
                 assert held, f"{job} is {state} but holds nothing"

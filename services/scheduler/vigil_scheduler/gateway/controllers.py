@@ -13,7 +13,7 @@ from litestar.params import FromPath, FromQuery, QueryParameter, RawBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
 
-from vigil_common import subjects
+from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.spec import parse_spec
@@ -84,7 +84,7 @@ class JobController(Controller):
     ) -> Page:
         await queries.require_job(pool, job_id)
         return Page.model_validate(
-            await queries.readmodel().steps(
+            await readmodel.steps(
                 pool, job_id, rank=rank, attempt=attempt, aggregate=aggregate, limit=limit, cursor=cursor
             )
         )
@@ -92,18 +92,14 @@ class JobController(Controller):
     @get("/{job_id:str}/checkpoints", summary="Checkpoints with step, validity, size")
     async def checkpoints(self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None) -> Page:
         await queries.require_job(pool, job_id)
-        return Page.model_validate(
-            await queries.readmodel().checkpoints(pool, job_id, limit=limit, cursor=cursor)
-        )
+        return Page.model_validate(await readmodel.checkpoints(pool, job_id, limit=limit, cursor=cursor))
 
     @get("/{job_id:str}/incidents", summary="What the guardian saw and did for this job")
     async def job_incidents(
         self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None
     ) -> Page:
         await queries.require_job(pool, job_id)
-        return Page.model_validate(
-            await queries.readmodel().incidents(pool, job_id=job_id, limit=limit, cursor=cursor)
-        )
+        return Page.model_validate(await readmodel.incidents(pool, job_id=job_id, limit=limit, cursor=cursor))
 
 
 class InventoryController(Controller):
@@ -119,7 +115,7 @@ class InventoryController(Controller):
 
     @get("/incidents", summary="Incidents of every job, newest first", tags=["incidents"])
     async def incidents(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> Page:
-        return Page.model_validate(await queries.readmodel().incidents(pool, limit=limit, cursor=cursor))
+        return Page.model_validate(await readmodel.incidents(pool, limit=limit, cursor=cursor))
 
 
 class EventsController(Controller):

@@ -18,7 +18,7 @@ from litestar.status_codes import (
 )
 
 from vigil_common.errors import Conflict, NotFound, PermanentError, RetryableError, SpecError, VigilError
-from vigil_common.pages import BadCursor
+from vigil_common.pages import BadPageRequest
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,8 @@ def _status(exc: VigilError) -> int:
 def _fields(exc: Exception) -> list[dict[str, str]]:
     if isinstance(exc, SpecError):
         return exc.errors
-    if isinstance(exc, BadCursor):
-        return [{"field": "cursor", "message": str(exc)}]
-    if isinstance(exc, PermanentError) and str(exc).startswith("limit "):
-        return [{"field": "limit", "message": str(exc)}]
+    if isinstance(exc, BadPageRequest):
+        return [{"field": exc.field, "message": str(exc)}]
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list):
         return [
             {
