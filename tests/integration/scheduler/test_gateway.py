@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import itertools
 import json
 
 import httpx
@@ -114,6 +116,88 @@ async def test_unknown_job_is_404_and_lists_are_pages(scheduler) -> None:
     ):
         page = (await scheduler.http.get(path)).json()
         assert set(page) == {"items", "next"}, path
+
+
+def _cursor(key: object) -> str:
+    """A well-formed cursor (base64 JSON, as the server makes them) holding `key`."""
+    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode().rstrip("=")
+
+
+def _bad_cursors(good: str) -> list[str]:
+    """Garbage, and cursors shaped like `good` but with the wrong arity or a part of the wrong type."""
+    key = json.loads(base64.urlsafe_b64decode(good + "=" * (-len(good) % 4)))
+    out = ["!!", "", "x" * 5000, _cursor({"seq": 1}), _cursor("x"), _cursor(None), _cursor([])]
+    out += [_cursor(key + key[-1:]), _cursor(key[:-1]), _cursor([[1]])]
+    out += [_cursor(k) for k in (["x"], [1, 2]) if [type(p) for p in k] != [type(p) for p in key]]
+    for i, part in enumerate(key):
+        wrong: list[object] = ["x", 1.5, True, None, 2**70] if isinstance(part, int) else [1, None, "a\x00b"]
+        out += [_cursor([*key[:i], w, *key[i + 1 :]]) for w in wrong]
+    return [c for c in out if c != good]
+
+
+async def test_every_bad_cursor_is_422_naming_the_cursor(scheduler, nodes, bus: Bus) -> None:
+    for node in (nodes(slots=2), nodes(slots=2)):
+        await node.beat()
+    ids = [
+        (await scheduler.http.post("/api/v1/jobs", json=spec(f"c{i}", per_node=64))).json()["id"]
+        for i in range(2)
+    ]
+    job = ids[0]
+    for step, rank in itertools.product((1, 2), (0, 1)):
+        await scheduler.pool.execute(
+            """INSERT INTO telemetry_steps (event_id, job_id, attempt, step, rank, node, loss, lr, tokens,
+                   tokens_per_s, data_time_s, forward_time_s, backward_time_s, comm_time_s, optimizer_time_s,
+                   step_time_s, skipped, data_position, occurred_at)
+               VALUES ($1, $2, 1, $3::int, $4, 'n', 2.0, 0.1, 10, 5.0, 0, 0, 0, 0, 0, 1.0, false, $3::bigint, now())""",
+            f"s-{step}-{rank}",
+            job,
+            step,
+            rank,
+        )
+    for step in (1, 2):
+        await scheduler.pool.execute(
+            """INSERT INTO telemetry_checkpoints (job_id, step, path, attempt, bytes, manifest_sha256,
+                   data_position, event_id, created_at) VALUES ($1, $2::int, $3, 1, 10, 'x', $2::bigint, $3, now())""",
+            job,
+            step,
+            f"/ckpt/{step}",
+        )
+        await scheduler.pool.execute(
+            """INSERT INTO telemetry_incidents (id, job_id, attempt, kind, action, message, evidence, occurred_at)
+               VALUES ($1, $2, 1, 'spike', 'alert', 'm', '{}', now())""",
+            f"inc-{step}",
+            job,
+        )
+    await eventually_listed(scheduler, "/api/v1/gpus", 4)
+    lists = [
+        ("/api/v1/jobs", {}),
+        ("/api/v1/nodes", {}),
+        ("/api/v1/gpus", {}),
+        ("/api/v1/incidents", {}),
+        (f"/api/v1/jobs/{job}/incidents", {}),
+        (f"/api/v1/jobs/{job}/steps", {}),
+        (f"/api/v1/jobs/{job}/steps", {"rank": 0}),
+        (f"/api/v1/jobs/{job}/steps", {"aggregate": "true"}),
+        (f"/api/v1/jobs/{job}/checkpoints", {}),
+    ]
+    for path, params in lists:
+        first = (await scheduler.http.get(path, params={**params, "limit": 1})).json()
+        good = first["next"]
+        assert good, (path, params)
+        second = await scheduler.http.get(path, params={**params, "limit": 1, "cursor": good})
+        assert second.status_code == 200 and second.json()["items"] != first["items"], (path, params)
+        for bad in _bad_cursors(good):
+            r = await scheduler.http.get(path, params={**params, "cursor": bad})
+            assert r.status_code == 422, (path, params, bad, r.status_code, r.text)
+            assert [f["field"] for f in r.json()["fields"]] == ["cursor"], (path, params, bad, r.text)
+
+
+async def eventually_listed(scheduler, path: str, n: int, timeout_s: float = 10.0) -> None:
+    """Wait until `path` lists at least `n` items (heartbeats are consumed asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len((await scheduler.http.get(path)).json()["items"]) < n:
+        assert asyncio.get_running_loop().time() < deadline, f"{path} never listed {n} items"
+        await asyncio.sleep(0.05)  # polling the API
 
 
 async def test_job_shows_progress_from_telemetry(scheduler) -> None:
