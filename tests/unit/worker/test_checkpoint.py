@@ -90,6 +90,25 @@ def test_keep_last_k(tmp_path):
     assert [s for s, _ in ckpt.checkpoints(tmp_path, "j1")] == [20, 30]
 
 
+def test_step_of_reads_only_step_directory_names(tmp_path):
+    assert ckpt.step_of(ckpt.step_dir(tmp_path, "j1", 40)) == 40
+    assert ckpt.step_of("/anywhere/step_00000007") == 7
+    for other in ("/x/step_", "/x/step_abc", "/x/latest", "/x/step_1/ds", "/x/step_-1"):
+        assert ckpt.step_of(other) is None, other
+
+
+def test_listing_ignores_links_and_other_names(tmp_path):
+    for s in (10, 20):
+        make(tmp_path, step=s)
+    job = tmp_path / "j1"
+    (job / "step_00000005").symlink_to(job / "step_00000020")
+    (job / "notes").mkdir()
+    (job / "step_00000003").write_text("a file, not a checkpoint")
+    assert [s for s, _ in ckpt.checkpoints(tmp_path, "j1")] == [10, 20]
+    assert [p.name for p in ckpt.retain(tmp_path, "j1", keep=1)] == ["step_00000010"]
+    assert (job / "step_00000005").is_symlink() and (job / "step_00000003").is_file()
+
+
 def test_safe_load_refuses_pickled_code(tmp_path):
     good = tmp_path / "good.pt"
     torch.save({"w": torch.ones(2)}, good)

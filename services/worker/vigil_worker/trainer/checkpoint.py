@@ -162,10 +162,17 @@ def verify(path: str | Path, *, root: Path | None = None) -> Manifest:
     )
 
 
-def _step_of(p: Path) -> int | None:
-    if p.is_dir() and not p.is_symlink() and p.name.startswith("step_") and p.name[5:].isdigit():
-        return int(p.name[5:])
-    return None
+def step_of(path: str | Path) -> int | None:
+    """The step a checkpoint directory's name says (`step_00000040` -> 40); None for any other name."""
+    name = Path(path).name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
+def _step_dirs(job: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every real `step_*` directory under a job's directory (complete or not)."""
+    return [
+        (s, p) for p in job.iterdir() if (s := step_of(p)) is not None and p.is_dir() and not p.is_symlink()
+    ]
 
 
 def checkpoints(root: Path, job_id: str) -> list[tuple[int, Path]]:
@@ -173,8 +180,7 @@ def checkpoints(root: Path, job_id: str) -> list[tuple[int, Path]]:
     job = confine(root, Path(root) / job_id)
     if not job.is_dir():
         return []
-    found = [(s, p) for p in job.iterdir() if (s := _step_of(p)) is not None and (p / MANIFEST).is_file()]
-    return sorted(found)
+    return sorted((s, p) for s, p in _step_dirs(job) if (p / MANIFEST).is_file())
 
 
 def newest_valid(root: Path, job_id: str, *, at_or_before: int | None = None) -> Manifest | None:
@@ -197,9 +203,8 @@ def retain(root: Path, job_id: str, keep: int) -> list[Path]:
     oldest_kept = done[-keep][0]
     removed = []
     job = confine(root, Path(root) / job_id)
-    for p in job.iterdir():
-        step = _step_of(p)
-        if step is not None and step < oldest_kept:
+    for step, p in _step_dirs(job):
+        if step < oldest_kept:
             shutil.rmtree(p)
             removed.append(p)
     return removed

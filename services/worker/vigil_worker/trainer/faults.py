@@ -8,11 +8,19 @@ restart of the ranks: a fired fault leaves a marker file under the job's checkpo
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vigil_common.spec import CrashFault, Fault, HangFault, NanFault, SlowRankFault, SpikeFault
+from vigil_worker.trainer.exits import write_exit_file
+
+if TYPE_CHECKING:
+    from vigil_worker.trainer.telemetry import Sink
+
+log = logging.getLogger("vigil.rank")
 
 
 class FaultInjector:
@@ -67,3 +75,18 @@ class FaultInjector:
 
     def hangs(self, step: int) -> bool:
         return any(isinstance(f, HangFault) and f.step == step and self._fire(i, f) for i, f in self._mine)
+
+    def act(self, step: int, sink: Sink) -> None:
+        """Crash, hang or slow down here when the job spec injects it at `step`."""
+        if (code := self.crash_code(step)) is not None:
+            log.error("injected crash at step %d: exiting with code %d", step, code)
+            write_exit_file(code)
+            sink.close(timeout_s=5.0)
+            logging.shutdown()
+            os._exit(code)
+        if self.hangs(step):
+            log.error("injected hang at step %d: this rank stops stepping", step)
+            while True:
+                time.sleep(3600)
+        if delay := self.delay_s(step):
+            time.sleep(delay)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vigil_common.spec import ModelDims
+from vigil_worker.trainer.guard import GuardedAdamW
 
 MOE_AUX_WEIGHT = 0.01  # weight of the router's load-balancing loss
 
@@ -157,6 +158,19 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float]
+    ) -> GuardedAdamW:
+        """AdamW with nanoGPT's two groups: every parameter of two or more dimensions (matmul weights,
+        the tied embedding) decays; the rest (norm gains, and biases were there any) does not."""
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return GuardedAdamW(groups, lr=learning_rate, betas=betas)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when `targets` (B, T) is given."""

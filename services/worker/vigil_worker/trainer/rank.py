@@ -3,7 +3,9 @@
 Started by the worker (or by hand) with the torch.distributed environment: RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Builds the process group, the model, the DeepSpeed engine, the
 data and the telemetry sink, resumes or saves the step-0 checkpoint, then runs `loop.train`.
-Without `--nats-url` the rank runs alone: events go nowhere and no command arrives.
+Without `--nats-url` the rank runs alone: events go nowhere and no command arrives. Each setup step
+is a function (`rank_env`, `read_job`, `init_process_group`, `build_engine`, `load_data`), so that
+another program, such as a benchmark's baseline, builds the very same rank.
 
 Exit codes: 0 done; 2 bad spec or arguments; 3 no usable checkpoint; 1 anything else (traceback in the log).
 """
@@ -15,10 +17,21 @@ import importlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-EXIT_SPEC, EXIT_CHECKPOINT = 2, 3
+from vigil_worker.trainer.exits import EXIT_CHECKPOINT, EXIT_ERROR, EXIT_OK, EXIT_SPEC, write_exit_file
+from vigil_worker.trainer.observer import NullObserver, Observer
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from vigil_common.spec import JobSpec
+    from vigil_worker.trainer.ds_config import DeepSpeedPlan
+
 log = logging.getLogger("vigil.rank")
 
 
@@ -39,10 +52,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--skip-data", type=int, nargs=2, metavar=("START", "END"), help="[start, end) data positions"
     )
-    p.add_argument("--bare", action="store_true", help="no Vigil instrumentation: the overhead baseline")
-    p.add_argument("--timings", type=Path, help="append timing records (JSON lines) here")
     p.add_argument("--final-weights", type=Path, help="rank 0 saves the full trained weights here at the end")
     return p.parse_args(argv)
+
+
+# --- setup, one function per step ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in the job, from the torch.distributed environment."""
+
+    rank: int
+    world: int
+    local_rank: int
+    cuda: bool
+
+
+def rank_env() -> RankEnv:
+    """Read RANK, WORLD_SIZE and LOCAL_RANK; log with the rank on every line; pick DeepSpeed's CPU
+    accelerator where there is no CUDA (before anything imports deepspeed)."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    _setup_logging(rank)
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return RankEnv(rank, world, local_rank, cuda)
 
 
 def _setup_logging(rank: int) -> None:
@@ -56,25 +97,105 @@ def _setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    _setup_logging(rank)
+@dataclass(frozen=True)
+class Job:
+    """What to run: from a LaunchJob (the worker's) or a spec file, with the command line's overrides."""
 
+    spec: JobSpec
+    job_id: str
+    attempt: int
+    resume_from: str | None
+    skip_data: tuple[int, int] | None
+
+
+def read_job(args: argparse.Namespace, world: int) -> Job:
+    from vigil_common import events as ev
+    from vigil_common.spec import parse_spec
+
+    if args.launch:
+        launch = ev.decode(args.launch.read_bytes(), (ev.LaunchJob,))
+        assert isinstance(launch, ev.LaunchJob)
+        if launch.world_size != world:
+            raise SystemExit(f"WORLD_SIZE={world} but the launch places {launch.world_size} ranks")
+        spec, job_id, attempt = launch.spec, str(launch.job_id), launch.attempt
+        resume_from, skip_data = launch.resume_from, launch.skip_data
+    else:
+        spec = parse_spec(args.spec.read_text())
+        job_id, attempt, resume_from, skip_data = args.job_id or spec.name, args.attempt, None, None
+    skip = tuple(args.skip_data) if args.skip_data else skip_data
+    return Job(
+        spec=spec,
+        job_id=job_id,
+        attempt=attempt,
+        resume_from=args.resume_from or resume_from,
+        skip_data=(int(skip[0]), int(skip[1])) if skip else None,
+    )
+
+
+def init_process_group(env: RankEnv) -> torch.device:
+    """The process group (NCCL on GPU, gloo on CPU); returns this rank's device."""
+    import deepspeed
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from vigil_common.errors import CheckpointError, SpecError
-    from vigil_worker.trainer.loop import write_exit_file
+    if env.cuda:
+        index = 0 if torch.cuda.device_count() == 1 else env.local_rank  # the worker shows each rank one GPU
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+    else:
+        device = torch.device("cpu")
+        # DeepSpeed's shared-memory op serves inference all-reduces only; skip its JIT build on CPU
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if env.cuda else "gloo", timeout=timedelta(minutes=10))
+    return device
 
-    code = 1
+
+def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any, DeepSpeedPlan]:
+    """The model, its optimizer and the DeepSpeed engine around them, configured for this hardware;
+    returns the engine and the configuration plan (ZeRO stage, precision, and why)."""
+    import deepspeed
+    import torch
+
+    from vigil_worker.trainer import checkpoint as ckpt
+    from vigil_worker.trainer.ds_config import Hardware, build_config
+    from vigil_worker.trainer.model import GPT
+
+    torch.manual_seed(spec.train.seed)  # same initial weights on every rank
+    model = GPT(spec.model.resolved())
+    if env.cuda:
+        props = torch.cuda.get_device_properties(device)
+        hw = Hardware("cuda", props.total_memory, bf16_supported=torch.cuda.is_bf16_supported())
+    else:
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        hw = Hardware("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here)
+    plan = build_config(spec.train, world_size=env.world, n_params=model.num_params(), hw=hw)
+    optimizer = model.configure_optimizers(spec.train.weight_decay, spec.train.lr, betas=(0.9, 0.95))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.config)
+    ckpt.use_safe_loading(engine)
+    # WarmupCosineLR starts before step 0 with lr 0; put it at step 0's warm-up value
+    engine.lr_scheduler.step(0)
+    return engine, plan
+
+
+def load_data(args: argparse.Namespace, spec: JobSpec) -> np.ndarray:
+    """The tokenized training data (tokenized once into the cache, memory-mapped after)."""
+    from vigil_worker.trainer.data import load_tokens
+
+    cache_dir = args.cache_dir or args.checkpoint_root.resolve().parent / "cache"
+    return load_tokens(spec.data, cache_dir, vocab_size=spec.model.resolved().vocab_size).tokens
+
+
+# --- the program ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> int:
+    """Run one rank; `observer` (default: none) hears each step's and each rollback's timing."""
+    args = parse_args(argv)
+    env = rank_env()
+    from vigil_common.errors import CheckpointError, SpecError
+
+    code = EXIT_ERROR
     try:
-        code = _run(args, rank, world, local_rank, cuda)
+        code = _run(args, env, observer or NullObserver())
     except SpecError as exc:
         log.error("bad job spec: %s", exc)
         code = EXIT_SPEC
@@ -86,143 +207,78 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int, cuda: bool) -> int:
-    import deepspeed
-    import torch
+def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     import torch.distributed as dist
 
-    from vigil_common import events as ev
-    from vigil_common.spec import parse_spec
     from vigil_worker.trainer import checkpoint as ckpt
+    from vigil_worker.trainer.checkpoint_collective import choose_checkpoint, load_checkpoint, save_checkpoint
     from vigil_worker.trainer.comm import CommTimer
-    from vigil_worker.trainer.data import first_position, load_tokens
-    from vigil_worker.trainer.ds_config import Hardware, build_config
+    from vigil_worker.trainer.context import RankContext, TrainState
+    from vigil_worker.trainer.data import first_position
     from vigil_worker.trainer.faults import FaultInjector
-    from vigil_worker.trainer.loop import (
-        GuardedAdamW,
-        RankContext,
-        TrainState,
-        choose_checkpoint,
-        load_checkpoint,
-        record_timing,
-        save_checkpoint,
-        train,
-    )
-    from vigil_worker.trainer.model import GPT
+    from vigil_worker.trainer.loop import train
     from vigil_worker.trainer.telemetry import BusSink, NullSink, Sink
 
-    # --- what to run --------------------------------------------------------------------------------------
-    if args.launch:
-        launch = ev.decode(args.launch.read_bytes(), (ev.LaunchJob,))
-        assert isinstance(launch, ev.LaunchJob)
-        spec, job_id, attempt = launch.spec, str(launch.job_id), launch.attempt
-        resume_from, skip_data = launch.resume_from, launch.skip_data
-        if launch.world_size != world:
-            raise SystemExit(f"WORLD_SIZE={world} but the launch places {launch.world_size} ranks")
-    else:
-        spec = parse_spec(args.spec.read_text())
-        job_id, attempt, resume_from, skip_data = args.job_id or spec.name, args.attempt, None, None
-    resume_from = args.resume_from or resume_from
-    skip_data = tuple(args.skip_data) if args.skip_data else skip_data
-    dims = spec.model.resolved()
+    job = read_job(args, env.world)
     root = args.checkpoint_root.resolve()
 
-    # --- process group ------------------------------------------------------------------------------------
-    if cuda:
-        index = 0 if torch.cuda.device_count() == 1 else local_rank  # the worker shows each rank one GPU
-        torch.cuda.set_device(index)
-        device = torch.device("cuda", index)
-    else:
-        device = torch.device("cpu")
-        # DeepSpeed's shared-memory op serves inference all-reduces only; skip its JIT build on CPU
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-    comm = None if args.bare else CommTimer().install()
+    # --- process group, comm timer and sink ----------------------------------------------------------------
+    device = init_process_group(env)
+    comm = CommTimer().install()
     sink: Sink = NullSink()
-    if args.nats_url and not args.bare:
-        sink = BusSink(args.nats_url, job_id, name=f"rank-{job_id}-{rank}").start()
+    if args.nats_url:
+        sink = BusSink(args.nats_url, job.job_id, name=f"rank-{job.job_id}-{env.rank}").start()
 
     # --- model and engine ---------------------------------------------------------------------------------
-    torch.manual_seed(spec.train.seed)  # same initial weights on every rank
-    model = GPT(dims)
-    if cuda:
-        props = torch.cuda.get_device_properties(device)
-        hw = Hardware("cuda", props.total_memory, bf16_supported=torch.cuda.is_bf16_supported())
-    else:
-        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        hw = Hardware("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here)
-    plan = build_config(spec.train, world_size=world, n_params=model.num_params(), hw=hw)
-    if rank == 0:
-        log.info("%s: %.2fM parameters, world %d", job_id, model.num_params() / 1e6, world)
+    engine, plan = build_engine(job.spec, env, device)
+    if env.rank == 0:
+        n_params = engine.module.num_params()
+        log.info("%s: %.2fM parameters, world %d", job.job_id, n_params / 1e6, env.world)
         for reason in plan.reasons:
             log.info("%s", reason)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = GuardedAdamW(
-        [
-            {"params": decay, "weight_decay": spec.train.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=spec.train.lr,
-        betas=(0.9, 0.95),
-    )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.config)
-    ckpt.use_safe_loading(engine)
-    # WarmupCosineLR starts before step 0 with lr 0; put it at step 0's warm-up value
-    engine.lr_scheduler.step(0)
 
     # --- data and faults ----------------------------------------------------------------------------------
-    cache_dir = args.cache_dir or root.parent / "cache"
-    tokens = load_tokens(spec.data, cache_dir, vocab_size=dims.vocab_size).tokens
-    faults = FaultInjector(spec.faults, rank, root / job_id / ".vigil" / "faults")
     ctx = RankContext(
-        job_id=job_id,
-        attempt=attempt,
-        rank=rank,
-        world_size=world,
+        job_id=job.job_id,
+        attempt=job.attempt,
+        rank=env.rank,
+        world_size=env.world,
         node=args.node,
-        spec=spec,
+        spec=job.spec,
         engine=engine,
-        tokens=tokens,
+        tokens=load_data(args, job.spec),
         checkpoint_root=root,
         zero_stage=plan.zero_stage,
         precision=plan.precision,
         device=device,
+        faults=FaultInjector(job.spec.faults, env.rank, root / job.job_id / ".vigil" / "faults"),
         sink=sink,
-        faults=faults,
         comm=comm,
-        bare=args.bare,
-        timings_path=args.timings,
+        observer=observer,
     )
 
     # --- resume, or the step-0 checkpoint -------------------------------------------------------------------
     st = TrainState()
-    if resume_from:
-        m = choose_checkpoint(ctx, resume_from, _step_of_path(resume_from))
+    if job.resume_from:
+        m = choose_checkpoint(ctx, job.resume_from, ckpt.step_of(job.resume_from))
         load_checkpoint(ctx, st, m)
         log.info("resumed from %s at step %d", m.path, st.step)
-    if skip_data:
-        st.skip_windows.append((int(skip_data[0]), int(skip_data[1])))
+    if job.skip_data:
+        st.skip_windows.append(job.skip_data)
         st.data_position = first_position(st.data_position, st.skip_windows)
-    if not resume_from and not args.bare:
+    if not job.resume_from:
         save_checkpoint(ctx, st)  # so a fault before the first periodic checkpoint can be rolled back
 
     train(ctx, st)
-    record_timing(ctx, {"event": "steps", "seconds": st.step_seconds})
 
     if args.final_weights:
-        _save_full_weights(engine, plan.zero_stage, rank, args.final_weights)
-    if rank == 0:
+        _save_full_weights(engine, plan.zero_stage, env.rank, args.final_weights)
+    if env.rank == 0:
         log.info("done: %d steps", st.step)
     sink.close()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
-
-
-def _step_of_path(path: str) -> int:
-    name = Path(path).name
-    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else 2**62
+    return EXIT_OK
 
 
 def _save_full_weights(engine: object, zero_stage: int, rank: int, path: Path) -> None:

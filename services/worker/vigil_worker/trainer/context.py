@@ -1,0 +1,49 @@
+"""The loop's inputs: `RankContext`, built once by `rank.py`, and `TrainState`, where training stands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vigil_common.spec import JobSpec
+from vigil_worker.trainer.comm import CommTimer
+from vigil_worker.trainer.faults import FaultInjector
+from vigil_worker.trainer.observer import NullObserver, Observer
+from vigil_worker.trainer.telemetry import NullSink, Sink
+
+
+@dataclass
+class RankContext:
+    """Everything the loop needs, built once by `rank.py`."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    world_size: int
+    node: str
+    spec: JobSpec
+    engine: Any  # deepspeed.DeepSpeedEngine
+    tokens: np.ndarray
+    checkpoint_root: Path
+    zero_stage: int
+    precision: str
+    device: torch.device
+    faults: FaultInjector
+    sink: Sink = field(default_factory=NullSink)
+    comm: CommTimer = field(default_factory=CommTimer)  # measures nothing until installed
+    observer: Observer = field(default_factory=NullObserver)
+
+
+@dataclass
+class TrainState:
+    """Where training stands; a checkpoint's manifest holds the same (step, data position, skip windows)."""
+
+    step: int = 0  # the next step to run (= optimizer updates done)
+    data_position: int = 0  # the data position that step reads
+    skip_windows: list[tuple[int, int]] = field(default_factory=list)
+    handled_seq: int = 0  # commands handled (sequence numbers are 1-based)
+    halted: bool = False

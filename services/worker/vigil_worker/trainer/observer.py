@@ -1,0 +1,42 @@
+"""What the loop tells an observer about its timing, with a no-op default.
+
+Production ranks run with `NullObserver`; a benchmark passes its own to `rank.main(argv, observer=...)`
+to learn each step's wall time and each in-place rollback's timing, without switches in the loop.
+Hooks run on the training thread, so an observer keeps them cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RollbackTiming:
+    """One in-place rollback as a rank saw it (clock readings are `time.monotonic()`)."""
+
+    to_step: int
+    load_s: float  # DeepSpeed's own load_checkpoint
+    total_s: float  # choosing, verifying and loading the checkpoint, in the ranks
+    arrived: float | None  # when the command reached this rank; None without a bus
+    acted: float  # when this rank began acting on it (at the first step boundary all ranks agreed on)
+
+
+class Observer(Protocol):
+    def on_step_end(self, step: int, seconds: float) -> None:
+        """Called right after `step`'s optimizer step; `seconds` is its wall time from the step's start."""
+        ...
+
+    def on_rollback(self, timing: RollbackTiming) -> None:
+        """Called once an in-place rollback has loaded its checkpoint."""
+        ...
+
+
+class NullObserver:
+    """Observes nothing: the production default."""
+
+    def on_step_end(self, step: int, seconds: float) -> None:
+        pass
+
+    def on_rollback(self, timing: RollbackTiming) -> None:
+        pass

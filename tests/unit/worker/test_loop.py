@@ -1,0 +1,139 @@
+"""The loop on one rank with a stand-in for DeepSpeed's engine: the observer and the finiteness guard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vigil_common.spec import ModelSpec, parse_spec
+from vigil_worker.trainer import guard
+from vigil_worker.trainer.context import RankContext, TrainState
+from vigil_worker.trainer.faults import FaultInjector
+from vigil_worker.trainer.loop import train
+from vigil_worker.trainer.model import GPT
+from vigil_worker.trainer.observer import RollbackTiming
+
+
+class FakeEngine:
+    """What the loop uses of DeepSpeed's engine, over a plain model and its optimizer (one rank, no ZeRO)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.module = model
+        self.optimizer = model.configure_optimizers(0.1, 1e-2, betas=(0.9, 0.95))
+        self.applied = False
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.module(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.applied = not self.optimizer.overflow
+        self.optimizer.zero_grad()
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> None:
+        return None
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, float]] = []
+        self.rollbacks: list[RollbackTiming] = []
+
+    def on_step_end(self, step: int, seconds: float) -> None:
+        self.steps.append((step, seconds))
+
+    def on_rollback(self, timing: RollbackTiming) -> None:
+        self.rollbacks.append(timing)
+
+
+@pytest.fixture(autouse=True)
+def one_rank(monkeypatch):
+    """A world of one: the control all-reduce is the identity."""
+    monkeypatch.setattr(guard.dist, "all_reduce", lambda tensor, op=None: None)
+
+
+def context(tmp_path: Path, steps: int, faults: list[dict] | None = None) -> tuple[RankContext, Recorder]:
+    spec = parse_spec(
+        {
+            "name": "loop",
+            "resources": {"gpus_per_node": 1},
+            "model": {"preset": "tiny", "n_layer": 1, "seq_len": 16},
+            "train": {"steps": steps, "micro_batch": 2, "zero_stage": 0, "precision": "fp32"},
+            "checkpoint": {"every": 1_000_000},
+            "faults": faults or [],
+        }
+    )
+    torch.manual_seed(0)
+    observer = Recorder()
+    ctx = RankContext(
+        job_id="loop",
+        attempt=1,
+        rank=0,
+        world_size=1,
+        node="here",
+        spec=spec,
+        engine=FakeEngine(GPT(spec.model.resolved())),
+        tokens=np.arange(4096, dtype=np.uint16) % 256,
+        checkpoint_root=tmp_path,
+        zero_stage=0,
+        precision="fp32",
+        device=torch.device("cpu"),
+        faults=FaultInjector(spec.faults, 0, tmp_path / "faults"),
+        observer=observer,
+    )
+    return ctx, observer
+
+
+def test_the_observer_hears_one_step_end_per_step_in_order(tmp_path):
+    ctx, observer = context(tmp_path, steps=4)
+    st = train(ctx, TrainState())
+    assert st.step == 4
+    assert [s for s, _ in observer.steps] == [0, 1, 2, 3]
+    assert all(seconds > 0 for _, seconds in observer.steps)
+    assert observer.rollbacks == []
+
+
+def test_a_non_finite_step_leaves_the_weights_alone_and_training_goes_on(tmp_path):
+    ctx, observer = context(tmp_path, steps=3, faults=[{"kind": "nan", "step": 1}])
+    model = ctx.engine.module
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def snapshot(step: int, seconds: float) -> None:
+        seen[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    observer.on_step_end = snapshot  # type: ignore[method-assign]
+    train(ctx, TrainState())
+    assert set(seen) == {0, 1, 2}
+    for name, after_0 in seen[0].items():
+        assert torch.equal(seen[1][name], after_0), name  # step 1 (NaN) changed nothing
+    assert any(not torch.equal(seen[2][n], seen[1][n]) for n in seen[1])  # step 2 trained again
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_configure_optimizers_decays_matrices_and_not_norms_each_parameter_once():
+    model = GPT(ModelSpec(preset="tiny", n_layer=2).resolved())
+    opt = model.configure_optimizers(0.1, 3e-4, betas=(0.9, 0.95))
+    assert isinstance(opt, guard.GuardedAdamW)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(g["lr"] == 3e-4 and g["betas"] == (0.9, 0.95) for g in opt.param_groups)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} == {
+        n for n in names.values() if n.endswith("norm.weight")
+    }
+    grouped = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # every parameter, once
+    assert id(model.embed.weight) in {id(p) for p in decay["params"]}  # the tied embedding decays
