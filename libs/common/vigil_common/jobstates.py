@@ -28,8 +28,8 @@ class JobState(StrEnum):
 # A job in one of these has ended for good: no transition leaves them.
 TERMINAL_STATES: frozenset[JobState] = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
-# A job in one of these owns devices (unless it is queued for its next attempt's placement);
-# every other state (PENDING or terminal) owns none.
+# A job in one of these owns devices (a restart waiting in ROLLING_BACK for its placement keeps
+# the last attempt's, so it can be placed on them again); in any other state it owns none.
 DEVICE_STATES: frozenset[JobState] = frozenset(
     {JobState.SCHEDULED, JobState.RUNNING, JobState.HALTED, JobState.ROLLING_BACK}
 )

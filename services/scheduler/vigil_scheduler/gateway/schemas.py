@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, get_args
 
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
 from pydantic import BaseModel, ConfigDict
+
+from vigil_common.spec import Fault, JobSpec
 
 
 class Out(BaseModel):
@@ -130,7 +132,21 @@ class Health(Out):
     checks: dict[str, str] = {}
 
 
-_SECTION = Schema(type=OpenAPIType.OBJECT, description="see the job spec in ARCHITECTURE.md")
+def _section(name: str) -> Schema:
+    """A spec section, described by the fields its model accepts (so the text follows the model)."""
+    model = JobSpec.model_fields[name].annotation
+    assert isinstance(model, type) and issubclass(model, BaseModel)
+    return Schema(type=OpenAPIType.OBJECT, description=f"fields: {', '.join(model.model_fields)}")
+
+
+def _fault() -> Schema:
+    kinds = [get_args(c.model_fields["kind"].annotation)[0] for c in get_args(get_args(Fault)[0])]
+    return Schema(
+        type=OpenAPIType.OBJECT,
+        description=f"an injected fault, for tests and demos: kind ({', '.join(kinds)}), step, rank, ...",
+    )
+
+
 _SPEC_SCHEMA = Schema(
     type=OpenAPIType.OBJECT,
     description="A job spec. Unknown fields are rejected; a 422 names each bad field.",
@@ -138,8 +154,8 @@ _SPEC_SCHEMA = Schema(
     properties={
         "name": Schema(type=OpenAPIType.STRING, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"),
         "priority": Schema(type=OpenAPIType.INTEGER, minimum=-1000, maximum=1000),
-        **{k: _SECTION for k in ("resources", "model", "train", "data", "checkpoint", "guardian")},
-        "faults": Schema(type=OpenAPIType.ARRAY, items=_SECTION),
+        **{k: _section(k) for k in ("resources", "model", "train", "data", "checkpoint", "guardian")},
+        "faults": Schema(type=OpenAPIType.ARRAY, items=_fault()),
     },
     additional_properties=False,
 )
