@@ -1,0 +1,305 @@
+"""The worker agent: one per node. Registers the node's devices, heartbeats, samples them, turns launch
+events for this node into running ranks (through `launch`), reports rank starts and exits, and ends
+ranks on cancel or when one of their siblings dies.
+
+Rank state lives in the `RankTable` on disk, so a restarted agent finds the ranks a previous one
+started (`recover`) and reports the truth about each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats.js.errors
+
+from vigil_common import subjects
+from vigil_common.bus import Bus, ConsumerSpec, Delivery
+from vigil_common.errors import RetryableError
+from vigil_common.events import CancelJob, LaunchJob, Message, NodeHeartbeat, RankExited, RankStarted
+from vigil_common.service import wait_any
+from vigil_common.settings import Settings
+from vigil_worker.inventory import Inventory
+from vigil_worker.launch import prepare_ranks
+from vigil_worker.procs import Exit, RankRecord, RankTable
+
+log = logging.getLogger("vigil.worker")
+
+KILL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+MONITOR_INTERVAL_S = 0.2
+LOG_TAIL_BYTES = 4000
+
+
+class Worker:
+    def __init__(self, settings: Settings, bus: Bus, inventory: Inventory) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.inventory = inventory
+        self.node = settings.node_name
+        self.table = RankTable(settings.data_dir.resolve() / "worker" / self.node)
+        self.started_at = datetime.now(UTC)
+        self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
+
+    # --- startup: the truth about ranks a previous run started ---------------------------------------------
+
+    async def recover(self) -> None:
+        self.table.load()
+        for r in self.table.running():
+            if r.alive():
+                log.info(
+                    "found rank %d of %s (attempt %d) still running as pid %d",
+                    r.rank,
+                    r.job_id,
+                    r.attempt,
+                    r.pid,
+                )
+            # ranks that ended while no worker watched are reported by the monitor's first pass
+        await self.monitor_once()
+
+    # --- launches ------------------------------------------------------------------------------------------
+
+    async def on_launch(self, launch: Message, delivery: Delivery) -> None:
+        assert isinstance(launch, LaunchJob) and launch.job_id is not None
+        job = launch.job_id
+        if not any(p.node == self.node for p in launch.placement):
+            return
+        if self.table.attempts.get(job, 0) >= launch.attempt:
+            log.info("ignoring launch of %s attempt %d: already run here", job, launch.attempt)
+            return
+        older = self.table.running(job)
+        if older:  # a newer attempt replaces the old ranks
+            log.warning(
+                "%s attempt %d supersedes attempt %d: ending its ranks", job, launch.attempt, older[0].attempt
+            )
+            await self.end_ranks(older)
+        self.table.attempts[job] = launch.attempt
+        self.table.save()  # before starting: a crash now must not start this attempt twice
+
+        devices = {d.index for d in self.inventory.devices}
+        for r in prepare_ranks(launch, self.settings, self.inventory.kind):
+            p = r.placement
+            if p.device not in devices:
+                await self._publish_exit_without_start(
+                    launch, p.rank, f"device {p.device} is not on node {self.node}"
+                )
+                continue
+            record = self.table.start(
+                r.argv,
+                r.env,
+                job_id=job,
+                attempt=launch.attempt,
+                rank=p.rank,
+                device=p.device,
+                log_path=r.log_path,
+                exit_path=r.exit_path,
+            )
+            log.info(
+                "started rank %d of %s attempt %d on device %d: pid %d",
+                p.rank,
+                job,
+                launch.attempt,
+                p.device,
+                record.pid,
+            )
+            await self.bus.publish(
+                subjects.status(job),
+                RankStarted(
+                    job_id=job,
+                    attempt=launch.attempt,
+                    rank=p.rank,
+                    node=self.node,
+                    pid=record.pid,
+                    log_path=str(r.log_path),
+                ),
+            )
+
+    async def _publish_exit_without_start(self, launch: LaunchJob, rank: int, why: str) -> None:
+        log.error("%s rank %d: %s", launch.job_id, rank, why)
+        await self.bus.publish(
+            subjects.status(str(launch.job_id)),
+            RankExited(
+                job_id=launch.job_id,
+                attempt=launch.attempt,
+                rank=rank,
+                node=self.node,
+                exit_code=None,
+                failure="error",
+                log_tail=why,
+            ),
+        )
+
+    # --- commands ------------------------------------------------------------------------------------------
+
+    async def on_command(self, command: Message, delivery: Delivery) -> None:
+        # Halt, rollback and resume are the ranks' own (they watch the command subject themselves);
+        # a restart rollback arrives here as a LaunchJob for the next attempt.
+        if (
+            isinstance(command, CancelJob)
+            and command.job_id
+            and (ranks := self.table.running(command.job_id))
+        ):
+            log.warning("cancelling %s: %s", command.job_id, command.reason or "no reason given")
+            await self.end_ranks(ranks)
+
+    async def end_ranks(self, ranks: list[RankRecord]) -> None:
+        """SIGTERM, SIGKILL after the grace period; returns once every one has exited and been reported."""
+        for r in ranks:
+            self.table.terminate(r)
+            self._ending.setdefault(r.pid, time.monotonic())
+        while any(not r.reported for r in ranks):
+            await self.monitor_once()
+            if any(not r.reported for r in ranks):
+                await asyncio.sleep(MONITOR_INTERVAL_S)  # polling the processes, not synchronisation
+
+    # --- the monitor ----------------------------------------------------------------------------------------
+
+    async def monitor_once(self) -> None:
+        now = time.monotonic()
+        for r in list(self.table.running()):
+            ended = self.table.poll(r)
+            if ended is None:
+                since = self._ending.get(r.pid)
+                if r.killed and since is not None and now - since > KILL_GRACE_S:
+                    self.table.signal(r, signal.SIGKILL)
+                continue
+            await self._report_exit(r, ended)
+            if not r.killed and ended.code != 0:
+                # one rank died: take its siblings here down too (they would block in a collective)
+                siblings = [
+                    s for s in self.table.running(r.job_id) if s.attempt == r.attempt and not s.killed
+                ]
+                for s in siblings:
+                    log.warning("rank %d of %s died: ending rank %d", r.rank, r.job_id, s.rank)
+                    self.table.terminate(s)
+                    self._ending.setdefault(s.pid, now)
+
+    async def _report_exit(self, r: RankRecord, ended: Exit) -> None:
+        if r.killed:
+            failure = "killed_by_vigil"
+        elif ended.lost:
+            failure = "lost"
+        elif ended.signal is not None:
+            failure = "oom" if ended.signal == signal.SIGKILL and _oom_killed() else "signal"
+        else:
+            failure = "ok" if ended.code == 0 else "error"
+        log.log(
+            logging.INFO if failure in ("ok", "killed_by_vigil") else logging.WARNING,
+            "rank %d of %s attempt %d exited: code %s signal %s (%s)",
+            r.rank,
+            r.job_id,
+            r.attempt,
+            ended.code,
+            ended.signal,
+            failure,
+        )
+        await self.bus.publish(
+            subjects.status(r.job_id),
+            RankExited(
+                job_id=r.job_id,
+                attempt=r.attempt,
+                rank=r.rank,
+                node=self.node,
+                exit_code=ended.code,
+                signal=ended.signal,
+                failure=failure,
+                log_tail=_tail(Path(r.log_path)),
+            ),
+        )
+        self._ending.pop(r.pid, None)
+        self.table.mark_reported(r)
+
+    async def monitor_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.monitor_once()
+            except Exception:
+                log.exception("rank monitor pass failed; trying again")
+            await wait_any(stop, timeout_s=MONITOR_INTERVAL_S)
+
+    # --- heartbeats and samples ---------------------------------------------------------------------------
+
+    def heartbeat(self) -> NodeHeartbeat:
+        busy = {r.device for r in self.table.running()}
+        return NodeHeartbeat(
+            node=self.node,
+            address=self.settings.node_address,
+            devices=self.inventory.devices,
+            free=[d.index for d in self.inventory.devices if d.index not in busy],
+            interval_s=self.settings.heartbeat_interval_s,
+            started_at=self.started_at,
+        )
+
+    async def heartbeat_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.bus.publish(subjects.heartbeat(self.node), self.heartbeat())
+            except Exception as exc:
+                log.warning("heartbeat not published: %s", exc)
+            await wait_any(stop, timeout_s=self.settings.heartbeat_interval_s)
+
+    async def sample_loop(self, stop: asyncio.Event) -> None:
+        def rank_on(index: int) -> tuple[int, str, int] | None:
+            r = self.table.on_device(index)
+            return (r.pid, r.job_id, r.attempt) if r else None
+
+        while not stop.is_set():
+            try:
+                samples = await asyncio.to_thread(self.inventory.sample, self.node, rank_on)
+                for s in samples:
+                    await self.bus.publish(subjects.gpu(self.node), s)
+            except Exception as exc:
+                log.warning("device samples not published: %s", exc)
+            await wait_any(stop, timeout_s=self.settings.gpu_sample_interval_s)
+
+
+def _tail(path: Path) -> str:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _oom_killed() -> bool:
+    """Best effort: did the kernel's OOM killer act recently (cgroup v2 counter)?"""
+    try:
+        events = Path("/sys/fs/cgroup/memory.events").read_text()
+        return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0 for line in events.splitlines())
+    except (OSError, ValueError):
+        return False
+
+
+def consumers(node: str) -> tuple[ConsumerSpec, ConsumerSpec]:
+    """This node's durable consumers: launches, and commands (cancel is the agent's; the rest, the ranks')."""
+    launches = ConsumerSpec(
+        stream=subjects.JOBS,
+        durable=f"worker-{node}-launches",
+        filter_subject=subjects.ALL_LAUNCHES,
+        deliver_new=True,  # a new worker starts with new launches, not the stream's history
+    )
+    commands = ConsumerSpec(
+        stream=subjects.COMMANDS,
+        durable=f"worker-{node}-commands",
+        filter_subject=subjects.ALL_CMDS,
+        deliver_new=True,
+    )
+    return launches, commands
+
+
+async def consumers_ready(bus: Bus, specs: tuple[ConsumerSpec, ...], timeout_s: float = 30.0) -> None:
+    """Return once every consumer in `specs` exists on the server; RetryableError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    for spec in specs:
+        while True:
+            try:
+                await bus.js.consumer_info(spec.stream.name, spec.durable)
+                break
+            except nats.js.errors.NotFoundError:
+                if time.monotonic() > deadline:
+                    raise RetryableError(f"consumer {spec.durable} not created within {timeout_s}s") from None
+                await asyncio.sleep(0.05)  # polling the server for the consumer to exist

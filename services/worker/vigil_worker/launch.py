@@ -1,0 +1,99 @@
+"""How a LaunchJob becomes this node's rank processes: the run directory, each rank's argv and env.
+
+A launch's run directory is `<data dir>/runs/<job>/attempt-<n>/`: the launch event as `launch.json`
+(what every rank reads) and each rank's exit file. Logs go to `<log dir>/<job>/`. Every value on a
+rank's command line comes from Vigil, none from a shell.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vigil_common.events import LaunchJob, RankPlacement
+from vigil_common.settings import Settings
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """One rank of a launch, ready to start."""
+
+    placement: RankPlacement
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    exit_path: Path
+
+
+def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str) -> list[RankLaunch]:
+    """This node's ranks of `launch` (none if it places nothing here), its run directory written.
+
+    `kind` is this node's device kind ("gpu" or "cpu")."""
+    mine = [p for p in launch.placement if p.node == settings.node_name]
+    if not mine:
+        return []
+    job = str(launch.job_id)
+    run_dir = settings.data_dir.resolve() / "runs" / job / f"attempt-{launch.attempt}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch_file = run_dir / "launch.json"
+    launch_file.write_bytes(launch.to_bytes())
+    ranks = []
+    for p in mine:
+        exit_path = run_dir / f"rank-{p.rank}.exit"
+        ranks.append(
+            RankLaunch(
+                placement=p,
+                argv=rank_argv(launch_file, settings),
+                env=rank_env(launch, p, len(mine), kind, settings, exit_path),
+                log_path=settings.log_dir / job / f"attempt-{launch.attempt}-rank-{p.rank}.log",
+                exit_path=exit_path,
+            )
+        )
+    return ranks
+
+
+def rank_argv(launch_file: Path, settings: Settings) -> list[str]:
+    """The rank program's command line: an argument list, every value from Vigil, none from a shell."""
+    argv = [
+        sys.executable, "-m", "vigil_worker.trainer",
+        "--launch", str(launch_file),
+        "--checkpoint-root", str(settings.checkpoint_root),
+        "--cache-dir", str((settings.data_dir / "cache").resolve()),
+        "--node", settings.node_name,
+    ]  # fmt: skip
+    if settings.nats_url:
+        argv += ["--nats-url", settings.nats_url]
+    return argv
+
+
+def rank_env(
+    launch: LaunchJob,
+    placement: RankPlacement,
+    local_world: int,
+    kind: str,
+    settings: Settings,
+    exit_path: Path,
+) -> dict[str, str]:
+    """The torch.distributed environment for one rank, on top of the worker's own."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(placement.rank),
+        WORLD_SIZE=str(launch.world_size),
+        LOCAL_RANK=str(placement.local_rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        MASTER_ADDR=launch.master_addr,
+        MASTER_PORT=str(launch.master_port),
+        VIGIL_NODE_NAME=settings.node_name,
+        VIGIL_EXIT_FILE=str(exit_path),
+        PYTHONUNBUFFERED="1",
+    )
+    if kind == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = str(placement.device)
+    else:
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # share this node's cores among its slots instead of every rank claiming all of them
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.cpu_slots)))
+    return env

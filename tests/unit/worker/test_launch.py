@@ -1,0 +1,63 @@
+"""How a LaunchJob becomes this node's rank processes: argv, env, run directory."""
+
+from __future__ import annotations
+
+import sys
+
+from vigil_common import events as ev
+from vigil_common.settings import Settings
+from vigil_common.spec import parse_spec
+from vigil_worker.launch import prepare_ranks
+
+
+def make_launch() -> ev.LaunchJob:
+    spec = parse_spec({"name": "j", "resources": {"nodes": 2, "gpus_per_node": 2}})
+    placement = [
+        ev.RankPlacement(rank=r, node=node, device=d, local_rank=d)
+        for r, (node, d) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)])
+    ]
+    return ev.LaunchJob(
+        job_id="j1", attempt=2, spec=spec, placement=placement, master_addr="10.0.0.1", master_port=29511
+    )
+
+
+def settings(tmp_path, node: str = "b") -> Settings:
+    return Settings(data_dir=tmp_path, node_name=node, nats_url="nats://bus:4222", cpu_slots=2)
+
+
+def test_only_this_nodes_ranks_with_their_torch_distributed_environment(tmp_path):
+    launch = make_launch()
+    ranks = prepare_ranks(launch, settings(tmp_path), "gpu")
+    assert [r.placement.rank for r in ranks] == [2, 3]
+    env = ranks[1].env
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+        "3",
+        "1",
+        "4",
+        "2",
+    )
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["CUDA_VISIBLE_DEVICES"]) == ("10.0.0.1", "29511", "1")
+    assert env["VIGIL_EXIT_FILE"] == str(ranks[1].exit_path)
+    run_dir = tmp_path.resolve() / "runs" / "j1" / "attempt-2"
+    assert ranks[1].exit_path == run_dir / "rank-3.exit"
+    assert ranks[1].log_path == tmp_path.resolve() / "logs" / "j1" / "attempt-2-rank-3.log"
+    assert ev.decode((run_dir / "launch.json").read_bytes(), (ev.LaunchJob,)) == launch
+
+
+def test_the_rank_command_line_comes_from_vigil_alone(tmp_path):
+    (rank, *_) = prepare_ranks(make_launch(), settings(tmp_path), "cpu")
+    run_dir = tmp_path.resolve() / "runs" / "j1" / "attempt-2"
+    assert rank.argv == [
+        sys.executable, "-m", "vigil_worker.trainer",
+        "--launch", str(run_dir / "launch.json"),
+        "--checkpoint-root", str(tmp_path.resolve() / "checkpoints"),
+        "--cache-dir", str(tmp_path.resolve() / "cache"),
+        "--node", "b",
+        "--nats-url", "nats://bus:4222",
+    ]  # fmt: skip
+    assert rank.env["DS_ACCELERATOR"] == "cpu" and rank.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_launch_for_other_nodes_writes_nothing(tmp_path):
+    assert prepare_ranks(make_launch(), settings(tmp_path, node="c"), "gpu") == []
+    assert not (tmp_path / "runs").exists()
