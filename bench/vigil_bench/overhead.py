@@ -3,10 +3,11 @@
 The same two-rank DeepSpeed job (tiny GPT, ZeRO-1, CPU, gloo) runs with everything Vigil adds to a
 step on (section timers, the comm timer, the per-step control all-reduce with the finiteness guard
 and command boundary, and a StepCompleted event per rank per step published to a real NATS through
-the background thread) and off (`--bare`: plain DeepSpeed). Runs alternate, the order flipping every
-pair, so drift on a shared machine hits both alike. `value` is the median step time with Vigil on,
-`floor` with it off, both over every step after the first WARMUP of each run. Target: ratio <= 1.03
-on a CPU configuration whose step takes at least 50 ms.
+the background thread) and off (a plain DeepSpeed loop over the same engine, model and data). Both
+run as `python -m vigil_bench.timed_rank`, which records each step's wall time (`--plain` for off).
+Runs alternate, the order flipping every pair, so drift on a shared machine hits both alike. `value`
+is the median step time with Vigil on, `floor` with it off, both over every step after the first
+WARMUP of each run. Target: ratio <= 1.03 on a CPU configuration whose step takes at least 50 ms.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from vigil_common.bus import Bus
 from vigil_common.settings import Settings
 from vigil_worker.local import start_ranks
 
+TIMED_RANK = "vigil_bench.timed_rank"
 PAIRS = 3
 STEPS = 20
 WARMUP = 4
@@ -40,9 +42,9 @@ def _one_run(tmp: Path, name: str, extra: list[str]) -> list[float]:
     run_dir = tmp / name
     timings = run_dir / "timings.jsonl"
     ranks = start_ranks(
-        ["--spec", str(tmp / "spec.yaml"), "--job-id", name, "--checkpoint-root", str(tmp / "ckpt"),
-         "--cache-dir", str(tmp / "cache"), "--timings", str(timings), *extra],
-        2, run_dir,
+        ["--timings", str(timings), *extra, "--spec", str(tmp / "spec.yaml"), "--job-id", name,
+         "--checkpoint-root", str(tmp / "ckpt"), "--cache-dir", str(tmp / "cache")],
+        2, run_dir, module=TIMED_RANK,
     )  # fmt: skip
     try:
         codes = ranks.wait(300)
@@ -50,11 +52,11 @@ def _one_run(tmp: Path, name: str, extra: list[str]) -> list[float]:
         ranks.kill()
     if codes != [0, 0]:
         raise RuntimeError(f"bench run {name} failed: exit codes {codes}\n{ranks.tail()}")
-    for line in timings.read_text().splitlines():
-        record = json.loads(line)
-        if record["event"] == "steps" and record["rank"] == 0:
-            return [float(s) for s in record["seconds"]][WARMUP:]
-    raise RuntimeError(f"bench run {name}: no step timings")
+    records = [json.loads(line) for line in timings.read_text().splitlines()]
+    steps = sorted((r["step"], r["seconds"]) for r in records if r["event"] == "step" and r["rank"] == 0)
+    if len(steps) != STEPS:
+        raise RuntimeError(f"bench run {name}: {len(steps)} step timings, expected {STEPS}")
+    return [float(seconds) for _, seconds in steps][WARMUP:]
 
 
 def run(settings: Settings) -> dict[str, object]:
@@ -76,7 +78,7 @@ def run(settings: Settings) -> dict[str, object]:
             order = ("off", "on") if i % 2 == 0 else ("on", "off")
             for side in order:
                 if side == "off":
-                    off += _one_run(tmp, f"off-{i}", ["--bare"])
+                    off += _one_run(tmp, f"off-{i}", ["--plain"])
                 else:
                     on += _one_run(tmp, f"on-{i}", ["--nats-url", url])
     value, floor = statistics.median(on), statistics.median(off)

@@ -8,7 +8,8 @@ step completed after it (the ranks finish the step in flight, agree on the comma
 manifest's SHA-256s, load, and run the step). The floor, measured in the same run, is what any
 in-place rollback must spend: the rest of the step that was running when the command arrived (ranks
 cannot leave it mid-collective; measured by rank 0 from the command's arrival to that step's end),
-DeepSpeed's own `load_checkpoint` of the same checkpoint (timed inside the ranks), and the first
+DeepSpeed's own `load_checkpoint` of the same checkpoint (timed inside the ranks, which run as
+`python -m vigil_bench.timed_rank` to write it down), and the first
 training step after it (its own measured time). Target: ratio <= 1.5. `ratio_without_in_flight`
 leaves the step in flight out of the floor, for a stricter view.
 It also reports `restart_s`: a full restart of the ranks from the same checkpoint (new processes,
@@ -96,7 +97,8 @@ async def _measure(url: str, tmp: Path) -> dict[str, Any]:
                 await seen.add(event)
 
         pumping = asyncio.create_task(pump())
-        ranks = start_ranks([*common, "--timings", str(tmp / "timings.jsonl")], 2, tmp / "run")
+        timed = ["--timings", str(tmp / "timings.jsonl"), *common]
+        ranks = start_ranks(timed, 2, tmp / "run", module="vigil_bench.timed_rank")
         try:
             await seen.first(lambda e: isinstance(e, ev.CheckpointSaved) and e.step == 10, timeout=180)
             mark = await seen.first(_step(12))

@@ -1,6 +1,6 @@
 """Run a job's ranks on this machine without a worker: for benchmarks, demos and debugging.
 
-The worker is the production path (`main.py`); this starts the same rank program with the same
+The worker is the production path (`agent.py`, `launch.py`); this starts the same rank program with the same
 torch.distributed environment, from an argument list.
 """
 
@@ -35,8 +35,16 @@ class LocalRanks:
         return "\n".join(log.read_text(errors="replace")[-n:] for log in self.logs if log.exists())
 
 
-def start_ranks(args: list[str], world_size: int, log_dir: Path, *, threads: int = 1) -> LocalRanks:
-    """Start `world_size` ranks of `python -m vigil_worker.trainer ARGS` here, logs in `log_dir`."""
+def start_ranks(
+    args: list[str],
+    world_size: int,
+    log_dir: Path,
+    *,
+    threads: int = 1,
+    module: str = "vigil_worker.trainer",
+) -> LocalRanks:
+    """Start `world_size` ranks of `python -m MODULE ARGS` here, logs in `log_dir`. MODULE is the rank
+    program, or one that wraps it (a benchmark's, calling `vigil_worker.trainer.rank.main`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
@@ -56,7 +64,7 @@ def start_ranks(args: list[str], world_size: int, log_dir: Path, *, threads: int
         with log.open("ab") as out:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "vigil_worker.trainer", *args],
+                    [sys.executable, "-m", module, *args],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
