@@ -9,6 +9,7 @@ from datetime import datetime
 import asyncpg
 
 from vigil_common.events import NodeHeartbeat
+from vigil_common.jobstates import JobState
 from vigil_scheduler.placement import Inventory, NodeState, Slot
 
 
@@ -106,9 +107,10 @@ async def jobs_with_vanished_ranks(conn: asyncpg.Connection, node: str) -> list[
     """Jobs running on `node` whose devices its (restarted) worker now reports free: the ranks are gone."""
     rows = await conn.fetch(
         """SELECT DISTINCT d.job_id FROM devices d JOIN jobs j ON j.id = d.job_id
-           WHERE d.node = $1 AND d.reported_free AND j.state IN ('RUNNING', 'HALTED', 'ROLLING_BACK')
+           WHERE d.node = $1 AND d.reported_free AND j.state = ANY($2::text[])
            ORDER BY d.job_id""",
         node,
+        [JobState.RUNNING, JobState.HALTED, JobState.ROLLING_BACK],
     )
     return [r["job_id"] for r in rows]
 
