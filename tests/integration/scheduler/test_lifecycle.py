@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from tests.helpers import eventually
@@ -195,3 +197,18 @@ async def test_a_rank_killed_because_its_sibling_died_is_not_the_cause(scheduler
     await exit_rank(bus, first, 1, 3)
     requeued = await wait_state(bus, job["id"], "PENDING", attempt=2)
     assert requeued.cause == f"rank 1 on {node.name} exited with code 3 (error)"
+
+
+async def test_a_restarted_worker_that_reports_free_devices_requeues_its_running_job(
+    scheduler, nodes, bus: Bus
+) -> None:
+    node = nodes(slots=2)
+    await node.beat()
+    job = (await scheduler.http.post("/api/v1/jobs", json=spec())).json()
+    await start_ranks(bus, await launched(bus, job["id"]))
+    node.busy = {0, 1}
+    await wait_state(bus, job["id"], "RUNNING")
+    node.started_at = datetime.now(UTC)  # a new worker process: its ranks are gone, its devices free
+    node.busy = set()
+    requeued = await wait_state(bus, job["id"], "PENDING", attempt=2)
+    assert requeued.cause == f"the worker on node {node.name} restarted; its ranks are gone"
