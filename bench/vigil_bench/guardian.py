@@ -148,6 +148,7 @@ async def _sample(bus: Bus, arrivals: _Arrivals, spec: JobSpec, jobs: list[str])
             node="bench",
             step=k,
             loss=loss,
+            local_finite=math.isfinite(loss),
             grad_norm=1.0,
             lr=1e-3,
             tokens=1024,

@@ -41,6 +41,7 @@ def _events(job: str) -> list[StepCompleted]:
             node=f"n{i % RANKS // 4}",
             step=i // RANKS,
             loss=3.0 - i * 1e-5,
+            local_finite=True,
             grad_norm=1.0,
             lr=3e-4,
             tokens=4096,

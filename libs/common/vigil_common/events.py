@@ -13,6 +13,7 @@ the old one, never an edit in place. Golden JSON per version lives in
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import uuid
@@ -58,6 +59,10 @@ class Message(BaseModel):
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
+
+    def upgraded(self) -> Message:
+        """This message as its current version; an older version that is still read overrides it."""
+        return self
 
 
 class Command(Message):
@@ -144,8 +149,8 @@ class LaunchJob(Command):
 # --- job: steps ----------------------------------------------------------------------------------------
 
 
-class StepCompleted(Message):
-    """One rank finished one optimizer step. Times are measured, in seconds."""
+class StepCompletedV1(Message):
+    """Version 1 of StepCompleted, still read: `decode` upgrades it to the current version."""
 
     type: Literal["step.completed"] = "step.completed"
     schema_version: Literal[1] = 1
@@ -167,6 +172,45 @@ class StepCompleted(Message):
     mem_peak_bytes: int | None = None
     skipped: bool = Field(False, description="the update was not applied (non-finite gradients)")
     data_position: int = Field(0, ge=0, description="the data step this step's batch came from")
+
+    def upgraded(self) -> StepCompleted:
+        # A v1 sender did not say whether its own numbers were finite before the all-reduce: unknown.
+        return StepCompleted(**self.model_dump(exclude={"schema_version"}), local_finite=None)
+
+
+class StepCompleted(Message):
+    """One rank finished one optimizer step. Times are measured, in seconds.
+
+    Version 2 adds what only the rank itself knows: whether its own loss was finite before the
+    all-reduce (after it every rank's grad norm is NaN, so this names the rank that made a NaN), and
+    the model FLOPs behind its throughput.
+    """
+
+    type: Literal["step.completed"] = "step.completed"
+    schema_version: Literal[2] = 2
+    rank: int = Field(ge=0)
+    node: str
+    step: int = Field(ge=0)
+    loss: float
+    grad_norm: float | None = Field(None, description="the global gradient norm, after the all-reduce")
+    lr: float
+    tokens: int = Field(ge=0, description="tokens this rank processed in this step")
+    tokens_per_s: float
+    data_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    backward_time_s: float = 0.0
+    comm_time_s: float = 0.0
+    optimizer_time_s: float = 0.0
+    step_time_s: float
+    mem_allocated_bytes: int | None = None
+    mem_peak_bytes: int | None = None
+    skipped: bool = Field(False, description="the update was not applied (non-finite gradients)")
+    data_position: int = Field(0, ge=0, description="the data step this step's batch came from")
+    local_finite: bool | None = Field(
+        description="this rank's own loss was finite before the all-reduce; None: not known (a v1 sender)"
+    )
+    flops_per_token: float | None = Field(None, ge=0, description="model FLOPs per token (6N + attention)")
+    mfu: float | None = Field(None, ge=0, description="model FLOPs utilisation against the device's peak")
 
 
 # --- job: status ---------------------------------------------------------------------------------------
@@ -313,6 +357,7 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     GpuSampled,
     LaunchJob,
     StepCompleted,
+    StepCompletedV1,
     RankStarted,
     RankExited,
     CheckpointSaved,
@@ -348,26 +393,33 @@ _VERSION = re.compile(rb'"schema_version":\s*(\d+)')
 
 
 def decode(data: bytes, expected: tuple[type[Message], ...] | None = None) -> Message:
-    """Decode a message by its `type` and `schema_version`.
+    """Decode a message by its `type` and `schema_version`, upgraded to the current version of its type
+    (a StepCompleted v1 is read as v2).
 
     Raises MalformedMessage (permanent) naming what is wrong: not JSON, an unknown
     type or version, a type this subject does not carry, or a field that fails validation.
     """
-    # Fast path: the class is known (the subject carries one) or found from the envelope's type
-    # and version without building a dict; pydantic-core parses the bytes once. Full validation
-    # (the `type` and `schema_version` literals included) still runs, so a wrong guess only
-    # falls through to the slow path, which names what is wrong.
-    if expected is not None and len(expected) == 1:
+    # Fast path: the class is known (the subject carries one type: its current version is tried first)
+    # or found from the envelope's type and version without building a dict; pydantic-core parses the
+    # bytes once. Full validation (the `type` and `schema_version` literals included) still runs, so a
+    # wrong guess only falls through to the slow path, which names what is wrong.
+    if expected is not None and _one_type(expected):
         with contextlib.suppress(ValidationError):
             return expected[0].model_validate_json(data)
-        return _decode_slow(data, expected)
+        if len(expected) == 1:
+            return _decode_slow(data, expected)
     t, v = _TYPE.search(data), _VERSION.search(data)
     if t and v:
         cls = REGISTRY.get((t.group(1).decode(), int(v.group(1))))
         if cls is not None and (expected is None or cls in expected):
             with contextlib.suppress(ValidationError):
-                return cls.model_validate_json(data)
+                return cls.model_validate_json(data).upgraded()
     return _decode_slow(data, expected)
+
+
+@functools.cache
+def _one_type(expected: tuple[type[Message], ...]) -> bool:
+    return len({cls.model_fields["type"].default for cls in expected}) == 1
 
 
 def _decode_slow(data: bytes, expected: tuple[type[Message], ...] | None) -> Message:
@@ -385,7 +437,7 @@ def _decode_slow(data: bytes, expected: tuple[type[Message], ...] | None) -> Mes
         names = ", ".join(sorted(c.__name__ for c in expected))
         raise MalformedMessage(f"{cls.__name__} is not carried on this subject (expected {names})")
     try:
-        return cls.model_validate(raw)
+        return cls.model_validate(raw).upgraded()
     except ValidationError as exc:
         fields = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)

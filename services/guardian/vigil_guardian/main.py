@@ -281,7 +281,7 @@ async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int) -> int:
                     done = True
                     break
                 try:
-                    event = decode(msg.data, (StepCompleted,))
+                    event = decode(msg.data, subjects.CARRIES["step"])
                 except MalformedMessage:
                     continue
                 core.on_event(event, event.occurred_at, quiet=True)

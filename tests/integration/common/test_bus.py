@@ -139,7 +139,16 @@ async def test_a_malformed_message_is_recorded_and_the_consumer_goes_on(bus: Bus
     await bus.js.publish(
         subject,
         ev.StepCompleted(
-            job_id=job_id, rank=0, node="n", step=0, loss=1.0, lr=0.1, tokens=1, tokens_per_s=1, step_time_s=1
+            job_id=job_id,
+            rank=0,
+            node="n",
+            step=0,
+            loss=1.0,
+            lr=0.1,
+            tokens=1,
+            tokens_per_s=1,
+            step_time_s=1,
+            local_finite=True,
         ).to_bytes(),
         headers={"Nats-Msg-Id": uuid.uuid4().hex},
     )  # valid JSON, wrong type for this subject

@@ -88,6 +88,7 @@ class Job:
                 node=f"node{rank}",
                 step=k,
                 loss=loss,
+                local_finite=math.isfinite(loss),
                 lr=1e-3,
                 tokens=100,
                 tokens_per_s=1000.0,

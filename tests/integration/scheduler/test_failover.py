@@ -115,6 +115,7 @@ async def test_scheduler_killed_and_restarted_mid_job_launches_nothing_twice(
                 node=node.name,
                 step=0,
                 loss=5.0,
+                local_finite=True,
                 lr=1e-3,
                 tokens=64,
                 tokens_per_s=100.0,

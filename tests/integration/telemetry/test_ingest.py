@@ -36,6 +36,7 @@ def step(job: str, k: int, rank: int, loss: float = 2.0, attempt: int = 1, t: fl
         node=f"n{rank}",
         step=k,
         loss=loss,
+        local_finite=math.isfinite(loss),
         grad_norm=1.0,
         lr=1e-3,
         tokens=512,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def step_event(job_id: str, step: int) -> ev.StepCompleted:
     return ev.StepCompleted(
         job_id=job_id, attempt=1, rank=0, node="n", step=step, loss=1.0, lr=0.1, tokens=1, tokens_per_s=1.0,
-        step_time_s=0.1,
+        step_time_s=0.1, local_finite=True,
     )  # fmt: skip
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from tests.unit.common.samples import SAMPLES
 from vigil_common import events as ev
+from vigil_common import subjects
 from vigil_common.errors import MalformedMessage
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -26,15 +27,31 @@ def test_golden_json_round_trips(cls):
     golden = json.loads((GOLDEN / f"{sample.type}.v{sample.schema_version}.json").read_text())
     # The wire format of a released version never changes: the sample serialises to the golden file...
     assert json.loads(sample.to_bytes()) == golden
-    # ...and the golden file decodes to the same event.
-    assert ev.decode(json.dumps(golden).encode()) == sample
+    # ...and the golden file decodes to the same event, as the current version of its type.
+    assert ev.decode(json.dumps(golden).encode()) == sample.upgraded()
+
+
+def test_step_completed_v1_is_read_as_v2_with_its_finiteness_unknown():
+    golden = (GOLDEN / "step.completed.v1.json").read_bytes()
+    for expected in (None, subjects.CARRIES["step"]):
+        step = ev.decode(golden, expected)
+        assert isinstance(step, ev.StepCompleted) and step.schema_version == 2
+        assert step.local_finite is None and step.mfu is None
+        assert step.loss == 2.5 and step.rank == 1 and step.event_id == SAMPLES[ev.StepCompletedV1].event_id
+
+
+def test_step_completed_v2_requires_the_ranks_own_finiteness():
+    raw = json.loads((GOLDEN / "step.completed.v2.json").read_text())
+    del raw["local_finite"]
+    with pytest.raises(MalformedMessage, match="local_finite"):
+        ev.decode(json.dumps(raw).encode(), subjects.CARRIES["step"])
 
 
 def test_non_finite_floats_survive_the_wire():
     step = SAMPLES[ev.StepCompleted].model_copy(update={"loss": float("nan"), "grad_norm": float("inf")})
     raw = step.to_bytes()
     json.loads(raw)  # still standard JSON
-    back = ev.decode(raw, (ev.StepCompleted,))
+    back = ev.decode(raw, subjects.CARRIES["step"])
     assert math.isnan(back.loss) and back.grad_norm == float("inf")
 
 

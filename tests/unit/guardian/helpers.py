@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -34,6 +35,7 @@ def step(
         node=kw.pop("node", f"n{rank}"),
         step=step,
         loss=loss,
+        local_finite=kw.pop("local_finite", math.isfinite(loss)),
         grad_norm=kw.pop("grad_norm", 1.0),
         lr=1e-3,
         tokens=1024,

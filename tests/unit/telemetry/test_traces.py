@@ -33,6 +33,7 @@ def step(k, rank, end_s):
         node=f"n{rank}",
         step=k,
         loss=2.0 + rank,
+        local_finite=True,
         lr=1e-3,
         tokens=10,
         tokens_per_s=100.0,

@@ -78,7 +78,7 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
         # --- finiteness guard and command boundary: one small all-reduce -------------------------------
         # every rank learns whether any rank saw a non-finite loss or gradient, and the highest command
         # any rank has received, so that all act on the same commands at this same step boundary
-        agreed = guard.agree(ctx, finite)
+        agreed = guard.agree(ctx, finite)  # `finite` stays this rank's own: the event names who made a NaN
         comm_s = ctx.comm.take()
 
         # --- optimizer step at the accumulation boundary (skipped when the update is not finite) -------
@@ -119,6 +119,7 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
                 step_time_s=step_s,
                 skipped=not applied,
                 data_position=pos,
+                local_finite=bool(finite.item()),  # already computed: the guard's .item() synchronised
                 **memory_bytes(ctx.device),
             ),
         )
