@@ -203,9 +203,21 @@ class Bus:
 
     # --- streams -------------------------------------------------------------------------------------
 
-    async def ensure_streams(self, specs: Sequence[StreamSpec] = subjects.STREAMS) -> None:
-        """Create or update every stream; safe to call from many starters at once."""
+    async def ensure_streams(
+        self, specs: Sequence[StreamSpec] = subjects.STREAMS, *, manage: bool = True
+    ) -> None:
+        """Create or update every stream; safe to call from many starters at once.
+
+        With `manage=False` (a service whose NATS role may not change streams: see
+        `vigil_common.credentials`) a stream that exists is left as it is, and only a missing one is
+        created (which a restricted credential is refused: the scheduler or `vigil up` creates them)."""
         for spec in specs:
+            if not manage:
+                try:
+                    await self.js.stream_info(spec.name)
+                    continue
+                except nats.js.errors.NotFoundError:
+                    pass
             config = StreamConfig(
                 name=spec.name,
                 description=spec.description,
@@ -274,6 +286,21 @@ class Bus:
         except (KeyError, ValueError) as exc:
             raise MalformedMessage(f"subject {msg.subject!r} is not in the registry") from exc
         return decode(msg.data, carries)
+
+    def _decode_stored(self, filter_subjects: Sequence[str], msg: Msg) -> Message:
+        """Decode a message only if JetStream delivered it from the stream that stores one of
+        `filter_subjects` (its reply subject carries the stream's name), on a subject they match."""
+        wanted = [f for f in filter_subjects if subjects.matches(f, msg.subject)]
+        try:
+            stream = msg.metadata.stream if msg.reply and msg.reply.startswith("$JS.ACK.") else None
+        except Exception:  # a reply subject that is not JetStream's metadata
+            stream = None
+        if not wanted or stream != subjects.stream_for(wanted[0]).name:
+            raise MalformedMessage(
+                f"{msg.subject!r} was not delivered from the stream of {', '.join(filter_subjects)} "
+                f"(stream {stream!r}): ignored"
+            )
+        return self._decode(msg)
 
     async def dead_letter(self, spec: ConsumerSpec, delivery: Delivery, reason: str) -> None:
         """Record a terminated message on the dead-letter stream (idempotent per stream sequence)."""
@@ -454,7 +481,9 @@ class Bus:
         """Ephemeral ordered consumers of `filter_subjects` (new messages, or all with `from_start`).
 
         Usage: `async with bus.watch(subjects.ALL_INCIDENTS) as events: async for event in events: ...`
-        Malformed messages are logged and skipped (nothing durable depends on a watcher).
+        Malformed messages are logged and skipped (nothing durable depends on a watcher), and so is
+        a message that was not delivered from the stream storing `filter_subjects` (one published
+        straight into the watcher's inbox, say): ranks act only on commands from the command stream.
         """
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -473,7 +502,7 @@ class Bus:
                     )
                 )
 
-            yield EventStream(queue, self._decode)
+            yield EventStream(queue, functools.partial(self._decode_stored, filter_subjects))
         finally:
             for sub in subs:
                 with contextlib.suppress(Exception):

@@ -47,7 +47,7 @@ class _Server(uvicorn.Server):
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    async with service_connect(settings, "scheduler") as conn:
+    async with service_connect(settings, "scheduler", manage_streams=True) as conn:
         provider, pool, bus = conn.provider, conn.pool, conn.bus
         relay = Relay(pool, bus, provider)
         scheduler = Scheduler(settings, pool, relay, provider)
