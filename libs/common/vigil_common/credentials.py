@@ -7,7 +7,7 @@ Roles (what the NATS server enforces, statically, from the `authorization` block
 | `scheduler` | launch, status, cmd, incidents; creates and updates the streams | |
 | `guardian` | cmd, incidents | launch, status, step, node events |
 | `telemetry` | nothing but dead letters (read only) | any event, any command |
-| `worker-<node>` | its node's heartbeat and gpu; step, status of any job | cmd, launch, incidents, other nodes' |
+| `worker-<node>` | its node's heartbeat, gpu; any job's step, status | cmd, launch, incidents, other nodes' |
 | `rank` | step and status of any job | cmd, launch, incidents, node events |
 | `admin` | everything (`vigil up` itself, the CLI, benches) | |
 
