@@ -70,6 +70,9 @@ class ConsumerSpec:
     max_deliver: int = 8  # then the message is dead-lettered, never retried forever
     max_ack_pending: int = 20_000
     deliver_new: bool = False  # a new durable starts at new messages instead of the stream's start
+    # Shared by several replicas of a service (a queue group named after the durable): each message
+    # goes to one of them. With max_ack_pending=1 the group still handles messages in stream order.
+    shared: bool = False
     backoff_s: tuple[float, ...] = (0.1, 0.5, 2.0, 5.0, 15.0)
 
     def __post_init__(self) -> None:
@@ -425,6 +428,7 @@ class Bus:
         config = ConsumerConfig(
             durable_name=spec.durable,
             deliver_subject=self.nc.new_inbox(),
+            deliver_group=spec.durable if spec.shared else None,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=spec.ack_wait_s,
             max_deliver=spec.max_deliver + 1,
@@ -432,6 +436,7 @@ class Bus:
             filter_subject=spec.filter_subject,
             deliver_policy=DeliverPolicy.NEW if spec.deliver_new else DeliverPolicy.ALL,
         )
+        await self._replace_if_reshaped(spec, config)
         deadline = time.monotonic() + 10.0
         while True:
             try:
@@ -439,6 +444,7 @@ class Bus:
                     spec.filter_subject,
                     durable=spec.durable,
                     stream=spec.stream.name,
+                    queue=spec.durable if spec.shared else None,
                     cb=on_msg,
                     manual_ack=True,
                     config=config,
@@ -450,6 +456,29 @@ class Bus:
                 if "already bound" not in str(exc) or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)  # back-off while the server drops the old binding
+
+    async def _replace_if_reshaped(self, spec: ConsumerSpec, config: ConsumerConfig) -> None:
+        """A durable created before it was shared (or with another max_ack_pending) cannot be bound
+        as it is now: it is replaced by one that starts after the old one's acknowledged messages."""
+        try:
+            info = await self.js.consumer_info(spec.stream.name, spec.durable)
+        except nats.js.errors.NotFoundError:
+            return
+        shared = bool(info.config.deliver_group)
+        if shared == spec.shared and info.config.max_ack_pending == spec.max_ack_pending:
+            return
+        start = info.ack_floor.stream_seq + 1 if info.ack_floor else 1
+        log.warning(
+            "%s: replacing the durable consumer (shared: %s -> %s), from #%d",
+            spec.durable,
+            shared,
+            spec.shared,
+            start,
+        )
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_consumer(spec.stream.name, spec.durable)
+        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+        config.opt_start_seq = start
 
     async def _handle_batch(self, spec: ConsumerSpec, batch: list[Msg], handler: BatchHandler) -> None:
         good: list[tuple[Message, Delivery]] = []

@@ -84,7 +84,8 @@ def permissions(role: str) -> dict[str, object]:
     elif role == GUARDIAN:
         publish = (subjects.ALL_CMDS, subjects.ALL_INCIDENTS)
     elif role == TELEMETRY:
-        publish = ()
+        # its consumers are shared by its replicas; one made unshared before is replaced (Bus._push)
+        publish = ("$JS.API.CONSUMER.DELETE.*.*",)
     elif role == RANK:
         publish = (subjects.ALL_STEPS, subjects.ALL_STATUS)
     elif role.startswith("worker-"):
