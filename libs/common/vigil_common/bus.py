@@ -46,6 +46,10 @@ from vigil_common.subjects import StreamSpec
 
 log = logging.getLogger(__name__)
 
+# The publishing connection's name (`Bus.connect(url, name)`), for the audit record of commands. Only
+# roles allowed to publish a subject can publish there at all (see vigil_common.credentials).
+SENDER_HEADER = "Vigil-Service"
+
 Handler = Callable[[Message, "Delivery"], Awaitable[None]]
 BatchHandler = Callable[[list[tuple[Message, "Delivery"]]], Awaitable[None]]
 
@@ -244,7 +248,7 @@ class Bus:
     async def publish(self, subject: str, event: Message, *, timeout_s: float = 10.0) -> PubAck:
         """Publish to JetStream and wait for the ack. Retries transient failures with the same
         `Nats-Msg-Id`, so a retry never stores a second copy. Raises RetryableError on timeout."""
-        headers = tracing.inject({"Nats-Msg-Id": event.event_id})
+        headers = tracing.inject({"Nats-Msg-Id": event.event_id, SENDER_HEADER: self.name})
         payload = event.to_bytes()
         deadline = time.monotonic() + timeout_s
         delay = 0.05
