@@ -169,7 +169,8 @@ async def _simulate(url: str, first: int, count: int, step_hz: float, seconds: f
             if tick % gpu_every == 0:
                 for d in range(DEVICES):
                     sample = GpuSampled(
-                        node=node, index=d, device_kind="gpu", uuid=f"GPU-{node}-{d}", job_id=job and job.job_id,
+                        node=node, index=d, device_kind="gpu", uuid=f"GPU-{node}-{d}",
+                        job_id=job and job.job_id,
                         utilization_pct=97.0, memory_used_bytes=1 << 34, memory_total_bytes=80 << 30,
                         temperature_c=60.0, power_w=400.0,
                     )  # fmt: skip
