@@ -446,7 +446,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
             for _ in range(plan.nodes):
                 r = await http.post("/api/v1/jobs", json=job_spec)
                 r.raise_for_status()
-            await _wait(lambda: _running(http, plan.nodes), 300, f"{plan.nodes} jobs RUNNING")
+            await _wait(lambda: _launched(http, plan.nodes), 300, f"{plan.nodes} jobs launched and started")
 
             # under load
             size0 = await pool.fetchval("SELECT pg_database_size(current_database())")
@@ -554,8 +554,10 @@ async def _nodes_alive(http: httpx.AsyncClient, n: int) -> bool:
     return await _count(http, "/api/v1/nodes") >= n
 
 
-async def _running(http: httpx.AsyncClient, n: int) -> bool:
-    return await _count(http, "/api/v1/jobs", state="RUNNING") >= n
+async def _launched(http: httpx.AsyncClient, n: int) -> bool:
+    """Every job's ranks started (a job the guardian has halted meanwhile counts: it did start)."""
+    states = ("RUNNING", "HALTED", "ROLLING_BACK")
+    return sum([await _count(http, "/api/v1/jobs", state=s) for s in states]) >= n
 
 
 async def run(settings: Settings) -> dict[str, Any]:
