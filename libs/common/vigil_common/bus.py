@@ -457,7 +457,10 @@ class Bus:
             except nats.js.errors.Error as exc:
                 # A previous subscriber (this service before a restart) is still bound until the
                 # server notices it has gone.
-                if "already bound" not in str(exc) or time.monotonic() > deadline:
+                # Replicas sharing a durable that start together: the second's create loses the race
+                # ("consumer name already in use") and binds to the first's on the next try.
+                retry = "already bound" in str(exc) or (spec.shared and "already in use" in str(exc))
+                if not retry or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)  # back-off while the server drops the old binding
 

@@ -9,10 +9,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from vigil_common import readmodel
+from tests.helpers import eventually, service
+from vigil_common import readmodel, subjects
 from vigil_common.events import StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry import partitions, store
+from vigil_telemetry.main import run
 
 pytestmark = pytest.mark.integration
 
@@ -115,3 +117,19 @@ async def test_maintenance_creates_partitions_ahead_of_now(pool, tmp_path) -> No
             start,
             start + timedelta(hours=24),
         )
+
+
+async def test_two_replicas_started_together_share_the_step_consumer(
+    bus, pool, migrated, nats_url, job_id, tmp_path
+) -> None:
+    s = Settings.load(nats_url=nats_url, database_url=migrated, data_dir=tmp_path, metrics_port=0)
+    async with service(run, s) as (a, _), service(run, s) as (b, _):
+        events = [step(job_id, k, r, datetime.now(UTC)) for k in range(10) for r in range(4)]
+        await asyncio.gather(*(bus.publish(subjects.step(job_id), e) for e in events))
+
+        async def stored() -> bool:
+            n = await pool.fetchval("SELECT count(*) FROM telemetry_steps WHERE job_id = $1", job_id)
+            return n == 40
+
+        await eventually(stored, what="40 steps stored by the replicas")
+        assert not a.done() and not b.done()
