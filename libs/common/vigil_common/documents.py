@@ -30,8 +30,6 @@ class DocumentError(ValueError):
         super().__init__(message)
 
 
-
-
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """The safe loader (libyaml's C parser when PyYAML has it), reading `3e-4` as a float as YAML 1.2
     and JSON do (YAML 1.1 wants `3.0e-4`), since the spec takes no string where a number is due."""
@@ -52,7 +50,7 @@ def load(text: str, *, json_only: bool = False) -> Any:
         return _load_json(text)
     _check_yaml_events(text)
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader (SafeConstructor)
+        return yaml.load(text, Loader=_Loader)  # a safe loader (SafeConstructor)
     except yaml.YAMLError as exc:
         raise DocumentError("(spec)", f"not valid YAML or JSON: {exc}") from exc
 

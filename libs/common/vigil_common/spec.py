@@ -153,9 +153,13 @@ class TrainSpec(StrictModel):
 
 
 class DataSpec(StrictModel):
-    path: str | None = Field(None, max_length=4096, description="a text or JSONL file or directory; null: the built-in corpus")
+    path: str | None = Field(
+        None, max_length=4096, description="a text or JSONL file or directory; null: the built-in corpus"
+    )
     format: Literal["text", "jsonl"] = "text"
-    tokenizer: str | None = Field(None, max_length=4096, description="a tokenizer.json file; null: byte-level")
+    tokenizer: str | None = Field(
+        None, max_length=4096, description="a tokenizer.json file; null: byte-level"
+    )
 
     @field_validator("path", "tokenizer")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -57,12 +58,13 @@ def test_a_megabyte_is_read_or_refused_quickly() -> None:
     ]
     for body in bodies:
         t0 = time.monotonic()
-        try:
+        with contextlib.suppress(DocumentError):
             load(body)
-        except DocumentError:
-            pass
         assert time.monotonic() - t0 < 5.0  # was 16 s for such a body; generous for a loaded machine
 
 
 def test_merge_keys_and_plain_documents_still_load() -> None:
-    assert load("base: &b {x: 1}\nother:\n  <<: *b\n  y: 2\n") == {"base": {"x": 1}, "other": {"x": 1, "y": 2}}
+    assert load("base: &b {x: 1}\nother:\n  <<: *b\n  y: 2\n") == {
+        "base": {"x": 1},
+        "other": {"x": 1, "y": 2},
+    }
