@@ -9,6 +9,7 @@ import click
 from rich.console import Console
 
 from vigil_cli.stack import SERVICES, infrastructure, run_services
+from vigil_common.redact import redact_url
 from vigil_common.service import install_stop_signals, setup_logging
 from vigil_common.settings import Settings
 from vigil_common.token import token_path
@@ -34,8 +35,8 @@ async def _up(settings: Settings) -> None:
     async with infrastructure(settings) as infra:
         s = infra.settings
         console.print(f"[bold]vigil up[/bold]: data in {s.data_dir.resolve()}")
-        console.print(f"  NATS      {s.nats_url}{'  (embedded)' if 'nats' in infra.embedded else ''}")
-        console.print(f"  Postgres  {s.database_url}{'  (embedded)' if 'postgres' in infra.embedded else ''}")
+        for label, url, name in (("NATS", s.nats_url, "nats"), ("Postgres", s.database_url, "postgres")):
+            console.print(f"  {label:<9} {redact_url(url)}{'  (embedded)' if name in infra.embedded else ''}")
         console.print(f"  gateway   http://{s.http_host}:{s.http_port}  (token in {token_path(s)})")
         if s.metrics_port:
             console.print(f"  metrics   http://{s.http_host}:{s.metrics_port}/metrics")

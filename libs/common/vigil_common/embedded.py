@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 from vigil_common.errors import ConfigError, RetryableError
+from vigil_common.redact import has_secret
 from vigil_common.settings import Settings
 
 
@@ -256,9 +257,20 @@ def endpoints_file(settings: Settings) -> Path:
 
 
 def write_endpoints(settings: Settings, nats_url: str, database_url: str) -> None:
+    """Where this `vigil up`'s NATS and Postgres are, for services started alone on the same data dir
+    (mode 0600). A URL carrying a password is left out (null): a service started alone is then given
+    it the way `vigil up` was, by its VIGIL_* variable, and no secret lies in the file."""
     path = endpoints_file(settings)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"nats_url": nats_url, "database_url": database_url, "pid": os.getpid()}))
+    found = {
+        "nats_url": None if has_secret(nats_url) else nats_url,
+        "database_url": None if has_secret(database_url) else database_url,
+        "pid": os.getpid(),
+    }
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # an older file of another mode is reused by O_CREAT
+        out.write(json.dumps(found))
     tmp.replace(path)
 
 
@@ -277,7 +289,7 @@ def resolve_urls(settings: Settings) -> Settings:
         return settings
     return settings.model_copy(
         update={
-            "nats_url": settings.nats_url or nats_url,
-            "database_url": settings.database_url or database_url,
+            "nats_url": settings.nats_url or nats_url or None,
+            "database_url": settings.database_url or database_url or None,
         }
     )

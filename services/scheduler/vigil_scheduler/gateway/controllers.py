@@ -73,7 +73,11 @@ class JobController(Controller):
         page = await queries.list_jobs(pool, state=state_filter, limit=limit, cursor=cursor)
         return JobPage.model_validate(page)
 
-    @get("/{job_id:str}", summary="One job: state, placement, attempts, last step, latest loss", responses=ONE_JOB)
+    @get(
+        "/{job_id:str}",
+        summary="One job: state, placement, attempts, last step, latest loss",
+        responses=ONE_JOB,
+    )
     async def get_job(self, pool: Pool, job_id: JobId) -> JobDetailOut:
         return JobDetailOut.model_validate(await queries.job_detail(pool, job_id))
 
