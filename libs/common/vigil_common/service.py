@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from vigil_common import tracing
 from vigil_common.bus import Bus
+from vigil_common.confine import private_dir, private_umask
 from vigil_common.db import create_pool, migrate
 from vigil_common.errors import ConfigError
-from vigil_common.confine import private_dir, private_umask
 from vigil_common.settings import Settings
 
 ServiceMain = Callable[[Settings, asyncio.Event], Awaitable[None]]

@@ -153,16 +153,13 @@ def test_a_malformed_manifest_is_invalid_with_its_reason(tmp_path, edit, says):
     body = edit(json.loads((m.path / ckpt.MANIFEST).read_text()))
     text = body if isinstance(body, str) else json.dumps(body).replace("1e+308", "1e308")
     (m.path / ckpt.MANIFEST).write_text(text)
-    with pytest.raises(CheckpointError, match="manifest|escapes"):
+    with pytest.raises(CheckpointError, match=r"manifest|escapes"):
         ckpt.verify(m.path, root=tmp_path)
     result = CliRunner().invoke(cli, ["checkpoint", "verify", str(m.path)])
     assert result.exit_code == 1, result.output
     assert result.output.startswith("INVALID ") and says in result.output, result.output
-    assert (
-        "Traceback" not in result.output
-        and result.exception is None
-        or isinstance(result.exception, SystemExit)
-    )
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 def test_a_rollback_naming_another_jobs_checkpoint_loads_this_jobs_own(tmp_path):
