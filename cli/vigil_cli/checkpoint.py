@@ -26,7 +26,7 @@ def register(group: click.Group) -> None:
 
         try:
             m = verify_checkpoint(path)
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:  # OSError: a file it cannot read
             if as_json:
                 click.echo(json.dumps({"path": str(path), "valid": False, "error": str(exc)}))
             else:

@@ -23,6 +23,7 @@ from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
+from vigil_common.redact import redact_url
 from vigil_common.service import install_stop_signals
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
@@ -100,7 +101,8 @@ async def _demo(
     started = time.monotonic()
     async with infrastructure(settings) as infra:
         s = infra.settings
-        console.print(f"[bold]vigil demo[/bold]: stack up (NATS {s.nats_url}, Postgres {s.database_url})")
+        where = f"NATS {redact_url(s.nats_url)}, Postgres {redact_url(s.database_url)}"
+        console.print(f"[bold]vigil demo[/bold]: stack up ({where})")
         services = asyncio.create_task(run_services(infra, stop, SERVICES))
         bus = await Bus.connect(s.nats_url, "vigil-demo")
         try:

@@ -18,6 +18,7 @@ from typing import IO
 
 from vigil_common import credentials
 from vigil_common.bus import Bus
+from vigil_common.confine import private_dir
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, write_endpoints
 from vigil_common.errors import ConfigError
@@ -67,7 +68,7 @@ class Infra:
 
 
 def _lock_data_dir(data_dir: Path) -> IO[str]:
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)  # checkpoints, logs, the token and the cache: the owner's alone
     handle = (data_dir / ".lock").open("w")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -9,7 +9,9 @@ import click
 from rich.console import Console
 
 from vigil_cli.stack import SERVICES, infrastructure, run_services
-from vigil_common.credentials import CREDENTIALS_FILE, redact
+from vigil_common.confine import private_umask
+from vigil_common.credentials import CREDENTIALS_FILE
+from vigil_common.redact import redact_url
 from vigil_common.service import install_stop_signals, setup_logging
 from vigil_common.settings import Settings
 from vigil_common.token import token_path
@@ -24,6 +26,7 @@ def register(group: click.Group) -> None:
         VIGIL_DATABASE_URL are set), migrations, the services, the gateway and a local worker.
         Ctrl-C stops everything cleanly."""
         settings = Settings.load(data_dir=data_dir, http_port=http_port)
+        private_umask()  # what the stack writes (checkpoints, logs, caches) is the owner's alone
         setup_logging(settings)
         asyncio.run(_up(settings))
 
@@ -35,9 +38,8 @@ async def _up(settings: Settings) -> None:
     async with infrastructure(settings) as infra:
         s = infra.settings
         console.print(f"[bold]vigil up[/bold]: data in {s.data_dir.resolve()}")
-        nats_url, database_url = redact(s.nats_url or ""), redact(s.database_url or "")
-        console.print(f"  NATS      {nats_url}{'  (embedded)' if 'nats' in infra.embedded else ''}")
-        console.print(f"  Postgres  {database_url}{'  (embedded)' if 'postgres' in infra.embedded else ''}")
+        for label, url, name in (("NATS", s.nats_url, "nats"), ("Postgres", s.database_url, "postgres")):
+            console.print(f"  {label:<9} {redact_url(url)}{'  (embedded)' if name in infra.embedded else ''}")
         if infra.role_urls:
             console.print(
                 f"  secrets   {s.data_dir.resolve() / CREDENTIALS_FILE}  (one NATS user per service)"

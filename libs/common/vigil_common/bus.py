@@ -42,6 +42,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from vigil_common import subjects, tracing
 from vigil_common.errors import MalformedMessage, PermanentError, RetryableError
 from vigil_common.events import Message, MessageDeadLettered, decode
+from vigil_common.redact import redact_text, redact_url
 from vigil_common.subjects import StreamSpec
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,8 @@ class Bus:
                 timeout=connect_timeout_s,
             )
         except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-            raise RetryableError(f"cannot reach NATS at {url}: {str(exc) or type(exc).__name__}") from exc
+            reason = redact_text(str(exc)) or type(exc).__name__
+            raise RetryableError(f"cannot reach NATS at {redact_url(url)}: {reason}") from exc
         nc_ref.append(nc)
         return cls(nc, name, provider)
 

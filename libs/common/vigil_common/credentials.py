@@ -134,14 +134,6 @@ def with_user(url: str, user: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))
 
 
-def redact(url: str) -> str:
-    """`url` without its user and password, for banners and logs."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-
-
 def load_or_create(path: Path, nodes: Iterable[str] = ()) -> Credentials:
     """The credentials kept in `path` (mode 0600), created or extended with the roles missing."""
     creds = Credentials()

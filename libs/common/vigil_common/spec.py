@@ -6,12 +6,11 @@ A spec never carries a shell command, and no field of it reaches a shell.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vigil_common import documents
 from vigil_common.errors import SpecError
 
 # What the guardian does about a fault: a `GuardianSpec` field per kind, and the `action` an
@@ -31,9 +30,12 @@ class FieldError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Base for spec sections: unknown fields are errors, values are validated on assignment."""
+    """Base for spec sections: unknown fields are errors, values are validated on assignment, nothing is
+    coerced (`steps: "10"` and `steps: true` are refused), floats are finite."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=True, strict=True, allow_inf_nan=False
+    )
 
 
 class Resources(StrictModel):
@@ -137,12 +139,12 @@ class TrainSpec(StrictModel):
     grad_accum: int = Field(1, ge=1, le=4096)
     lr: float = Field(3.0e-4, gt=0, le=1.0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1.0, description="cosine floor as a fraction of lr")
-    warmup_steps: int | None = Field(None, ge=0, description="null: min(100, steps // 10)")
+    warmup_steps: int | None = Field(None, ge=0, le=10_000_000, description="null: min(100, steps // 10)")
     weight_decay: float = Field(0.1, ge=0, le=1.0)
     precision: Precision = "auto"
     zero_stage: ZeroStage = "auto"
     offload: bool = Field(False, description="ZeRO CPU offload of optimizer state (stages 2 and 3)")
-    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="0 disables clipping")
     seed: int = Field(0, ge=0, le=2**31 - 1)
 
     @property
@@ -151,9 +153,13 @@ class TrainSpec(StrictModel):
 
 
 class DataSpec(StrictModel):
-    path: str | None = Field(None, description="a text or JSONL file or directory; null: the built-in corpus")
+    path: str | None = Field(
+        None, max_length=4096, description="a text or JSONL file or directory; null: the built-in corpus"
+    )
     format: Literal["text", "jsonl"] = "text"
-    tokenizer: str | None = Field(None, description="a tokenizer.json file; null: byte-level")
+    tokenizer: str | None = Field(
+        None, max_length=4096, description="a tokenizer.json file; null: byte-level"
+    )
 
     @field_validator("path", "tokenizer")
     @classmethod
@@ -180,22 +186,22 @@ class GuardianSpec(StrictModel):
     gpu_health: Action = "alert"
     hang_timeout_s: float = Field(60.0, gt=0, le=86_400)
     hang_step_multiple: float = Field(
-        20.0, ge=2, description="also hung when no step for this many median step times"
+        20.0, ge=2, le=10_000, description="also hung when no step for this many median step times"
     )
     max_rollbacks: int = Field(3, ge=0, le=1000)
-    spike_zscore: float = Field(6.0, gt=0, description="robust z-score over the rolling median/MAD")
+    spike_zscore: float = Field(6.0, gt=0, le=1e6, description="robust z-score over the rolling median/MAD")
     spike_window: int = Field(50, ge=5, le=10_000)
-    spike_warmup: int = Field(10, ge=1, description="steps seen before spikes are judged")
+    spike_warmup: int = Field(10, ge=1, le=10_000_000, description="steps seen before spikes are judged")
     spike_skip_steps: int = Field(1, ge=0, le=10_000, description="data window skipped after a spike")
     divergence_window: int = Field(50, ge=5, le=100_000)
-    divergence_tolerance: float = Field(0.5, gt=0, description="relative rise of smoothed loss")
+    divergence_tolerance: float = Field(0.5, gt=0, le=1e6, description="relative rise of smoothed loss")
     imbalance_threshold: float = Field(0.2, gt=0, lt=10)
     imbalance_steps: int = Field(5, ge=1, le=10_000)
 
 
 class _Fault(StrictModel):
-    step: int = Field(ge=0, description="the step at which the fault fires")
-    rank: int = Field(0, ge=0)
+    step: int = Field(ge=0, le=10_000_000, description="the step at which the fault fires")
+    rank: int = Field(0, ge=0, le=4096 * 64)
     repeat: bool = Field(False, description="fire every time the step is reached, not only once per job")
 
 
@@ -272,18 +278,21 @@ _FAULT_KINDS = {"nan", "spike", "slow_rank", "crash", "hang"}
 
 
 def parse_spec(data: bytes | str | dict[str, Any], *, content_type: str | None = None) -> JobSpec:
-    """Parse a spec from YAML, JSON or a dict. Raises SpecError naming each bad field."""
+    """Parse a spec from YAML, JSON or a dict. Raises SpecError naming each bad field.
+
+    Text is read at a bounded cost (`vigil_common.documents`): nesting, size and duplicate keys are
+    refused before anything is built. CPU-bound for large input: async callers run it in a thread."""
     if isinstance(data, dict):
         raw: Any = data
     else:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
         try:
-            if content_type and "json" in content_type:
-                raw = json.loads(text)
-            else:
-                raw = yaml.safe_load(text)  # YAML is a superset of JSON
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise SpecError([{"field": "(spec)", "message": f"not valid YAML or JSON: {exc}"}]) from exc
+            text = data.decode("utf-8") if isinstance(data, bytes) else data
+        except UnicodeDecodeError as exc:
+            raise SpecError([{"field": "(spec)", "message": f"not UTF-8 text (byte {exc.start})"}]) from exc
+        try:
+            raw = documents.load(text, json_only=bool(content_type and "json" in content_type))
+        except documents.DocumentError as exc:
+            raise SpecError([{"field": exc.field, "message": str(exc)}]) from exc
     if not isinstance(raw, dict):
         raise SpecError([{"field": "(spec)", "message": "a job spec must be a mapping of fields"}])
     try:

@@ -2,13 +2,15 @@
 
 VIGIL_API_TOKEN when set; otherwise the file `api_token` in the data dir, which `vigil up` (or a
 scheduler run alone) creates once with a random token, mode 0600, and the CLI on the same machine
-reads. A token shorter than 16 characters is refused wherever it comes from.
+reads. A token shorter than 16 characters is refused wherever it comes from, and so is a token file
+that anyone but its owner may read or write.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from vigil_common.errors import ConfigError
@@ -23,16 +25,22 @@ def token_path(settings: Settings) -> Path:
 
 def read_token(settings: Settings) -> str | None:
     """VIGIL_API_TOKEN, else the token file's contents, else None. Raises ConfigError for a token file
-    holding a token too short to be one."""
+    holding a token too short to be one, or open to group or others."""
     if settings.api_token:
         return settings.api_token  # its length is checked by Settings
     path = token_path(settings)
     try:
+        mode = stat.S_IMODE(path.stat().st_mode)
         token = path.read_text().strip()
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise ConfigError(f"cannot read the API token file {path}: {exc.strerror}") from exc
+    if mode & 0o077:
+        raise ConfigError(
+            f"the API token file {path} is open to other users (mode {mode:04o}): "
+            f"`chmod 600 {path}`, or delete it (a new token is made)"
+        )
     if len(token) < MIN_TOKEN_LENGTH:
         raise ConfigError(
             f"the API token in {path} is shorter than {MIN_TOKEN_LENGTH} characters: "

@@ -2,7 +2,10 @@
 
 A launch's run directory is `<data dir>/runs/<job>/attempt-<n>/`: the launch event as `launch.json`
 (what every rank reads) and each rank's exit file. Logs go to `<log dir>/<job>/`. Every value on a
-rank's command line comes from Vigil, none from a shell.
+rank's command line comes from Vigil, none from a shell, and none is a secret: a rank's command line
+is readable by every local user (`ps`), so the NATS URL, which may hold a password, travels in its
+environment (`RANK_NATS_URL_ENV`, readable only by its own user), and the worker's other secrets
+(the database URL, the API token) are not passed on at all.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from pathlib import Path
 
 from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
+
+RANK_NATS_URL_ENV = "VIGIL_RANK_NATS_URL"  # where a rank finds its NATS URL (`vigil_worker.trainer.rank`)
+# the worker's secrets that a rank has no use for
+_NOT_FOR_RANKS = ("VIGIL_DATABASE_URL", "VIGIL_API_TOKEN", "VIGIL_NATS_URL")
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str) -> list[Rank
 
 
 def rank_argv(launch_file: Path, settings: Settings) -> list[str]:
-    """The rank program's command line: an argument list, every value from Vigil, none from a shell."""
+    """The rank program's command line: an argument list, every value from Vigil, none from a shell, none
+    secret."""
     argv = [
         sys.executable, "-m", "vigil_worker.trainer",
         "--launch", str(launch_file),
@@ -63,8 +71,8 @@ def rank_argv(launch_file: Path, settings: Settings) -> list[str]:
         "--cache-dir", str((settings.data_dir / "cache").resolve()),
         "--node", settings.node_name,
     ]  # fmt: skip
-    if url := settings.rank_nats_url or settings.nats_url:  # ranks get the rank credential when there is one
-        argv += ["--nats-url", url]
+    for root in settings.allowed_data_roots:
+        argv += ["--data-root", str(root)]
     return argv
 
 
@@ -76,8 +84,11 @@ def rank_env(
     settings: Settings,
     exit_path: Path,
 ) -> dict[str, str]:
-    """The torch.distributed environment for one rank, on top of the worker's own."""
-    env = dict(os.environ)
+    """The torch.distributed environment for one rank and its NATS URL, on top of the worker's own
+    environment less the worker's secrets."""
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_FOR_RANKS}
+    if url := settings.rank_nats_url or settings.nats_url:  # the rank credential when there is one
+        env[RANK_NATS_URL_ENV] = url
     env.update(
         RANK=str(placement.rank),
         WORLD_SIZE=str(launch.world_size),

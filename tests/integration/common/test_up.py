@@ -44,7 +44,7 @@ def test_vigil_up_runs_and_stops_cleanly(server_dir: Path):
     )
     try:
         out = read_until(proc, "Ctrl-C to stop", 90)
-        nats_port = int(re.search(r"NATS\s+nats://127\.0\.0\.1:(\d+)", out).group(1))
+        nats_port = int(re.search(r"NATS\s+nats://(?:\S+@)?127\.0\.0\.1:(\d+)", out).group(1))
         pg_port = int(re.search(r"Postgres\s+postgresql://\S+:(\d+)/", out).group(1))
         for port in (nats_port, pg_port):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,8 +57,11 @@ async def test_in_place_rollback_equals_a_fresh_run_resumed_from_the_checkpoint(
     assert len({e.pid for e in a.of(ev.RankStarted)}) == 2
 
     fresh = job_id + "-fresh"
+    # a job resumes only from its own folder (another job's checkpoint is refused): give it a copy
+    own = ckpt.step_dir(root, fresh, 4)
+    shutil.copytree(step4, own)
     async with record(bus, fresh) as b:
-        await bus.publish(subjects.launch(fresh), launch(ready_cluster, fresh, spec, resume_from=str(step4)))
+        await bus.publish(subjects.launch(fresh), launch(ready_cluster, fresh, spec, resume_from=str(own)))
         await until_exited(b, timeout=120)
     assert {e.exit_code for e in b.exits().values()} == {0}, rank_logs(ready_cluster, fresh)
     assert min(e.step for e in b.of(ev.StepCompleted)) == 4

@@ -75,3 +75,49 @@ def test_specs_are_immutable():
     spec = JobSpec(name="t")
     with pytest.raises(ValueError):
         spec.name = "u"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("name: t\ntrain: {grad_clip: .inf}", "train.grad_clip"),
+        ("name: t\nguardian: {spike_zscore: .inf}", "guardian.spike_zscore"),
+        ("name: t\nguardian: {spike_zscore: .nan}", "guardian.spike_zscore"),
+        ("name: t\nguardian: {divergence_tolerance: 1.0e308}", "guardian.divergence_tolerance"),
+        ("name: t\nguardian: {hang_step_multiple: 1.0e308}", "guardian.hang_step_multiple"),
+        ("name: t\ntrain: {warmup_steps: 1000000000000000000}", "train.warmup_steps"),
+        ("name: t\nguardian: {spike_warmup: 1000000000000000000}", "guardian.spike_warmup"),
+        ("name: t\nfaults: [{kind: nan, step: 1000000000000000000}]", "faults.0.step"),
+        ('name: t\ntrain: {steps: "10"}', "train.steps"),
+        ("name: t\ntrain: {steps: true}", "train.steps"),
+        ("name: t\ntrain: {steps: 10.0}", "train.steps"),
+        ('name: t\ntrain: {lr: "0.1"}', "train.lr"),
+        ('name: t\ntrain: {offload: "yes"}', "train.offload"),
+        ("name: 7", "name"),
+        ("name: t\ndata: {path: " + "x" * 5000 + "}", "data.path"),
+        ("name: t\ntrain: {steps: 1, steps: 2}", "train.steps"),
+        ("name: t\nname: u", "name"),
+    ],
+)
+def test_values_no_run_should_have_are_refused_by_field(text, field):
+    assert field in fields(text)
+
+
+def test_json_values_are_not_coerced_and_duplicates_are_refused():
+    for body, field in [
+        ('{"name": "t", "train": {"steps": "10"}}', "train.steps"),
+        ('{"name": "t", "train": {"grad_clip": Infinity}}', "train.grad_clip"),
+        ('{"name": "t", "name": "u"}', "(spec)"),
+    ]:
+        with pytest.raises(SpecError) as info:
+            parse_spec(body, content_type="application/json")
+        assert field in {e["field"] for e in info.value.errors}, info.value.errors
+
+
+def test_a_number_in_exponent_form_is_a_number_in_yaml_as_in_json():
+    spec = parse_spec("name: t\ntrain: {lr: 3e-4}\nguardian: {spike_zscore: 1e1}")
+    assert spec.train.lr == 3e-4 and spec.guardian.spike_zscore == 10.0
+
+
+def test_a_non_utf8_body_is_a_spec_error():
+    assert "not UTF-8" in fields(b"name: \xff\xfe")["(spec)"]  # type: ignore[arg-type]

@@ -117,3 +117,68 @@ def test_safe_load_refuses_pickled_code(tmp_path):
     torch.save({"f": os.system}, evil)
     with pytest.raises(Exception, match=r"weights_only|Unsupported global"):
         ckpt.safe_load(evil)
+
+
+# --- malformed manifests: INVALID with the reason, never a traceback -----------------------------------
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (
+            lambda b: b | {"files": {"ds/model.pt": {"bytes": "7", "sha256": "0" * 64}}},
+            "files.ds/model.pt.bytes",
+        ),
+        (lambda b: b | {"files": [["ds/model.pt", 7]]}, "files"),
+        (lambda b: {k: v for k, v in b.items() if k != "step"}, "step"),
+        (lambda b: {k: v for k, v in b.items() if k != "files"}, "files"),
+        (lambda b: b | {"step": 10**400}, "step"),
+        (lambda b: b | {"step": 1e308}, "step"),
+        (lambda b: b | {"data_position": True}, "data_position"),
+        (lambda b: b | {"skip_windows": [[1, 2, 3]]}, "skip_windows"),
+        (lambda b: b | {"files": {"a\x00b": {"bytes": 1, "sha256": "0" * 64}}}, "escapes"),
+        (lambda b: b | {"format": "other"}, "format"),
+        (lambda b: [b], "manifest"),
+        (lambda b: _DEEP, "manifest"),
+    ],
+)
+def test_a_malformed_manifest_is_invalid_with_its_reason(tmp_path, edit, says):
+    from click.testing import CliRunner
+
+    from vigil_cli.main import cli
+
+    m = make(tmp_path)
+    body = edit(json.loads((m.path / ckpt.MANIFEST).read_text()))
+    text = body if isinstance(body, str) else json.dumps(body).replace("1e+308", "1e308")
+    (m.path / ckpt.MANIFEST).write_text(text)
+    with pytest.raises(CheckpointError, match=r"manifest|escapes"):
+        ckpt.verify(m.path, root=tmp_path)
+    result = CliRunner().invoke(cli, ["checkpoint", "verify", str(m.path)])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("INVALID ") and says in result.output, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_rollback_naming_another_jobs_checkpoint_loads_this_jobs_own(tmp_path):
+    """A command naming `checkpoints/<other job>/step_...` is refused; the job falls back to its own."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from vigil_worker.trainer.checkpoint_collective import choose_checkpoint
+
+    mine, other = make(tmp_path, job="mine", step=4), make(tmp_path, job="other", step=8)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ctx = SimpleNamespace(rank=0, checkpoint_root=tmp_path, job_id="mine")
+        chosen = choose_checkpoint(ctx, str(other.path), 9)  # type: ignore[arg-type]
+        assert chosen.path == mine.path and chosen.job_id == "mine"
+        ctx = SimpleNamespace(rank=0, checkpoint_root=tmp_path, job_id="fresh")
+        with pytest.raises(CheckpointError, match="no valid checkpoint"):
+            choose_checkpoint(ctx, str(other.path), None)  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()

@@ -1,4 +1,5 @@
 import json
+import stat
 
 import numpy as np
 import pytest
@@ -23,10 +24,10 @@ def test_builtin_corpus_is_local_text():
 
 
 def test_builtin_corpus_cache_is_built_once(tmp_path):
-    first = load_tokens(DataSpec(), tmp_path, vocab_size=256)
+    first = load_tokens(DataSpec(), tmp_path, vocab_size=256, roots=[tmp_path])
     assert first.tokens.dtype == np.uint16 and len(first) > 1_000_000
     mtime = first.path.stat().st_mtime_ns
-    again = load_tokens(DataSpec(), tmp_path, vocab_size=256)
+    again = load_tokens(DataSpec(), tmp_path, vocab_size=256, roots=[tmp_path])
     assert again.path == first.path and again.path.stat().st_mtime_ns == mtime
     assert isinstance(again.tokens, np.memmap)
 
@@ -34,7 +35,7 @@ def test_builtin_corpus_cache_is_built_once(tmp_path):
 def test_text_file_round_trips_through_bytes(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("héllo world")
-    cache = load_tokens(DataSpec(path=str(src)), tmp_path / "cache", vocab_size=256)
+    cache = load_tokens(DataSpec(path=str(src)), tmp_path / "cache", vocab_size=256, roots=[tmp_path])
     assert bytes(cache.tokens[:-1].astype(np.uint8)).decode() == "héllo world"
     assert cache.tokens[-1] == ByteTokenizer.eot
 
@@ -46,7 +47,9 @@ def test_jsonl_text_and_chat(tmp_path):
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
     ]
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    cache = load_tokens(DataSpec(path=str(src), format="jsonl"), tmp_path / "c", vocab_size=256)
+    cache = load_tokens(
+        DataSpec(path=str(src), format="jsonl"), tmp_path / "c", vocab_size=256, roots=[tmp_path]
+    )
     text = bytes(cache.tokens.astype(np.uint8)).decode()
     assert text == "one\x00<|user|>\nhi\n<|assistant|>\nyo\n\x00"
 
@@ -55,7 +58,7 @@ def test_bad_jsonl_names_file_and_line(tmp_path):
     src = tmp_path / "d.jsonl"
     src.write_text('{"text": "ok"}\n{"nope": 1}\n')
     with pytest.raises(SpecError, match=r"d\.jsonl:2"):
-        load_tokens(DataSpec(path=str(src), format="jsonl"), tmp_path / "c", vocab_size=256)
+        load_tokens(DataSpec(path=str(src), format="jsonl"), tmp_path / "c", vocab_size=256, roots=[tmp_path])
 
 
 def test_directory_of_text(tmp_path):
@@ -63,21 +66,27 @@ def test_directory_of_text(tmp_path):
     (tmp_path / "docs" / "b.txt").write_text("bbb")
     (tmp_path / "docs" / "a.md").write_text("aaa")
     (tmp_path / "docs" / "skip.bin").write_bytes(b"\xff")
-    cache = load_tokens(DataSpec(path=str(tmp_path / "docs")), tmp_path / "c", vocab_size=256)
+    cache = load_tokens(
+        DataSpec(path=str(tmp_path / "docs")), tmp_path / "c", vocab_size=256, roots=[tmp_path]
+    )
     assert bytes(cache.tokens.astype(np.uint8)) == b"aaa\x00bbb\x00"
 
 
 def test_missing_path_and_small_vocab_name_the_field(tmp_path):
     with pytest.raises(SpecError, match=r"data\.path"):
-        load_tokens(DataSpec(path=str(tmp_path / "nothing")), tmp_path / "c", vocab_size=256)
+        load_tokens(
+            DataSpec(path=str(tmp_path / "nothing")), tmp_path / "c", vocab_size=256, roots=[tmp_path]
+        )
     with pytest.raises(SpecError, match=r"model\.vocab_size"):
-        load_tokens(DataSpec(), tmp_path / "c", vocab_size=100)
+        load_tokens(DataSpec(), tmp_path / "c", vocab_size=100, roots=[tmp_path])
 
 
 def test_tokenizer_file_needs_a_file(tmp_path):
     pytest.importorskip("tokenizers")
     with pytest.raises(SpecError, match=r"data\.tokenizer"):
-        load_tokens(DataSpec(tokenizer=str(tmp_path / "none.json")), tmp_path / "c", vocab_size=256)
+        load_tokens(
+            DataSpec(tokenizer=str(tmp_path / "none.json")), tmp_path / "c", vocab_size=256, roots=[tmp_path]
+        )
 
 
 def test_batches_are_a_pure_function():
@@ -115,9 +124,50 @@ def test_tokenizer_file(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("the lazy fox")
     spec = DataSpec(path=str(src), tokenizer=str(path))
-    cache = load_tokens(spec, tmp_path / "c", vocab_size=512)
+    cache = load_tokens(spec, tmp_path / "c", vocab_size=512, roots=[tmp_path])
     ids = [int(t) for t in cache.tokens]
     assert ids[:-1] == tok.encode("the lazy fox").ids
     assert ids[-1] == tok.token_to_id("<|endoftext|>")
     with pytest.raises(SpecError, match=r"model\.vocab_size"):
-        load_tokens(spec, tmp_path / "c", vocab_size=8)
+        load_tokens(spec, tmp_path / "c", vocab_size=8, roots=[tmp_path])
+
+
+# --- confinement: a spec reads only under its allowed roots ---------------------------------------------
+
+
+@pytest.mark.parametrize("outside", ["/etc/passwd", "/proc/self/environ", "../outside.txt"])
+def test_a_data_path_outside_the_roots_is_refused(tmp_path, outside):
+    root = tmp_path / "data"
+    root.mkdir()
+    (tmp_path / "outside.txt").write_text("secret " * 100)
+    with pytest.raises(SpecError, match="outside the allowed roots") as info:
+        load_tokens(DataSpec(path=outside), tmp_path / "c", vocab_size=256, roots=[root])
+    assert info.value.errors[0]["field"] == "data.path"
+    assert not list((tmp_path / "c").glob("*.bin"))
+
+
+def test_symlinks_out_of_the_roots_are_refused(tmp_path):
+    root, secret = tmp_path / "data", tmp_path / "secret"
+    (root / "docs").mkdir(parents=True)
+    secret.mkdir()
+    (secret / "shadow.txt").write_text("root:x:0:0 " * 100)
+    (root / "link.txt").symlink_to(secret / "shadow.txt")
+    (root / "docs" / "a.txt").write_text("fine " * 100)
+    (root / "docs" / "b.txt").symlink_to(secret / "shadow.txt")
+    for path in (root / "link.txt", root / "docs"):
+        with pytest.raises(SpecError, match="outside the allowed roots"):
+            load_tokens(DataSpec(path=str(path)), tmp_path / "c", vocab_size=256, roots=[root])
+    with pytest.raises(SpecError, match="outside the allowed roots") as info:
+        load_tokens(DataSpec(tokenizer=str(root / "link.txt")), tmp_path / "c", vocab_size=256, roots=[root])
+    assert info.value.errors[0]["field"] == "data.tokenizer"
+
+
+def test_a_relative_data_path_is_taken_from_the_first_root_and_the_cache_is_private(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "corpus.txt").write_text("hello world " * 200)
+    cache = load_tokens(DataSpec(path="corpus.txt"), tmp_path / "c", vocab_size=256, roots=[root])
+    assert len(cache) > 0
+    assert stat.S_IMODE((tmp_path / "c").stat().st_mode) == 0o700
+    for f in (tmp_path / "c").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f

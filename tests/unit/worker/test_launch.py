@@ -7,7 +7,7 @@ import sys
 from vigil_common import events as ev
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
-from vigil_worker.launch import prepare_ranks
+from vigil_worker.launch import RANK_NATS_URL_ENV, prepare_ranks
 
 
 def make_launch() -> ev.LaunchJob:
@@ -53,9 +53,21 @@ def test_the_rank_command_line_comes_from_vigil_alone(tmp_path):
         "--checkpoint-root", str(tmp_path.resolve() / "checkpoints"),
         "--cache-dir", str(tmp_path.resolve() / "cache"),
         "--node", "b",
-        "--nats-url", "nats://bus:4222",
+        "--data-root", str(tmp_path.resolve()),
     ]  # fmt: skip
     assert rank.env["DS_ACCELERATOR"] == "cpu" and rank.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_secrets_reach_a_rank_by_its_environment_never_its_command_line(tmp_path, monkeypatch):
+    url = "nats://vigil:s3cret@bus:4222"
+    monkeypatch.setenv("VIGIL_DATABASE_URL", "postgresql://vigil:pg-s3cret@db/vigil")
+    monkeypatch.setenv("VIGIL_API_TOKEN", "api-token-s3cret-0123456789")
+    conf = Settings(data_dir=tmp_path, node_name="b", nats_url=url, data_roots=[tmp_path / "corpus"])
+    (rank, *_) = prepare_ranks(make_launch(), conf, "cpu")
+    assert not [a for a in rank.argv if "s3cret" in a], rank.argv  # argv is visible to everyone in `ps`
+    assert rank.argv[-2:] == ["--data-root", str((tmp_path / "corpus").resolve())]
+    assert rank.env[RANK_NATS_URL_ENV] == url
+    assert not [k for k, v in rank.env.items() if "s3cret" in v and k != RANK_NATS_URL_ENV]
 
 
 def test_a_launch_for_other_nodes_writes_nothing(tmp_path):

@@ -41,6 +41,8 @@ class Deps:
     scheduler: Scheduler
     api_token: str
     closing: asyncio.Event = field(default_factory=asyncio.Event)  # set when the service stops
+    # specs parsed at once, each in a thread: a burst of large bodies cannot hold the event loop
+    parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(2))
 
 
 def _from_state(name: str) -> Provide:
@@ -59,6 +61,7 @@ def create_app(deps: Deps) -> Litestar:
             scheduler=deps.scheduler,
             api_token=deps.api_token,
             closing=deps.closing,
+            parsing=deps.parsing,
         )
         try:
             yield

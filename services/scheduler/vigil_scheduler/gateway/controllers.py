@@ -9,13 +9,14 @@ from typing import Annotated
 import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, FromQuery, QueryParameter, RawBody
+from litestar.params import FromQuery, Parameter, QueryParameter, RawBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
 
 from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged
+from vigil_common.jobstates import JobState
 from vigil_common.spec import parse_spec
 from vigil_scheduler import audit, queries
 from vigil_scheduler.core import Scheduler
@@ -28,15 +29,23 @@ from vigil_scheduler.gateway.schemas import (
     NodePage,
     Page,
     SubmitOperation,
+    error_responses,
 )
 
 Limit = Annotated[int, QueryParameter(ge=1, le=1000, description="items per page")]
 Cursor = Annotated[str | None, QueryParameter(description="the `next` of the previous page")]
-StateFilter = Annotated[str | None, QueryParameter(name="state", description="only jobs in this state")]
+StateFilter = Annotated[JobState | None, QueryParameter(name="state", description="only jobs in this state")]
+# ranks and attempts are Postgres `int` columns
+Rank = Annotated[int | None, QueryParameter(ge=0, le=2**31 - 1, description="only this rank's steps")]
+Attempt = Annotated[int | None, QueryParameter(ge=1, le=2**31 - 1, description="only this attempt's steps")]
 Pool = NamedDependency[asyncpg.Pool]
 BusDep = NamedDependency[Bus]
 SchedulerDep = NamedDependency[Scheduler]
-JobId = FromPath[str]
+JobId = Annotated[
+    str, Parameter(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$", description="a job id (`j-...`)")
+]
+READ = error_responses(401, 422)
+ONE_JOB = error_responses(401, 404, 422)
 KEEPALIVE_S = 15.0
 
 
@@ -49,35 +58,46 @@ class JobController(Controller):
         status_code=HTTP_201_CREATED,
         summary="Submit a job spec (JSON or YAML body)",
         operation_class=SubmitOperation,
+        responses=error_responses(401, 413, 422),
     )
     async def submit(self, request: Request, body: RawBody, scheduler: SchedulerDep) -> JobOut:
-        spec = parse_spec(body, content_type=request.headers.get("content-type"))
+        async with request.app.state.parsing:  # a few at a time, off the event loop: heartbeats go on
+            spec = await asyncio.to_thread(parse_spec, body, content_type=request.headers.get("content-type"))
         job = await scheduler.submit(spec, parent=dict(request.headers), actor=_actor(request))
         return JobOut.model_validate(queries.job_view(job))
 
-    @get("/", summary="Jobs, newest first")
+    @get("/", summary="Jobs, newest first", responses=READ)
     async def list_jobs(
         self, pool: Pool, state_filter: StateFilter = None, limit: Limit = 100, cursor: Cursor = None
     ) -> JobPage:
         page = await queries.list_jobs(pool, state=state_filter, limit=limit, cursor=cursor)
         return JobPage.model_validate(page)
 
-    @get("/{job_id:str}", summary="One job: state, placement, attempts, last step, latest loss")
+    @get(
+        "/{job_id:str}",
+        summary="One job: state, placement, attempts, last step, latest loss",
+        responses=ONE_JOB,
+    )
     async def get_job(self, pool: Pool, job_id: JobId) -> JobDetailOut:
         return JobDetailOut.model_validate(await queries.job_detail(pool, job_id))
 
-    @post("/{job_id:str}/cancel", status_code=HTTP_200_OK, summary="Cancel a queued or running job")
+    @post(
+        "/{job_id:str}/cancel",
+        status_code=HTTP_200_OK,
+        summary="Cancel a queued or running job",
+        responses=error_responses(401, 404, 409, 422),
+    )
     async def cancel(self, request: Request, scheduler: SchedulerDep, job_id: JobId) -> JobOut:
         job = await scheduler.cancel(job_id, actor=_actor(request))
         return JobOut.model_validate(queries.job_view(job))
 
-    @get("/{job_id:str}/steps", summary="Step metrics, per rank or aggregated per step")
+    @get("/{job_id:str}/steps", summary="Step metrics, per rank or aggregated per step", responses=ONE_JOB)
     async def steps(
         self,
         pool: Pool,
         job_id: JobId,
-        rank: FromQuery[int | None] = None,
-        attempt: FromQuery[int | None] = None,
+        rank: Rank = None,
+        attempt: Attempt = None,
         aggregate: FromQuery[bool] = False,
         limit: Limit = 100,
         cursor: Cursor = None,
@@ -89,12 +109,12 @@ class JobController(Controller):
             )
         )
 
-    @get("/{job_id:str}/checkpoints", summary="Checkpoints with step, validity, size")
+    @get("/{job_id:str}/checkpoints", summary="Checkpoints with step, validity, size", responses=ONE_JOB)
     async def checkpoints(self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None) -> Page:
         await queries.require_job(pool, job_id)
         return Page.model_validate(await readmodel.checkpoints(pool, job_id, limit=limit, cursor=cursor))
 
-    @get("/{job_id:str}/incidents", summary="What the guardian saw and did for this job")
+    @get("/{job_id:str}/incidents", summary="What the guardian saw and did for this job", responses=ONE_JOB)
     async def job_incidents(
         self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None
     ) -> Page:
@@ -105,15 +125,15 @@ class JobController(Controller):
 class InventoryController(Controller):
     tags = ["inventory"]
 
-    @get("/nodes", summary="Nodes with their devices and liveness")
+    @get("/nodes", summary="Nodes with their devices and liveness", responses=READ)
     async def nodes(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> NodePage:
         return NodePage.model_validate(await queries.list_nodes(pool, limit=limit, cursor=cursor))
 
-    @get("/gpus", summary="Devices with health, owner job and latest sample")
+    @get("/gpus", summary="Devices with health, owner job and latest sample", responses=READ)
     async def gpus(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> GpuPage:
         return GpuPage.model_validate(await queries.list_gpus(pool, limit=limit, cursor=cursor))
 
-    @get("/incidents", summary="Incidents of every job, newest first", tags=["incidents"])
+    @get("/incidents", summary="Incidents of every job, newest first", tags=["incidents"], responses=READ)
     async def incidents(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> Page:
         return Page.model_validate(await readmodel.incidents(pool, limit=limit, cursor=cursor))
 
@@ -121,7 +141,12 @@ class InventoryController(Controller):
 class EventsController(Controller):
     tags = ["events"]
 
-    @get("/events", summary="Server-sent events: job state changes and incidents, live")
+    @get(
+        "/events",
+        summary="Server-sent events: job state changes and incidents, live",
+        media_type="text/event-stream",
+        responses=READ,
+    )
     async def events(
         self, request: Request, bus: BusDep, job: FromQuery[str | None] = None
     ) -> ServerSentEvent:

@@ -12,6 +12,7 @@ from litestar.status_codes import (
     HTTP_401_UNAUTHORIZED,
     HTTP_404_NOT_FOUND,
     HTTP_409_CONFLICT,
+    HTTP_413_REQUEST_ENTITY_TOO_LARGE,
     HTTP_422_UNPROCESSABLE_ENTITY,
     HTTP_500_INTERNAL_SERVER_ERROR,
     HTTP_503_SERVICE_UNAVAILABLE,
@@ -41,6 +42,10 @@ def _status(exc: VigilError) -> int:
     return HTTP_500_INTERNAL_SERVER_ERROR
 
 
+# Handler arguments whose name differs from the query parameter they read (`state` is Litestar's own).
+_PARAMETER_NAMES = {"state_filter": "state"}
+
+
 def _fields(exc: Exception) -> list[dict[str, str]]:
     if isinstance(exc, SpecError):
         return exc.errors
@@ -49,11 +54,11 @@ def _fields(exc: Exception) -> list[dict[str, str]]:
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list):
         return [
             {
-                "field": str(e.get("key") or e.get("source") or "(request)"),
+                "field": _PARAMETER_NAMES.get(key, key),
                 "message": str(e.get("message", "")),
             }
             for e in exc.extra
-            if isinstance(e, dict)
+            if isinstance(e, dict) and (key := str(e.get("key") or e.get("source") or "(request)"))
         ]
     return []
 
@@ -77,8 +82,12 @@ def vigil_error(request: Request, exc: VigilError) -> Response[dict[str, Any]]:
 
 def http_error(request: Request, exc: HTTPException) -> Response[dict[str, Any]]:
     status = HTTP_422_UNPROCESSABLE_ENTITY if isinstance(exc, ValidationException) else exc.status_code
+    message = exc.detail
+    if status == HTTP_413_REQUEST_ENTITY_TOO_LARGE:
+        limit = request.app.request_max_body_size
+        message = f"the body is larger than VIGIL_MAX_BODY_BYTES ({limit} bytes)"
     return Response(
-        body(status, type(exc).__name__, exc.detail, _fields(exc)),
+        body(status, type(exc).__name__, message, _fields(exc)),
         status_code=status,
         media_type=MediaType.JSON,
         headers=exc.headers,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, get_args
 
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
 from pydantic import BaseModel, ConfigDict
 
@@ -125,6 +126,37 @@ class Page(Out):
 
     items: list[dict[str, Any]]
     next: str | None
+
+
+class FieldErrorOut(Out):
+    field: str
+    message: str
+
+
+class ErrorOut(Out):
+    """Every error: `gateway.errors` makes this body for every status."""
+
+    status: int
+    error: str
+    message: str
+    fields: list[FieldErrorOut]
+
+
+_ERRORS = {
+    401: "no bearer token, or the wrong one",
+    404: "no such job",
+    409: "the job's state forbids it",
+    413: "the body is larger than VIGIL_MAX_BODY_BYTES",
+    422: "a bad spec, path or query parameter; `fields` names each",
+}
+
+
+def error_responses(*codes: int) -> dict[int, ResponseSpec]:
+    """The documented error answers of an endpoint (the OpenAPI `responses` besides its success)."""
+    return {
+        code: ResponseSpec(data_container=ErrorOut, description=_ERRORS[code], generate_examples=False)
+        for code in codes
+    }
 
 
 class Health(Out):

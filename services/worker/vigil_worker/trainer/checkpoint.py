@@ -15,15 +15,41 @@ import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vigil_common.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "vigil-checkpoint/1"
 DS_TAG = "ds"  # DeepSpeed's tag: its files live in <step dir>/ds/
+
+
+class _FileEntry(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    bytes: int = Field(ge=0, le=2**62)
+    sha256: str = Field(max_length=128)
+
+
+class _ManifestBody(BaseModel):
+    """What `verify` accepts in a manifest.json: written by `write_manifest`, read as untrusted input."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    format: Literal["vigil-checkpoint/1"]
+    job_id: str = Field("", max_length=256)
+    step: int = Field(ge=0, le=2**62)
+    data_position: int = Field(ge=0, le=2**62)
+    skip_windows: list[tuple[int, int]] = Field(default_factory=list, max_length=100_000)
+    files: dict[str, _FileEntry] = Field(max_length=1_000_000)
+
+
+def _problem(err: ValidationError) -> str:
+    e = err.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in e["loc"]) or "(manifest)"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{where}: {e['msg']}{more}"
 
 
 @dataclass(frozen=True)
@@ -39,6 +65,11 @@ class Manifest:
     @property
     def bytes(self) -> int:
         return sum(int(f["bytes"]) for f in self.files.values())
+
+
+def job_dir(root: Path, job_id: str) -> Path:
+    """A job's own checkpoint folder: the only place its rollbacks and resumes may load from."""
+    return confine(root, Path(root) / job_id)
 
 
 def step_dir(root: Path, job_id: str, step: int) -> Path:
@@ -125,16 +156,13 @@ def verify(path: str | Path, *, root: Path | None = None) -> Manifest:
         raise CheckpointError(f"{ckpt}: no {MANIFEST} (incomplete or not a checkpoint)")
     raw = manifest_path.read_bytes()
     try:
-        body = json.loads(raw)
-        files = body["files"]
-        step, position = int(body["step"]), int(body["data_position"])
-        if body.get("format") != FORMAT:
-            raise ValueError(f"format {body.get('format')!r}")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from exc
+        body = _ManifestBody.model_validate_json(raw)
+    except ValidationError as exc:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({_problem(exc)})") from exc
+    files = {rel: meta.model_dump() for rel, meta in body.files.items()}
     for rel, meta in files.items():
         rel_path = Path(rel)
-        if rel_path.is_absolute() or ".." in rel_path.parts:
+        if "\x00" in rel or rel_path.is_absolute() or ".." in rel_path.parts:
             raise CheckpointError(f"{manifest_path}: file entry {rel!r} escapes the checkpoint")
         f = ckpt / rel_path
         if f.is_symlink() or not f.is_file():
@@ -153,10 +181,10 @@ def verify(path: str | Path, *, root: Path | None = None) -> Manifest:
             raise CheckpointError(f"{ckpt}: {rel} is not in the manifest")
     return Manifest(
         path=ckpt,
-        job_id=str(body.get("job_id", "")),
-        step=step,
-        data_position=position,
-        skip_windows=[(int(a), int(b)) for a, b in body.get("skip_windows", [])],
+        job_id=body.job_id,
+        step=body.step,
+        data_position=body.data_position,
+        skip_windows=list(body.skip_windows),
         files=files,
         sha256=hashlib.sha256(raw).hexdigest(),
     )

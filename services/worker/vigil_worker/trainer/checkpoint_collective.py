@@ -59,13 +59,13 @@ def save_checkpoint(ctx: RankContext, st: TrainState) -> None:
 
 
 def choose_checkpoint(ctx: RankContext, requested: str, requested_step: int | None) -> ckpt.Manifest:
-    """Rank 0 verifies the requested checkpoint; if it is corrupt (or outside the root), the newest valid
-    one before `requested_step` (None: before any step). Every rank gets rank 0's choice, so all load the
-    same checkpoint."""
+    """Rank 0 verifies the requested checkpoint; if it is corrupt or outside this job's own folder (a
+    command naming another job's checkpoint), the newest valid one of this job before `requested_step`
+    (None: before any step). Every rank gets rank 0's choice, so all load the same checkpoint."""
     choice: list[Any] = [None, ""]
     if ctx.rank == 0:
         try:
-            choice[0] = ckpt.verify(requested, root=ctx.checkpoint_root)
+            choice[0] = ckpt.verify(requested, root=ckpt.job_dir(ctx.checkpoint_root, ctx.job_id))
         except CheckpointError as exc:
             log.error("refusing checkpoint %s: %s", requested, exc)
             before = None if requested_step is None else requested_step - 1

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from vigil_common.confine import OutsideRoots, private_dir, within
 from vigil_common.errors import SpecError
 from vigil_common.spec import DataSpec
 
@@ -79,8 +80,20 @@ class FileTokenizer:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
 
-def load_tokenizer(spec: DataSpec) -> Tokenizer:
-    return FileTokenizer(Path(spec.tokenizer)) if spec.tokenizer else ByteTokenizer()
+def load_tokenizer(spec: DataSpec, roots: Sequence[Path]) -> Tokenizer:
+    return (
+        FileTokenizer(confined(spec.tokenizer, roots, "data.tokenizer"))
+        if spec.tokenizer
+        else ByteTokenizer()
+    )
+
+
+def confined(path: str | Path, roots: Sequence[Path], field: str) -> Path:
+    """A spec's path, resolved, if it lies under an allowed root (`vigil_common.confine.within`)."""
+    try:
+        return within(path, roots)
+    except OutsideRoots as exc:
+        raise _error(field, str(exc)) from exc
 
 
 def _error(field: str, message: str) -> SpecError:
@@ -104,16 +117,19 @@ def builtin_corpus_files() -> list[Path]:
     return chosen
 
 
-def source_files(spec: DataSpec) -> list[Path]:
+def source_files(spec: DataSpec, roots: Sequence[Path]) -> list[Path]:
+    """The files a spec's data names, each confined to `roots` (a link inside a folder may not lead out)."""
     if spec.path is None:
         return builtin_corpus_files()
-    root = Path(spec.path)
+    root = confined(spec.path, roots, "data.path")
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise SpecError([{"field": "data.path", "message": f"{root} is neither a file nor a directory"}])
     suffixes = JSONL_SUFFIXES if spec.format == "jsonl" else TEXT_SUFFIXES
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
+    files = sorted(
+        confined(p, roots, "data.path") for p in root.rglob("*") if p.is_file() and p.suffix in suffixes
+    )
     if not files:
         raise SpecError([{"field": "data.path", "message": f"no {'/'.join(suffixes)} files under {root}"}])
     return files
@@ -184,28 +200,30 @@ def cache_key(spec: DataSpec, tok: Tokenizer, files: list[Path]) -> str:
     return h.hexdigest()[:24]
 
 
-def load_tokens(spec: DataSpec, cache_dir: Path, *, vocab_size: int) -> TokenCache:
+def load_tokens(spec: DataSpec, cache_dir: Path, *, vocab_size: int, roots: Sequence[Path]) -> TokenCache:
     """Tokenize the sources once into `cache_dir/<key>.<dtype>.bin`.
 
-    The file appears by atomic rename; a file lock keeps ranks from tokenizing the same sources twice.
+    `spec.path` and `spec.tokenizer` must lie under one of `roots`. The cache folder is 0700 and its
+    files 0600: they hold the data. The file appears by atomic rename; a file lock keeps ranks from
+    tokenizing the same sources twice.
     """
-    tok = load_tokenizer(spec)
+    tok = load_tokenizer(spec, roots)
     if tok.vocab_size > vocab_size:
         raise _error(
             "model.vocab_size",
             f"the tokenizer has {tok.vocab_size} tokens, more than model.vocab_size ({vocab_size})",
         )
-    files = source_files(spec)
+    files = source_files(spec, roots)
     fmt = spec.format if spec.path else "text"
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(cache_dir)
     key = cache_key(spec, tok, files)
     path = cache_dir / f"{key}.{np.dtype(dtype).name}.bin"
-    with (cache_dir / f"{key}.lock").open("w") as lock:
+    with os.fdopen(os.open(cache_dir / f"{key}.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank tokenizes; the others wait, then read its file
         if not path.exists():
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            with tmp.open("wb") as out:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
                 for f in files:
                     for doc in documents(f, fmt):
                         out.write(tok.encode(doc).astype(dtype).tobytes())

@@ -46,8 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cache-dir", type=Path, help="tokenized data cache (default: <checkpoint root>/../cache)"
     )
+    p.add_argument(
+        "--data-root",
+        dest="data_roots",
+        type=Path,
+        action="append",
+        help="a folder data.path and data.tokenizer may name (repeatable; default: the data dir)",
+    )
     p.add_argument("--node", default=os.environ.get("VIGIL_NODE_NAME", "local"))
-    p.add_argument("--nats-url", help="publish events and take commands over this NATS; unset: run alone")
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("VIGIL_RANK_NATS_URL"),  # how the worker passes it: never on a command line
+        help="publish events and take commands over this NATS; unset: run alone",
+    )
     p.add_argument("--resume-from", help="checkpoint directory (overrides the launch's)")
     p.add_argument(
         "--skip-data", type=int, nargs=2, metavar=("START", "END"), help="[start, end) data positions"
@@ -181,7 +192,8 @@ def load_data(args: argparse.Namespace, spec: JobSpec) -> np.ndarray:
     from vigil_worker.trainer.data import load_tokens
 
     cache_dir = args.cache_dir or args.checkpoint_root.resolve().parent / "cache"
-    return load_tokens(spec.data, cache_dir, vocab_size=spec.model.resolved().vocab_size).tokens
+    roots = args.data_roots or [args.checkpoint_root.resolve().parent]  # the data dir
+    return load_tokens(spec.data, cache_dir, vocab_size=spec.model.resolved().vocab_size, roots=roots).tokens
 
 
 # --- the program ---------------------------------------------------------------------------------------

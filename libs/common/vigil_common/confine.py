@@ -1,0 +1,59 @@
+"""What a spec or a command may name on disk, and who may read what Vigil writes there.
+
+- `within` resolves a user-given path (symlinks followed) and refuses it unless it lies under one of
+  the allowed roots: a spec's `data.path` and `data.tokenizer` (roots: `VIGIL_DATA_ROOTS`, by default
+  the data dir), so no spec reads `/etc/shadow` or `/proc/self/environ` through the worker.
+- `private_dir` makes a folder only its owner can list or enter (0700): the data dir, the token cache.
+  Files Vigil writes in them are 0600 (`vigil up` and the services also set umask 077 for what
+  libraries write, DeepSpeed's checkpoint shards among them).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+PRIVATE_UMASK = 0o077
+
+
+class OutsideRoots(ValueError):
+    """A path that resolves outside every allowed root."""
+
+
+def within(path: str | Path, roots: Sequence[Path], *, relative_to: Path | None = None) -> Path:
+    """`path` fully resolved (every symlink followed), if it lies under one of `roots` (themselves
+    resolved); OutsideRoots otherwise. A relative `path` is taken from `relative_to` (default: the first
+    root)."""
+    if not roots:
+        raise OutsideRoots("no allowed roots are configured (VIGIL_DATA_ROOTS)")
+    resolved_roots = [Path(r).resolve() for r in roots]
+    raw = Path(path)
+    if not raw.is_absolute():
+        raw = (relative_to or resolved_roots[0]) / raw
+    real = raw.resolve()  # after this, a symlink anywhere on the way has been followed
+    for root in resolved_roots:
+        if real == root or real.is_relative_to(root):
+            return real
+    names = ", ".join(str(r) for r in resolved_roots)
+    raise OutsideRoots(
+        f"{path} resolves to {real}, outside the allowed roots ({names}); see VIGIL_DATA_ROOTS"
+    )
+
+
+def private_dir(path: Path) -> Path:
+    """`path` created 0700 if missing; if it exists, nobody but its owner may list it or write in it any
+    more (0700). A search (x) bit others already have is kept (0711): the embedded Postgres, run as its
+    own user under root, reaches its folder through the data dir that way, and can list nothing."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o066 or mode & 0o700 != 0o700:
+        os.chmod(path, mode & 0o711 | 0o700)
+    return path
+
+
+def private_umask() -> int:
+    """Make every file and folder this process (and its children) creates owner-only from now on;
+    returns the previous umask."""
+    return os.umask(PRIVATE_UMASK)
