@@ -48,6 +48,18 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
     metrics_port: int = Field(9464, ge=0, le=65535, description="telemetry's Prometheus /metrics; 0: off")
+    peak_tflops: float | None = Field(
+        None, gt=0, le=1e6, description="a device's peak TFLOP/s for MFU; unset: the table, or measured"
+    )
+    preempt_on_sigterm: bool = Field(
+        False, description="SIGTERM to the worker is a preemption notice (spot nodes); false: a plain stop"
+    )
+    preemption_notice_file: Path | None = Field(
+        None, description="a file whose appearance is a preemption notice (a cloud's, written by an agent)"
+    )
+    preemption_grace_s: float = Field(
+        30.0, gt=0, le=3600, description="after a notice, how long ranks have to checkpoint before SIGKILL"
+    )
     log_level: str = "INFO"
     trace_file: Path | None = Field(
         None, description="also write every span as a JSON line here (traces without a collector)"
