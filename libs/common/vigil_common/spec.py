@@ -136,16 +136,16 @@ BucketElements = Annotated[int, Field(ge=2**16, le=2**31)]
 
 class CommSpec(StrictModel):
     """DeepSpeed's gradient buckets and overlap (ZeRO stages 1-3; without ZeRO, DeepSpeed all-reduces
-    in fixed buckets). `auto`: chosen from the model size and the hardware, with the reason logged."""
+    in fixed buckets). null (the default): chosen from the model size and the hardware, reason logged."""
 
-    reduce_bucket_size: BucketElements | Literal["auto"] = Field(
-        "auto", description="elements per gradient reduce(-scatter) bucket"
+    reduce_bucket_size: BucketElements | None = Field(
+        None, description="elements per gradient reduce(-scatter) bucket; null: auto"
     )
-    allgather_bucket_size: BucketElements | Literal["auto"] = Field(
-        "auto", description="elements per parameter all-gather bucket"
+    allgather_bucket_size: BucketElements | None = Field(
+        None, description="elements per parameter all-gather bucket; null: auto"
     )
-    overlap_comm: bool | Literal["auto"] = Field(
-        "auto", description="overlap gradient reduction with the backward pass (auto: on GPUs)"
+    overlap_comm: bool | None = Field(
+        None, description="overlap gradient reduction with the backward pass; null: auto (on GPUs)"
     )
 
 

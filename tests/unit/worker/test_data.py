@@ -121,3 +121,16 @@ def test_tokenizer_file(tmp_path):
     assert ids[-1] == tok.token_to_id("<|endoftext|>")
     with pytest.raises(SpecError, match=r"model\.vocab_size"):
         load_tokens(spec, tmp_path / "c", vocab_size=8)
+
+
+def test_split_micro_batch_reads_the_same_rows():
+    """After an out-of-memory a micro-step runs as two halves: together they are the whole batch."""
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(seed=1, data_position=7, rank=1, micro=2, micro_batch=4, seq_len=16)
+    x, y = batch(tokens, **kw)
+    halves = [batch(tokens, **kw, part=p, parts=2) for p in (0, 1)]
+    assert all(h[0].shape == (2, 16) for h in halves)
+    assert torch.equal(torch.cat([h[0] for h in halves]), x)
+    assert torch.equal(torch.cat([h[1] for h in halves]), y)
+    with pytest.raises(ValueError, match="part 0 of 3"):
+        batch(tokens, **kw, part=0, parts=3)

@@ -109,9 +109,9 @@ def choose_buckets(
 ) -> tuple[dict[str, Any], str]:
     """ZeRO bucket sizes and overlap: the spec's values, or chosen from the model size and hardware."""
     auto = min(MAX_BUCKET, max(MIN_BUCKET, n_params // BUCKETS_PER_PASS))
-    reduce = auto if comm.reduce_bucket_size == "auto" else int(comm.reduce_bucket_size)
-    gather = auto if comm.allgather_bucket_size == "auto" else int(comm.allgather_bucket_size)
-    if comm.overlap_comm == "auto":
+    reduce = auto if comm.reduce_bucket_size is None else comm.reduce_bucket_size
+    gather = auto if comm.allgather_bucket_size is None else comm.allgather_bucket_size
+    if comm.overlap_comm is None:
         overlap = hw.accelerator == "cuda" and world_size > 1
         if overlap:
             how = "on (GPU: NCCL runs beside the backward)"
@@ -120,7 +120,7 @@ def choose_buckets(
         else:
             how = "off (CPU: gloo blocks, nothing to overlap)"
     else:
-        overlap, how = bool(comm.overlap_comm), "as the spec asks"
+        overlap, how = comm.overlap_comm, "as the spec asks"
     if stage == 0:
         return {}, "buckets: none to tune (no ZeRO: DeepSpeed all-reduces the gradients in fixed buckets)"
     keys = {"reduce_bucket_size": reduce, "overlap_comm": overlap}
@@ -128,11 +128,14 @@ def choose_buckets(
         keys["allgather_bucket_size"] = gather
     else:
         keys["stage3_prefetch_bucket_size"] = gather
-    source = "auto" if comm.reduce_bucket_size == "auto" else "spec"
+    rule = (
+        f"auto would be {n_params / 1e6:.1f}M params / {BUCKETS_PER_PASS} buckets per pass, within "
+        f"[{MIN_BUCKET / 1e6:.1f}M, {MAX_BUCKET / 1e6:.0f}M]: {auto / 1e6:.1f}M"
+    )
     why = (
-        f"buckets: reduce {reduce / 1e6:.1f}M, all-gather {gather / 1e6:.1f}M elements ({source}: "
-        f"{n_params / 1e6:.1f}M params / {BUCKETS_PER_PASS} buckets per pass, within "
-        f"[{MIN_BUCKET / 1e6:.1f}M, {MAX_BUCKET / 1e6:.0f}M]); overlap_comm {how}"
+        f"buckets: reduce {reduce / 1e6:.1f}M ({'auto' if comm.reduce_bucket_size is None else 'spec'}), "
+        f"all-gather {gather / 1e6:.1f}M ({'auto' if comm.allgather_bucket_size is None else 'spec'}) "
+        f"elements ({rule}); overlap_comm {how}"
     )
     return keys, why
 
