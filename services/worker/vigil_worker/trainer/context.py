@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from vigil_common.spec import JobSpec
+from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.mfu import Peak
@@ -37,6 +38,7 @@ class RankContext:
     faults: FaultInjector
     sink: Sink = field(default_factory=NullSink)
     comm: CommTimer = field(default_factory=CommTimer)  # measures nothing until installed
+    clock: Clock = field(default_factory=Clock)  # wall clock; CUDA events on GPU
     observer: Observer = field(default_factory=NullObserver)
     notice: PreemptionNotice = field(default_factory=PreemptionNotice)  # listens once installed
     flops_per_token: float | None = None  # model FLOPs per token, for MFU

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,29 +68,32 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
                 B // st.split,
                 accum * st.split,
             )
-        comm_s = ctx.comm.take()
+        comm_spans = ctx.comm.take_spans()  # read after the step's sync point
         if agreed.oom_rank is not None:  # the split step ran out of memory too: save and halt
             halt_out_of_memory(ctx, st, step, agreed.oom_rank)
             handle_commands(ctx, st, agreed.agreed_seq)  # halted: wait for a resume, rollback or cancel
             continue
 
         # --- optimizer step at the accumulation boundary (skipped when the update is not finite) -------
-        te = time.perf_counter()
+        te = ctx.clock.now()
         engine.step()
-        m.sync()
-        tf = time.perf_counter()
+        tf = ctx.clock.now()
+        ctx.clock.sync()  # CPU-GPU sync point, the step's one: every phase's marks are readable after it
+        t_end = time.perf_counter()
         applied = bool(engine.was_step_applied())
-        ctx.observer.on_step_end(step, tf - t0)
+        ctx.observer.on_step_end(step, t_end - t0)
         if not agreed.all_finite and applied:
             raise RuntimeError(f"step {step}: a non-finite update was applied; refusing to go on")
 
         # --- log and emit -------------------------------------------------------------------------------
-        loss_value = m.loss_sum.item() / (accum * st.split)  # CPU-GPU sync point (once per step)
+        loss_value = m.loss_sum.item() / (accum * st.split)  # synchronised already: no wait
+        t_data, t_fwd, t_bwd = (m.seconds(ctx, phase) for phase in ("data", "forward", "backward"))
+        comm_s = ctx.comm.total(comm_spans)
         grad_norm = agreed.grad_norm
         if grad_norm is None:
             gn = engine.get_global_grad_norm()
             grad_norm = float(gn) if gn is not None else None
-        step_s = tf - t0
+        step_s = t_end - t0
         tokens_per_s = tokens_per_step / step_s if step_s > 0 else 0.0
         ctx.sink.emit(
             subjects.step(ctx.job_id),
@@ -104,11 +108,11 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
                 lr=lr,
                 tokens=tokens_per_step,
                 tokens_per_s=tokens_per_s,
-                data_time_s=m.t_data,
-                forward_time_s=m.t_fwd,
-                backward_time_s=m.t_bwd,
+                data_time_s=t_data,
+                forward_time_s=t_fwd,
+                backward_time_s=t_bwd,
                 comm_time_s=comm_s,
-                optimizer_time_s=tf - te,
+                optimizer_time_s=ctx.clock.between(te, tf),
                 step_time_s=step_s,
                 skipped=not applied,
                 data_position=pos,
@@ -153,15 +157,15 @@ class MicroSteps:
 
     loss_sum: torch.Tensor  # sum of the micro-steps' losses, on the device
     finite: torch.Tensor  # 1.0 when every one of this rank's losses was finite, else 0.0
-    oom: bool  # this rank ran out of memory (the rest of its micro-steps were stand-ins)
-    t_data: float
-    t_fwd: float
-    t_bwd: float
-    cuda: bool
+    oom: bool = False  # this rank ran out of memory (the rest of its micro-steps were stand-ins)
+    spans: dict[str, list[tuple[Any, Any]]] = field(default_factory=dict)  # phase -> clock marks
 
-    def sync(self) -> None:  # CPU-GPU sync point: section timings on GPU are honest only after one
-        if self.cuda:
-            torch.cuda.synchronize()
+    def mark(self, phase: str, start: Any, end: Any) -> None:
+        self.spans.setdefault(phase, []).append((start, end))
+
+    def seconds(self, ctx: RankContext, phase: str) -> float:
+        """A phase's seconds over the micro-steps (read after the step's sync point)."""
+        return sum(ctx.clock.between(a, b) for a, b in self.spans.get(phase, []))
 
 
 def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: float) -> MicroSteps:
@@ -170,15 +174,8 @@ def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: f
     engine, spec = ctx.engine, ctx.spec
     T, B, split = spec.model.resolved().seq_len, spec.train.micro_batch, st.split
     n = spec.train.grad_accum * split
-    m = MicroSteps(
-        loss_sum=torch.zeros((), device=ctx.device),
-        finite=torch.ones((), device=ctx.device),
-        oom=False,
-        t_data=0.0,
-        t_fwd=0.0,
-        t_bwd=0.0,
-        cuda=ctx.device.type == "cuda",
-    )
+    clock = ctx.clock
+    m = MicroSteps(loss_sum=torch.zeros((), device=ctx.device), finite=torch.ones((), device=ctx.device))
     for micro in range(n):
         if m.oom:
             null_backward(engine)
@@ -186,7 +183,7 @@ def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: f
             try:
                 # --- data: a pure function of (seed, data position, rank, micro-step); a split micro-step
                 # reads its part of the same rows ----------------------------------------------------------
-                ta = time.perf_counter()
+                ta = clock.now()
                 x, y = batch(
                     ctx.tokens,
                     seed=spec.train.seed,
@@ -199,20 +196,20 @@ def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: f
                     parts=split,
                 )  # (B / split, T) each
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-                tb = time.perf_counter()
+                tb = clock.now()
                 # --- forward --------------------------------------------------------------------------------
                 if micro == 0 and ctx.faults.out_of_memory(step):
                     raise torch.OutOfMemoryError(f"injected out-of-memory at step {step}")
                 loss = engine(x, y)
                 if factor != 1.0:
                     loss = loss * factor  # injected NaN or spike: flows into the gradients like a real one
-                m.sync()
-                tc = time.perf_counter()
+                tc = clock.now()
                 # --- backward (at the accumulation boundary DeepSpeed reduces the gradients: comm) ----------
                 engine.backward(loss)
-                m.sync()
-                td = time.perf_counter()
-                m.t_data, m.t_fwd, m.t_bwd = m.t_data + tb - ta, m.t_fwd + tc - tb, m.t_bwd + td - tc
+                td = clock.now()
+                m.mark("data", ta, tb)
+                m.mark("forward", tb, tc)
+                m.mark("backward", tc, td)
                 m.loss_sum += loss.detach().float()
                 m.finite = m.finite * torch.isfinite(loss.detach()).float()
             except torch.OutOfMemoryError as exc:

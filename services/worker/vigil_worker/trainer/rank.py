@@ -238,6 +238,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
 
     from vigil_worker.trainer import checkpoint as ckpt
     from vigil_worker.trainer.checkpoint_collective import choose_checkpoint, load_checkpoint, save_checkpoint
+    from vigil_worker.trainer.clock import Clock
     from vigil_worker.trainer.comm import CommTimer
     from vigil_worker.trainer.context import RankContext, TrainState
     from vigil_worker.trainer.data import first_position
@@ -253,7 +254,8 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
 
     # --- process group, comm timer and sink ----------------------------------------------------------------
     device = init_process_group(env)
-    comm = CommTimer().install()
+    clock = Clock(cuda=env.cuda)
+    comm = CommTimer(clock).install()
     sink: Sink = NullSink()
     if args.nats_url:
         sink = BusSink(args.nats_url, job.job_id, name=f"rank-{job.job_id}-{env.rank}").start()
@@ -290,6 +292,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         faults=FaultInjector(job.spec.faults, env.rank, root / job.job_id / ".vigil" / "faults"),
         sink=sink,
         comm=comm,
+        clock=clock,
         observer=observer,
         notice=notice,
         flops_per_token=fpt,
