@@ -15,7 +15,7 @@ from vigil_common.pages import Page, check_limit, decode_cursor, page
 
 _STEP_FIELDS = """step, rank, attempt, node, loss, grad_norm, lr, tokens, tokens_per_s, step_time_s,
     data_time_s, forward_time_s, backward_time_s, comm_time_s, optimizer_time_s, mem_allocated_bytes,
-    mem_peak_bytes, skipped, data_position, occurred_at"""
+    mem_peak_bytes, skipped, data_position, occurred_at, flops_per_token, mfu, micro_batch"""
 
 
 async def steps(
@@ -32,7 +32,7 @@ async def steps(
 
     Per rank (optionally one `rank`): every event, including steps re-run after a rollback
     (later `occurred_at`). Aggregated: one item per (attempt, step) over the newest event of
-    each rank: mean loss and grad norm, summed tokens/s, the slowest step and communication
+    each rank: mean loss, grad norm and MFU, summed tokens/s, the slowest step and communication
     times, and how many ranks reported.
     """
     check_limit(limit)
@@ -73,7 +73,8 @@ async def _aggregated(
                   avg(grad_norm) AS grad_norm, max(lr) AS lr, sum(tokens)::bigint AS tokens,
                   sum(tokens_per_s) AS tokens_per_s, max(step_time_s) AS step_time_s,
                   max(comm_time_s) AS comm_time_s, bool_or(skipped) AS skipped,
-                  max(occurred_at) AS occurred_at
+                  max(occurred_at) AS occurred_at, max(flops_per_token) AS flops_per_token,
+                  avg(mfu) AS mfu, min(micro_batch) AS micro_batch
            FROM newest GROUP BY attempt, step ORDER BY attempt, step""",
         job_id,
         attempt,
@@ -157,11 +158,13 @@ async def latest_gpu_samples(pool: asyncpg.Pool) -> dict[tuple[str, int], dict[s
 
 
 async def job_progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """{job_id: {"last_step": int, "loss": float, "attempt": int}} for jobs that have made steps."""
+    """{job_id: {"last_step", "loss", "attempt", "mfu", "tokens_per_s"}} for jobs that have made steps
+    (MFU and tokens/s: of the newest step's rank)."""
     rows = await pool.fetch(
-        "SELECT job_id, attempt, last_step, loss FROM telemetry_job_progress WHERE job_id = ANY($1::text[])",
+        """SELECT job_id, attempt, last_step, loss, mfu, tokens_per_s FROM telemetry_job_progress
+           WHERE job_id = ANY($1::text[])""",
         list(job_ids),
     )
     return {
-        r["job_id"]: {"last_step": r["last_step"], "loss": r["loss"], "attempt": r["attempt"]} for r in rows
+        r["job_id"]: {k: r[k] for k in ("last_step", "loss", "attempt", "mfu", "tokens_per_s")} for r in rows
     }

@@ -58,4 +58,3 @@ def test_cuda_clock_times_the_device_not_the_launch():
     clock.sync()
     device_s = clock.between(a, b)
     assert device_s > launch_s
-
