@@ -155,12 +155,15 @@ async def _run_job(
             TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("MFU {task.fields[mfu]}"),
             TimeElapsedColumn(),
             console=console,
             transient=False,
         )
         with progress:
-            bar = progress.add_task("train", total=spec.train.steps, state="PENDING", loss="-", tps="-")
+            bar = progress.add_task(
+                "train", total=spec.train.steps, state="PENDING", loss="-", tps="-", mfu="-"
+            )
             deadline = time.monotonic() + timeout_s
             tps: dict[int, float] = {}
             while rec.final_state not in ev.TERMINAL_STATES:
@@ -180,8 +183,13 @@ async def _run_job(
                     tps[event.rank] = event.tokens_per_s
                     if event.rank == 0:
                         loss = f"{event.loss:.4f}" if math.isfinite(event.loss) else "[red]NaN[/red]"
+                        mfu = "-" if event.mfu is None else f"{100 * event.mfu:.1f}%"
                         progress.update(
-                            bar, completed=event.step + 1, loss=loss, tps=f"{sum(tps.values()):,.0f}"
+                            bar,
+                            completed=event.step + 1,
+                            loss=loss,
+                            tps=f"{sum(tps.values()):,.0f}",
+                            mfu=mfu,
                         )
                 elif isinstance(event, ev.JobStateChanged):
                     progress.update(bar, state=event.to_state)
@@ -241,6 +249,11 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
         mark = "[green]caught[/green]" if fault["caught"] else "[red]missed[/red]"
         console.print(f"  injected {fault['fault']} at step {fault['step']} rank {fault['rank']}: {mark}")
     console.print(f"  time lost to faults: {summary['time_lost_s']}s")
+    if summary.get("median_mfu") is not None:
+        console.print(
+            f"  median MFU per rank {100 * summary['median_mfu']:.1f}% "
+            f"({summary['flops_per_token']:.3g} FLOPs per token)"
+        )
     console.print(
         f"  loss curve: {summary['plot']}\n  traces: {summary['traces']}\n  logs: {summary['logs']}"
     )

@@ -115,6 +115,7 @@ def summarise(rec: Recording, spec: JobSpec, *, wall_s: float, paths: dict[str, 
 
     losses = [_finite(s.loss) for s in rank0]
     finite = [x for x in losses if x is not None]
+    mfus = sorted(s.mfu for s in rec.steps if s.mfu is not None)
     state = rec.final_state
     return {
         "job_id": rec.job_id,
@@ -129,6 +130,8 @@ def summarise(rec: Recording, spec: JobSpec, *, wall_s: float, paths: dict[str, 
         "rollbacks": rollbacks,
         "time_lost_s": round(detection + redo, 3),
         "median_step_s": round(median_step, 4),
+        "median_mfu": round(mfus[len(mfus) // 2], 4) if mfus else None,  # per rank, against its peak
+        "flops_per_token": rank0[-1].flops_per_token if rank0 else None,
         "wall_s": round(wall_s, 2),
         **paths,
     }

@@ -106,6 +106,9 @@ def print_job(console: Console, job: dict[str, Any]) -> None:
     console.print(f"[bold]{job['id']}[/] {job['name']}  {_state(job['state'])}  attempt {job['attempt']}")
     step = "-" if job.get("last_step") is None else job["last_step"]
     console.print(f"  step {step}, loss {_loss(job.get('loss'))}, placement {_nodes_of(job)}")
+    if job.get("tokens_per_s") is not None:
+        mfu = "-" if job.get("mfu") is None else f"{100 * job['mfu']:.1f}%"
+        console.print(f"  {job['tokens_per_s']:,.0f} tokens/s per rank, MFU {mfu}")
     if job.get("resume_from"):
         console.print(f"  resumes from {job['resume_from']}")
     if job.get("reason"):

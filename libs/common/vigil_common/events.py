@@ -28,11 +28,22 @@ from vigil_common.jobstates import JobState
 from vigil_common.spec import Action, JobSpec
 
 IncidentKind = Literal[
-    "nan", "spike", "divergence", "imbalance", "straggler", "hang", "gpu_health", "rank_exit", "node_lost"
+    "nan",
+    "spike",
+    "divergence",
+    "imbalance",
+    "straggler",
+    "hang",
+    "gpu_health",
+    "rank_exit",
+    "node_lost",
+    "oom",
 ]
 DeviceKind = Literal["gpu", "cpu"]
 # Why a rank ended, in the spirit of determined's FailureType.
-FailureType = Literal["ok", "error", "signal", "oom", "killed_by_vigil", "lost"]
+# "preempted": the rank wrote the emergency checkpoint on a preemption notice and exited (not a failure
+# of the job: its next attempt does not count against VIGIL_MAX_ATTEMPTS).
+FailureType = Literal["ok", "error", "signal", "oom", "killed_by_vigil", "lost", "preempted"]
 
 
 def utcnow() -> datetime:
@@ -197,6 +208,9 @@ class StepCompleted(_StepFields):
     )
     flops_per_token: float | None = Field(None, ge=0, description="model FLOPs per token (6N + attention)")
     mfu: float | None = Field(None, ge=0, description="model FLOPs utilisation against the device's peak")
+    micro_batch: int | None = Field(
+        None, ge=1, description="the micro-batch this step ran with (half the spec's after an out-of-memory)"
+    )
 
 
 # --- job: status ---------------------------------------------------------------------------------------

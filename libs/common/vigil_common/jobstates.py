@@ -28,6 +28,11 @@ class JobState(StrEnum):
 # A job in one of these has ended for good: no transition leaves them.
 TERMINAL_STATES: frozenset[JobState] = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
+# The cause of a transition that ends an attempt on a preemption notice starts with this: the ranks
+# wrote the emergency checkpoint and exited (RankExited failure "preempted"); the job is requeued on
+# other devices, and such an attempt does not count against VIGIL_MAX_ATTEMPTS.
+PREEMPTED = "preempted"
+
 # A job in one of these owns devices (a restart waiting in ROLLING_BACK for its placement keeps
 # the last attempt's, so it can be placed on them again); in any other state it owns none.
 DEVICE_STATES: frozenset[JobState] = frozenset(

@@ -15,7 +15,7 @@ from vigil_common.pages import Page, check_limit, decode_cursor, page
 
 _STEP_FIELDS = """step, rank, attempt, node, loss, grad_norm, lr, tokens, tokens_per_s, step_time_s,
     data_time_s, forward_time_s, backward_time_s, comm_time_s, optimizer_time_s, mem_allocated_bytes,
-    mem_peak_bytes, skipped, data_position, occurred_at"""
+    mem_peak_bytes, skipped, data_position, occurred_at, flops_per_token, mfu, micro_batch"""
 
 
 async def steps(
@@ -32,8 +32,8 @@ async def steps(
 
     Per rank (optionally one `rank`): every event, including steps re-run after a rollback
     (later `occurred_at`), for as long as raw rows are kept (VIGIL_STEP_RETENTION_DAYS).
-    Aggregated: one item per (attempt, step) over the newest event of each rank: mean loss and
-    grad norm, summed tokens/s, the slowest step and communication times, and how many ranks
+    Aggregated: one item per (attempt, step) over the newest event of each rank: mean loss,
+    grad norm and MFU, summed tokens/s, the slowest step and communication times, and how many ranks
     reported; kept for the job's life. A per-rank first page of a job whose raw rows are all gone
     (no `rank` asked) is the aggregated one, so a reader of an old job still gets its curve.
     """
@@ -64,7 +64,7 @@ async def _aggregated(
     key = decode_cursor(cursor, ("int", "int"))  # attempt, step
     rows = await pool.fetch(
         """SELECT step, NULL::int AS rank, attempt, ranks, loss, grad_norm, lr, tokens, tokens_per_s,
-                  step_time_s, comm_time_s, skipped, occurred_at
+                  step_time_s, comm_time_s, skipped, occurred_at, flops_per_token, mfu, micro_batch
            FROM telemetry_step_aggregates
            WHERE job_id = $1 AND ($2::int IS NULL OR attempt = $2)
              AND ($3::int IS NULL OR (attempt, step) > ($3, $4::int))
@@ -151,11 +151,13 @@ async def latest_gpu_samples(pool: asyncpg.Pool) -> dict[tuple[str, int], dict[s
 
 
 async def job_progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """{job_id: {"last_step": int, "loss": float, "attempt": int}} for jobs that have made steps."""
+    """{job_id: {"last_step", "loss", "attempt", "mfu", "tokens_per_s"}} for jobs that have made steps
+    (MFU and tokens/s: of the newest step's rank)."""
     rows = await pool.fetch(
-        "SELECT job_id, attempt, last_step, loss FROM telemetry_job_progress WHERE job_id = ANY($1::text[])",
+        """SELECT job_id, attempt, last_step, loss, mfu, tokens_per_s FROM telemetry_job_progress
+           WHERE job_id = ANY($1::text[])""",
         list(job_ids),
     )
     return {
-        r["job_id"]: {"last_step": r["last_step"], "loss": r["loss"], "attempt": r["attempt"]} for r in rows
+        r["job_id"]: {k: r[k] for k in ("last_step", "loss", "attempt", "mfu", "tokens_per_s")} for r in rows
     }

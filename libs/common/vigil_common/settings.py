@@ -62,6 +62,18 @@ class Settings(BaseSettings):
         7.0, gt=0, le=3650, description="raw per-rank step rows kept this long; per-step aggregates forever"
     )
     step_partition_hours: int = Field(24, ge=1, le=24 * 31, description="one step partition per this period")
+    peak_tflops: float | None = Field(
+        None, gt=0, le=1e6, description="a device's peak TFLOP/s for MFU; unset: the table, or measured"
+    )
+    preempt_on_sigterm: bool = Field(
+        False, description="SIGTERM to the worker is a preemption notice (spot nodes); false: a plain stop"
+    )
+    preemption_notice_file: Path | None = Field(
+        None, description="a file whose appearance is a preemption notice (a cloud's, written by an agent)"
+    )
+    preemption_grace_s: float = Field(
+        30.0, gt=0, le=3600, description="after a notice, how long ranks have to checkpoint before SIGKILL"
+    )
     log_level: str = "INFO"
     trace_file: Path | None = Field(
         None, description="also write every span as a JSON line here (traces without a collector)"

@@ -133,6 +133,24 @@ class ModelSpec(StrictModel):
         return ModelDims(**base)
 
 
+BucketElements = Annotated[int, Field(ge=2**16, le=2**31)]
+
+
+class CommSpec(StrictModel):
+    """DeepSpeed's gradient buckets and overlap (ZeRO stages 1-3; without ZeRO, DeepSpeed all-reduces
+    in fixed buckets). null (the default): chosen from the model size and the hardware, reason logged."""
+
+    reduce_bucket_size: BucketElements | None = Field(
+        None, description="elements per gradient reduce(-scatter) bucket; null: auto"
+    )
+    allgather_bucket_size: BucketElements | None = Field(
+        None, description="elements per parameter all-gather bucket; null: auto"
+    )
+    overlap_comm: bool | None = Field(
+        None, description="overlap gradient reduction with the backward pass; null: auto (on GPUs)"
+    )
+
+
 class TrainSpec(StrictModel):
     steps: int = Field(200, ge=1, le=10_000_000)
     micro_batch: int = Field(8, ge=1, le=65536)
@@ -146,6 +164,7 @@ class TrainSpec(StrictModel):
     offload: bool = Field(False, description="ZeRO CPU offload of optimizer state (stages 2 and 3)")
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="0 disables clipping")
     seed: int = Field(0, ge=0, le=2**31 - 1)
+    comm: CommSpec = CommSpec()
 
     @property
     def warmup(self) -> int:
@@ -228,7 +247,15 @@ class HangFault(_Fault):
     kind: Literal["hang"]
 
 
-Fault = Annotated[NanFault | SpikeFault | SlowRankFault | CrashFault | HangFault, Field(discriminator="kind")]
+class OomFault(_Fault):
+    """The step's first forward raises torch.OutOfMemoryError, as a CUDA OOM would."""
+
+    kind: Literal["oom"]
+
+
+Fault = Annotated[
+    NanFault | SpikeFault | SlowRankFault | CrashFault | HangFault | OomFault, Field(discriminator="kind")
+]
 
 
 class JobSpec(StrictModel):
@@ -274,7 +301,7 @@ def describe_errors(err: ValidationError) -> list[dict[str, str]]:
     return out
 
 
-_FAULT_KINDS = {"nan", "spike", "slow_rank", "crash", "hang"}
+_FAULT_KINDS = {"nan", "spike", "slow_rank", "crash", "hang", "oom"}
 
 
 def parse_spec(data: bytes | str | dict[str, Any], *, content_type: str | None = None) -> JobSpec:

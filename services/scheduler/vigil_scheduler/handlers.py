@@ -29,7 +29,7 @@ from vigil_common.events import (
     RollbackJob,
     utcnow,
 )
-from vigil_common.jobstates import JobState
+from vigil_common.jobstates import PREEMPTED, JobState
 from vigil_scheduler import audit, inventory, lifecycle, states
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.lifecycle import Job
@@ -147,7 +147,10 @@ class Handlers:
                 return
             how = f"code {event.exit_code}" if event.exit_code is not None else f"signal {event.signal}"
             cause = f"rank {event.rank} on {event.node} exited with {how} ({event.failure})"
-            if event.failure == "killed_by_vigil":
+            preempted = event.failure == "preempted"  # all ranks saved the emergency checkpoint
+            if preempted:
+                cause = f"{PREEMPTED}: rank {event.rank} on {event.node} checkpointed and exited"
+            elif event.failure == "killed_by_vigil":
                 # A worker ends a rank's siblings when it dies: the rank that died tells us why. Only
                 # when every rank is gone without such a report is this the cause.
                 exited = await conn.fetchval(
@@ -159,7 +162,9 @@ class Handlers:
                 if exited < job.world_size:
                     return
                 cause = f"every rank was ended by its worker (last: rank {event.rank} on {event.node})"
-            await lifecycle.requeue(conn, job, cause, max_attempts=self.s.settings.max_attempts)
+            await lifecycle.requeue(
+                conn, job, cause, max_attempts=self.s.settings.max_attempts, preempted=preempted
+            )
             freed = True
         if freed:
             self.s.want_placement()

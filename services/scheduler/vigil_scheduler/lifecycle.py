@@ -141,16 +141,19 @@ async def requeue(
     to_state: JobState = JobState.PENDING,
     resume_from: str | None = None,
     skip_data: tuple[int, int] | None = None,
+    preempted: bool = False,
 ) -> Job:
     """Start the next attempt: back to the queue (PENDING, or ROLLING_BACK for a restart) with
     attempt + 1, resuming from `resume_from` or the newest valid checkpoint. Past `max_attempts`
-    the job is FAILED with the cause."""
-    if job.attempt >= max_attempts:
+    (attempts that ended preempted do not count) the job is FAILED with the cause. A preempted attempt's
+    devices are not offered back to the job: it goes elsewhere."""
+    used = job.attempt - await preempted_attempts(conn, job.id)
+    if used >= max_attempts:
         return await transition(
             conn,
             job,
             JobState.FAILED,
-            f"{cause}; no attempts left ({job.attempt} of {max_attempts} used)",
+            f"{cause}; no attempts left ({used} of {max_attempts} used)",
             reason=cause,
         )
     if resume_from is None:
@@ -161,7 +164,7 @@ async def requeue(
         to_state,
         cause,
         attempt=job.attempt + 1,
-        previous_placement=job.placement or job.previous_placement,
+        previous_placement=None if preempted else job.placement or job.previous_placement,
         placement=None,
         resume_from=resume_from,
         skip_data=list(skip_data) if skip_data else None,
@@ -195,6 +198,13 @@ async def raise_incident(conn: asyncpg.Connection, job: Job, incident: IncidentR
 async def release_devices(conn: asyncpg.Connection, job_id: str) -> None:
     await conn.execute(
         "UPDATE devices SET job_id = NULL, attempt = NULL, rank = NULL WHERE job_id = $1", job_id
+    )
+
+
+async def preempted_attempts(conn: asyncpg.Connection, job_id: str) -> int:
+    """How many of the job's attempts ended on a preemption notice (a rank exited `preempted`)."""
+    return await conn.fetchval(
+        "SELECT count(DISTINCT attempt) FROM job_ranks WHERE job_id = $1 AND failure = 'preempted'", job_id
     )
 
 

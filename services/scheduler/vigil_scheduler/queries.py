@@ -37,6 +37,8 @@ def job_view(job: Job, prog: dict[str, Any] | None = None) -> dict[str, Any]:
         "resume_from": job.resume_from,
         "last_step": prog.get("last_step"),
         "loss": prog.get("loss"),
+        "mfu": prog.get("mfu"),
+        "tokens_per_s": prog.get("tokens_per_s"),
         "reason": job.reason,
         "created_at": job.created_at,
         "updated_at": job.updated_at,

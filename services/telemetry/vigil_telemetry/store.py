@@ -50,6 +50,9 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("skipped", "bool"),
     ("data_position", "int8"),
     ("occurred_at", "timestamptz"),
+    ("flops_per_token", "float8"),
+    ("mfu", "float8"),
+    ("micro_batch", "int"),
 )
 STEP_FIELDS = tuple(name for name, _ in STEP_COLUMNS)
 
@@ -100,16 +103,21 @@ async def write_steps(conn: asyncpg.Connection, events: Sequence[StepCompleted])
             newest[e.job_id] = e
     latest = list(newest.values())
     await conn.execute(
-        """INSERT INTO telemetry_job_progress (job_id, attempt, last_step, loss, occurred_at)
-           SELECT * FROM unnest($1::text[], $2::int[], $3::int[], $4::float8[], $5::timestamptz[])
+        """INSERT INTO telemetry_job_progress
+               (job_id, attempt, last_step, loss, occurred_at, mfu, tokens_per_s)
+           SELECT * FROM unnest($1::text[], $2::int[], $3::int[], $4::float8[], $5::timestamptz[],
+                                $6::float8[], $7::float8[])
            ON CONFLICT (job_id) DO UPDATE SET attempt = EXCLUDED.attempt, last_step = EXCLUDED.last_step,
-               loss = EXCLUDED.loss, occurred_at = EXCLUDED.occurred_at
+               loss = EXCLUDED.loss, occurred_at = EXCLUDED.occurred_at, mfu = EXCLUDED.mfu,
+               tokens_per_s = EXCLUDED.tokens_per_s
            WHERE EXCLUDED.occurred_at >= telemetry_job_progress.occurred_at""",
         [e.job_id for e in latest],
         [e.attempt for e in latest],
         [e.step for e in latest],
         [e.loss for e in latest],
         [e.occurred_at for e in latest],
+        [e.mfu for e in latest],
+        [e.tokens_per_s for e in latest],
     )
 
 

@@ -1,6 +1,9 @@
 """The worker agent: one per node. Registers the node's devices, heartbeats, samples them, turns launch
 events for this node into running ranks (through `launch`), reports rank starts and exits, and ends
-ranks on cancel or when one of their siblings dies.
+ranks on cancel or when one of their siblings dies. On a preemption notice (SIGTERM, with
+VIGIL_PREEMPT_ON_SIGTERM, or the cloud's notice file) it offers no device any more, tells its ranks
+(SIGUSR1: they write the emergency checkpoint at the next step boundary and exit `preempted`), and
+ends what is left when the grace period is over.
 
 Rank state lives in the `RankTable` on disk, so a restarted agent finds the ranks a previous one
 started (`recover`) and reports the truth about each.
@@ -20,17 +23,28 @@ import nats.js.errors
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.errors import RetryableError
-from vigil_common.events import CancelJob, LaunchJob, Message, NodeHeartbeat, RankExited, RankStarted
+from vigil_common.events import (
+    CancelJob,
+    FailureType,
+    LaunchJob,
+    Message,
+    NodeHeartbeat,
+    RankExited,
+    RankStarted,
+)
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import prepare_ranks
 from vigil_worker.procs import Exit, RankRecord, RankTable
+from vigil_worker.trainer.exits import EXIT_PREEMPTED
+from vigil_worker.trainer.preemption import SIGNAL as PREEMPTION_SIGNAL
 
 log = logging.getLogger("vigil.worker")
 
 KILL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 MONITOR_INTERVAL_S = 0.2
+NOTICE_POLL_S = 1.0  # how often the preemption notice file is looked for
 LOG_TAIL_BYTES = 4000
 
 
@@ -43,6 +57,7 @@ class Worker:
         self.table = RankTable(settings.data_dir.resolve() / "worker" / self.node)
         self.started_at = datetime.now(UTC)
         self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
+        self.preempting = False  # a preemption notice came: no new ranks here
 
     # --- startup: the truth about ranks a previous run started ---------------------------------------------
 
@@ -69,6 +84,13 @@ class Worker:
             return
         if self.table.attempts.get(job, 0) >= launch.attempt:
             log.info("ignoring launch of %s attempt %d: already run here", job, launch.attempt)
+            return
+        if self.preempting:  # placed here before our empty heartbeat arrived: send it elsewhere
+            for p in launch.placement:
+                if p.node == self.node:
+                    await self._publish_exit_without_start(
+                        launch, p.rank, f"node {self.node} is being preempted", failure="preempted"
+                    )
             return
         older = self.table.running(job)
         if older:  # a newer attempt replaces the old ranks
@@ -117,7 +139,9 @@ class Worker:
                 ),
             )
 
-    async def _publish_exit_without_start(self, launch: LaunchJob, rank: int, why: str) -> None:
+    async def _publish_exit_without_start(
+        self, launch: LaunchJob, rank: int, why: str, failure: FailureType = "error"
+    ) -> None:
         log.error("%s rank %d: %s", launch.job_id, rank, why)
         await self.bus.publish(
             subjects.status(str(launch.job_id)),
@@ -127,7 +151,7 @@ class Worker:
                 rank=rank,
                 node=self.node,
                 exit_code=None,
-                failure="error",
+                failure=failure,
                 log_tail=why,
             ),
         )
@@ -167,7 +191,7 @@ class Worker:
                     self.table.signal(r, signal.SIGKILL)
                 continue
             await self._report_exit(r, ended)
-            if not r.killed and ended.code != 0:
+            if not r.killed and ended.code not in (0, EXIT_PREEMPTED):
                 # one rank died: take its siblings here down too (they would block in a collective)
                 siblings = [
                     s for s in self.table.running(r.job_id) if s.attempt == r.attempt and not s.killed
@@ -184,10 +208,12 @@ class Worker:
             failure = "lost"
         elif ended.signal is not None:
             failure = "oom" if ended.signal == signal.SIGKILL and _oom_killed() else "signal"
+        elif ended.code == EXIT_PREEMPTED:
+            failure = "preempted"
         else:
             failure = "ok" if ended.code == 0 else "error"
         log.log(
-            logging.INFO if failure in ("ok", "killed_by_vigil") else logging.WARNING,
+            logging.INFO if failure in ("ok", "killed_by_vigil", "preempted") else logging.WARNING,
             "rank %d of %s attempt %d exited: code %s signal %s (%s)",
             r.rank,
             r.job_id,
@@ -220,6 +246,43 @@ class Worker:
                 log.exception("rank monitor pass failed; trying again")
             await wait_any(stop, timeout_s=MONITOR_INTERVAL_S)
 
+    # --- preemption ---------------------------------------------------------------------------------------
+
+    async def preemption_loop(self, notice: asyncio.Event, stop: asyncio.Event) -> None:
+        """Wait for a preemption notice (`notice` set by SIGTERM, or the notice file appearing), preempt,
+        then stop the worker: the node is going away."""
+        path = self.settings.preemption_notice_file
+        while not stop.is_set():
+            if notice.is_set():
+                why = "SIGTERM"
+            elif path is not None and path.exists():
+                why = f"notice file {path}"
+            else:
+                await wait_any(stop, notice, timeout_s=NOTICE_POLL_S)
+                continue
+            await self.preempt(why)
+            stop.set()
+            return
+
+    async def preempt(self, why: str) -> None:
+        """Offer no device, tell every rank here to checkpoint and exit, and end the ones still running
+        when the grace period is over. Returns once every rank has been reported."""
+        self.preempting = True
+        ranks = [r for r in self.table.running() if not r.killed]
+        grace = self.settings.preemption_grace_s
+        log.warning("preemption notice (%s): %d rank(s) checkpoint within %.0fs", why, len(ranks), grace)
+        await self.bus.publish(subjects.heartbeat(self.node), self.heartbeat())  # no free device now
+        for r in ranks:
+            self.table.notify(r, PREEMPTION_SIGNAL)
+        deadline = time.monotonic() + grace
+        while any(not r.reported for r in ranks) and time.monotonic() < deadline:
+            await self.monitor_once()  # as in end_ranks: report each exit as it happens
+            if any(not r.reported for r in ranks):
+                await asyncio.sleep(MONITOR_INTERVAL_S)  # polling the processes, not synchronisation
+        if late := [r for r in ranks if not r.reported]:
+            log.error("%d rank(s) did not exit within the grace period: ending them", len(late))
+            await self.end_ranks(late)
+
     # --- heartbeats and samples ---------------------------------------------------------------------------
 
     def heartbeat(self) -> NodeHeartbeat:
@@ -228,7 +291,7 @@ class Worker:
             node=self.node,
             address=self.settings.node_address,
             devices=self.inventory.devices,
-            free=[d.index for d in self.inventory.devices if d.index not in busy],
+            free=[] if self.preempting else [d.index for d in self.inventory.devices if d.index not in busy],
             interval_s=self.settings.heartbeat_interval_s,
             started_at=self.started_at,
         )

@@ -2,15 +2,19 @@
 
 Connect to NATS, find ranks a previous run of this worker started (report the truth about each), then
 in a TaskGroup: durable consumers of launches and commands, and once they exist, heartbeats, device
-samples and the rank monitor. On stop the consumers drain and the bus closes; running ranks are left
-running, so a restarted worker picks them up again (unless VIGIL_WORKER_END_RANKS_ON_STOP, as under
-`vigil up`). What the worker does is `agent.Worker`'s; how a launch becomes processes, `launch`'s.
+samples, the rank monitor and the preemption watch. On stop the consumers drain and the bus closes;
+running ranks are left running, so a restarted worker picks them up again (unless
+VIGIL_WORKER_END_RANKS_ON_STOP, as under `vigil up`). A preemption notice (SIGTERM with
+VIGIL_PREEMPT_ON_SIGTERM, or VIGIL_PREEMPTION_NOTICE_FILE appearing) first has the ranks checkpoint and
+exit, then stops the worker. What the worker does is `agent.Worker`'s; how a launch becomes processes,
+`launch`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from contextlib import AsyncExitStack
 
 from vigil_common.bus import Bus
@@ -43,6 +47,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
         # --- subscribe and run until stop (the consumers drain on the way out) ------------------------------
         launches, commands = consumers(settings.node_name)
+        notice = asyncio.Event()
+        if settings.preempt_on_sigterm:  # SIGTERM is the cloud's notice, not a plain stop (SIGINT still is)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, notice.set)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(bus.consume(launches, worker.on_launch, stop))
             tg.create_task(bus.consume(commands, worker.on_command, stop))
@@ -51,6 +58,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             tg.create_task(worker.heartbeat_loop(stop))
             tg.create_task(worker.sample_loop(stop))
             tg.create_task(worker.monitor_loop(stop))
+            tg.create_task(worker.preemption_loop(notice, stop))
 
         # --- on the way out: ranks stay unless told otherwise; the bus closes with the stack ----------------
         if settings.worker_end_ranks_on_stop and (ranks := worker.table.running()):

@@ -155,6 +155,12 @@ class RankTable:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(record.pid, sig)
 
+    def notify(self, record: RankRecord, sig: int) -> None:
+        """Signal the rank process alone: a notice it handles (its helpers would die of it)."""
+        if record.pid in self._children or record.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.pid, sig)
+
     def terminate(self, record: RankRecord) -> None:
         record.killed = True
         self.signal(record, signal.SIGTERM)

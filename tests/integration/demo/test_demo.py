@@ -34,6 +34,7 @@ def test_the_demo_rescues_its_run(server_dir: Path):
     assert summary["ok"] is True and proc.returncode == 0
     assert Path(summary["plot"]).stat().st_size > 10_000
     assert summary["last_step"] == 39
+    assert summary["flops_per_token"] > 0 and summary["median_mfu"] > 0  # CPU: against a measured rate
 
 
 def _processes_mentioning(text: str) -> list[str]:

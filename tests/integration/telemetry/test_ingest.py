@@ -48,6 +48,9 @@ def step(job: str, k: int, rank: int, loss: float = 2.0, attempt: int = 1, t: fl
         backward_time_s=0.04,
         optimizer_time_s=0.01,
         occurred_at=T0 + timedelta(seconds=t or k * 0.1),
+        flops_per_token=2.0e7,
+        mfu=0.4 + 0.1 * rank,
+        micro_batch=4,
     )
 
 
@@ -153,8 +156,11 @@ async def test_every_kind_of_event_is_stored_once_and_read_back(
         assert by_step[2]["ranks"] == 2 and by_step[2]["loss"] == pytest.approx((1.5 + 1.8) / 2)
         assert by_step[1]["tokens_per_s"] == pytest.approx(2001.0)
         assert by_step[1]["comm_time_s"] == pytest.approx(0.02)
+        assert by_step[1]["mfu"] == pytest.approx(0.45) and by_step[1]["flops_per_token"] == 2.0e7
+        assert (page["items"][0]["mfu"], page["items"][0]["micro_batch"]) == (pytest.approx(0.4), 4)
 
         assert progress[job_id]["last_step"] == 2 and progress[job_id]["loss"] == pytest.approx(1.5)
+        assert progress[job_id]["mfu"] is not None and progress[job_id]["tokens_per_s"] >= 1000.0
         assert [(i["kind"], i["action"], i["step"]) for i in incidents] == [("nan", "rollback", 4)]
         assert incidents[0]["evidence"] == {"loss": "NaN", "checkpoint_step": 2}
         assert [s["temperature_c"] for s in samples] == [62.0, 61.0, 60.0]  # newest first

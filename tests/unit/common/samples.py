@@ -97,6 +97,7 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         local_finite=True,
         flops_per_token=2.0e7,
         mfu=0.41,
+        micro_batch=4,
     ),
     ev.RankStarted: ev.RankStarted(**JOB, rank=0, node="n1", pid=4242, log_path="/var/log/vigil/r0.log"),
     ev.RankExited: ev.RankExited(

@@ -43,6 +43,11 @@ def test_the_contract_example_parses_as_yaml_and_json():
         ("name: t\nmodel: {n_kv_head: 3}", "model.n_kv_head"),
         ("name: 'rm -rf /'", "name"),
         ("name: t\nshell: 'echo hi'", "shell"),
+        ("name: t\ntrain: {comm: {reduce_bucket_size: 10}}", "train.comm.reduce_bucket_size"),
+        ("name: t\ntrain: {comm: {allgather_bucket_size: 1.0e+12}}", "train.comm.allgather_bucket_size"),
+        ("name: t\ntrain: {comm: {overlap_comm: sometimes}}", "train.comm.overlap_comm"),
+        ("name: t\ntrain: {comm: {buckets: 3}}", "train.comm.buckets"),
+        ("name: t\ntrain: {steps: 10}\nfaults: [{kind: oom, step: 10}]", "faults.0.step"),
     ],
 )
 def test_bad_values_name_their_field(text, field):

@@ -171,3 +171,16 @@ def test_a_relative_data_path_is_taken_from_the_first_root_and_the_cache_is_priv
     assert stat.S_IMODE((tmp_path / "c").stat().st_mode) == 0o700
     for f in (tmp_path / "c").iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_split_micro_batch_reads_the_same_rows():
+    """After an out-of-memory a micro-step runs as two halves: together they are the whole batch."""
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(seed=1, data_position=7, rank=1, micro=2, micro_batch=4, seq_len=16)
+    x, y = batch(tokens, **kw)
+    halves = [batch(tokens, **kw, part=p, parts=2) for p in (0, 1)]
+    assert all(h[0].shape == (2, 16) for h in halves)
+    assert torch.equal(torch.cat([h[0] for h in halves]), x)
+    assert torch.equal(torch.cat([h[1] for h in halves]), y)
+    with pytest.raises(ValueError, match="part 0 of 3"):
+        batch(tokens, **kw, part=0, parts=3)

@@ -103,3 +103,29 @@ def test_auto_picks_the_lowest_stage_that_fits():
     # 7B on 8 x 24 GiB: even ZeRO-3 (13 GiB) exceeds the 12 GiB budget -> 3, with advice
     stage, why = choose_zero_stage(7 * 10**9, 8, 24 * GIB, "bf16", offload=False)
     assert stage == 3 and "offload" in why
+
+
+def test_buckets_auto_from_model_size_with_the_reason():
+    small = build_config(TrainSpec(zero_stage=2), world_size=2, n_params=124 * 10**6, hw=A100)
+    z = small.config["zero_optimization"]
+    assert z["reduce_bucket_size"] == z["allgather_bucket_size"] == 124 * 10**6 // 8
+    assert z["overlap_comm"] is True  # GPUs: NCCL runs beside the backward
+    assert "buckets: reduce 15.5M" in small.reasons[2] and "overlap_comm on" in small.reasons[2]
+    tiny = build_config(TrainSpec(zero_stage=1), world_size=2, n_params=10**6, hw=CPU)
+    z = tiny.config["zero_optimization"]
+    assert z["reduce_bucket_size"] == 2**21 and z["overlap_comm"] is False  # floor; gloo blocks anyway
+    huge = build_config(TrainSpec(zero_stage=3), world_size=8, n_params=70 * 10**9, hw=A100)
+    z = huge.config["zero_optimization"]
+    assert z["reduce_bucket_size"] == z["stage3_prefetch_bucket_size"] == 5 * 10**8  # DeepSpeed's default cap
+
+
+def test_buckets_from_the_spec_and_none_without_zero():
+    spec = TrainSpec(
+        zero_stage=2,
+        comm={"reduce_bucket_size": 2**20, "allgather_bucket_size": 2**22, "overlap_comm": False},
+    )
+    plan = build_config(spec, world_size=2, n_params=10**9, hw=A100)
+    z = plan.config["zero_optimization"]
+    assert (z["reduce_bucket_size"], z["allgather_bucket_size"], z["overlap_comm"]) == (2**20, 2**22, False)
+    plan0 = build_config(TrainSpec(zero_stage=0), world_size=2, n_params=10**9, hw=A100)
+    assert set(plan0.config["zero_optimization"]) == {"stage"} and "no ZeRO" in plan0.reasons[2]

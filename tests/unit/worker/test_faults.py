@@ -37,3 +37,10 @@ def test_crash_and_hang(tmp_path):
     )
     assert inj.crash_code(3) is None and inj.crash_code(4) == 7 and inj.crash_code(4) is None
     assert not inj.hangs(4) and inj.hangs(5) and not inj.hangs(5)
+
+
+def test_oom_fires_once_unless_repeated(tmp_path):
+    once = FaultInjector(spec_faults({"kind": "oom", "step": 2, "rank": 1}), 1, tmp_path / "a")
+    assert not once.out_of_memory(1) and once.out_of_memory(2) and not once.out_of_memory(2)
+    again = FaultInjector(spec_faults({"kind": "oom", "step": 2, "repeat": True}), 0, tmp_path / "b")
+    assert again.out_of_memory(2) and again.out_of_memory(2)

@@ -35,6 +35,9 @@ CREATE TABLE telemetry_steps (
     skipped             boolean NOT NULL,
     data_position       bigint NOT NULL,
     occurred_at         timestamptz NOT NULL,
+    flops_per_token     double precision,  -- 0008's columns, in its order (the copy below is by position)
+    mfu                 double precision,
+    micro_batch         integer,
     -- A unique key of a partitioned table includes the partition key: a redelivered event carries
     -- the same occurred_at, so it still lands on this key (and in the same partition).
     PRIMARY KEY (event_id, occurred_at)
@@ -68,6 +71,9 @@ CREATE TABLE telemetry_step_aggregates (
     comm_time_s  double precision,
     skipped      boolean,
     occurred_at  timestamptz NOT NULL,
+    flops_per_token double precision,
+    mfu          double precision,
+    micro_batch  integer,
     PRIMARY KEY (job_id, attempt, step)
 );
 
@@ -81,9 +87,10 @@ BEGIN
     FROM (SELECT DISTINCT job_id FROM new_rows ORDER BY job_id) j;
     INSERT INTO telemetry_step_aggregates AS a
         (job_id, attempt, step, ranks, loss, grad_norm, lr, tokens, tokens_per_s, step_time_s,
-         comm_time_s, skipped, occurred_at)
+         comm_time_s, skipped, occurred_at, flops_per_token, mfu, micro_batch)
     SELECT job_id, attempt, step, count(*)::int, avg(loss), avg(grad_norm), max(lr), sum(tokens)::bigint,
-           sum(tokens_per_s), max(step_time_s), max(comm_time_s), bool_or(skipped), max(occurred_at)
+           sum(tokens_per_s), max(step_time_s), max(comm_time_s), bool_or(skipped), max(occurred_at),
+           max(flops_per_token), avg(mfu), min(micro_batch)
     FROM (
         SELECT DISTINCT ON (s.job_id, s.attempt, s.step, s.rank) s.*
         FROM telemetry_steps s
@@ -95,7 +102,8 @@ BEGIN
     ON CONFLICT (job_id, attempt, step) DO UPDATE SET
         ranks = EXCLUDED.ranks, loss = EXCLUDED.loss, grad_norm = EXCLUDED.grad_norm, lr = EXCLUDED.lr,
         tokens = EXCLUDED.tokens, tokens_per_s = EXCLUDED.tokens_per_s, step_time_s = EXCLUDED.step_time_s,
-        comm_time_s = EXCLUDED.comm_time_s, skipped = EXCLUDED.skipped, occurred_at = EXCLUDED.occurred_at;
+        comm_time_s = EXCLUDED.comm_time_s, skipped = EXCLUDED.skipped, occurred_at = EXCLUDED.occurred_at,
+        flops_per_token = EXCLUDED.flops_per_token, mfu = EXCLUDED.mfu, micro_batch = EXCLUDED.micro_batch;
     RETURN NULL;
 END
 $$;
@@ -106,9 +114,10 @@ CREATE TRIGGER telemetry_steps_aggregate AFTER INSERT ON telemetry_steps
 -- Steps stored before this migration.
 INSERT INTO telemetry_step_aggregates
     (job_id, attempt, step, ranks, loss, grad_norm, lr, tokens, tokens_per_s, step_time_s, comm_time_s,
-     skipped, occurred_at)
+     skipped, occurred_at, flops_per_token, mfu, micro_batch)
 SELECT job_id, attempt, step, count(*)::int, avg(loss), avg(grad_norm), max(lr), sum(tokens)::bigint,
-       sum(tokens_per_s), max(step_time_s), max(comm_time_s), bool_or(skipped), max(occurred_at)
+       sum(tokens_per_s), max(step_time_s), max(comm_time_s), bool_or(skipped), max(occurred_at),
+       max(flops_per_token), avg(mfu), min(micro_batch)
 FROM (
     SELECT DISTINCT ON (job_id, attempt, step, rank) * FROM telemetry_steps
     ORDER BY job_id, attempt, step, rank, seq DESC

@@ -36,6 +36,8 @@ class JobOut(Out):
     resume_from: str | None = None
     last_step: int | None = None
     loss: float | None = None
+    mfu: float | None = None  # the newest step's model FLOPs utilisation (of one rank)
+    tokens_per_s: float | None = None  # the newest step's tokens/s (of one rank)
     reason: str | None = None
     created_at: datetime
     updated_at: datetime

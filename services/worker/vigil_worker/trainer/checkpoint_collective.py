@@ -56,6 +56,19 @@ def save_checkpoint(ctx: RankContext, st: TrainState) -> None:
         )
         log.info("checkpoint step %d saved: %s (%d bytes)", st.step, path, m.bytes)
     dist.barrier()  # nobody races ahead into a rollback while the manifest is being written
+    st.saved_step = st.step
+
+
+def save_emergency_checkpoint(ctx: RankContext, st: TrainState, why: str) -> float:
+    """All ranks: the checkpoint of where training stands now, before the job stops (preemption, or an
+    out-of-memory the retry did not cure), unless this very step is saved already. Returns the seconds
+    it took (a preemption's grace period must cover them)."""
+    t0 = time.perf_counter()
+    if st.saved_step != st.step:
+        save_checkpoint(ctx, st)
+    seconds = time.perf_counter() - t0
+    log.warning("emergency checkpoint at step %d (%s) in %.2fs", st.step, why, seconds)
+    return seconds
 
 
 def choose_checkpoint(ctx: RankContext, requested: str, requested_step: int | None) -> ckpt.Manifest:

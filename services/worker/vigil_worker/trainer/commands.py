@@ -38,7 +38,7 @@ def handle_commands(ctx: RankContext, st: TrainState, agreed_seq: int) -> None:
             log.info("ignoring %s for attempt %d (this is attempt %d)", cmd.type, cmd.attempt, ctx.attempt)
             continue
         if isinstance(cmd, ev.HaltJob) and not st.halted:
-            halt(ctx, st, cmd)
+            halt(ctx, st, cmd.reason, cmd.event_id)
         elif isinstance(cmd, ev.RollbackJob) and not cmd.restart:
             rollback(ctx, st, cmd, seq)
         elif isinstance(cmd, ev.ResumeJob) and st.halted:
@@ -46,10 +46,11 @@ def handle_commands(ctx: RankContext, st: TrainState, agreed_seq: int) -> None:
             log.warning("resumed at step %d", st.step)
 
 
-def halt(ctx: RankContext, st: TrainState, cmd: ev.HaltJob) -> None:
-    """Stop stepping (the caller waits for the next command); rank 0 reports it."""
+def halt(ctx: RankContext, st: TrainState, reason: str, command_id: str) -> None:
+    """Stop stepping (the caller waits for the next command); rank 0 reports it. `command_id`: the
+    HaltJob's, or the incident's when the ranks halt on their own (an out-of-memory)."""
     st.halted = True
-    log.warning("halted after step %d: %s", st.step - 1, cmd.reason)
+    log.warning("halted after step %d: %s", st.step - 1, reason)
     if ctx.rank == 0:
         ctx.sink.emit(
             subjects.status(ctx.job_id),
@@ -57,7 +58,7 @@ def halt(ctx: RankContext, st: TrainState, cmd: ev.HaltJob) -> None:
                 job_id=ctx.job_id,
                 attempt=ctx.attempt,
                 step=max(st.step - 1, 0),
-                command_id=cmd.event_id,
+                command_id=command_id,
                 node=ctx.node,
             ),
         )

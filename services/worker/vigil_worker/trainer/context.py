@@ -10,9 +10,12 @@ import numpy as np
 import torch
 
 from vigil_common.spec import JobSpec
+from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
 from vigil_worker.trainer.faults import FaultInjector
+from vigil_worker.trainer.mfu import Peak
 from vigil_worker.trainer.observer import NullObserver, Observer
+from vigil_worker.trainer.preemption import PreemptionNotice
 from vigil_worker.trainer.telemetry import NullSink, Sink
 
 
@@ -35,7 +38,11 @@ class RankContext:
     faults: FaultInjector
     sink: Sink = field(default_factory=NullSink)
     comm: CommTimer = field(default_factory=CommTimer)  # measures nothing until installed
+    clock: Clock = field(default_factory=Clock)  # wall clock; CUDA events on GPU
     observer: Observer = field(default_factory=NullObserver)
+    notice: PreemptionNotice = field(default_factory=PreemptionNotice)  # listens once installed
+    flops_per_token: float | None = None  # model FLOPs per token, for MFU
+    peak: Peak | None = None  # the device's peak FLOP/s at this precision; None: no MFU
 
 
 @dataclass
@@ -47,3 +54,6 @@ class TrainState:
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
     handled_seq: int = 0  # commands handled (sequence numbers are 1-based)
     halted: bool = False
+    saved_step: int | None = None  # the step of the last checkpoint this process saved
+    split: int = 1  # each micro-step of the spec runs as this many (2 after an out-of-memory)
+    preempted: bool = False  # the emergency checkpoint is written: the rank exits with EXIT_PREEMPTED

@@ -245,13 +245,23 @@ def batch(
     micro: int,
     micro_batch: int,
     seq_len: int,
+    part: int = 0,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets, each (micro_batch, seq_len) int64: a pure function of its arguments."""
+    """Inputs and targets, each (micro_batch // parts, seq_len) int64: a pure function of its arguments.
+
+    `micro_batch` is the spec's; a micro-step split into `parts` (after an out-of-memory) reads rows
+    [part * micro_batch // parts, (part + 1) * micro_batch // parts) of the same batch, so the parts
+    together are exactly the tokens the whole micro-step would have read."""
     n = tokens.shape[0]
     if n < seq_len + 2:
         raise SpecError([{"field": "data.path", "message": f"{n} tokens is fewer than model.seq_len + 2"}])
+    if micro_batch % parts or not 0 <= part < parts:
+        raise ValueError(f"cannot take part {part} of {parts} of a micro-batch of {micro_batch}")
     rng = np.random.default_rng((seed, data_position, rank, micro))
+    rows_per_part = micro_batch // parts
     starts = rng.integers(0, n - seq_len - 1, size=micro_batch)
+    starts = starts[part * rows_per_part : (part + 1) * rows_per_part]
     rows = np.stack([tokens[s : s + seq_len + 1].astype(np.int64) for s in starts])  # (B, T + 1)
     block = torch.from_numpy(rows)
     return block[:, :-1], block[:, 1:]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vigil_common.errors import SpecError
-from vigil_common.spec import TrainSpec
+from vigil_common.spec import CommSpec, TrainSpec
 
 Resolved = Literal["fp32", "bf16", "fp16"]
 
@@ -96,6 +96,50 @@ def choose_zero_stage(
     )
 
 
+# Gradient buckets: DeepSpeed's default is 5e8 elements, one bucket for any model below 500M parameters,
+# so nothing overlaps. Aim for BUCKETS_PER_PASS buckets per backward (reduction of one overlaps the
+# backward of the next), but no smaller than MIN_BUCKET (below a few MB a collective is latency-bound).
+BUCKETS_PER_PASS = 8
+MIN_BUCKET = 2**21  # elements (8 MiB of fp32)
+MAX_BUCKET = 5 * 10**8  # DeepSpeed's default
+
+
+def choose_buckets(
+    comm: CommSpec, *, n_params: int, world_size: int, stage: int, hw: Hardware
+) -> tuple[dict[str, Any], str]:
+    """ZeRO bucket sizes and overlap: the spec's values, or chosen from the model size and hardware."""
+    auto = min(MAX_BUCKET, max(MIN_BUCKET, n_params // BUCKETS_PER_PASS))
+    reduce = auto if comm.reduce_bucket_size is None else comm.reduce_bucket_size
+    gather = auto if comm.allgather_bucket_size is None else comm.allgather_bucket_size
+    if comm.overlap_comm is None:
+        overlap = hw.accelerator == "cuda" and world_size > 1
+        if overlap:
+            how = "on (GPU: NCCL runs beside the backward)"
+        elif world_size == 1:
+            how = "off (one rank: nothing to reduce)"
+        else:
+            how = "off (CPU: gloo blocks, nothing to overlap)"
+    else:
+        overlap, how = comm.overlap_comm, "as the spec asks"
+    if stage == 0:
+        return {}, "buckets: none to tune (no ZeRO: DeepSpeed all-reduces the gradients in fixed buckets)"
+    keys = {"reduce_bucket_size": reduce, "overlap_comm": overlap}
+    if stage in (1, 2):
+        keys["allgather_bucket_size"] = gather
+    else:
+        keys["stage3_prefetch_bucket_size"] = gather
+    rule = (
+        f"auto would be {n_params / 1e6:.1f}M params / {BUCKETS_PER_PASS} buckets per pass, within "
+        f"[{MIN_BUCKET / 1e6:.1f}M, {MAX_BUCKET / 1e6:.0f}M]: {auto / 1e6:.1f}M"
+    )
+    why = (
+        f"buckets: reduce {reduce / 1e6:.1f}M ({'auto' if comm.reduce_bucket_size is None else 'spec'}), "
+        f"all-gather {gather / 1e6:.1f}M ({'auto' if comm.allgather_bucket_size is None else 'spec'}) "
+        f"elements ({rule}); overlap_comm {how}"
+    )
+    return keys, why
+
+
 def build_config(train: TrainSpec, *, world_size: int, n_params: int, hw: Hardware) -> DeepSpeedPlan:
     """The DeepSpeed config for this job on this hardware.
 
@@ -115,10 +159,14 @@ def build_config(train: TrainSpec, *, world_size: int, n_params: int, hw: Hardwa
 
     zero: dict[str, Any] = {"stage": stage}
     if stage in (1, 2):
-        # plain, synchronous reductions: the comm time we report is the time the step waits on them
-        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
+        zero.update(contiguous_gradients=True, reduce_scatter=True)
     if stage == 3:
-        zero.update(overlap_comm=False, stage3_gather_16bit_weights_on_model_save=False)
+        zero.update(stage3_gather_16bit_weights_on_model_save=False)
+    # without overlap, reductions are synchronous: the comm time we report is the time the step waits
+    buckets, why_buckets = choose_buckets(
+        train.comm, n_params=n_params, world_size=world_size, stage=stage, hw=hw
+    )
+    zero.update(buckets)
     if train.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": hw.accelerator == "cuda"}
 
@@ -158,5 +206,5 @@ def build_config(train: TrainSpec, *, world_size: int, n_params: int, hw: Hardwa
             "hysteresis": 2,
             "min_loss_scale": 1,
         }
-    reasons = (why_precision, why_stage)
+    reasons = (why_precision, why_stage, why_buckets)
     return DeepSpeedPlan(config=config, zero_stage=stage, precision=precision, reasons=reasons)

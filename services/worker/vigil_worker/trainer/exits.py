@@ -1,7 +1,8 @@
 """How a rank's end reaches the worker: its exit codes, and the exit file it leaves behind.
 
 Exit codes: 0 done; 1 anything else (traceback in the log); 2 bad spec or arguments; 3 no usable
-checkpoint; an injected crash exits with the code its fault names.
+checkpoint; 4 preempted (every rank wrote the emergency checkpoint first); an injected crash exits with
+the code its fault names.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR, EXIT_SPEC, EXIT_CHECKPOINT = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_SPEC, EXIT_CHECKPOINT, EXIT_PREEMPTED = 0, 1, 2, 3, 4
 
 
 def write_exit_file(code: int) -> None:

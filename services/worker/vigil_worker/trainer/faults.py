@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vigil_common.spec import CrashFault, Fault, HangFault, NanFault, SlowRankFault, SpikeFault
+from vigil_common.spec import CrashFault, Fault, HangFault, NanFault, OomFault, SlowRankFault, SpikeFault
 from vigil_worker.trainer.exits import write_exit_file
 
 if TYPE_CHECKING:
@@ -72,6 +72,10 @@ class FaultInjector:
             if isinstance(f, CrashFault) and f.step == step and self._fire(i, f):
                 return f.exit_code
         return None
+
+    def out_of_memory(self, step: int) -> bool:
+        """True when this rank's step `step` runs out of memory here (the loop raises the error)."""
+        return any(isinstance(f, OomFault) and f.step == step and self._fire(i, f) for i, f in self._mine)
 
     def hangs(self, step: int) -> bool:
         return any(isinstance(f, HangFault) and f.step == step and self._fire(i, f) for i, f in self._mine)

@@ -188,12 +188,3 @@ class GPT(nn.Module):
         if self.dims.moe:
             loss = loss + MOE_AUX_WEIGHT * sum(b.mlp.aux_loss for b in self.blocks) / len(self.blocks)
         return loss
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token (6N + attention), PaLM appendix B; for MFU."""
-        d = self.dims
-        n = self.num_params() - d.vocab_size * d.d_model  # non-embedding
-        if d.moe:
-            per_expert = 3 * d.d_model * ffn_hidden(d)
-            n -= d.n_layer * per_expert * (d.moe.experts - d.moe.top_k)
-        return 6 * n + 12 * d.n_layer * d.d_model * d.seq_len

@@ -7,7 +7,8 @@ Without `--nats-url` the rank runs alone: events go nowhere and no command arriv
 is a function (`rank_env`, `read_job`, `init_process_group`, `build_engine`, `load_data`), so that
 another program, such as a benchmark's baseline, builds the very same rank.
 
-Exit codes: 0 done; 2 bad spec or arguments; 3 no usable checkpoint; 1 anything else (traceback in the log).
+Exit codes: 0 done; 2 bad spec or arguments; 3 no usable checkpoint; 4 preempted (after the emergency
+checkpoint); 1 anything else (traceback in the log).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vigil_worker.trainer.exits import EXIT_CHECKPOINT, EXIT_ERROR, EXIT_OK, EXIT_SPEC, write_exit_file
+from vigil_worker.trainer.exits import (
+    EXIT_CHECKPOINT,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_SPEC,
+    write_exit_file,
+)
 from vigil_worker.trainer.observer import NullObserver, Observer
 
 if TYPE_CHECKING:
@@ -31,6 +39,7 @@ if TYPE_CHECKING:
 
     from vigil_common.spec import JobSpec
     from vigil_worker.trainer.ds_config import DeepSpeedPlan
+    from vigil_worker.trainer.mfu import Peak
 
 log = logging.getLogger("vigil.rank")
 
@@ -187,6 +196,23 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     return engine, plan
 
 
+def device_peak(device: torch.device, precision: str) -> Peak | None:
+    """The peak MFU is measured against: VIGIL_PEAK_TFLOPS, else the table for this GPU, else (a CPU, or a
+    GPU not in the table) this process's measured matmul rate."""
+    import torch
+
+    from vigil_common.settings import Settings
+    from vigil_worker.trainer.mfu import measure_peak, peak_flops
+
+    override = Settings.load().peak_tflops
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    measured = None
+    if override is None and peak_flops(name, precision, override_tflops=None) is None:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        measured = measure_peak(device, dtype)
+    return peak_flops(name, precision, override_tflops=override, measured_flops=measured)
+
+
 def load_data(args: argparse.Namespace, spec: JobSpec) -> np.ndarray:
     """The tokenized training data (tokenized once into the cache, memory-mapped after)."""
     from vigil_worker.trainer.data import load_tokens
@@ -224,30 +250,42 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
 
     from vigil_worker.trainer import checkpoint as ckpt
     from vigil_worker.trainer.checkpoint_collective import choose_checkpoint, load_checkpoint, save_checkpoint
+    from vigil_worker.trainer.clock import Clock
     from vigil_worker.trainer.comm import CommTimer
     from vigil_worker.trainer.context import RankContext, TrainState
     from vigil_worker.trainer.data import first_position
     from vigil_worker.trainer.faults import FaultInjector
     from vigil_worker.trainer.loop import train
+    from vigil_worker.trainer.mfu import flops_per_token
+    from vigil_worker.trainer.preemption import PreemptionNotice
     from vigil_worker.trainer.telemetry import BusSink, NullSink, Sink
 
     job = read_job(args, env.world)
     root = args.checkpoint_root.resolve()
+    notice = PreemptionNotice().install()  # from now on a SIGUSR1 is a preemption notice
 
     # --- process group, comm timer and sink ----------------------------------------------------------------
     device = init_process_group(env)
-    comm = CommTimer().install()
+    clock = Clock(cuda=env.cuda)
+    comm = CommTimer(clock).install()
     sink: Sink = NullSink()
     if args.nats_url:
         sink = BusSink(args.nats_url, job.job_id, name=f"rank-{job.job_id}-{env.rank}").start()
 
     # --- model and engine ---------------------------------------------------------------------------------
     engine, plan = build_engine(job.spec, env, device)
+    fpt = flops_per_token(job.spec.model.resolved())
+    peak = device_peak(device, plan.precision)
     if env.rank == 0:
         n_params = engine.module.num_params()
         log.info("%s: %.2fM parameters, world %d", job.job_id, n_params / 1e6, env.world)
         for reason in plan.reasons:
             log.info("%s", reason)
+        log.info(
+            "MFU: %.3g FLOPs per token against %s",
+            fpt,
+            f"{peak.flops / 1e12:.3g} TFLOP/s ({peak.source})" if peak else "no known peak (no MFU)",
+        )
 
     # --- data and faults ----------------------------------------------------------------------------------
     ctx = RankContext(
@@ -266,7 +304,11 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         faults=FaultInjector(job.spec.faults, env.rank, root / job.job_id / ".vigil" / "faults"),
         sink=sink,
         comm=comm,
+        clock=clock,
         observer=observer,
+        notice=notice,
+        flops_per_token=fpt,
+        peak=peak,
     )
 
     # --- resume, or the step-0 checkpoint -------------------------------------------------------------------
@@ -282,6 +324,12 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         save_checkpoint(ctx, st)  # so a fault before the first periodic checkpoint can be rolled back
 
     train(ctx, st)
+    if st.preempted:  # the emergency checkpoint is on disk: flush its event, then all ranks exit together
+        sink.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        log.warning("preempted: exiting after the emergency checkpoint of step %d", st.step)
+        return EXIT_PREEMPTED
 
     if args.final_weights:
         _save_full_weights(engine, plan.zero_stage, env.rank, args.final_weights)

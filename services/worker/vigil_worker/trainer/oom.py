@@ -1,0 +1,52 @@
+"""Out of memory in a step: keep every rank's collectives in line, then retry with half the micro-batch.
+
+A rank that runs out of memory (`torch.OutOfMemoryError`) in a micro-step cannot just stop: the other
+ranks go on into the backward passes whose gradient reductions it must join. So it frees what it can and
+stands in for its remaining micro-steps with a backward of NaN * (sum of the weights): no activations,
+the same hooks and reductions, and gradients that are NaN everywhere once reduced. The step boundary's
+all-reduce (`guard.agree`) then tells every rank that rank r ran out of memory; the update is skipped as
+any non-finite one is (DeepSpeed's and `GuardedAdamW`'s skip), and all ranks retry the same step, with
+the same data, split into twice as many micro-steps of half the size (`split`): the global batch, and
+the tokens each rank reads, do not change. Once split, a job stays split; a second out-of-memory is the
+end: the caller writes the emergency checkpoint and halts the job with an `oom` incident.
+
+Limit: an out-of-memory in the middle of a backward under ZeRO-2/3 (whose reductions run inside the
+backward, bucket by bucket) leaves a partial bucket behind; this recovery is exact where the reductions
+run after the backward (no ZeRO, ZeRO-1) or the error comes in the forward.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("vigil.rank")
+
+MAX_SPLIT = 2  # retry once, with half the micro-batch
+
+
+def null_backward(engine: Any) -> None:
+    """A backward with no activations whose gradients are NaN: joins the step's reductions, poisons it."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    loss = torch.stack([p.sum() for p in params]).sum() * float("nan")
+    engine.backward(loss)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def can_split(micro_batch: int, split: int) -> bool:
+    """True when the spec's micro-batch can be cut into 2 * `split` equal parts within MAX_SPLIT."""
+    return split * 2 <= MAX_SPLIT and micro_batch % (split * 2) == 0
+
+
+def apply_split(engine: Any, micro_batch: int, grad_accum: int, world_size: int, split: int) -> None:
+    """Tell DeepSpeed: micro-batches of micro_batch / split, split x the accumulation, same global batch."""
+    engine.set_train_micro_batch_size(micro_batch // split)
+    engine.set_train_batch_size(micro_batch * grad_accum * world_size)
