@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 DEPLOY = ROOT / "deploy"
 SCHEMA_FILE = Path(__file__).parent / "fixtures" / "compose_spec.json"
-SECRETS = {"NATS_PASSWORD", "POSTGRES_PASSWORD", "VIGIL_API_TOKEN"}
-INFRA_HEALTHCHECKED = ("nats", "postgres")
+SECRETS = {"NATS_PASSWORD", "POSTGRES_PASSWORD", "VIGIL_API_TOKEN", "GRAFANA_ADMIN_PASSWORD"}
+INFRA_HEALTHCHECKED = ("nats", "postgres", "prometheus")
 
 # Compose interpolation: `$$` escapes a dollar; `${VAR}`, `${VAR:-default}`, `${VAR-default}`,
 # `${VAR:?error}`, `${VAR?error}` and `$VAR`.
@@ -386,3 +386,65 @@ def test_http_health_check_wants_a_2xx() -> None:
         finally:
             server.shutdown()
     assert hc.main(["bogus"]) == 2
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """A service's bind mounts, host path -> container path."""
+    return {v.split(":")[0]: v.split(":")[1] for v in service.get("volumes", []) if v.startswith("./")}
+
+
+def test_prometheus_scrapes_telemetrys_metrics_port(services: dict[str, dict[str, Any]]) -> None:
+    prom, telemetry = services["prometheus"], services["telemetry"]
+    assert prom["profiles"] == ["monitoring"] and services["grafana"]["profiles"] == ["monitoring"]
+    config_file = DEPLOY / "prometheus" / "prometheus.yml"
+    assert f"--config.file={_mounts(prom)['./deploy/prometheus/prometheus.yml']}" in prom["command"]
+    config = yaml.safe_load(config_file.read_text())
+    (scrape,) = config["scrape_configs"]
+    (static,) = scrape["static_configs"]
+    metrics_port = telemetry["environment"]["VIGIL_METRICS_PORT"]
+    assert static["targets"] == [f"telemetry:{metrics_port}"] and scrape["metrics_path"] == "/metrics"
+    assert telemetry["environment"]["VIGIL_HTTP_HOST"] == "0.0.0.0"  # reachable from the prometheus container
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool missing (Debian's prometheus package; scripts/install.sh installs it)")
+    check = subprocess.run([promtool, "check", "config", str(config_file)], capture_output=True, timeout=30)
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+
+
+def test_grafana_is_provisioned_with_prometheus_and_vigils_dashboards(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    from vigil_telemetry.metrics import _HELP
+
+    grafana = _mounts(services["grafana"])
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    assert grafana["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    url = urlsplit(source["url"])
+    assert url.hostname == "prometheus" and any(
+        p.endswith(f":{url.port}") for p in services["prometheus"]["ports"]
+    )
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "vigil.yaml").read_text())["providers"]
+    assert grafana["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    dashboards = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
+    assert dashboards
+    for path in dashboards:
+        dashboard = json.loads(path.read_text())
+        panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+        exprs = [t["expr"] for p in panels for t in p["targets"]]
+        exprs += [v["query"]["query"] for v in dashboard["templating"]["list"]]
+        assert exprs
+        queried = {m for e in exprs for m in re.findall(r"\bvigil_[a-z_]+\b", e)}
+        assert queried and queried <= set(_HELP), f"{path.name}: not served: {sorted(queried - set(_HELP))}"
+        assert set(_HELP) - queried <= {
+            "vigil_step_grad_norm",
+            "vigil_step_last",
+            "vigil_steps_total",
+            "vigil_incidents_total",
+        }
+        uids = {p["datasource"]["uid"] for p in panels} | {
+            t["datasource"]["uid"] for p in panels for t in p["targets"]
+        }
+        assert uids == {source["uid"]}, path.name
+        ids = [p["id"] for p in dashboard["panels"]]
+        assert len(ids) == len(set(ids)), f"{path.name}: panel ids repeat"
