@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     node_name: str = Field(default_factory=default_node_name)
     node_address: str = Field("127.0.0.1", description="where this node's ranks are reachable")
     cpu_slots: int = Field(2, ge=1, le=1024, description="slots on a node without GPUs")
+    gpu_backend: Literal["auto", "nvml", "amdsmi", "cpu"] = Field(
+        "auto", description="a worker's devices: auto (NVML, else amdsmi, else CPU slots) or one forced"
+    )
     heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
     gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)

@@ -25,7 +25,7 @@ log = logging.getLogger("vigil.worker")
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     require_urls(settings, "worker", database=False)
     assert settings.nats_url
-    inventory = Inventory.discover(settings.cpu_slots, settings.node_name)
+    inventory = Inventory.discover(settings.cpu_slots, settings.node_name, settings.gpu_backend)
     async with AsyncExitStack() as stack:
         # --- connect --------------------------------------------------------------------------------------
         bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.node_name}")
