@@ -179,6 +179,8 @@ def test_every_vigil_container_runs_a_real_command_with_real_settings(
         resolved = {k: _expand(v, env) for k, v in env.items()}
         settings = settings_from({k: v for k, v in resolved.items() if k.startswith("VIGIL_")}, monkeypatch)
         assert settings.nats_url and urlsplit(settings.nats_url).hostname == "nats", _key(doc)
+        nats_servers = _of(docs, "StatefulSet", "nats")[0]["spec"]["replicas"]
+        assert settings.stream_replicas == nats_servers, f"{_key(doc)}: VIGIL_STREAM_REPLICAS"
         if container["args"][0] != "worker":
             assert settings.database_url, _key(doc)
     assert sorted(commands) == ["guardian", "scheduler", "telemetry", "worker"]

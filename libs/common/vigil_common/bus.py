@@ -203,8 +203,9 @@ class Bus:
 
     # --- streams -------------------------------------------------------------------------------------
 
-    async def ensure_streams(self, specs: Sequence[StreamSpec] = subjects.STREAMS) -> None:
-        """Create or update every stream; safe to call from many starters at once."""
+    async def ensure_streams(self, specs: Sequence[StreamSpec] = subjects.STREAMS, replicas: int = 1) -> None:
+        """Create or update every stream, kept on `replicas` servers of a NATS cluster
+        (`settings.stream_replicas`); safe to call from many starters at once."""
         for spec in specs:
             config = StreamConfig(
                 name=spec.name,
@@ -217,7 +218,7 @@ class Bus:
                 max_msg_size=spec.max_msg_size,
                 discard=DiscardPolicy.NEW if spec.discard_new else DiscardPolicy.OLD,
                 duplicate_window=spec.duplicate_window_s,
-                num_replicas=1,
+                num_replicas=replicas,
             )
             try:
                 await self.js.add_stream(config)

@@ -104,5 +104,5 @@ async def connect(settings: Settings, name: str) -> AsyncIterator[Connections]:
         await migrate(pool)
         bus = await Bus.connect(settings.nats_url, name=name, provider=provider)
         stack.push_async_callback(bus.close)
-        await bus.ensure_streams()
+        await bus.ensure_streams(replicas=settings.stream_replicas)
         yield Connections(provider, pool, bus)

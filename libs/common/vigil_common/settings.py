@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(5, ge=1, le=1000, description="launch attempts before a job is FAILED")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
+    stream_replicas: int = Field(
+        1, ge=1, le=5, description="servers each JetStream stream is kept on (3 on a 3-server NATS cluster)"
+    )
     metrics_port: int = Field(9464, ge=0, le=65535, description="telemetry's Prometheus /metrics; 0: off")
     log_level: str = "INFO"
     trace_file: Path | None = Field(
