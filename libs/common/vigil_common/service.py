@@ -112,5 +112,5 @@ async def connect(
         await migrate(pool)
         bus = await Bus.connect(settings.nats_url, name=name, provider=provider)
         stack.push_async_callback(bus.close)
-        await bus.ensure_streams(manage=manage_streams)
+        await bus.ensure_streams(manage=manage_streams, replicas=settings.stream_replicas)
         yield Connections(provider, pool, bus)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     node_name: str = Field(default_factory=default_node_name)
     node_address: str = Field("127.0.0.1", description="where this node's ranks are reachable")
     cpu_slots: int = Field(2, ge=1, le=1024, description="slots on a node without GPUs")
+    gpu_backend: Literal["auto", "nvml", "amdsmi", "cpu"] = Field(
+        "auto", description="a worker's devices: auto (NVML, else amdsmi, else CPU slots) or one forced"
+    )
     heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
     gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)
@@ -51,6 +54,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(5, ge=1, le=1000, description="launch attempts before a job is FAILED")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
+    stream_replicas: int = Field(
+        1, ge=1, le=5, description="servers each JetStream stream is kept on (3 on a 3-server NATS cluster)"
+    )
     metrics_port: int = Field(9464, ge=0, le=65535, description="telemetry's Prometheus /metrics; 0: off")
     rank_nats_url: str | None = Field(
         None, description="NATS URL (with the rank credential) a worker hands its ranks; unset: its own"

@@ -1,4 +1,9 @@
-"""What this node has, and how it is doing: NVML on a GPU node, CPU slots otherwise.
+"""What this node has, and how it is doing: NVML on an NVIDIA node, amdsmi on an AMD node (`amd`),
+CPU slots otherwise.
+
+The backend is chosen at start (`settings.gpu_backend`): "auto" takes NVML when it initialises with a
+device, else amdsmi, else CPU slots; "nvml", "amdsmi" or "cpu" force one (a forced GPU backend that
+finds no GPU is a configuration error, not a quiet fallback to CPU).
 
 On a node without GPUs the worker offers `settings.cpu_slots` slots of kind "cpu", never passed off as
 GPUs; their samples carry what can honestly be measured (the CPU use and resident memory of the rank
@@ -14,7 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vigil_common.errors import ConfigError
 from vigil_common.events import Device, GpuSampled
+from vigil_worker.amd import AmdGpus, open_amdsmi
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +69,20 @@ class Inventory:
     kind: str  # "gpu" or "cpu"
     _nv: Any = None
     _handles: list[Any] = field(default_factory=list)
+    _amd: AmdGpus | None = None
     _cpu_prev: dict[int, tuple[float, float]] = field(default_factory=dict)  # pid -> (cpu s, wall s)
 
     @classmethod
-    def discover(cls, cpu_slots: int, node: str) -> Inventory:
-        nv = _nvml()
+    def discover(cls, cpu_slots: int, node: str, backend: str = "auto") -> Inventory:
+        nv = _nvml() if backend in ("auto", "nvml") else None
+        if nv is None and backend in ("auto", "amdsmi") and (smi := open_amdsmi()) is not None:
+            amd = AmdGpus(smi)
+            return cls(devices=amd.devices(), kind="gpu", _amd=amd)
+        if nv is None and backend in ("nvml", "amdsmi"):
+            raise ConfigError(
+                f"VIGIL_GPU_BACKEND={backend}: no GPU found through it (driver, library, devices?); "
+                "use auto to fall back to CPU slots"
+            )
         if nv is None:
             total = _PAGE * os.sysconf("SC_PHYS_PAGES")
             devices = [
@@ -101,7 +117,12 @@ class Inventory:
         for d in self.devices:
             running = rank_on(d.index)
             pid = running[0] if running else None
-            s = self._gpu_sample(node, d) if self._nv is not None else self._cpu_sample(node, d, pid)
+            if self._nv is not None:
+                s = self._gpu_sample(node, d)
+            elif self._amd is not None:
+                s = self._amd.sample(node, d)
+            else:
+                s = self._cpu_sample(node, d, pid)
             if running:
                 s = s.model_copy(update={"job_id": running[1], "attempt": running[2]})
             out.append(s)
@@ -174,6 +195,8 @@ class Inventory:
         )
 
     def close(self) -> None:
+        if self._amd is not None:
+            self._amd.close()
         if self._nv is not None:
             try:
                 self._nv.nvmlShutdown()

@@ -29,13 +29,15 @@ log = logging.getLogger("vigil.worker")
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     require_urls(settings, "worker", database=False)
     assert settings.nats_url
-    inventory = Inventory.discover(settings.cpu_slots, settings.node_name)
+    inventory = Inventory.discover(settings.cpu_slots, settings.node_name, settings.gpu_backend)
     async with AsyncExitStack() as stack:
         # --- connect --------------------------------------------------------------------------------------
         bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.node_name}")
         stack.push_async_callback(bus.close)
         stack.callback(inventory.close)
-        await bus.ensure_streams(manage=False)  # its NATS role may not change them
+        await bus.ensure_streams(
+            manage=False, replicas=settings.stream_replicas
+        )  # its NATS role may not change them
 
         # --- recover: the truth about ranks a previous run started ------------------------------------------
         worker = Worker(settings, bus, inventory)

@@ -58,12 +58,75 @@ def test_a_finished_jobs_gauges_go_away():
             )
         ]
     )
-    r.observe([JobStateChanged(job_id="j-1", from_state="RUNNING", to_state="SUCCEEDED", cause="done")])
-    assert "vigil_step_loss{" not in r.render()
     assert 'vigil_steps_total{job="j-1"} 1' in r.render()
+    r.observe([JobStateChanged(job_id="j-1", from_state="RUNNING", to_state="SUCCEEDED", cause="done")])
+    assert 'job="j-1"' not in r.render()  # every series of an ended job goes: cardinality stays bounded
 
 
 def test_label_values_are_escaped():
     r = Registry()
     r.set("vigil_step_loss", 1.0, job='a"b\\c', rank=0)
     assert 'job="a\\"b\\\\c"' in r.render()
+
+
+def step(rank: int, step: int, loss: float, tokens_per_s: float, step_time_s: float, job: str = "j-1"):
+    return StepCompleted(
+        job_id=job,
+        attempt=1,
+        rank=rank,
+        node="n0",
+        step=step,
+        loss=loss,
+        local_finite=True,
+        lr=1e-3,
+        tokens=1,
+        tokens_per_s=tokens_per_s,
+        step_time_s=step_time_s,
+    )
+
+
+def test_a_jobs_gauges_come_from_its_ranks_newest_steps():
+    r = Registry()
+    r.observe([step(0, 4, 2.0, 100.0, 0.5), step(1, 4, 4.0, 80.0, 0.25), step(0, 5, 1.0, 120.0, 0.2)])
+    assert r.get("vigil_job_step", job="j-1") == 5
+    assert r.get("vigil_job_loss", job="j-1") == 2.5  # rank 0 at step 5, rank 1 at step 4
+    assert r.get("vigil_job_tokens_per_second", job="j-1") == 200.0
+    assert r.get("vigil_job_steps_per_second", job="j-1") == 4.0  # the slowest rank's newest step
+    assert r.get("vigil_steps_total", job="j-1") == 3
+
+
+def test_incidents_count_per_job_and_overall():
+    r = Registry()
+    r.observe(
+        [
+            IncidentRaised(job_id="j-1", kind="spike", action="rollback", message="x"),
+            IncidentRaised(job_id="j-2", kind="spike", action="rollback", message="y"),
+        ]
+    )
+    assert r.get("vigil_incidents_total", kind="spike", action="rollback") == 2
+    assert r.get("vigil_job_incidents_total", job="j-1", kind="spike", action="rollback") == 1
+
+
+def test_late_events_of_an_ended_job_make_no_series():
+    r = Registry()
+    r.observe([JobStateChanged(job_id="j-1", from_state="RUNNING", to_state="CANCELLED", cause="user")])
+    r.observe(
+        [step(0, 9, 1.0, 1.0, 0.1), IncidentRaised(job_id="j-1", kind="hang", action="halt", message="")]
+    )
+    assert 'job="j-1"' not in r.render()
+    assert r.get("vigil_incidents_total", kind="hang", action="halt") == 1
+
+
+def test_every_sampled_gpu_field_is_a_series_and_throttling_clears():
+    r = Registry()
+    sample = dict(node="n0", index=0, device_kind="gpu", uuid="u", sm_clock_mhz=1980, mem_clock_mhz=2619,
+                  ecc_corrected=3, ecc_uncorrected=0, power_w=612.5, utilization_pct=97.0)  # fmt: skip
+    r.observe([GpuSampled(**sample, throttle_reasons=["sw_power_cap"])])
+    gpu = {"node": "n0", "index": 0, "kind": "gpu"}
+    assert r.get("vigil_gpu_sm_clock_mhz", **gpu) == 1980
+    assert r.get("vigil_gpu_memory_clock_mhz", **gpu) == 2619
+    assert r.get("vigil_gpu_ecc_corrected", **gpu) == 3 and r.get("vigil_gpu_ecc_uncorrected", **gpu) == 0
+    assert r.get("vigil_gpu_power_watts", **gpu) == 612.5
+    assert r.get("vigil_gpu_throttled", reason="sw_power_cap", **gpu) == 1
+    r.observe([GpuSampled(**sample)])
+    assert r.get("vigil_gpu_throttled", reason="sw_power_cap", **gpu) == 0

@@ -1,0 +1,195 @@
+"""Vigil under a real Slurm: the control plane in this process, workers started by slurmd through the
+example `deploy/slurm/vigil-job.sbatch` (`vigil slurm run`), real DeepSpeed ranks inside the step.
+A two-rank job SUCCEEDS and its allocation ends; a cancelled job frees its Slurm step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.helpers import eventually
+from tests.integration.scheduler.conftest import fresh_database, next_event, wait_state
+from vigil_cli.slurm import worker_name
+from vigil_cli.stack import SERVICES, run_services
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.embedded import free_port
+from vigil_common.events import RankStarted, StepCompleted
+from vigil_common.settings import Settings
+
+from .conftest import SlurmCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slurm]
+
+ROOT = Path(__file__).resolve().parents[3]
+SBATCH_SCRIPT = ROOT / "deploy" / "slurm" / "vigil-job.sbatch"
+TOKEN = "slurm-token-0123456789abcdef"
+TINY = {"preset": "tiny", "n_layer": 2, "seq_len": 32}
+TRAIN = {"micro_batch": 4, "lr": 3e-3, "warmup_steps": 1, "zero_stage": 0}
+
+
+@dataclass
+class Plane:
+    http: httpx.AsyncClient
+    bus: Bus
+    url: str
+    nats_url: str
+
+
+@pytest.fixture(scope="module")
+async def plane(
+    nats_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Plane]:
+    """Scheduler with its gateway, telemetry and guardian: no worker, the workers come from Slurm."""
+    port = free_port()
+    settings = Settings.load(
+        nats_url=nats_url,
+        database_url=await fresh_database(database_url),
+        data_dir=tmp_path_factory.mktemp("plane"),
+        http_port=port,
+        api_token=TOKEN,
+        heartbeat_interval_s=0.5,
+        metrics_port=0,
+    )
+    stop = asyncio.Event()
+    services = asyncio.create_task(run_services(settings, stop, SERVICES[:3]))
+    bus = await Bus.connect(nats_url, "slurm-test")
+    url = f"http://127.0.0.1:{port}"
+    http = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"})
+    try:
+
+        async def ready() -> bool:
+            if services.done():
+                services.result()
+            with contextlib.suppress(httpx.HTTPError):
+                return (await http.get("/readyz")).status_code == 200
+            return False
+
+        await eventually(ready, timeout=60, what="the control plane")
+        yield Plane(http, bus, url, nats_url)
+    finally:
+        stop.set()
+        await asyncio.wait_for(services, 60)
+        await http.aclose()
+        await bus.close()
+
+
+def sbatch(cluster: SlurmCluster, plane: Plane, work: Path, spec: dict[str, Any]) -> str:
+    """Submit the example batch script with `spec`; the Slurm job id."""
+    spec_file = work / f"{spec['name']}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in cluster.env.items() if not k.startswith("VIGIL_")}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        VIGIL_NATS_URL=plane.nats_url,
+        VIGIL_API_URL=plane.url,
+        VIGIL_API_TOKEN=TOKEN,
+        VIGIL_DATA_DIR=str(work / "vigil"),
+        VIGIL_HEARTBEAT_INTERVAL_S="0.5",
+        OMP_NUM_THREADS="1",
+    )
+    argv = ["sbatch", "--parsable", "--nodes=1", f"--chdir={work}", f"--output={work}/slurm-%j.out"]
+    done = subprocess.run(
+        [*argv, str(SBATCH_SCRIPT), str(spec_file)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+async def vigil_job(plane: Plane, name: str, cluster: SlurmCluster, work: Path, slurm_id: str) -> str:
+    async def submitted() -> str | None:
+        items = (await plane.http.get("/api/v1/jobs", params={"limit": 100})).json()["items"]
+        return next((j["id"] for j in items if j["name"] == name), None)
+
+    try:
+        return await eventually(submitted, timeout=120, what=f"the Vigil job of Slurm job {slurm_id}")
+    except AssertionError:
+        out = work / f"slurm-{slurm_id}.out"
+        raise AssertionError(
+            f"{out.read_text() if out.exists() else 'no output'}\n{cluster.logs()}"
+        ) from None
+
+
+async def allocation_ended(cluster: SlurmCluster, slurm_id: str) -> str:
+    async def ended() -> str | None:
+        state = cluster.job_state(slurm_id)
+        return state if state not in (None, "PENDING", "RUNNING", "COMPLETING") else None
+
+    return await eventually(ended, timeout=90, what=f"Slurm job {slurm_id} to end")
+
+
+def proc_environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def is_rank(pid: int) -> bool:
+    try:
+        return b"vigil_worker.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+async def test_a_two_rank_job_per_sbatch_succeeds_and_ends_its_allocation(
+    plane: Plane, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    name = "slurm-ok-" + uuid.uuid4().hex[:6]
+    spec = {
+        "name": name,
+        "resources": {"nodes": 1, "gpus_per_node": 2},
+        "model": TINY,
+        "train": {"steps": 6, **TRAIN},
+        "checkpoint": {"every": 3},
+    }
+    slurm_id = sbatch(slurm_cluster, plane, tmp_path, spec)
+    job_id = await vigil_job(plane, name, slurm_cluster, tmp_path, slurm_id)
+    await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
+
+    job = (await plane.http.get(f"/api/v1/jobs/{job_id}")).json()
+    assert [(p["node"], p["rank"]) for p in job["placement"]] == [
+        (worker_name(slurm_cluster.node, slurm_id), 0),
+        (worker_name(slurm_cluster.node, slurm_id), 1),
+    ]
+    assert await allocation_ended(slurm_cluster, slurm_id) == "COMPLETED"  # `vigil slurm run` exited 0
+    assert slurm_cluster.steps(slurm_id) == []
+
+
+async def test_cancelling_the_vigil_job_frees_the_slurm_step(
+    plane: Plane, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    name = "slurm-cancel-" + uuid.uuid4().hex[:6]
+    spec = {
+        "name": name,
+        "resources": {"nodes": 1, "gpus_per_node": 2},
+        "model": TINY,
+        "train": {"steps": 5000, **TRAIN},
+        "checkpoint": {"every": 1000},
+    }
+    slurm_id = sbatch(slurm_cluster, plane, tmp_path, spec)
+    job_id = await vigil_job(plane, name, slurm_cluster, tmp_path, slurm_id)
+    started = await next_event(
+        plane.bus, subjects.status(job_id), lambda e: isinstance(e, RankStarted), timeout_s=120
+    )
+    await next_event(plane.bus, subjects.step(job_id), lambda e: isinstance(e, StepCompleted), timeout_s=120)
+    # the rank runs inside the Slurm step the workers run in
+    environ = proc_environ(started.pid)
+    assert f"SLURM_JOB_ID={slurm_id}".encode() in environ
+    assert any(v.startswith(b"SLURM_STEP_ID=") for v in environ)
+    assert len(slurm_cluster.steps(slurm_id)) == 2  # the batch step and the workers' step
+
+    assert (await plane.http.post(f"/api/v1/jobs/{job_id}/cancel")).status_code < 300
+    await wait_state(plane.bus, job_id, "CANCELLED", timeout_s=60)
+    assert await allocation_ended(slurm_cluster, slurm_id) == "FAILED"  # `vigil slurm run` exits 1
+    assert slurm_cluster.steps(slurm_id) == []
+    assert not is_rank(started.pid)

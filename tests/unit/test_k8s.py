@@ -1,0 +1,324 @@
+"""deploy/k8s, checked where no cluster runs: each overlay rendered as `kubectl kustomize` would (the
+subset of kustomize the manifests use: resources, namespace, labels, images, strategic-merge patches),
+every object validated against the Kubernetes schemas (kubernetes-validate, strict), and checked like
+compose.yaml: every Vigil container runs a real `vigil` command with real settings, probes that its
+service serves, secrets and volumes that exist, selectors that select, a NATS config that nats-server
+accepts."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.unit.deploy_checks import assert_vigil_command, nats_server, settings_from, unknown_settings
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+OVERLAYS = ("cpu", "gpu")
+KUBERNETES_VERSION = "1.31"
+VIGIL_IMAGES = ("vigil", "vigil-worker")
+CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "ClusterRole", "ClusterRoleBinding", "StorageClass"}
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+
+Doc = dict[str, Any]
+
+
+# --- a small kustomize -------------------------------------------------------------------------------
+
+
+def render(folder: Path) -> list[Doc]:
+    """The objects `kubectl kustomize folder` prints, for the features deploy/k8s uses."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - {
+        "apiVersion",
+        "kind",
+        "namespace",
+        "labels",
+        "resources",
+        "patches",
+        "images",
+    }
+    assert not unknown, f"{folder}: this renderer does not know {sorted(unknown)}"
+    docs: list[Doc] = []
+    for entry in kustomization.get("resources", []):
+        path = folder / entry
+        if path.is_dir():
+            docs += render(path)
+        else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        change = yaml.safe_load((folder / patch["path"]).read_text())
+        (target,) = [d for d in docs if _key(d) == _key(change)] or [None]
+        assert target is not None, f"{folder}/{patch['path']}: no {_key(change)} to patch"
+        docs[docs.index(target)] = strategic_merge(target, change)
+    for doc in docs:
+        if "namespace" in kustomization and doc["kind"] not in CLUSTER_SCOPED:
+            doc["metadata"]["namespace"] = kustomization["namespace"]
+        for label_set in kustomization.get("labels", []):
+            doc["metadata"].setdefault("labels", {}).update(label_set["pairs"])
+        for image in kustomization.get("images", []):
+            for container in _containers(doc):
+                name, _, tag = container["image"].partition(":")
+                if name == image["name"]:
+                    container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+    return docs
+
+
+def _key(doc: Doc) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """Maps merge key by key; lists of named items (containers, env, volumes, ...) merge by name, in
+    kustomize's order; other lists are replaced. (The last test compares with `kubectl kustomize`.)"""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = copy.deepcopy(base)
+        for key, value in patch.items():
+            out[key] = strategic_merge(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(i, dict) and "name" in i for i in patch)
+    ):
+        # as kustomize orders them: the patch's items (merged into the base's), then the base's others
+        by_name = {item.get("name"): item for item in base if isinstance(item, dict)}
+        merged = [strategic_merge(by_name[i["name"]], i) if i["name"] in by_name else i for i in patch]
+        named = {i["name"] for i in patch}
+        rest = [item for item in base if not (isinstance(item, dict) and item.get("name") in named)]
+        return copy.deepcopy(merged) + copy.deepcopy(rest)
+    return copy.deepcopy(patch)
+
+
+def _pod(doc: Doc) -> Doc:
+    return doc["spec"]["template"]["spec"] if doc["kind"] in WORKLOADS else {}
+
+
+def _containers(doc: Doc) -> list[Doc]:
+    pod = _pod(doc)
+    return [*pod.get("initContainers", []), *pod.get("containers", [])]
+
+
+def _vigil_containers(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
+    return [
+        (doc, c) for doc in docs for c in _containers(doc) if c["image"].partition(":")[0] in VIGIL_IMAGES
+    ]
+
+
+def _of(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
+    return [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+
+
+@pytest.fixture(
+    scope="module", params=OVERLAYS, ids=[f"{o}-overlay" for o in OVERLAYS]
+)  # not "gpu": a marker
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[Doc]]:
+    return request.param, render(K8S / "overlays" / request.param)
+
+
+# --- the renderer itself -----------------------------------------------------------------------------
+
+
+def test_strategic_merge_merges_named_items_and_replaces_other_lists() -> None:
+    base = {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["x"]}], "n": 1}
+    patch = {
+        "containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["y"]}, {"name": "b"}]
+    }
+    assert strategic_merge(base, patch) == {
+        "containers": [
+            {"name": "a", "env": [{"name": "Y", "value": "2"}, {"name": "X", "value": "1"}], "args": ["y"]},
+            {"name": "b"},
+        ],
+        "n": 1,
+    }
+
+
+# --- the manifests -----------------------------------------------------------------------------------
+
+
+def test_every_object_matches_the_kubernetes_schemas(overlay: tuple[str, list[Doc]]) -> None:
+    name, docs = overlay
+    errors = []
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{_key(doc)}: {'/'.join(map(str, exc.path))}: {exc.message}")
+    assert not errors, f"overlay {name}:\n" + "\n".join(errors)
+    assert len({_key(d) for d in docs}) == len(docs), "an object appears twice"
+
+
+def test_the_schemas_catch_mistakes(overlay: tuple[str, list[Doc]]) -> None:
+    _, docs = overlay
+    broken = copy.deepcopy(_of(docs, "Deployment", "vigil-scheduler")[0])
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["prot"] = 8000
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_vigil_container_runs_a_real_command_with_real_settings(
+    overlay: tuple[str, list[Doc]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, docs = overlay
+    secrets = {k: v for s in _of(docs, "Secret") for k, v in s["stringData"].items()}
+    commands = []
+    for doc, container in _vigil_containers(docs):
+        assert "command" not in container, "the image's entry point is `vigil`: give the command as args"
+        assert_vigil_command(container["args"])
+        commands.append(container["args"][0])
+        env = {e["name"]: _value(e, secrets, doc) for e in container.get("env", [])}
+        assert not unknown_settings(list(env)), f"{_key(doc)}: not settings: {unknown_settings(list(env))}"
+        resolved = {k: _expand(v, env) for k, v in env.items()}
+        settings = settings_from({k: v for k, v in resolved.items() if k.startswith("VIGIL_")}, monkeypatch)
+        assert settings.nats_url and urlsplit(settings.nats_url).hostname == "nats", _key(doc)
+        nats_servers = _of(docs, "StatefulSet", "nats")[0]["spec"]["replicas"]
+        assert settings.stream_replicas == nats_servers, f"{_key(doc)}: VIGIL_STREAM_REPLICAS"
+        if container["args"][0] != "worker":
+            assert settings.database_url, _key(doc)
+    assert sorted(commands) == ["guardian", "scheduler", "telemetry", "worker"]
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(NAME)` references to the container's other variables."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
+
+
+def _value(entry: Doc, secrets: dict[str, str], doc: Doc) -> str:
+    """An env entry's value, from the example Secret or a stand-in for the downward API."""
+    if "value" in entry:
+        return str(entry["value"])
+    source = entry["valueFrom"]
+    if "secretKeyRef" in source:
+        ref = source["secretKeyRef"]
+        assert ref["name"] == "vigil-secrets" and ref["key"] in secrets, (_key(doc), ref)
+        return secrets[ref["key"]]
+    field = source["fieldRef"]["fieldPath"]
+    return {"spec.nodeName": "gpu-node-1", "status.podIP": "10.1.2.3", "metadata.name": "pod-0"}[field]
+
+
+def test_probes_ask_what_each_service_serves(overlay: tuple[str, list[Doc]]) -> None:
+    _, docs = overlay
+    for doc, c in _vigil_containers(docs):
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        probes = {k: c[k] for k in ("startupProbe", "livenessProbe", "readinessProbe") if k in c}
+        assert "livenessProbe" in probes, _key(doc)
+        for kind, probe in probes.items():
+            if "httpGet" in probe:
+                port = ports[probe["httpGet"]["port"]]
+                path = probe["httpGet"]["path"]
+                if c["args"][0] == "scheduler":  # the gateway: /healthz live, /readyz ready
+                    assert port == int(env["VIGIL_HTTP_PORT"])
+                    assert path == ("/readyz" if kind == "readinessProbe" else "/healthz")
+                else:  # telemetry's only HTTP is /metrics
+                    assert (c["args"][0], port, path) == (
+                        "telemetry",
+                        int(env["VIGIL_METRICS_PORT"]),
+                        "/metrics",
+                    )
+                    assert env["VIGIL_HTTP_HOST"] == "0.0.0.0"
+            else:
+                assert probe["exec"]["command"] == ["vigil-healthcheck", "bus", c["args"][0]], _key(doc)
+
+
+def test_services_and_policies_select_pods_and_volumes_exist(overlay: tuple[str, list[Doc]]) -> None:
+    _, docs = overlay
+    pods = {_key(d): d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in WORKLOADS}
+
+    def selects(selector: dict[str, str]) -> list[tuple[str, str]]:
+        return [k for k, labels in pods.items() if selector.items() <= labels.items()]
+
+    for workload in (d for d in docs if d["kind"] in WORKLOADS):
+        assert selects(workload["spec"]["selector"]["matchLabels"]) == [_key(workload)]
+        pod = _pod(workload)
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+        for c in _containers(workload):
+            for mount in c.get("volumeMounts", []):
+                assert mount["name"] in volumes or mount["name"] in claims, (_key(workload), mount["name"])
+        for v in volumes.values():
+            if "persistentVolumeClaim" in v:
+                assert _of(docs, "PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"])
+            if "configMap" in v:
+                assert _of(docs, "ConfigMap", v["configMap"]["name"])
+    for service in _of(docs, "Service"):
+        (target,) = selects(service["spec"]["selector"]) or [None]
+        assert target is not None, service["metadata"]["name"]
+    policies = _of(docs, "NetworkPolicy")
+    assert any(p["spec"]["podSelector"] == {} and "ingress" not in p["spec"] for p in policies), (
+        "default deny"
+    )
+    for policy in policies:
+        selector = policy["spec"]["podSelector"].get("matchLabels", {})
+        assert selects(selector), policy["metadata"]["name"]
+    reached = {
+        k
+        for p in policies
+        if p["spec"].get("ingress")
+        for k in selects(p["spec"]["podSelector"]["matchLabels"])
+    }
+    assert reached >= {
+        ("StatefulSet", "nats"),
+        ("Deployment", "vigil-scheduler"),
+        ("Deployment", "vigil-telemetry"),
+    }
+    assert ("DaemonSet", "vigil-worker") in reached  # ranks reach ranks
+
+
+def test_nats_is_three_clustered_jetstream_servers_on_their_own_volumes(
+    overlay: tuple[str, list[Doc]], tmp_path: Path
+) -> None:
+    _, docs = overlay
+    (nats,) = _of(docs, "StatefulSet", "nats")
+    assert nats["spec"]["replicas"] == 3
+    (claim,) = nats["spec"]["volumeClaimTemplates"]
+    (container,) = _pod(nats)["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    config_text = _of(docs, "ConfigMap", "nats-config")[0]["data"]["nats.conf"]
+    store = re.search(r'store_dir:\s*"([^"]+)"', config_text).group(1)  # type: ignore[union-attr]
+    assert store.startswith(mounts[claim["metadata"]["name"]] + "/"), "JetStream's files live on the volume"
+    routes = re.findall(r'"nats://([^":]+):(\d+)"', config_text)
+    headless = _of(docs, "Service", nats["spec"]["serviceName"])[0]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert sorted(routes) == [(f"nats-{i}.{headless['metadata']['name']}", "6222") for i in range(3)]
+    config = tmp_path / "nats.conf"
+    config.write_text(config_text)
+    env = {"POD_NAME": "nats-0", "NATS_USER": "vigil", "NATS_PASSWORD": "secret"}
+    check = subprocess.run([nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30)
+    assert check.returncode == 0, check.stderr.decode()
+
+
+def test_gpu_workers_ask_for_nvidia_gpus_and_cpu_workers_do_not(overlay: tuple[str, list[Doc]]) -> None:
+    name, docs = overlay
+    (worker,) = _of(docs, "DaemonSet", "vigil-worker")
+    (container,) = _pod(worker)["containers"]
+    limits = container["resources"].get("limits", {})
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    if name == "gpu":
+        assert int(limits["nvidia.com/gpu"]) >= 1
+        assert _pod(worker)["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert container["image"] == "vigil-worker:dev-gpu" and env["VIGIL_GPU_BACKEND"] == "nvml"
+    else:
+        assert "nvidia.com/gpu" not in limits and "nodeSelector" not in _pod(worker)
+        assert env["VIGIL_GPU_BACKEND"] == "cpu"
+
+
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl not installed: the renderer is checked by hand"
+)
+def test_the_renderer_agrees_with_kubectl_kustomize(overlay: tuple[str, list[Doc]]) -> None:
+    name, docs = overlay
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "overlays" / name)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    theirs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert sorted(docs, key=_key) == sorted(theirs, key=_key)
