@@ -16,6 +16,7 @@ from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged, RanksHalted, RollbackCompleted, StepCompleted
 
 KEEPALIVE_S = 15.0
+SHOWN = (JobStateChanged, IncidentRaised, RanksHalted, RollbackCompleted)  # passed on as they come
 
 
 async def console_events(
@@ -36,20 +37,20 @@ async def console_events(
             while True:
                 due = sent_at + every_s - loop.time()
                 timeout = max(due, 0.0) if progress is not None else KEEPALIVE_S
-                done, _ = await asyncio.wait({pending, stopping}, timeout=timeout, return_when="FIRST_COMPLETED")
+                done, _ = await asyncio.wait(
+                    {pending, stopping}, timeout=timeout, return_when="FIRST_COMPLETED"
+                )
                 if stopping in done:
                     return
                 if pending in done:
                     event = pending.result()
                     pending = asyncio.ensure_future(anext(stream))
-                    if isinstance(event, StepCompleted):
-                        if event.job_id == job:
-                            progress = max(progress if progress is not None else -1, event.step)
-                    elif isinstance(event, JobStateChanged | IncidentRaised | RanksHalted | RollbackCompleted):
-                        if job in (None, event.job_id):
-                            yield ServerSentEventMessage(
-                                data=event.model_dump_json(), event=event.type, id=event.event_id
-                            )
+                    if isinstance(event, StepCompleted) and event.job_id == job:
+                        progress = max(progress if progress is not None else -1, event.step)
+                    elif isinstance(event, SHOWN) and job in (None, event.job_id):
+                        yield ServerSentEventMessage(
+                            data=event.model_dump_json(), event=event.type, id=event.event_id
+                        )
                 if progress is not None and loop.time() >= sent_at + every_s:
                     yield ServerSentEventMessage(data=json.dumps({"step": progress}), event="progress")
                     progress, sent_at = None, loop.time()

@@ -54,7 +54,7 @@ class LoginController(Controller):
             return Template(
                 "login.html", context={"next": next_path, "error": "wrong token"}, status_code=401
             )
-        response = Redirect(next_path)
+        response = Redirect(next_path, status_code=303)
         response.set_cookie(COOKIE, session_value(token), httponly=True, samesite="strict", path="/")
         return response
 
@@ -66,7 +66,7 @@ class ConsoleController(Controller):
 
     @post("/logout")
     async def logout(self) -> Response:
-        response = Redirect("/login")
+        response = Redirect("/login", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
 
@@ -85,7 +85,7 @@ class ConsoleController(Controller):
             context = await _jobs_context(pool, None)
             context.update(spec_text=text, spec_errors=exc.errors)
             return Template("jobs.html", context=context, status_code=422)
-        return Redirect(f"/jobs/{job.id}")
+        return Redirect(f"/jobs/{job.id}", status_code=303)
 
     @post("/jobs/{job_id:str}/cancel")
     async def cancel(self, pool: Pool, scheduler: SchedulerDep, job_id: FromPath[str]) -> Response:
@@ -95,7 +95,7 @@ class ConsoleController(Controller):
             context = await _job_context(pool, job_id)
             context["error"] = str(exc)
             return Template("job.html", context=context, status_code=409)
-        return Redirect(f"/jobs/{job_id}")
+        return Redirect(f"/jobs/{job_id}", status_code=303)
 
     @get("/jobs/{job_id:str}")
     async def job(self, pool: Pool, job_id: FromPath[str]) -> Template:
@@ -181,7 +181,8 @@ class ConsoleDataController(Controller):
         out["marks"] = {
             **marks,
             "incidents": [
-                {k: i[k] for k in ("id", "kind", "action", "step", "rank", "message")} for i in incidents["items"]
+                {k: i[k] for k in ("id", "kind", "action", "step", "rank", "message")}
+                for i in incidents["items"]
             ],
         }
         return out
@@ -199,7 +200,9 @@ class ConsoleDataController(Controller):
         }
 
     @get("/events")
-    async def events(self, request: Request, bus: BusDep, job: FromQuery[str | None] = None) -> ServerSentEvent:
+    async def events(
+        self, request: Request, bus: BusDep, job: FromQuery[str | None] = None
+    ) -> ServerSentEvent:
         return ServerSentEvent(console_events(bus, request.app.state.closing, job))
 
 
@@ -210,7 +213,13 @@ async def _jobs_context(pool: asyncpg.Pool, state: str | None) -> dict[str, Any]
     for j in page["items"]:
         j["incidents"] = counts.get(j["id"], 0)
         j["steps"] = j["spec"]["train"]["steps"]
-    return {"jobs": page["items"], "state": state, "states": STATES, "spec_text": EXAMPLE_SPEC, "spec_errors": []}
+    return {
+        "jobs": page["items"],
+        "state": state,
+        "states": STATES,
+        "spec_text": EXAMPLE_SPEC,
+        "spec_errors": [],
+    }
 
 
 async def _job_context(pool: asyncpg.Pool, job_id: str) -> dict[str, Any]:

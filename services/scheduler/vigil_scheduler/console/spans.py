@@ -21,7 +21,9 @@ SPAN_PHASES = {
 }
 
 
-def phases_from_spans(lines: Iterable[str], job_id: str, step: int, attempt: int | None) -> list[dict[str, Any]]:
+def phases_from_spans(
+    lines: Iterable[str], job_id: str, step: int, attempt: int | None
+) -> list[dict[str, Any]]:
     """Per rank, the durations of its phase spans for (job, step[, attempt]), shaped like the stored
     step rows (`data_time_s`, ...), from span JSON lines. A step traced twice (re-run after a
     rollback) keeps the newest trace."""
@@ -61,7 +63,9 @@ def phases_from_spans(lines: Iterable[str], job_id: str, step: int, attempt: int
     return rows
 
 
-def read_step_spans(path: Path | None, job_id: str, step: int, attempt: int | None) -> list[dict[str, Any]] | None:
+def read_step_spans(
+    path: Path | None, job_id: str, step: int, attempt: int | None
+) -> list[dict[str, Any]] | None:
     """The spans of one step from the trace file; None when there is no trace file to read."""
     if path is None or not path.exists():
         return None

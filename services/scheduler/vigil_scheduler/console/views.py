@@ -30,9 +30,10 @@ def series(rows: Iterable[dict[str, Any]], bucket: int) -> dict[str, Any]:
     """uPlot-ready columns from `readmodel.step_buckets` rows.
 
     `x` holds each bucket's first step; per metric, `ranks` has one column per rank (the rank's mean
-    over the bucket, None where it has none), `mean` the mean over ranks (the sum for tokens/s), `lo`/`hi` the min and max of
-    every finite value in the bucket over all ranks (the band that keeps a spike visible however many
-    steps a point stands for), and `bad` the steps of buckets that held a NaN or Inf.
+    over the bucket, None where it has none), `mean` the mean over ranks (the sum for tokens/s),
+    `lo`/`hi` the min and max of every finite value in the bucket over all ranks (the band that keeps
+    a spike visible however many steps a point stands for), and `bad` the steps of buckets that held
+    a NaN or Inf.
     """
     rows = list(rows)
     buckets = sorted({r["bucket"] for r in rows})

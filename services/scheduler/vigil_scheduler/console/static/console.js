@@ -73,6 +73,12 @@ const Vigil = (() => {
     ctx.restore();
   }
 
+  function fmt(v) {  // axis labels: 3 significant digits, small and large values in exponent form
+    if (v === null) return "";
+    const a = Math.abs(v);
+    return a !== 0 && (a < 1e-2 || a >= 1e5) ? v.toExponential(1) : String(+v.toPrecision(3));
+  }
+
   function chartData(d, metric) {
     const m = d.metrics[metric];
     return [d.x, m.mean, m.lo, m.hi, ...m.ranks];
@@ -85,6 +91,7 @@ const Vigil = (() => {
       width: Math.max(el.clientWidth, 300),
       height: 220,
       scales: {x: {time: false}},
+      axes: [{}, {size: 60, values: (u, vals) => vals.map(fmt)}],
       series: [
         {label: "step"},
         {label: metric === "tokens_per_s" ? "sum" : "mean", stroke: "#222", width: 2},
