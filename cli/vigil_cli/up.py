@@ -37,6 +37,7 @@ async def _up(settings: Settings) -> None:
         console.print(f"  NATS      {s.nats_url}{'  (embedded)' if 'nats' in infra.embedded else ''}")
         console.print(f"  Postgres  {s.database_url}{'  (embedded)' if 'postgres' in infra.embedded else ''}")
         console.print(f"  gateway   http://{s.http_host}:{s.http_port}  (token in {token_path(s)})")
+        console.print(f"  console   http://{s.http_host}:{s.http_port}/  (log in with that token)")
         if s.metrics_port:
             console.print(f"  metrics   http://{s.http_host}:{s.metrics_port}/metrics")
         console.print(f"  services  {', '.join(name.split('.')[0] for name in SERVICES)}")

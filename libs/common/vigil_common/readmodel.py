@@ -179,17 +179,21 @@ async def step_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[
     values and how many were not finite (`<metric>_bad`). One pass over the job's rows."""
     if bucket < 1:
         raise ValueError(f"bucket must be >= 1, got {bucket}")
-    per_metric = ",\n".join(
-        f"""avg({m}) FILTER (WHERE {m} IS NOT NULL AND {m} NOT IN ('NaN', 'Infinity', '-Infinity')) AS {m},
-            min({m}) FILTER (WHERE {m} IS NOT NULL AND {m} NOT IN ('NaN', 'Infinity', '-Infinity')) AS {m}_lo,
-            max({m}) FILTER (WHERE {m} IS NOT NULL AND {m} NOT IN ('NaN', 'Infinity', '-Infinity')) AS {m}_hi,
-            count(*) FILTER (WHERE {m} IN ('NaN', 'Infinity', '-Infinity'))::int AS {m}_bad"""
+    nonfinite = "('NaN', 'Infinity', '-Infinity')"
+    # non-finite values become NULL once (aggregates skip NULLs), and are counted apart
+    cleaned = ", ".join(
+        f"CASE WHEN {m} IN {nonfinite} THEN NULL ELSE {m} END AS {m}, {m} IN {nonfinite} AS {m}_nonfinite"
+        for m in SERIES_METRICS
+    )
+    per_metric = ", ".join(
+        f"avg({m}) AS {m}, min({m}) AS {m}_lo, max({m}) AS {m}_hi, "
+        f"count(*) FILTER (WHERE {m}_nonfinite)::int AS {m}_bad"
         for m in SERIES_METRICS
     )
     rows = await pool.fetch(
-        f"""SELECT rank, step / $2 AS bucket, min(step) AS first_step, max(step) AS last_step, {per_metric}
-            FROM telemetry_steps WHERE job_id = $1
-            GROUP BY rank, step / $2 ORDER BY bucket, rank""",
+        f"""SELECT rank, bucket, min(step) AS first_step, max(step) AS last_step, {per_metric}
+            FROM (SELECT rank, step / $2 AS bucket, step, {cleaned} FROM telemetry_steps WHERE job_id = $1) s
+            GROUP BY rank, bucket ORDER BY bucket, rank""",
         job_id,
         bucket,
     )

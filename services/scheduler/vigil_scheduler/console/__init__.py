@@ -13,12 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from litestar import Router
-from litestar.contrib.jinja import JinjaTemplateEngine
 from litestar.di import Provide
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
 from vigil_common.settings import Settings
+
+try:
+    from litestar.plugins.jinja import JinjaTemplateEngine
+except ImportError:  # litestar before 2.15
+    from litestar.contrib.jinja import JinjaTemplateEngine  # type: ignore[no-redef]
 from vigil_scheduler.console.auth import LoginRequired, console_guard, login_required
 from vigil_scheduler.console.pages import ConsoleController, ConsoleDataController, LoginController
 

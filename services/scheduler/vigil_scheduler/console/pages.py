@@ -170,7 +170,9 @@ class ConsoleDataController(Controller):
         self, pool: Pool, job_id: FromPath[str], points: FromQuery[int] = views.DEFAULT_POINTS
     ) -> dict[str, Any]:
         job = await queries.job_detail(pool, job_id)
-        bucket = views.bucket_width(int(job["spec"]["train"]["steps"]), points)
+        resources = job["spec"]["resources"]
+        ranks = int(resources["nodes"]) * int(resources["gpus_per_node"])
+        bucket = views.bucket_width(int(job["spec"]["train"]["steps"]), points, ranks)
         rows, marks, incidents = await asyncio.gather(
             readmodel.step_buckets(pool, job_id, bucket=bucket),
             readmodel.step_marks(pool, job_id),

@@ -20,9 +20,13 @@ PHASES = (  # (name, stored column): the trainer's phases in the order a step ru
 )
 
 
-def bucket_width(total_steps: int, points: int = DEFAULT_POINTS) -> int:
-    """Steps per bucket so that a curve of `total_steps` has at most `points` points."""
-    points = max(1, min(points, MAX_POINTS))
+RANK_POINTS_BUDGET = 32_000  # points per metric over every rank's curve: 64 ranks get 500 each
+
+
+def bucket_width(total_steps: int, points: int = DEFAULT_POINTS, ranks: int = 1) -> int:
+    """Steps per bucket so that a curve of `total_steps` has at most `points` points, fewer for a job
+    with many ranks (each rank's curve is shipped)."""
+    points = max(1, min(points, MAX_POINTS, max(100, RANK_POINTS_BUDGET // max(ranks, 1))))
     return max(1, math.ceil(max(total_steps, 1) / points))
 
 
