@@ -48,4 +48,17 @@ if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
     DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
 "${PIP[@]}" install -e ".[test]"
+# The `browser` tests drive Debian's Chromium through Playwright (never `playwright install`, whose
+# download is not reachable on a closed network). Installed once, only when missing.
+if [ ! -x /usr/bin/chromium ]; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=()
+        if [ "$(id -u)" -ne 0 ]; then SUDO=(sudo); fi
+        echo "install: Chromium for the browser tests (apt-get install chromium)"
+        "${SUDO[@]}" apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    else
+        echo "install: no apt-get here: install Chromium at /usr/bin/chromium for the browser tests" >&2
+    fi
+fi
 echo "install: done ($(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'))"

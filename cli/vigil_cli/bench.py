@@ -21,6 +21,7 @@ BENCHES: dict[str, str] = {
     "ingest": "vigil_bench.ingest",
     "fleet": "vigil_bench.fleet",
     "scaling": "vigil_bench.scaling",
+    "console": "vigil_bench.console",
 }
 
 

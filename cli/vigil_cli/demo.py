@@ -27,6 +27,7 @@ from vigil_common.redact import redact_url
 from vigil_common.service import install_stop_signals
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
+from vigil_common.token import token_path
 
 
 def demo_spec(steps: int) -> JobSpec:
@@ -54,14 +55,17 @@ def register(group: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True, help="print the summary as one JSON line last")
     @click.option("--data-dir", type=click.Path(path_type=Path), help="default: VIGIL_DATA_DIR/demo")
     @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
-    def demo(steps: int, as_json: bool, data_dir: Path | None, timeout_s: float) -> None:
+    @click.option(
+        "--stay", is_flag=True, help="keep the stack (and the web console) up after the run, until Ctrl-C"
+    )
+    def demo(steps: int, as_json: bool, data_dir: Path | None, timeout_s: float, stay: bool) -> None:
         """Start the stack, train a small GPT on two ranks with faults injected, watch Vigil
         catch and roll back each one, and print a summary. Exit 0 only when the job SUCCEEDED
-        and every injected fault was caught."""
+        and every injected fault was caught. The web console's URL is printed at the start."""
         base = Settings.load()
         data_dir = (data_dir or base.data_dir / "demo").resolve()
         _fresh(data_dir, base.log_level)
-        summary = asyncio.run(_demo(base, data_dir, steps, as_json, timeout_s))
+        summary = asyncio.run(_demo(base, data_dir, steps, as_json, timeout_s, stay))
         raise SystemExit(0 if summary.get("ok") else 1)
 
 
@@ -81,7 +85,7 @@ def _fresh(data_dir: Path, log_level: str) -> None:
 
 
 async def _demo(
-    base: Settings, data_dir: Path, steps: int, as_json: bool, timeout_s: float
+    base: Settings, data_dir: Path, steps: int, as_json: bool, timeout_s: float, stay: bool = False
 ) -> dict[str, Any]:
     console = Console(stderr=as_json)
     settings = base.model_copy(
@@ -103,26 +107,34 @@ async def _demo(
         s = infra.settings
         where = f"NATS {redact_url(s.nats_url)}, Postgres {redact_url(s.database_url)}"
         console.print(f"[bold]vigil demo[/bold]: stack up ({where})")
+        url = f"http://{s.http_host}:{s.http_port}/"
+        console.print(f"  web console {url}  (log in with the token in {token_path(s)})")
         services = asyncio.create_task(run_services(infra, stop, SERVICES))
         bus = await Bus.connect(s.nats_url, "vigil-demo")
         try:
             rec, job_id = await _run_job(s, bus, spec, stop, console, timeout_s, services)
+            paths = {
+                "plot": str(data_dir / "loss.png"),
+                "traces": str(data_dir / "traces.jsonl"),
+                "logs": f"{data_dir / 'vigil.log'} (services), {s.log_dir} (ranks)",
+                "checkpoints": str(s.checkpoint_root / job_id) if job_id else "",
+                "console": f"{url}jobs/{job_id}" if job_id else url,
+            }
+            summary = summarise(rec, spec, wall_s=time.monotonic() - started, paths=paths)
+            if rec.steps:
+                plot(rec, Path(paths["plot"]))
+            _print_summary(console, summary)
+            if as_json:
+                print(json.dumps(summary), flush=True)
+            if stay and not stop.is_set() and not services.done():
+                console.print(
+                    f"--stay: the stack stays up; the run is at {paths['console']}. Ctrl-C to stop."
+                )
+                await stop.wait()
         finally:
             await bus.close()
             stop.set()
             await asyncio.gather(services, return_exceptions=True)
-    paths = {
-        "plot": str(data_dir / "loss.png"),
-        "traces": str(data_dir / "traces.jsonl"),
-        "logs": f"{data_dir / 'vigil.log'} (services), {s.log_dir} (ranks)",
-        "checkpoints": str(s.checkpoint_root / job_id) if job_id else "",
-    }
-    summary = summarise(rec, spec, wall_s=time.monotonic() - started, paths=paths)
-    if rec.steps:
-        plot(rec, Path(paths["plot"]))
-    _print_summary(console, summary)
-    if as_json:
-        print(json.dumps(summary), flush=True)
     return summary
 
 
@@ -256,4 +268,5 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
         )
     console.print(
         f"  loss curve: {summary['plot']}\n  traces: {summary['traces']}\n  logs: {summary['logs']}"
+        f"\n  web console: {summary.get('console', '')}"
     )

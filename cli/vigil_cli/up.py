@@ -45,6 +45,7 @@ async def _up(settings: Settings) -> None:
                 f"  secrets   {s.data_dir.resolve() / CREDENTIALS_FILE}  (one NATS user per service)"
             )
         console.print(f"  gateway   http://{s.http_host}:{s.http_port}  (token in {token_path(s)})")
+        console.print(f"  console   http://{s.http_host}:{s.http_port}/  (log in with that token)")
         if s.metrics_port:
             console.print(f"  metrics   http://{s.http_host}:{s.metrics_port}/metrics")
         console.print(f"  services  {', '.join(name.split('.')[0] for name in SERVICES)}")

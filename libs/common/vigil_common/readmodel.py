@@ -161,3 +161,101 @@ async def job_progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict
     return {
         r["job_id"]: {k: r[k] for k in ("last_step", "loss", "attempt", "mfu", "tokens_per_s")} for r in rows
     }
+
+
+# --- for the web console: downsampled curves, one step's phases, marks, counts ---------------------------
+
+SERIES_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s")
+
+
+async def step_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[dict[str, Any]]:
+    """A job's step metrics downsampled on the server: one row per (rank, `bucket` consecutive steps)
+    over every stored event (re-runs after a rollback included, so a NaN or spike that was rolled back
+    still shows), with the first and last step, and per metric the mean, min and max of the finite
+    values and how many were not finite (`<metric>_bad`). One pass over the job's rows."""
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1, got {bucket}")
+    nonfinite = "('NaN', 'Infinity', '-Infinity')"
+    # non-finite values become NULL once (aggregates skip NULLs), and are counted apart
+    cleaned = ", ".join(
+        f"CASE WHEN {m} IN {nonfinite} THEN NULL ELSE {m} END AS {m}, {m} IN {nonfinite} AS {m}_nonfinite"
+        for m in SERIES_METRICS
+    )
+    per_metric = ", ".join(
+        f"avg({m}) AS {m}, min({m}) AS {m}_lo, max({m}) AS {m}_hi, "
+        f"count(*) FILTER (WHERE {m}_nonfinite)::int AS {m}_bad"
+        for m in SERIES_METRICS
+    )
+    rows = await pool.fetch(
+        f"""SELECT rank, bucket, min(step) AS first_step, max(step) AS last_step, {per_metric}
+            FROM (SELECT rank, step / $2 AS bucket, step, {cleaned} FROM telemetry_steps WHERE job_id = $1) s
+            GROUP BY rank, bucket ORDER BY bucket, rank""",
+        job_id,
+        bucket,
+    )
+    return [dict(r) for r in rows]
+
+
+async def step_phases(
+    pool: asyncpg.Pool, job_id: str, step: int, *, attempt: int | None = None
+) -> list[dict[str, Any]]:
+    """Each rank's newest event for one step (of `attempt`, else of the newest attempt that ran it):
+    rank, node, attempt and its data, forward, backward, comm, optimizer and step times."""
+    rows = await pool.fetch(
+        """SELECT DISTINCT ON (rank) rank, node, attempt, step, data_time_s, forward_time_s,
+                  backward_time_s, comm_time_s, optimizer_time_s, step_time_s, loss, skipped, occurred_at
+           FROM telemetry_steps
+           WHERE job_id = $1 AND step = $2 AND attempt = COALESCE($3::int,
+                 (SELECT max(attempt) FROM telemetry_steps WHERE job_id = $1 AND step = $2))
+           ORDER BY rank, seq DESC""",
+        job_id,
+        step,
+        attempt,
+    )
+    return [dict(r) for r in rows]
+
+
+async def step_marks(pool: asyncpg.Pool, job_id: str) -> dict[str, list[dict[str, Any]]]:
+    """What to mark on a job's curves besides incidents: halts (step), rollbacks (from, to, the skipped
+    data window) from the stored status events, and where each attempt's steps began."""
+    events = await pool.fetch(
+        """SELECT type, attempt, payload, occurred_at FROM telemetry_status_events
+           WHERE job_id = $1 AND type IN ('ranks.halted', 'rollback.completed') ORDER BY seq""",
+        job_id,
+    )
+    halts, rollbacks = [], []
+    for r in events:
+        p = json.loads(r["payload"])
+        if r["type"] == "ranks.halted":
+            halts.append({"attempt": r["attempt"], "step": p["step"], "occurred_at": r["occurred_at"]})
+        else:
+            rollbacks.append(
+                {
+                    "attempt": r["attempt"],
+                    "from_step": p["from_step"],
+                    "to_step": p["to_step"],
+                    "skip_data": p.get("skip_data"),
+                    "checkpoint": p["checkpoint"],
+                    "duration_s": p["duration_s"],
+                    "occurred_at": r["occurred_at"],
+                }
+            )
+    attempts = [
+        dict(r)
+        for r in await pool.fetch(
+            """SELECT attempt, min(step) AS first_step, min(occurred_at) AS started_at FROM telemetry_steps
+               WHERE job_id = $1 GROUP BY attempt ORDER BY attempt""",
+            job_id,
+        )
+    ]
+    return {"halts": halts, "rollbacks": rollbacks, "attempts": attempts}
+
+
+async def incident_counts(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, int]:
+    """{job_id: number of incidents} for the jobs that have any."""
+    rows = await pool.fetch(
+        """SELECT job_id, count(*)::int AS n FROM telemetry_incidents
+           WHERE job_id = ANY($1::text[]) GROUP BY job_id""",
+        list(job_ids),
+    )
+    return {r["job_id"]: r["n"] for r in rows}

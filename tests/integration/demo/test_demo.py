@@ -13,19 +13,36 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_the_demo_rescues_its_run(server_dir: Path):
+def test_the_demo_rescues_its_run_and_stays_up_with_its_console(server_dir: Path):
+    import signal
+
+    import httpx
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")}
     vigil = Path(sys.executable).parent / "vigil"
-    proc = subprocess.run(
-        [str(vigil), "demo", "--steps", "40", "--json", "--data-dir", str(server_dir / "demo")],
+    proc = subprocess.Popen(
+        [str(vigil), "demo", "--steps", "40", "--json", "--stay", "--data-dir", str(server_dir / "demo")],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=(server_dir / "demo-stderr.log").open("w"),
         text=True,
-        timeout=420,
     )
-    assert proc.stdout.strip(), proc.stderr[-4000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["state"] == "SUCCEEDED", proc.stderr[-4000:]
+    try:
+        line = proc.stdout.readline()  # the summary, printed before --stay waits (timeout: pytest's)
+        assert line.strip(), (server_dir / "demo-stderr.log").read_text()[-4000:]
+        summary = json.loads(line)
+        # --stay: the stack and its web console are still up after the run
+        console = httpx.get(summary["console"], headers={"Accept": "text/html"})
+        assert console.status_code == 302 and "/login" in console.headers["location"]
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = (server_dir / "demo-stderr.log").read_text()
+    assert "web console http://127.0.0.1:" in stderr and "--stay: the stack stays up" in stderr
+    assert summary["state"] == "SUCCEEDED", stderr[-4000:]
     kinds = {i["kind"] for i in summary["incidents"]}
     assert {"nan", "spike"} <= kinds
     assert all(f["caught"] for f in summary["faults"]) and len(summary["faults"]) == 2

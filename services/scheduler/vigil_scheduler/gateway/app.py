@@ -17,6 +17,7 @@ from litestar.openapi.spec import Components, SecurityScheme
 
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
+from vigil_scheduler import console
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.controllers import (
@@ -75,7 +76,8 @@ def create_app(deps: Deps) -> Litestar:
         security=[{"bearer": []}],
     )
     return Litestar(
-        route_handlers=[api, HealthController],
+        route_handlers=[api, HealthController, *console.console_routes(deps.settings)],
+        template_config=console.template_config(),
         lifespan=[lifespan],
         dependencies={
             "pool": _from_state("pool"),

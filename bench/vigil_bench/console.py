@@ -1,0 +1,195 @@
+"""`vigil bench console`: how fast the web console's job page loads with a long run stored.
+
+value: seconds to load the page of a job with 2 ranks x 10,000 stored steps as a browser does, the
+HTML page and then the downsampled curves it fetches (median of 10 loads through the real gateway);
+target under 1 s. floor: the same page of a job with no step stored (the page's fixed cost: template,
+job, checkpoints and incidents), measured in the same run. Details: the points and bytes the curves
+ship, the same load for 64 ranks x 10,000 steps, and, where Playwright and /usr/bin/chromium are
+installed, what a real Chromium takes from navigation to drawn curves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+
+from vigil_bench import measure_on_servers, result
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import free_port
+from vigil_common.settings import Settings
+
+STEPS = 10_000
+LOADS = 10
+TARGET_S = 1.0
+CHROMIUM = "/usr/bin/chromium"
+_COLUMNS = [
+    "event_id",
+    "job_id",
+    "attempt",
+    "step",
+    "rank",
+    "node",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "tokens_per_s",
+    "data_time_s",
+    "forward_time_s",
+    "backward_time_s",
+    "comm_time_s",
+    "optimizer_time_s",
+    "step_time_s",
+    "skipped",
+    "data_position",
+    "occurred_at",
+]
+
+
+def _rows(job_id: str, ranks: int, steps: int) -> list[tuple[Any, ...]]:
+    """A plausible run: a decaying loss with noise, one NaN and one spike, per rank."""
+    rng = random.Random(0)
+    t0 = datetime.now(UTC) - timedelta(hours=3)
+    out = []
+    for s in range(steps):
+        for r in range(ranks):
+            loss = 2.0 + 3.0 * math.exp(-s / 2000) + rng.gauss(0, 0.05)
+            if s == steps // 3 and r == 1:
+                loss = math.nan
+            if s == steps // 2 and r == 0:
+                loss *= 50
+            out.append(
+                (f"{job_id}-{s}-{r}", job_id, 1, s, r, f"n{r // 8}", loss, 1.0, 3e-4, 4096, 8000.0 + r,
+                 0.001, 0.03, 0.06, 0.01, 0.005, 0.106, False, s + 1, t0 + timedelta(seconds=s))
+            )  # fmt: skip
+    return out
+
+
+async def _measure(settings: Settings) -> dict[str, Any]:
+    from vigil_scheduler.main import run as scheduler
+
+    token = uuid.uuid4().hex
+    settings = settings.model_copy(update={"http_port": free_port(), "api_token": token})
+    pool = await create_pool(settings.database_url or "")
+    await migrate(pool)
+    stop = asyncio.Event()
+    service = asyncio.create_task(scheduler(settings, stop))
+    base = f"http://{settings.http_host}:{settings.http_port}"
+    try:
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as api:
+            await _ready(api, service)
+            jobs = {}
+            for name, nodes, per_node in (("empty", 1, 2), ("two", 1, 2), ("sixty-four", 8, 8)):
+                spec = {"name": name, "resources": {"nodes": nodes, "gpus_per_node": per_node}}
+                spec["train"] = {"steps": STEPS}
+                resp = await api.post("/api/v1/jobs", json=spec)  # no node: it waits, PENDING
+                resp.raise_for_status()
+                jobs[name] = resp.json()["id"]
+            for name, ranks in (("two", 2), ("sixty-four", 64)):
+                await pool.copy_records_to_table(
+                    "telemetry_steps", records=_rows(jobs[name], ranks, STEPS), columns=_COLUMNS
+                )
+            await pool.execute("ANALYZE telemetry_steps")
+        async with httpx.AsyncClient(base_url=base, timeout=30) as browser:
+            login = await browser.post("/login", data={"token": token, "next": "/"})
+            assert login.status_code == 303 and "vigil_console" in browser.cookies, login.text
+            floor, _ = await _loads(browser, jobs["empty"])
+            value, shipped = await _loads(browser, jobs["two"])
+            big, big_shipped = await _loads(browser, jobs["sixty-four"])
+        chromium = await _chromium_load(base, token, jobs["two"])
+    finally:
+        stop.set()
+        await asyncio.wait_for(service, 30)
+        await pool.close()
+    return result(
+        "console",
+        value=value,
+        floor=floor,
+        unit="s to load a job page with 2 ranks x 10,000 steps (HTML + curves, median of 10)",
+        target=f"value < {TARGET_S} s",
+        ok=value < TARGET_S,
+        points_per_curve=shipped["points"],
+        curves_bytes=shipped["bytes"],
+        rows_stored=2 * STEPS,
+        load_64_ranks_s=round(big, 4),
+        curves_bytes_64_ranks=big_shipped["bytes"],
+        rows_stored_64_ranks=64 * STEPS,
+        chromium_load_s=chromium,
+    )
+
+
+async def _ready(api: httpx.AsyncClient, service: asyncio.Task[None]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if service.done():
+            service.result()
+            raise RuntimeError("the scheduler stopped before it was ready")
+        try:
+            if (await api.get("/readyz")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.05)  # polling a readiness endpoint while the scheduler starts
+    raise TimeoutError("the scheduler's gateway did not become ready in 60 s")
+
+
+async def _loads(http: httpx.AsyncClient, job_id: str) -> tuple[float, dict[str, int]]:
+    """Median seconds of LOADS page loads (the page, then its curves), and what the curves shipped."""
+    times = []
+    shipped = {"points": 0, "bytes": 0}
+    for _ in range(LOADS):
+        t0 = time.perf_counter()
+        (await http.get(f"/jobs/{job_id}", headers={"Accept": "text/html"})).raise_for_status()
+        series = await http.get(f"/console/data/jobs/{job_id}/series")
+        series.raise_for_status()
+        times.append(time.perf_counter() - t0)
+        shipped = {"points": len(series.json()["x"]), "bytes": len(series.content)}
+    return statistics.median(times), shipped
+
+
+async def _chromium_load(base: str, token: str, job_id: str) -> float | str:
+    """Median seconds from navigation to the curves drawn, in Debian's Chromium (None without it)."""
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        return "skipped: playwright is not installed"
+    if not os.path.exists(CHROMIUM):  # noqa: ASYNC240 (one stat, before any server work)
+        return f"skipped: no {CHROMIUM}"
+    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+    args += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    with tempfile.TemporaryDirectory(prefix="vigil-bench-chromium-") as profile:
+        async with async_playwright() as p:
+            context = await p.chromium.launch_persistent_context(
+                profile, executable_path=CHROMIUM, headless=True, args=args
+            )
+            try:
+                page = await context.new_page()
+                await page.goto(f"{base}/login")
+                await page.fill("#token", token)
+                await page.click("#login button[type=submit]")
+                await page.wait_for_url(f"{base}/")
+                times = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    await page.goto(f"{base}/jobs/{job_id}")
+                    await page.wait_for_function("Vigil.state.refreshes >= 1 && Vigil.state.charts.loss")
+                    times.append(time.perf_counter() - t0)
+                return round(statistics.median(times), 4)
+            finally:
+                await context.close()
+
+
+async def run(settings: Settings) -> dict[str, object]:
+    return await measure_on_servers(_measure, settings)

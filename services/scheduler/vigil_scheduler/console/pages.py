@@ -1,0 +1,242 @@
+"""The console's pages and their data: thin handlers that read through `vigil_scheduler.queries` and
+`vigil_common.readmodel`, shape with `views`, and render a template."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+import anyio
+import asyncpg
+from litestar import Controller, Request, Response, get, post
+from litestar.di import NamedDependency
+from litestar.enums import RequestEncodingType
+from litestar.params import Body, FromPath, FromQuery, QueryParameter
+from litestar.response import Redirect, ServerSentEvent, Template
+
+from vigil_common import readmodel
+from vigil_common.bus import Bus
+from vigil_common.errors import Conflict, SpecError
+from vigil_common.settings import Settings
+from vigil_common.spec import parse_spec
+from vigil_scheduler import queries
+from vigil_scheduler.console import spans, views
+from vigil_scheduler.console.auth import COOKIE, safe_next, session_value, token_matches
+from vigil_scheduler.console.live import console_events
+from vigil_scheduler.core import Scheduler
+
+Pool = NamedDependency[asyncpg.Pool]
+BusDep = NamedDependency[Bus]
+SchedulerDep = NamedDependency[Scheduler]
+SettingsDep = NamedDependency[Settings]
+Form = Annotated[dict[str, str], Body(media_type=RequestEncodingType.URL_ENCODED)]
+ALL = 1000  # one page of the inventory is enough for a console view
+STATES = ("PENDING", "SCHEDULED", "RUNNING", "HALTED", "ROLLING_BACK", "SUCCEEDED", "FAILED", "CANCELLED")
+EXAMPLE_SPEC = """name: tiny-gpt
+resources: {nodes: 1, gpus_per_node: 2}
+model: {preset: tiny}
+train: {steps: 200}
+"""
+
+
+class LoginController(Controller):
+    """The only console routes without a login."""
+
+    @get("/login", include_in_schema=False)
+    async def login_page(self, next_path: Annotated[str, QueryParameter(name="next")] = "/") -> Template:
+        return Template("login.html", context={"next": safe_next(next_path), "error": None})
+
+    @post("/login", include_in_schema=False)
+    async def login(self, request: Request, data: Form) -> Response:
+        token: str = request.app.state.api_token
+        next_path = safe_next(data.get("next", "/"))
+        if not token_matches(data.get("token", ""), token):
+            return Template(
+                "login.html", context={"next": next_path, "error": "wrong token"}, status_code=401
+            )
+        response = Redirect(next_path, status_code=303)
+        response.set_cookie(COOKIE, session_value(token), httponly=True, samesite="strict", path="/")
+        return response
+
+
+class ConsoleController(Controller):
+    """Pages (guarded by the router: cookie or bearer token)."""
+
+    include_in_schema = False
+
+    @post("/logout")
+    async def logout(self) -> Response:
+        response = Redirect("/login", status_code=303)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    @get("/")
+    async def jobs(
+        self, pool: Pool, state_filter: Annotated[str | None, QueryParameter(name="state")] = None
+    ) -> Template:
+        return Template("jobs.html", context=await _jobs_context(pool, state_filter))
+
+    @post("/jobs")
+    async def submit(self, pool: Pool, scheduler: SchedulerDep, data: Form) -> Response:
+        text = data.get("spec", "")
+        try:
+            job = await scheduler.submit(parse_spec(text))
+        except SpecError as exc:
+            context = await _jobs_context(pool, None)
+            context.update(spec_text=text, spec_errors=exc.errors)
+            return Template("jobs.html", context=context, status_code=422)
+        return Redirect(f"/jobs/{job.id}", status_code=303)
+
+    @post("/jobs/{job_id:str}/cancel")
+    async def cancel(self, pool: Pool, scheduler: SchedulerDep, job_id: FromPath[str]) -> Response:
+        try:
+            await scheduler.cancel(job_id)
+        except Conflict as exc:
+            context = await _job_context(pool, job_id)
+            context["error"] = str(exc)
+            return Template("job.html", context=context, status_code=409)
+        return Redirect(f"/jobs/{job_id}", status_code=303)
+
+    @get("/jobs/{job_id:str}")
+    async def job(self, pool: Pool, job_id: FromPath[str]) -> Template:
+        return Template("job.html", context=await _job_context(pool, job_id))
+
+    @get("/jobs/{job_id:str}/trace")
+    async def trace(
+        self,
+        pool: Pool,
+        settings: SettingsDep,
+        job_id: FromPath[str],
+        step: FromQuery[int | None] = None,
+        attempt: FromQuery[int | None] = None,
+    ) -> Template:
+        job = await queries.job_detail(pool, job_id)
+        if step is None:
+            step = job["last_step"] or 0
+        stored = await readmodel.step_phases(pool, job_id, step, attempt=attempt)
+        traced = await anyio.to_thread.run_sync(
+            spans.read_step_spans, settings.trace_file, job_id, step, attempt or _attempt_of(stored)
+        )
+        return Template(
+            "trace.html",
+            context={
+                "job": job,
+                "step": step,
+                "attempt": _attempt_of(stored),
+                "phases": [p for p, _ in views.PHASES],
+                "stored": views.phase_bars(stored),
+                "spans": views.phase_bars(traced) if traced else None,
+                "trace_file": settings.trace_file,
+                "trace_file_read": traced is not None,
+            },
+        )
+
+    @get("/cluster")
+    async def cluster(self, pool: Pool, color: FromQuery[str] = "utilization") -> Template:
+        metric = color if color in views.GRID_METRICS else "utilization"
+        nodes, gpus = await asyncio.gather(
+            queries.list_nodes(pool, limit=ALL, cursor=None), queries.list_gpus(pool, limit=ALL, cursor=None)
+        )
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for d in gpus["items"]:
+            d["cell"] = views.gpu_cell(metric, d)
+            by_node.setdefault(d["node"], []).append(d)
+        for n in nodes["items"]:
+            n["gpus"] = by_node.get(n["name"], [])
+            n["topology"] = views.topology(n["devices"])
+            n["has_nvlink"] = any(d["nvlink_peers"] for d in n["devices"])
+        return Template(
+            "cluster.html", context={"nodes": nodes["items"], "metric": metric, "metrics": views.GRID_METRICS}
+        )
+
+    @get("/cluster/{node:str}/{index:int}")
+    async def gpu(self, node: FromPath[str], index: FromPath[int]) -> Template:
+        return Template("gpu.html", context={"node": node, "index": index})
+
+    @get("/incidents")
+    async def incidents(self, pool: Pool) -> Template:
+        page = await readmodel.incidents(pool, limit=200)
+        return Template("incidents.html", context={"incidents": page["items"]})
+
+
+class ConsoleDataController(Controller):
+    """JSON and event streams behind the pages (same guard)."""
+
+    path = "/console"
+    include_in_schema = False
+
+    @get("/data/jobs/{job_id:str}/series")
+    async def series(
+        self, pool: Pool, job_id: FromPath[str], points: FromQuery[int] = views.DEFAULT_POINTS
+    ) -> dict[str, Any]:
+        job = await queries.job_detail(pool, job_id)
+        resources = job["spec"]["resources"]
+        ranks = int(resources["nodes"]) * int(resources["gpus_per_node"])
+        bucket = views.bucket_width(int(job["spec"]["train"]["steps"]), points, ranks)
+        rows, marks, incidents = await asyncio.gather(
+            readmodel.step_buckets(pool, job_id, bucket=bucket),
+            readmodel.step_marks(pool, job_id),
+            readmodel.incidents(pool, job_id=job_id, limit=1000),
+        )
+        out = views.series(rows, bucket)
+        out["state"] = job["state"]
+        out["marks"] = {
+            **marks,
+            "incidents": [
+                {k: i[k] for k in ("id", "kind", "action", "step", "rank", "message")}
+                for i in incidents["items"]
+            ],
+        }
+        return out
+
+    @get("/data/gpus/{node:str}/{index:int}")
+    async def gpu_history(self, pool: Pool, node: FromPath[str], index: FromPath[int]) -> dict[str, Any]:
+        page = await readmodel.gpu_samples(pool, node=node, index=index, limit=1000)
+        samples = list(reversed(page["items"]))
+        return {
+            "t": [s["occurred_at"].timestamp() for s in samples],
+            "utilization_pct": [s["utilization_pct"] for s in samples],
+            "memory_used_bytes": [s["memory_used_bytes"] for s in samples],
+            "temperature_c": [s["temperature_c"] for s in samples],
+            "power_w": [s["power_w"] for s in samples],
+        }
+
+    @get("/events")
+    async def events(
+        self, request: Request, bus: BusDep, job: FromQuery[str | None] = None
+    ) -> ServerSentEvent:
+        return ServerSentEvent(console_events(bus, request.app.state.closing, job))
+
+
+async def _jobs_context(pool: asyncpg.Pool, state: str | None) -> dict[str, Any]:
+    state = state if state in STATES else None
+    page = await queries.list_jobs(pool, state=state, limit=200, cursor=None)
+    counts = await readmodel.incident_counts(pool, [j["id"] for j in page["items"]])
+    for j in page["items"]:
+        j["incidents"] = counts.get(j["id"], 0)
+        j["steps"] = j["spec"]["train"]["steps"]
+    return {
+        "jobs": page["items"],
+        "state": state,
+        "states": STATES,
+        "spec_text": EXAMPLE_SPEC,
+        "spec_errors": [],
+    }
+
+
+async def _job_context(pool: asyncpg.Pool, job_id: str) -> dict[str, Any]:
+    job = await queries.job_detail(pool, job_id)
+    checkpoints, incidents = await asyncio.gather(
+        readmodel.checkpoints(pool, job_id, limit=1000), readmodel.incidents(pool, job_id=job_id, limit=1000)
+    )
+    return {
+        "job": job,
+        "steps": job["spec"]["train"]["steps"],
+        "checkpoints": checkpoints["items"],
+        "incidents": incidents["items"],
+        "error": None,
+    }
+
+
+def _attempt_of(rows: list[dict[str, Any]]) -> int | None:
+    return rows[0]["attempt"] if rows else None

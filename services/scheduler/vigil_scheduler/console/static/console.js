@@ -1,0 +1,184 @@
+// The console's client side: uPlot charts fed by the server's downsampled series, refreshed on
+// server-sent events (coalesced: at most one request in flight per page). No build step.
+"use strict";
+const Vigil = (() => {
+  const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"];
+  const MARK_COLOURS = {incident: "#c0392b", halt: "#e67e22", rollback: "#8e44ad", attempt: "#7f8c8d"};
+  const state = {charts: {}, data: null, refreshes: 0};
+
+  function events(job) {
+    return new EventSource("/console/events" + (job ? "?job=" + encodeURIComponent(job) : ""));
+  }
+
+  function reloadOnEvents(names) {
+    const es = events(null);
+    let timer = null;
+    for (const name of names) {
+      es.addEventListener(name, () => { if (!timer) timer = setTimeout(() => location.reload(), 1000); });
+    }
+  }
+
+  function esc(s) {
+    return String(s).replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"})[c]);
+  }
+
+  // Every mark of the job as {type, step, label, ...}: drawn on each chart and listed under them.
+  function marks(d) {
+    const out = [];
+    for (const i of d.marks.incidents) {
+      if (i.step === null) continue;
+      out.push({type: "incident", kind: i.kind, step: i.step,
+                label: `incident ${i.kind} at step ${i.step}` + (i.rank !== null ? ` rank ${i.rank}` : "") + ` → ${i.action}`});
+    }
+    for (const h of d.marks.halts) out.push({type: "halt", step: h.step, label: `halted at step ${h.step}`});
+    for (const r of d.marks.rollbacks) {
+      const skip = r.skip_data ? `, data ${r.skip_data[0]}..${r.skip_data[1]} skipped` : "";
+      out.push({type: "rollback", step: r.from_step, to: r.to_step, skip: r.skip_data,
+                label: `rolled back from step ${r.from_step} to ${r.to_step}${skip}`});
+    }
+    for (const a of d.marks.attempts) {
+      if (a.attempt > 1) out.push({type: "attempt", step: a.first_step, label: `attempt ${a.attempt} starts at step ${a.first_step}`});
+    }
+    return out.sort((a, b) => a.step - b.step);
+  }
+
+  function drawMarks(u, metric) {
+    const d = state.data;
+    if (!d) return;
+    const ctx = u.ctx, top = u.bbox.top, height = u.bbox.height;
+    ctx.save();
+    for (const m of marks(d)) {
+      if (m.type === "rollback" && m.skip) {  // the skipped data window, shaded
+        const x0 = u.valToPos(m.skip[0], "x", true), x1 = u.valToPos(m.skip[1], "x", true);
+        ctx.fillStyle = "rgba(142, 68, 173, 0.15)";
+        ctx.fillRect(x0, top, Math.max(x1 - x0, 2), height);
+      }
+      const x = u.valToPos(m.step, "x", true);
+      ctx.strokeStyle = MARK_COLOURS[m.type];
+      ctx.lineWidth = m.type === "incident" ? 2 : 1.5;
+      ctx.setLineDash(m.type === "attempt" ? [6, 4] : m.type === "halt" ? [2, 3] : []);
+      ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
+      if (m.type === "incident") {
+        ctx.fillStyle = MARK_COLOURS.incident;
+        ctx.font = `${12 * devicePixelRatio}px sans-serif`;
+        ctx.fillText(m.kind, x + 3, top + 12 * devicePixelRatio);
+      }
+    }
+    ctx.setLineDash([]);
+    ctx.fillStyle = "#e74c3c";
+    for (const step of d.metrics[metric].bad) {  // NaN/Inf values: a red dot on the top edge
+      const x = u.valToPos(step, "x", true);
+      ctx.beginPath(); ctx.arc(x, top + 4, 4 * devicePixelRatio, 0, 2 * Math.PI); ctx.fill();
+    }
+    ctx.restore();
+  }
+
+  function fmt(v) {  // axis labels: 3 significant digits, small and large values in exponent form
+    if (v === null) return "";
+    const a = Math.abs(v);
+    return a !== 0 && (a < 1e-2 || a >= 1e5) ? v.toExponential(1) : String(+v.toPrecision(3));
+  }
+
+  function chartData(d, metric) {
+    const m = d.metrics[metric];
+    return [d.x, m.mean, m.lo, m.hi, ...m.ranks];
+  }
+
+  function makeChart(el, d, metric, jobId) {
+    const band = metric !== "tokens_per_s";
+    const opts = {
+      title: el.dataset.title,
+      width: Math.max(el.clientWidth, 300),
+      height: 220,
+      scales: {x: {time: false}},
+      axes: [{}, {size: 60, values: (u, vals) => vals.map(fmt)}],
+      series: [
+        {label: "step"},
+        {label: metric === "tokens_per_s" ? "sum" : "mean", stroke: "#222", width: 2},
+        {label: "min", stroke: band ? "rgba(31,119,180,0.25)" : "transparent", show: band},
+        {label: "max", stroke: band ? "rgba(31,119,180,0.25)" : "transparent", show: band},
+        ...d.ranks.map((r, i) => ({label: `rank ${r}`, stroke: PALETTE[i % PALETTE.length], width: 1})),
+      ],
+      bands: band ? [{series: [3, 2], fill: "rgba(31,119,180,0.12)"}] : [],
+      hooks: {draw: [(u) => drawMarks(u, metric)]},
+    };
+    const u = new uPlot(opts, chartData(d, metric), el);
+    u.over.addEventListener("click", () => {
+      const i = u.cursor.idx;
+      if (i !== null && i !== undefined) location.href = `/jobs/${jobId}/trace?step=${state.data.x[i]}`;
+    });
+    u.vigilRanks = d.ranks.length;
+    return u;
+  }
+
+  function renderMarks(d) {
+    const list = document.getElementById("marks");
+    const items = marks(d).map((m) =>
+      `<li class="mark ${m.type}${m.kind ? " " + m.type + "-" + m.kind : ""}" data-step="${m.step}">${esc(m.label)}</li>`);
+    for (const step of d.metrics.loss.bad) items.push(`<li class="mark bad" data-step="${step}">non-finite loss near step ${step}</li>`);
+    list.innerHTML = items.join("") || "<li>none</li>";
+  }
+
+  function jobPage(jobId) {
+    let inFlight = false, again = false;
+    async function refresh() {
+      if (inFlight) { again = true; return; }
+      inFlight = true;
+      try {
+        const resp = await fetch(`/console/data/jobs/${encodeURIComponent(jobId)}/series`, {credentials: "same-origin"});
+        if (resp.status === 401) { location.href = "/login?next=" + encodeURIComponent(location.pathname); return; }
+        const d = await resp.json();
+        state.data = d;
+        state.refreshes += 1;
+        for (const el of document.querySelectorAll(".chart[data-metric]")) {
+          const metric = el.dataset.metric;
+          let u = state.charts[metric];
+          if (u && u.vigilRanks !== d.ranks.length) { u.destroy(); u = null; }
+          if (u) u.setData(chartData(d, metric)); else state.charts[metric] = makeChart(el, d, metric, jobId);
+          el.dataset.lastStep = d.last_step === null ? "" : d.last_step;
+          el.dataset.points = d.x.length;
+        }
+        renderMarks(d);
+        document.getElementById("bucket").textContent = d.bucket;
+        document.getElementById("last-step").textContent = d.last_step === null ? "-" : d.last_step;
+        document.getElementById("job-state").textContent = d.state;
+        document.getElementById("job-state").className = "state " + d.state;
+      } finally {
+        inFlight = false;
+        if (again) { again = false; refresh(); }
+      }
+    }
+    const es = events(jobId);
+    for (const name of ["progress", "incident.raised", "ranks.halted", "rollback.completed", "job.state_changed"]) {
+      es.addEventListener(name, refresh);
+    }
+    refresh();
+  }
+
+  async function gpuPage(node, index) {
+    const resp = await fetch(`/console/data/gpus/${encodeURIComponent(node)}/${index}`, {credentials: "same-origin"});
+    const d = await resp.json();
+    const titles = {utilization_pct: "utilisation %", memory_used_bytes: "memory used (bytes)", temperature_c: "temperature °C", power_w: "power W"};
+    for (const key of Object.keys(titles)) {
+      const el = document.getElementById("gpu-" + key);
+      state.charts[key] = new uPlot({title: titles[key], width: Math.max(el.clientWidth, 300), height: 200,
+        series: [{}, {label: titles[key], stroke: "#1f77b4", width: 1.5}]}, [d.t, d[key]], el);
+      el.dataset.points = d.t.length;
+    }
+  }
+
+  function incidentFeed() {
+    const body = document.querySelector("#incident-feed tbody");
+    events(null).addEventListener("incident.raised", (e) => {
+      const i = JSON.parse(e.data);
+      const row = document.createElement("tr");
+      row.className = "incident " + i.kind;
+      const t = new Date(i.occurred_at).toTimeString().slice(0, 8);
+      row.innerHTML = [t, `<a href="/jobs/${esc(i.job_id)}">${esc(i.job_id)}</a>`, esc(i.kind), i.step ?? "", i.rank ?? "",
+                       esc(i.node ?? ""), esc(i.action), esc(i.message)].map((c) => `<td>${c}</td>`).join("");
+      body.prepend(row);
+    });
+  }
+
+  return {state, reloadOnEvents, jobPage, gpuPage, incidentFeed};
+})();
