@@ -84,12 +84,6 @@ def _spread(xs: list[float]) -> dict[str, float] | None:
     return {"median": round(statistics.median(xs), 2), "max": round(max(xs), 2)}
 
 
-def row_key(s: Stream) -> str:
-    if s.label.fault in ("divergence", "straggler"):
-        return s.label.detail
-    return s.label.fault
-
-
 def score(
     streams: list[Stream], incidents: dict[str, list[IncidentRaised]], last_sent: dict[str, float]
 ) -> dict:
@@ -104,7 +98,7 @@ def score(
             clean_steps[s.label.noise] += s.rank_steps
             false_alarms[s.label.noise] += len(got)
             continue
-        row = rows[row_key(s)]
+        row = rows[s.label.row]
         row.jobs += 1
         onset = s.label.step or 0
         early += sum(1 for i in got if i.step is not None and i.step < onset)
@@ -338,9 +332,10 @@ async def evaluate(
     steps: int = STEPS,
     clean_jobs: dict[float, int] = CLEAN_JOBS,
     hang_wait_s: float = HANG_WAIT_S,
+    small: bool = False,
 ) -> dict[str, Any]:
-    """Generate, replay and score one evaluation; the bench result."""
-    streams = suite(seed, steps=steps, clean_jobs=clean_jobs)
+    """Generate, replay and score one evaluation; the bench result (`small`: one job per row)."""
+    streams = suite(seed, steps=steps, clean_jobs=clean_jobs, small=small)
     t0 = time.perf_counter()
     incidents, last_sent, figures = await replay(settings, streams, hang_wait_s=hang_wait_s)
     table = score(streams, incidents, last_sent)

@@ -22,7 +22,7 @@ from collections import deque
 from vigil_common.events import StepCompleted
 from vigil_common.spec import GuardianSpec
 from vigil_guardian import numeric
-from vigil_guardian.collective import ImbalanceTracker
+from vigil_guardian.collective import ImbalanceTracker, StragglerScores
 from vigil_guardian.verdict import Verdict
 
 PENDING_MAX = 64  # incomplete steps kept for the detectors judging a whole step
@@ -48,6 +48,7 @@ class Windows:
         self.step_losses = deque(self.step_losses, maxlen=keep_job)
         self.grad_norms = deque(self.grad_norms, maxlen=spec.spike_window)
         self.tracker = ImbalanceTracker(spec.imbalance_threshold, spec.imbalance_steps)
+        self.scores = StragglerScores()
 
     def median_step_s(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
@@ -130,7 +131,11 @@ class Windows:
             )
             if found is not None:
                 out.append(found)
-        if found := self.tracker.observe(events, nodes):
+        found = self.tracker.observe(events, nodes)
+        scored = self.scores.observe(events, nodes)
+        if found is None and self.tracker.quiet:  # a per-step episode already names the straggler
+            found = scored
+        if found is not None:
             out.append(found)
         return out
 
@@ -166,4 +171,5 @@ class Windows:
         )
         self.pending.clear()
         self.tracker.reset()
+        self.scores.reset()
         self.progress = {r: (at, to_step - 1 if to_step else None) for r in ranks}

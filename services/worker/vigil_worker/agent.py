@@ -26,6 +26,7 @@ from vigil_common.settings import Settings
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import prepare_ranks
 from vigil_worker.procs import Exit, RankRecord, RankTable
+from vigil_worker.trainer.exits import read_last_step
 
 log = logging.getLogger("vigil.worker")
 
@@ -206,6 +207,7 @@ class Worker:
                 exit_code=ended.code,
                 signal=ended.signal,
                 failure=failure,
+                last_step=read_last_step(r.exit_path),
                 log_tail=_tail(Path(r.log_path)),
             ),
         )

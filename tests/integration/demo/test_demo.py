@@ -27,6 +27,7 @@ def test_the_demo_rescues_its_run(server_dir: Path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["state"] == "SUCCEEDED", proc.stderr[-4000:]
     kinds = {i["kind"] for i in summary["incidents"]}
+    assert {i["rank"] for i in summary["incidents"] if i["kind"] == "nan"} == {1}  # injected on rank 1
     assert {"nan", "spike"} <= kinds
     assert all(f["caught"] for f in summary["faults"]) and len(summary["faults"]) == 2
     assert len(summary["rollbacks"]) >= 2

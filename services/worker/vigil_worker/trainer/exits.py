@@ -1,4 +1,6 @@
-"""How a rank's end reaches the worker: its exit codes, and the exit file it leaves behind.
+"""How a rank's end reaches the worker: its exit codes, the exit file it leaves behind, and the last
+step it reported (written beside the exit file as each step goes out, so even a rank killed by a
+signal leaves it).
 
 Exit codes: 0 done; 1 anything else (traceback in the log); 2 bad spec or arguments; 3 no usable
 checkpoint; an injected crash exits with the code its fault names.
@@ -17,3 +19,22 @@ def write_exit_file(code: int) -> None:
     meanwhile and so is not this process's parent any more."""
     if path := os.environ.get("VIGIL_EXIT_FILE"):
         Path(path).write_text(f"{code}\n")
+
+
+def last_step_path(exit_path: str | Path) -> Path:
+    """Where a rank notes the last step it reported: beside its exit file."""
+    return Path(exit_path).with_suffix(".step")
+
+
+def write_last_step(step: int) -> None:
+    """Note `step` as the last one this rank reported (for the worker's RankExited.last_step)."""
+    if path := os.environ.get("VIGIL_EXIT_FILE"):
+        last_step_path(path).write_text(f"{step}\n")
+
+
+def read_last_step(exit_path: str | Path) -> int | None:
+    """The last step the rank with this exit file reported; None if it reported none."""
+    try:
+        return int(last_step_path(exit_path).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None

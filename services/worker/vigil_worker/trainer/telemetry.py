@@ -21,7 +21,8 @@ from typing import Protocol
 
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import Message
+from vigil_common.events import Message, StepCompleted
+from vigil_worker.trainer.exits import write_last_step
 
 log = logging.getLogger("vigil.rank")
 
@@ -187,5 +188,8 @@ class BusSink:
             except Exception as exc:
                 self.failed += 1
                 log.warning("bus sink: publishing %s to %s failed: %s", event.type, subject, exc)
+            else:
+                if isinstance(event, StepCompleted):
+                    write_last_step(event.step)  # off the training thread; read by the worker at exit
             if self._closing and self._queue.empty():
                 return
