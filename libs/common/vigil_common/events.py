@@ -149,45 +149,10 @@ class LaunchJob(Command):
 # --- job: steps ----------------------------------------------------------------------------------------
 
 
-class StepCompletedV1(Message):
-    """Version 1 of StepCompleted, still read: `decode` upgrades it to the current version."""
+class _StepFields(Message):
+    """What every version of StepCompleted carries (a released version's golden file pins its own)."""
 
     type: Literal["step.completed"] = "step.completed"
-    schema_version: Literal[1] = 1
-    rank: int = Field(ge=0)
-    node: str
-    step: int = Field(ge=0)
-    loss: float
-    grad_norm: float | None = None
-    lr: float
-    tokens: int = Field(ge=0, description="tokens this rank processed in this step")
-    tokens_per_s: float
-    data_time_s: float = 0.0
-    forward_time_s: float = 0.0
-    backward_time_s: float = 0.0
-    comm_time_s: float = 0.0
-    optimizer_time_s: float = 0.0
-    step_time_s: float
-    mem_allocated_bytes: int | None = None
-    mem_peak_bytes: int | None = None
-    skipped: bool = Field(False, description="the update was not applied (non-finite gradients)")
-    data_position: int = Field(0, ge=0, description="the data step this step's batch came from")
-
-    def upgraded(self) -> StepCompleted:
-        # A v1 sender did not say whether its own numbers were finite before the all-reduce: unknown.
-        return StepCompleted(**self.model_dump(exclude={"schema_version"}), local_finite=None)
-
-
-class StepCompleted(Message):
-    """One rank finished one optimizer step. Times are measured, in seconds.
-
-    Version 2 adds what only the rank itself knows: whether its own loss was finite before the
-    all-reduce (after it every rank's grad norm is NaN, so this names the rank that made a NaN), and
-    the model FLOPs behind its throughput.
-    """
-
-    type: Literal["step.completed"] = "step.completed"
-    schema_version: Literal[2] = 2
     rank: int = Field(ge=0)
     node: str
     step: int = Field(ge=0)
@@ -206,6 +171,27 @@ class StepCompleted(Message):
     mem_peak_bytes: int | None = None
     skipped: bool = Field(False, description="the update was not applied (non-finite gradients)")
     data_position: int = Field(0, ge=0, description="the data step this step's batch came from")
+
+
+class StepCompletedV1(_StepFields):
+    """Version 1 of StepCompleted, still read: `decode` upgrades it to the current version."""
+
+    schema_version: Literal[1] = 1
+
+    def upgraded(self) -> StepCompleted:
+        # A v1 sender did not say whether its own numbers were finite before the all-reduce: unknown.
+        return StepCompleted(**self.model_dump(exclude={"schema_version"}), local_finite=None)
+
+
+class StepCompleted(_StepFields):
+    """One rank finished one optimizer step. Times are measured, in seconds.
+
+    Version 2 adds what only the rank itself knows: whether its own loss was finite before the
+    all-reduce (after it every rank's grad norm is NaN, so this names the rank that made a NaN), and
+    the model FLOPs behind its throughput.
+    """
+
+    schema_version: Literal[2] = 2
     local_finite: bool | None = Field(
         description="this rank's own loss was finite before the all-reduce; None: not known (a v1 sender)"
     )
