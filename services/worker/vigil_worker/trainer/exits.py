@@ -1,6 +1,6 @@
 """How a rank's end reaches the worker: its exit codes, the exit file it leaves behind, and the last
-step it reported (written beside the exit file as each step goes out, so even a rank killed by a
-signal leaves it).
+step it reported (written beside the exit file when its bus sink closes; a rank killed by a signal
+leaves none, and its RankExited.last_step stays None).
 
 Exit codes: 0 done; 1 anything else (traceback in the log); 2 bad spec or arguments; 3 no usable
 checkpoint; an injected crash exits with the code its fault names.

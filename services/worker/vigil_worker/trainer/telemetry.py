@@ -71,6 +71,7 @@ class BusSink:
         self.url, self.job_id, self.name = url, job_id, name
         self.dropped = 0
         self.failed = 0
+        self.last_step: int | None = None  # the last step published, noted for the worker at close
         self._queue_size = queue_size
         self._commands: list[Message] = []
         self._arrivals: list[float] = []  # time.monotonic() when each command reached this rank
@@ -122,6 +123,9 @@ class BusSink:
         if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._put, None)
             self._thread.join(timeout_s)
+        if self.last_step is not None:
+            with contextlib.suppress(OSError):
+                write_last_step(self.last_step)  # the worker's RankExited.last_step
         if self.dropped or self.failed:
             log.warning(
                 "bus sink: %d events dropped (queue full), %d failed to publish", self.dropped, self.failed
@@ -190,6 +194,6 @@ class BusSink:
                 log.warning("bus sink: publishing %s to %s failed: %s", event.type, subject, exc)
             else:
                 if isinstance(event, StepCompleted):
-                    write_last_step(event.step)  # off the training thread; read by the worker at exit
+                    self.last_step = event.step
             if self._closing and self._queue.empty():
                 return
