@@ -7,16 +7,23 @@ batch to the last (startup excluded). The floor, in the same run: asyncpg's
 `copy_records_to_table` of the very same rows into a table shaped like telemetry's (same columns
 and indexes), which is as fast as Postgres ingests from Python. `value`/`floor` are rates, so
 the ratio is telemetry's share of raw COPY speed. Target: ratio >= 0.5.
+
+A second floor shows what Vigil's own code costs: a bare nats-py JetStream pull consumer of the
+same backlog (`json.loads`, no pydantic, no dead-lettering, no traces) feeding the same COPY in
+batches of the same size, acknowledging each message after its batch commits.
+`ratio_to_bare_consumer` is telemetry's rate over that one's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import asyncpg
+import nats
 
 from vigil_bench import measure_on_servers, result
 from vigil_common import subjects
@@ -77,6 +84,39 @@ async def _copy_floor(pool: asyncpg.Pool, events: list[StepCompleted]) -> float:
             await conn.execute("DROP TABLE bench_copy_steps")
 
 
+async def _bare_consumer_rate(settings: Settings, pool: asyncpg.Pool, job: str) -> float:
+    """Seconds for a bare nats-py pull consumer to COPY the job's backlog into a table like telemetry's."""
+    assert settings.nats_url
+    nc = await nats.connect(settings.nats_url)
+    fields = store.STEP_FIELDS
+    try:
+        js = nc.jetstream()
+        sub = await js.pull_subscribe(
+            subjects.step(job), durable="bench-bare-" + uuid.uuid4().hex[:8], stream=subjects.STEPS.name
+        )
+        async with pool.acquire() as conn:
+            await conn.execute("DROP TABLE IF EXISTS bench_bare_steps")
+            await conn.execute("CREATE TABLE bench_bare_steps (LIKE telemetry_steps INCLUDING ALL)")
+            try:
+                done, t = 0, time.perf_counter()
+                while done < N:
+                    msgs = await sub.fetch(telemetry.STEP_BATCH, timeout=5)
+                    rows = []
+                    for m in msgs:
+                        d = json.loads(m.data)
+                        d["occurred_at"] = datetime.fromisoformat(d["occurred_at"])
+                        rows.append(tuple(d.get(f) for f in fields))
+                    await conn.copy_records_to_table("bench_bare_steps", records=rows, columns=list(fields))
+                    await asyncio.gather(*(m.ack() for m in msgs))
+                    done += len(msgs)
+                return time.perf_counter() - t
+            finally:
+                await conn.execute("DROP TABLE bench_bare_steps")
+                await sub.unsubscribe()
+    finally:
+        await nc.close()
+
+
 async def _telemetry_rate(settings: Settings, pool: asyncpg.Pool, job: str) -> tuple[float, int, float]:
     """(seconds, rows, startup seconds) for telemetry to store the job's backlog."""
     stop = asyncio.Event()
@@ -114,6 +154,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         for i in range(0, N, 1000):
             await asyncio.gather(*(bus.publish(subject, e) for e in events[i : i + 1000]))
         copy_s = await _copy_floor(pool, events)
+        bare_rate = N / await _bare_consumer_rate(settings, pool, job)
         tele_s, tele_n, startup_s = await _telemetry_rate(settings, pool, job)
         copy_rate, tele_rate = N / copy_s, tele_n / tele_s
         copy_s2 = await _copy_floor(pool, events)  # again after, so machine drift hits both
@@ -121,6 +162,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         stored = await pool.fetchval("SELECT count(*) FROM telemetry_steps WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_steps WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_job_progress WHERE job_id = $1", job)
+        await pool.execute("DELETE FROM telemetry_step_aggregates WHERE job_id = $1", job)
         await bus.js.purge_stream(subjects.STEPS.name, subject=subject)
     finally:
         await bus.close()
@@ -134,6 +176,8 @@ async def _measure(settings: Settings) -> dict[str, object]:
         events=N,
         telemetry_events_per_s=round(tele_rate, 1),
         raw_copy_rows_per_s=round(copy_rate, 1),
+        bare_consumer_events_per_s=round(bare_rate, 1),
+        ratio_to_bare_consumer=round(tele_rate / bare_rate, 4),
         rows_stored=stored,
         telemetry_startup_s=round(startup_s, 3),
     )

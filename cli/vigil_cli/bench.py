@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "guardian": "vigil_bench.guardian",
     "ingest": "vigil_bench.ingest",
     "detectors": "vigil_bench.detectors",
+    "fleet": "vigil_bench.fleet",
 }
 
 

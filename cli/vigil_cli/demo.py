@@ -101,7 +101,7 @@ async def _demo(
     async with infrastructure(settings) as infra:
         s = infra.settings
         console.print(f"[bold]vigil demo[/bold]: stack up (NATS {s.nats_url}, Postgres {s.database_url})")
-        services = asyncio.create_task(run_services(s, stop, SERVICES))
+        services = asyncio.create_task(run_services(infra, stop, SERVICES))
         bus = await Bus.connect(s.nats_url, "vigil-demo")
         try:
             rec, job_id = await _run_job(s, bus, spec, stop, console, timeout_s, services)

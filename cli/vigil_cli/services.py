@@ -14,6 +14,8 @@ from typing import Any
 
 import click
 
+from vigil_cli.stack import SERVICE_ROLES
+from vigil_common import credentials
 from vigil_common.embedded import resolve_urls
 from vigil_common.service import run_service
 from vigil_common.settings import Settings
@@ -21,8 +23,18 @@ from vigil_common.settings import Settings
 
 def serve(module: str, **overrides: Any) -> None:
     """Run `module.run(settings, stop)`; the service module is imported only now (the worker's pulls in
-    its own dependencies, which the other services do without)."""
-    settings = resolve_urls(Settings.load(**overrides))
+    its own dependencies, which the other services do without). URLs found from a `vigil up` carry the
+    service's own NATS credential (the worker's: its node's)."""
+    settings = Settings.load(**overrides)
+    role = SERVICE_ROLES[module]
+    if role == "worker":
+        role = credentials.worker_role(settings.node_name)
+    settings = resolve_urls(settings, role)
+    if role.startswith("worker-") and settings.rank_nats_url is None and settings.nats_url:
+        # the worker's ranks get the rank credential from the same file, when there is one
+        rank = resolve_urls(Settings.load(**overrides), credentials.RANK)
+        if rank.nats_url != settings.nats_url:
+            settings = settings.model_copy(update={"rank_nats_url": rank.nats_url})
     run_service(importlib.import_module(module).run, settings)
 
 

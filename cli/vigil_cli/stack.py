@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from vigil_common import credentials
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, write_endpoints
@@ -32,6 +33,12 @@ SERVICES: tuple[str, ...] = (
     "vigil_guardian.main",
     "vigil_worker.main",
 )
+SERVICE_ROLES = {
+    "vigil_scheduler.main": credentials.SCHEDULER,
+    "vigil_telemetry.main": credentials.TELEMETRY,
+    "vigil_guardian.main": credentials.GUARDIAN,
+    "vigil_worker.main": "worker",
+}
 
 
 @dataclass
@@ -40,6 +47,23 @@ class Infra:
 
     settings: Settings
     embedded: list[str] = field(default_factory=list)
+    # NATS URL per role (see vigil_common.credentials) when this process started NATS; else empty and
+    # every service uses settings.nats_url.
+    role_urls: dict[str, str] = field(default_factory=dict)
+
+    def settings_for(self, service: str) -> Settings:
+        """The settings a service runs with: its own NATS credential where there are roles."""
+        role = SERVICE_ROLES.get(service)
+        if not self.role_urls or role is None:
+            return self.settings
+        if role == "worker":
+            return self.settings.model_copy(
+                update={
+                    "nats_url": self.role_urls[credentials.worker_role(self.settings.node_name)],
+                    "rank_nats_url": self.role_urls[credentials.RANK],
+                }
+            )
+        return self.settings.model_copy(update={"nats_url": self.role_urls[role]})
 
 
 def _lock_data_dir(data_dir: Path) -> IO[str]:
@@ -62,14 +86,22 @@ async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_lock_data_dir(data_dir))
         embedded = []
+        role_urls: dict[str, str] = {}
         nats_url, database_url = settings.nats_url, settings.database_url
+        if not (nats_url and database_url):
+            # One password per NATS role and Postgres's, kept 0600 in the data dir across restarts.
+            creds = credentials.load_or_create(data_dir / credentials.CREDENTIALS_FILE, [settings.node_name])
+        shown_nats, shown_db = nats_url, database_url
         if not nats_url:
-            nats_url = stack.enter_context(EmbeddedNats(data_dir / "nats")).url
+            nats = stack.enter_context(EmbeddedNats(data_dir / "nats", users=creds.nats))
+            nats_url, shown_nats = nats.url, nats.bare_url
+            role_urls = {role: nats.url_for(role) for role in creds.nats}
             embedded.append("nats")
         if not database_url:
-            database_url = stack.enter_context(EmbeddedPostgres(data_dir / "postgres")).url
+            pg = stack.enter_context(EmbeddedPostgres(data_dir / "postgres", password=creds.postgres))
+            database_url, shown_db = pg.url, pg.bare_url
             embedded.append("postgres")
-        write_endpoints(settings, nats_url, database_url)
+        write_endpoints(settings, shown_nats, shown_db)
         stack.callback(lambda: (data_dir / "endpoints.json").unlink(missing_ok=True))
         settings = settings.model_copy(
             update={
@@ -90,16 +122,21 @@ async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
             await migrate(pool)
         finally:
             await pool.close()
-        yield Infra(settings=settings, embedded=embedded)
+        yield Infra(settings=settings, embedded=embedded, role_urls=role_urls)
 
 
-async def run_services(settings: Settings, stop: asyncio.Event, services: Sequence[str] = SERVICES) -> None:
-    """Run every service until `stop` is set; if one fails, the others are stopped too."""
+async def run_services(
+    settings: Settings | Infra, stop: asyncio.Event, services: Sequence[str] = SERVICES
+) -> None:
+    """Run every service until `stop` is set; if one fails, the others are stopped too.
+
+    Given the `Infra`, each service connects to NATS with its own role's credential."""
+    infra = settings if isinstance(settings, Infra) else Infra(settings=settings)
     mains = [importlib.import_module(name).run for name in services]
 
     async def guarded(name: str, main: object) -> None:
         try:
-            await main(settings, stop)  # type: ignore[operator]
+            await main(infra.settings_for(name), stop)  # type: ignore[operator]
         except Exception:
             log.exception("service %s failed; stopping the stack", name)
             stop.set()

@@ -9,6 +9,7 @@ import click
 from rich.console import Console
 
 from vigil_cli.stack import SERVICES, infrastructure, run_services
+from vigil_common.credentials import CREDENTIALS_FILE, redact
 from vigil_common.service import install_stop_signals, setup_logging
 from vigil_common.settings import Settings
 from vigil_common.token import token_path
@@ -34,12 +35,17 @@ async def _up(settings: Settings) -> None:
     async with infrastructure(settings) as infra:
         s = infra.settings
         console.print(f"[bold]vigil up[/bold]: data in {s.data_dir.resolve()}")
-        console.print(f"  NATS      {s.nats_url}{'  (embedded)' if 'nats' in infra.embedded else ''}")
-        console.print(f"  Postgres  {s.database_url}{'  (embedded)' if 'postgres' in infra.embedded else ''}")
+        nats_url, database_url = redact(s.nats_url or ""), redact(s.database_url or "")
+        console.print(f"  NATS      {nats_url}{'  (embedded)' if 'nats' in infra.embedded else ''}")
+        console.print(f"  Postgres  {database_url}{'  (embedded)' if 'postgres' in infra.embedded else ''}")
+        if infra.role_urls:
+            console.print(
+                f"  secrets   {s.data_dir.resolve() / CREDENTIALS_FILE}  (one NATS user per service)"
+            )
         console.print(f"  gateway   http://{s.http_host}:{s.http_port}  (token in {token_path(s)})")
         if s.metrics_port:
             console.print(f"  metrics   http://{s.http_host}:{s.metrics_port}/metrics")
         console.print(f"  services  {', '.join(name.split('.')[0] for name in SERVICES)}")
         console.print("Ctrl-C to stop.")
-        await run_services(s, stop)
+        await run_services(infra, stop)
     console.print("stopped cleanly.")

@@ -46,6 +46,10 @@ from vigil_common.subjects import StreamSpec
 
 log = logging.getLogger(__name__)
 
+# The publishing connection's name (`Bus.connect(url, name)`), for the audit record of commands. Only
+# roles allowed to publish a subject can publish there at all (see vigil_common.credentials).
+SENDER_HEADER = "Vigil-Service"
+
 Handler = Callable[[Message, "Delivery"], Awaitable[None]]
 BatchHandler = Callable[[list[tuple[Message, "Delivery"]]], Awaitable[None]]
 
@@ -70,6 +74,9 @@ class ConsumerSpec:
     max_deliver: int = 8  # then the message is dead-lettered, never retried forever
     max_ack_pending: int = 20_000
     deliver_new: bool = False  # a new durable starts at new messages instead of the stream's start
+    # Shared by several replicas of a service (a queue group named after the durable): each message
+    # goes to one of them. With max_ack_pending=1 the group still handles messages in stream order.
+    shared: bool = False
     backoff_s: tuple[float, ...] = (0.1, 0.5, 2.0, 5.0, 15.0)
 
     def __post_init__(self) -> None:
@@ -203,9 +210,21 @@ class Bus:
 
     # --- streams -------------------------------------------------------------------------------------
 
-    async def ensure_streams(self, specs: Sequence[StreamSpec] = subjects.STREAMS) -> None:
-        """Create or update every stream; safe to call from many starters at once."""
+    async def ensure_streams(
+        self, specs: Sequence[StreamSpec] = subjects.STREAMS, *, manage: bool = True
+    ) -> None:
+        """Create or update every stream; safe to call from many starters at once.
+
+        With `manage=False` (a service whose NATS role may not change streams: see
+        `vigil_common.credentials`) a stream that exists is left as it is, and only a missing one is
+        created (which a restricted credential is refused: the scheduler or `vigil up` creates them)."""
         for spec in specs:
+            if not manage:
+                try:
+                    await self.js.stream_info(spec.name)
+                    continue
+                except nats.js.errors.NotFoundError:
+                    pass
             config = StreamConfig(
                 name=spec.name,
                 description=spec.description,
@@ -229,7 +248,7 @@ class Bus:
     async def publish(self, subject: str, event: Message, *, timeout_s: float = 10.0) -> PubAck:
         """Publish to JetStream and wait for the ack. Retries transient failures with the same
         `Nats-Msg-Id`, so a retry never stores a second copy. Raises RetryableError on timeout."""
-        headers = tracing.inject({"Nats-Msg-Id": event.event_id})
+        headers = tracing.inject({"Nats-Msg-Id": event.event_id, SENDER_HEADER: self.name})
         payload = event.to_bytes()
         deadline = time.monotonic() + timeout_s
         delay = 0.05
@@ -274,6 +293,21 @@ class Bus:
         except (KeyError, ValueError) as exc:
             raise MalformedMessage(f"subject {msg.subject!r} is not in the registry") from exc
         return decode(msg.data, carries)
+
+    def _decode_stored(self, filter_subjects: Sequence[str], msg: Msg) -> Message:
+        """Decode a message only if JetStream delivered it from the stream that stores one of
+        `filter_subjects` (its reply subject carries the stream's name), on a subject they match."""
+        wanted = [f for f in filter_subjects if subjects.matches(f, msg.subject)]
+        try:
+            stream = msg.metadata.stream if msg.reply and msg.reply.startswith("$JS.ACK.") else None
+        except Exception:  # a reply subject that is not JetStream's metadata
+            stream = None
+        if not wanted or stream != subjects.stream_for(wanted[0]).name:
+            raise MalformedMessage(
+                f"{msg.subject!r} was not delivered from the stream of {', '.join(filter_subjects)} "
+                f"(stream {stream!r}): ignored"
+            )
+        return self._decode(msg)
 
     async def dead_letter(self, spec: ConsumerSpec, delivery: Delivery, reason: str) -> None:
         """Record a terminated message on the dead-letter stream (idempotent per stream sequence)."""
@@ -398,6 +432,7 @@ class Bus:
         config = ConsumerConfig(
             durable_name=spec.durable,
             deliver_subject=self.nc.new_inbox(),
+            deliver_group=spec.durable if spec.shared else None,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=spec.ack_wait_s,
             max_deliver=spec.max_deliver + 1,
@@ -405,6 +440,7 @@ class Bus:
             filter_subject=spec.filter_subject,
             deliver_policy=DeliverPolicy.NEW if spec.deliver_new else DeliverPolicy.ALL,
         )
+        await self._replace_if_reshaped(spec, config)
         deadline = time.monotonic() + 10.0
         while True:
             try:
@@ -412,6 +448,7 @@ class Bus:
                     spec.filter_subject,
                     durable=spec.durable,
                     stream=spec.stream.name,
+                    queue=spec.durable if spec.shared else None,
                     cb=on_msg,
                     manual_ack=True,
                     config=config,
@@ -420,9 +457,35 @@ class Bus:
             except nats.js.errors.Error as exc:
                 # A previous subscriber (this service before a restart) is still bound until the
                 # server notices it has gone.
-                if "already bound" not in str(exc) or time.monotonic() > deadline:
+                # Replicas sharing a durable that start together: the second's create loses the race
+                # ("consumer name already in use") and binds to the first's on the next try.
+                retry = "already bound" in str(exc) or (spec.shared and "already in use" in str(exc))
+                if not retry or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)  # back-off while the server drops the old binding
+
+    async def _replace_if_reshaped(self, spec: ConsumerSpec, config: ConsumerConfig) -> None:
+        """A durable created before it was shared (or with another max_ack_pending) cannot be bound
+        as it is now: it is replaced by one that starts after the old one's acknowledged messages."""
+        try:
+            info = await self.js.consumer_info(spec.stream.name, spec.durable)
+        except nats.js.errors.NotFoundError:
+            return
+        shared = bool(info.config.deliver_group)
+        if shared == spec.shared and info.config.max_ack_pending == spec.max_ack_pending:
+            return
+        start = info.ack_floor.stream_seq + 1 if info.ack_floor else 1
+        log.warning(
+            "%s: replacing the durable consumer (shared: %s -> %s), from #%d",
+            spec.durable,
+            shared,
+            spec.shared,
+            start,
+        )
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_consumer(spec.stream.name, spec.durable)
+        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+        config.opt_start_seq = start
 
     async def _handle_batch(self, spec: ConsumerSpec, batch: list[Msg], handler: BatchHandler) -> None:
         good: list[tuple[Message, Delivery]] = []
@@ -454,7 +517,9 @@ class Bus:
         """Ephemeral ordered consumers of `filter_subjects` (new messages, or all with `from_start`).
 
         Usage: `async with bus.watch(subjects.ALL_INCIDENTS) as events: async for event in events: ...`
-        Malformed messages are logged and skipped (nothing durable depends on a watcher).
+        Malformed messages are logged and skipped (nothing durable depends on a watcher), and so is
+        a message that was not delivered from the stream storing `filter_subjects` (one published
+        straight into the watcher's inbox, say): ranks act only on commands from the command stream.
         """
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -473,7 +538,7 @@ class Bus:
                     )
                 )
 
-            yield EventStream(queue, self._decode)
+            yield EventStream(queue, functools.partial(self._decode_stored, filter_subjects))
         finally:
             for sub in subs:
                 with contextlib.suppress(Exception):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -15,8 +16,10 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
+from vigil_common.credentials import ADMIN, CREDENTIALS_FILE, authorization_block, load_or_create, with_user
 from vigil_common.errors import ConfigError, RetryableError
 from vigil_common.settings import Settings
 
@@ -41,12 +44,26 @@ def _wait_port(
 
 
 class EmbeddedNats:
-    """`nats-server -js` with file storage under `data_dir` and `sync_interval: always`."""
+    """`nats-server -js` with file storage under `data_dir` and `sync_interval: always`.
 
-    def __init__(self, data_dir: Path, *, host: str = "127.0.0.1", port: int | None = None) -> None:
+    With `users` (role -> password, see `vigil_common.credentials`), the server requires a user
+    and enforces each role's subject permissions; `url` then carries the admin user and
+    `url_for(role)` a role's own."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        users: Mapping[str, str] | None = None,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.host = host
         self.port = port
+        self.users = dict(users or {})
+        self.tls = tls  # (certificate, key): clients connect with tls://
         self.proc: subprocess.Popen[bytes] | None = None
 
     @staticmethod
@@ -60,18 +77,35 @@ class EmbeddedNats:
         return found
 
     @property
+    def bare_url(self) -> str:
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
+
+    @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return self.url_for(ADMIN) if ADMIN in self.users else self.bare_url
+
+    def url_for(self, role: str) -> str:
+        return with_user(self.bare_url, role, self.users[role])
 
     def start(self, timeout_s: float = 15.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         store = self.data_dir / "jetstream"
         conf = self.data_dir / "nats.conf"
-        conf.write_text(
+        text = (
             f"host: {self.host}\nport: {self.port}\nmax_payload: 8MB\n"
             f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n  sync_interval: always\n}}\n"
         )
+        if self.users:
+            text += authorization_block(self.users)
+        if self.tls:
+            cert, key = self.tls
+            text += f"tls {{\n  cert_file: {json.dumps(str(cert))}\n  key_file: {json.dumps(str(key))}\n}}\n"
+        # The file holds passwords: readable by this user only, from its creation.
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.chmod(conf, 0o600)
         log = self.data_dir / "nats.log"
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -110,11 +144,21 @@ class EmbeddedPostgres:
 
     SYSTEM_USER = "embedded_postgres"
 
-    def __init__(self, data_dir: Path, *, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        password: str | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.pgdata = self.data_dir / "pgdata"
         self.host = host
         self.port = port
+        # With a password, a new cluster is created with scram-sha-256 authentication instead of trust
+        # (a cluster created before keeps the authentication it was created with).
+        self.password = password
         self.user: str | None = None
 
     @staticmethod
@@ -130,8 +174,38 @@ class EmbeddedPostgres:
         return Path(POSTGRES_BIN_PATH)
 
     @property
+    def bare_url(self) -> str:
+        """The URL without user or password (what endpoints.json keeps)."""
+        return f"postgresql://{self.host}:{self.port}/postgres"
+
+    @property
     def url(self) -> str:
-        return f"postgresql://postgres@{self.host}:{self.port}/postgres"
+        return with_user(self.bare_url, "postgres", self.password or "")
+
+    def _initdb(self) -> None:
+        auth = ["--auth=trust"]
+        pwfile = self.data_dir / ".pwfile"
+        if self.password:
+            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(self.password + "\n")
+            if self.user:  # initdb runs as the server's user, which must read the file
+                entry = pwd.getpwnam(self.user)
+                os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+            auth = ["--auth=scram-sha-256", f"--pwfile={pwfile}"]
+        try:
+            self._run(
+                str(self.bin_dir() / "initdb"),
+                "-D",
+                str(self.pgdata),
+                "-U",
+                "postgres",
+                *auth,
+                "--encoding=UTF8",
+                "--no-instructions",
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
 
     def _run(self, *args: str, timeout: float = 60) -> None:
         kwargs: dict[str, object] = {"user": self.user} if self.user else {}
@@ -169,16 +243,7 @@ class EmbeddedPostgres:
             (self.data_dir / "pgrun").mkdir(exist_ok=True)
         bins = self.bin_dir()
         if not (self.pgdata / "PG_VERSION").exists():
-            self._run(
-                str(bins / "initdb"),
-                "-D",
-                str(self.pgdata),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "--encoding=UTF8",
-                "--no-instructions",
-            )
+            self._initdb()
         self._stop_stale()
         self.port = self.port or free_port(self.host)
         log = self.data_dir / "postgres.log"
@@ -256,16 +321,19 @@ def endpoints_file(settings: Settings) -> Path:
 
 
 def write_endpoints(settings: Settings, nats_url: str, database_url: str) -> None:
+    """Where `vigil up`'s servers listen, for services and the CLI started alone on the same data dir.
+    Give URLs without passwords: `resolve_urls` adds each role's own from the credentials file."""
     path = endpoints_file(settings)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"nats_url": nats_url, "database_url": database_url, "pid": os.getpid()}))
     tmp.replace(path)
 
 
-def resolve_urls(settings: Settings) -> Settings:
+def resolve_urls(settings: Settings, role: str = ADMIN) -> Settings:
     """Settings with the URLs that VIGIL_* leave unset filled in from a `vigil up` running on the same
-    data dir (its endpoints file); unchanged when there is none, or its `vigil up` has died. Each
-    service then checks for what it needs (`vigil_common.service.require_urls`)."""
+    data dir (its endpoints file), with `role`'s NATS credential and the Postgres password from its
+    credentials file; unchanged when there is none, or its `vigil up` has died. Each service then
+    checks for what it needs (`vigil_common.service.require_urls`)."""
     if settings.nats_url and settings.database_url:
         return settings
     try:
@@ -275,6 +343,16 @@ def resolve_urls(settings: Settings) -> Settings:
         return settings
     if pid <= 0 or not _alive(pid):
         return settings
+    creds_file = settings.data_dir.resolve() / CREDENTIALS_FILE
+    if creds_file.exists():
+        creds = load_or_create(creds_file)
+        if role not in creds.nats:
+            raise ConfigError(
+                f"no NATS credential for {role} in {creds_file}: start `vigil up` with this node's "
+                "VIGIL_NODE_NAME, or set VIGIL_NATS_URL"
+            )
+        nats_url = creds.nats_url(nats_url, role)
+        database_url = with_user(database_url, "postgres", creds.postgres)
     return settings.model_copy(
         update={
             "nats_url": settings.nats_url or nats_url,

@@ -1,4 +1,4 @@
-"""The read side of telemetry's tables (migration 0003), for the gateway.
+"""The read side of telemetry's tables (migrations 0003, 0009), for the gateway.
 
 Every list is a page (`vigil_common.pages.Page`): `{"items": [...], "next": cursor | None}`,
 in a stable key order, so a cursor never skips or repeats an item.
@@ -31,9 +31,11 @@ async def steps(
     """Step metrics of a job in (attempt, step) order.
 
     Per rank (optionally one `rank`): every event, including steps re-run after a rollback
-    (later `occurred_at`). Aggregated: one item per (attempt, step) over the newest event of
-    each rank: mean loss and grad norm, summed tokens/s, the slowest step and communication
-    times, and how many ranks reported.
+    (later `occurred_at`), for as long as raw rows are kept (VIGIL_STEP_RETENTION_DAYS).
+    Aggregated: one item per (attempt, step) over the newest event of each rank: mean loss and
+    grad norm, summed tokens/s, the slowest step and communication times, and how many ranks
+    reported; kept for the job's life. A per-rank first page of a job whose raw rows are all gone
+    (no `rank` asked) is the aggregated one, so a reader of an old job still gets its curve.
     """
     check_limit(limit)
     if aggregate:
@@ -50,31 +52,23 @@ async def steps(
         *(key or (None, None, None, None)),
         limit + 1,
     )
+    if not rows and cursor is None and rank is None:
+        return await _aggregated(pool, job_id, attempt=attempt, limit=limit, cursor=None)
     return page(rows, limit, ("attempt", "step", "rank", "seq"), hidden=("seq",))
 
 
 async def _aggregated(
     pool: asyncpg.Pool, job_id: str, *, attempt: int | None, limit: int, cursor: str | None
 ) -> Page:
+    """From `telemetry_step_aggregates` (migration 0009), which a trigger keeps as steps arrive."""
     key = decode_cursor(cursor, ("int", "int"))  # attempt, step
     rows = await pool.fetch(
-        """WITH keys AS (
-               SELECT DISTINCT attempt, step FROM telemetry_steps
-               WHERE job_id = $1 AND ($2::int IS NULL OR attempt = $2)
-                 AND ($3::int IS NULL OR (attempt, step) > ($3, $4::int))
-               ORDER BY attempt, step LIMIT $5
-           ), newest AS (
-               SELECT DISTINCT ON (s.attempt, s.step, s.rank) s.*
-               FROM telemetry_steps s JOIN keys k ON k.attempt = s.attempt AND k.step = s.step
-               WHERE s.job_id = $1
-               ORDER BY s.attempt, s.step, s.rank, s.seq DESC
-           )
-           SELECT step, NULL::int AS rank, attempt, count(*)::int AS ranks, avg(loss) AS loss,
-                  avg(grad_norm) AS grad_norm, max(lr) AS lr, sum(tokens)::bigint AS tokens,
-                  sum(tokens_per_s) AS tokens_per_s, max(step_time_s) AS step_time_s,
-                  max(comm_time_s) AS comm_time_s, bool_or(skipped) AS skipped,
-                  max(occurred_at) AS occurred_at
-           FROM newest GROUP BY attempt, step ORDER BY attempt, step""",
+        """SELECT step, NULL::int AS rank, attempt, ranks, loss, grad_norm, lr, tokens, tokens_per_s,
+                  step_time_s, comm_time_s, skipped, occurred_at
+           FROM telemetry_step_aggregates
+           WHERE job_id = $1 AND ($2::int IS NULL OR attempt = $2)
+             AND ($3::int IS NULL OR (attempt, step) > ($3, $4::int))
+           ORDER BY attempt, step LIMIT $5""",
         job_id,
         attempt,
         *(key or (None, None)),

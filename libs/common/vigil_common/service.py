@@ -90,10 +90,14 @@ class Connections:
 
 
 @contextlib.asynccontextmanager
-async def connect(settings: Settings, name: str) -> AsyncIterator[Connections]:
+async def connect(
+    settings: Settings, name: str, *, manage_streams: bool = False
+) -> AsyncIterator[Connections]:
     """Tracing, a migrated Postgres pool and a bus with its streams, closed in reverse on exit.
 
-    Raises ConfigError when a URL is missing: a service run alone needs both (or `vigil up`).
+    Only a service with `manage_streams` (the scheduler) updates the streams' configuration; the
+    others create a missing one at most. Raises ConfigError when a URL is missing: a service run
+    alone needs both (or `vigil up`).
     """
     require_urls(settings, name)
     provider = tracing.setup_tracing(name, trace_file=settings.trace_file)
@@ -104,5 +108,5 @@ async def connect(settings: Settings, name: str) -> AsyncIterator[Connections]:
         await migrate(pool)
         bus = await Bus.connect(settings.nats_url, name=name, provider=provider)
         stack.push_async_callback(bus.close)
-        await bus.ensure_streams()
+        await bus.ensure_streams(manage=manage_streams)
         yield Connections(provider, pool, bus)

@@ -48,6 +48,16 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
     metrics_port: int = Field(9464, ge=0, le=65535, description="telemetry's Prometheus /metrics; 0: off")
+    rank_nats_url: str | None = Field(
+        None, description="NATS URL (with the rank credential) a worker hands its ranks; unset: its own"
+    )
+    nats_tls_ca: Path | None = Field(
+        None, description="CA certificate that signed the NATS server's (with a tls:// URL)"
+    )
+    step_retention_days: float = Field(
+        7.0, gt=0, le=3650, description="raw per-rank step rows kept this long; per-step aggregates forever"
+    )
+    step_partition_hours: int = Field(24, ge=1, le=24 * 31, description="one step partition per this period")
     log_level: str = "INFO"
     trace_file: Path | None = Field(
         None, description="also write every span as a JSON line here (traces without a collector)"
@@ -60,7 +70,7 @@ class Settings(BaseSettings):
             raise ValueError("use 1-64 letters, digits, '_' or '-' (it is a bus subject token)")
         return value
 
-    @field_validator("nats_url")
+    @field_validator("nats_url", "rank_nats_url")
     @classmethod
     def _nats_scheme(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^(nats|tls|ws|wss)://", value):

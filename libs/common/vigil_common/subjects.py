@@ -193,6 +193,11 @@ def stream_for(subject: str) -> StreamSpec:
     raise ValueError(f"no stream stores subject {subject!r} ({kind})")
 
 
+def matches(pattern: str, subject: str) -> bool:
+    """True when `subject` matches the NATS wildcard `pattern` (`*`: one token, `>`: the rest)."""
+    return _matches(pattern, subject)
+
+
 def _matches(pattern: str, subject: str) -> bool:
     p, s = pattern.split("."), subject.split(".")
     if p and p[-1] == ">":

@@ -22,7 +22,7 @@ from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_scheduler import inventory, lifecycle, outbox, states
+from vigil_scheduler import audit, inventory, lifecycle, outbox, states
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, PlacementRequest, plan
@@ -61,8 +61,11 @@ class Scheduler:
 
     # --- the API's operations ----------------------------------------------------------------------
 
-    async def submit(self, spec: JobSpec, parent: dict[str, str] | None = None) -> Job:
-        """Store the job PENDING; the submit span's context is kept so schedule and launch join its trace."""
+    async def submit(
+        self, spec: JobSpec, parent: dict[str, str] | None = None, actor: str = "service:scheduler"
+    ) -> Job:
+        """Store the job PENDING (and who asked, in the audit record); the submit span's context is kept
+        so schedule and launch join its trace."""
         with self.tracer.start_as_current_span(
             "submit job", context=tracing.extract(parent), kind=trace.SpanKind.SERVER
         ) as span:
@@ -70,10 +73,11 @@ class Scheduler:
             span.set_attribute("vigil.job_id", job_id)
             async with self.tx() as conn:
                 job = await lifecycle.insert_job(conn, job_id, spec, tracing.inject({}))
+                await audit.record(conn, "submit", actor, job.id, job.attempt, detail={"name": spec.name})
         self.want_placement()
         return job
 
-    async def cancel(self, job_id: str, reason: str = "by request") -> Job:
+    async def cancel(self, job_id: str, reason: str = "by request", actor: str = "service:scheduler") -> Job:
         async with self.tx() as conn:
             job = await lifecycle.lock_job(conn, job_id)
             if job is None:
@@ -82,6 +86,7 @@ class Scheduler:
                 raise Conflict(
                     f"job {job_id} is already {job.state}; only a running or queued job can be cancelled"
                 )
+            await audit.record(conn, "cancel", actor, job.id, job.attempt, detail={"reason": reason})
             job = await lifecycle.cancel(conn, job, reason)
         self.want_placement()
         return job

@@ -13,7 +13,7 @@ from datetime import datetime
 
 import asyncpg
 
-from vigil_common.bus import Delivery
+from vigil_common.bus import SENDER_HEADER, Delivery
 from vigil_common.events import (
     CancelJob,
     CheckpointSaved,
@@ -30,7 +30,7 @@ from vigil_common.events import (
     utcnow,
 )
 from vigil_common.jobstates import JobState
-from vigil_scheduler import inventory, lifecycle, states
+from vigil_scheduler import audit, inventory, lifecycle, states
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.lifecycle import Job
 
@@ -199,6 +199,7 @@ class Handlers:
     # --- commands (from the guardian, or other tools) ----------------------------------------------------
 
     async def commands(self, event: Message, delivery: Delivery) -> None:
+        await self._audit(event, delivery)
         if isinstance(event, HaltJob):
             await self._on_current(event, self._halt)
         elif isinstance(event, RollbackJob):
@@ -207,6 +208,27 @@ class Handlers:
             await self._on_current(event, self._resume)
         elif isinstance(event, CancelJob):
             await self._on_current(event, self._cancelled)
+
+    async def _audit(self, event: Message, delivery: Delivery) -> None:
+        """Who asked for a command seen on the bus. The scheduler's own cancels (asked through the API)
+        are recorded where they were asked, with the token's fingerprint."""
+        sender = delivery.headers.get(SENDER_HEADER)
+        action = _AUDITED.get(type(event))
+        if action is None or (action == "cancel" and sender == BUS_NAME):
+            return
+        detail = {
+            k: v for k, v in event.model_dump(mode="json").items() if k in ("reason", "step", "checkpoint")
+        }
+        async with self.s.tx() as conn:
+            await audit.record(
+                conn,
+                action,
+                audit.service_actor(sender),
+                event.job_id,  # type: ignore[attr-defined]
+                event.attempt,  # type: ignore[attr-defined]
+                event_id=event.event_id,
+                detail=detail,
+            )
 
     async def _halt(self, conn: asyncpg.Connection, job: Job, event: HaltJob) -> None:
         if job.state in (JobState.RUNNING, JobState.SCHEDULED, JobState.ROLLING_BACK) and not job.queued:
@@ -281,6 +303,15 @@ class Handlers:
             job = await self._current(conn, event)
             if job is not None:
                 await apply(conn, job, event)
+
+
+BUS_NAME = "scheduler"  # the scheduler's own bus connection (vigil_scheduler.main), the sender of its cancels
+_AUDITED: dict[type[Message], audit.Action] = {
+    HaltJob: "halt",
+    RollbackJob: "rollback",
+    ResumeJob: "resume",
+    CancelJob: "cancel",
+}
 
 
 async def _supersede(conn: asyncpg.Connection, job_id: str, *, after_step: int) -> None:

@@ -18,7 +18,7 @@ from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.app import Deps, create_app
-from vigil_scheduler.handlers import Handlers
+from vigil_scheduler.handlers import BUS_NAME, Handlers
 from vigil_scheduler.outbox import Relay
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class _Server(uvicorn.Server):
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    async with service_connect(settings, "scheduler") as conn:
+    async with service_connect(settings, BUS_NAME, manage_streams=True) as conn:
         provider, pool, bus = conn.provider, conn.pool, conn.bus
         relay = Relay(pool, bus, provider)
         scheduler = Scheduler(settings, pool, relay, provider)

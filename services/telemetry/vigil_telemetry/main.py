@@ -21,7 +21,7 @@ from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, Lau
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_telemetry import store
+from vigil_telemetry import partitions, store
 from vigil_telemetry.metrics import Registry, serve_metrics
 from vigil_telemetry.traces import StepTraces
 
@@ -33,13 +33,24 @@ ACK_WAIT_S = 10.0
 STEP_BATCH = 2000
 
 
-def _spec(stream: subjects.StreamSpec, durable: str, filter_subject: str) -> ConsumerSpec:
-    return ConsumerSpec(stream=stream, durable=durable, filter_subject=filter_subject, ack_wait_s=ACK_WAIT_S)
+def _spec(stream: subjects.StreamSpec, durable: str, filter_subject: str, **kw: int) -> ConsumerSpec:
+    return ConsumerSpec(
+        stream=stream,
+        durable=durable,
+        filter_subject=filter_subject,
+        ack_wait_s=ACK_WAIT_S,
+        shared=True,
+        **kw,
+    )
 
 
+# Every consumer is shared by the telemetry replicas (a queue group): steps, samples and incidents need
+# no order (rows are keyed by event id; "latest" tables compare occurred_at). Status events do (a
+# rollback invalidates the checkpoints saved before it): one unacknowledged at a time keeps the stream's
+# order across replicas.
 STEPS = _spec(subjects.STEPS, "telemetry-steps", subjects.ALL_STEPS)
 GPU = _spec(subjects.NODES, "telemetry-gpu", subjects.ALL_GPU)
-STATUS = _spec(subjects.JOBS, "telemetry-status", subjects.ALL_STATUS)
+STATUS = _spec(subjects.JOBS, "telemetry-status", subjects.ALL_STATUS, max_ack_pending=1)
 LAUNCHES = _spec(subjects.JOBS, "telemetry-launches", subjects.ALL_LAUNCHES)
 INCIDENTS = _spec(subjects.INCIDENTS, "telemetry-incidents", subjects.ALL_INCIDENTS)
 
@@ -109,6 +120,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             tasks.create_task(bus.consume_batches(INCIDENTS, t.incidents, stop))
             tasks.create_task(bus.consume_batches(LAUNCHES, t.launches, stop))
             tasks.create_task(t.flush_traces(stop))
+            tasks.create_task(partitions.maintain(pool, settings, stop))
             if settings.metrics_port:
                 tasks.create_task(serve_metrics(registry, settings.http_host, settings.metrics_port, stop))
         log.info("telemetry stopped")

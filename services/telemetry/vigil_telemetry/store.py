@@ -1,4 +1,7 @@
-"""Writes batches of events to telemetry's tables (migration 0003), one row per event_id.
+"""Writes batches of events to telemetry's tables (migrations 0003, 0009), one row per event_id.
+
+Steps go to the time-partitioned `telemetry_steps` (see `partitions`); a trigger there keeps the
+per-step aggregates across ranks (`telemetry_step_aggregates`), which outlive the raw rows.
 
 Each writer takes a connection inside the caller's transaction and inserts a whole batch at once
 (steps: COPY; the others: one `INSERT ... SELECT FROM unnest(...)`), and an event already stored
@@ -61,7 +64,7 @@ CREATE_STAGE = (
 )
 MOVE_STAGE = (
     f"INSERT INTO telemetry_steps ({_STEP_NAMES}) SELECT {_STEP_NAMES} FROM stage_steps "
-    "ON CONFLICT (event_id) DO NOTHING"
+    "ON CONFLICT (event_id, occurred_at) DO NOTHING"
 )
 
 

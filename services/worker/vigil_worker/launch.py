@@ -63,8 +63,8 @@ def rank_argv(launch_file: Path, settings: Settings) -> list[str]:
         "--cache-dir", str((settings.data_dir / "cache").resolve()),
         "--node", settings.node_name,
     ]  # fmt: skip
-    if settings.nats_url:
-        argv += ["--nats-url", settings.nats_url]
+    if url := settings.rank_nats_url or settings.nats_url:  # ranks get the rank credential when there is one
+        argv += ["--nats-url", url]
     return argv
 
 

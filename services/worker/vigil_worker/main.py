@@ -31,7 +31,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.node_name}")
         stack.push_async_callback(bus.close)
         stack.callback(inventory.close)
-        await bus.ensure_streams()
+        await bus.ensure_streams(manage=False)  # its NATS role may not change them
 
         # --- recover: the truth about ranks a previous run started ------------------------------------------
         worker = Worker(settings, bus, inventory)

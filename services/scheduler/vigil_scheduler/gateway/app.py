@@ -20,6 +20,7 @@ from vigil_common.settings import Settings
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.controllers import (
+    AuditController,
     EventsController,
     HealthController,
     InventoryController,
@@ -66,7 +67,7 @@ def create_app(deps: Deps) -> Litestar:
 
     api = Router(
         API_PREFIX,
-        route_handlers=[JobController, InventoryController, EventsController],
+        route_handlers=[JobController, InventoryController, EventsController, AuditController],
         guards=[bearer_guard],
         security=[{"bearer": []}],
     )

@@ -17,7 +17,7 @@ from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.spec import parse_spec
-from vigil_scheduler import queries
+from vigil_scheduler import audit, queries
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.schemas import (
     GpuPage,
@@ -52,7 +52,7 @@ class JobController(Controller):
     )
     async def submit(self, request: Request, body: RawBody, scheduler: SchedulerDep) -> JobOut:
         spec = parse_spec(body, content_type=request.headers.get("content-type"))
-        job = await scheduler.submit(spec, parent=dict(request.headers))
+        job = await scheduler.submit(spec, parent=dict(request.headers), actor=_actor(request))
         return JobOut.model_validate(queries.job_view(job))
 
     @get("/", summary="Jobs, newest first")
@@ -67,8 +67,8 @@ class JobController(Controller):
         return JobDetailOut.model_validate(await queries.job_detail(pool, job_id))
 
     @post("/{job_id:str}/cancel", status_code=HTTP_200_OK, summary="Cancel a queued or running job")
-    async def cancel(self, scheduler: SchedulerDep, job_id: JobId) -> JobOut:
-        job = await scheduler.cancel(job_id)
+    async def cancel(self, request: Request, scheduler: SchedulerDep, job_id: JobId) -> JobOut:
+        job = await scheduler.cancel(job_id, actor=_actor(request))
         return JobOut.model_validate(queries.job_view(job))
 
     @get("/{job_id:str}/steps", summary="Step metrics, per rank or aggregated per step")
@@ -157,6 +157,22 @@ async def _live_events(
         finally:
             pending.cancel()
             stopping.cancel()
+
+
+class AuditController(Controller):
+    path = "/audit"
+    tags = ["audit"]
+
+    @get("/", summary="Who asked for each submit, cancel, halt, rollback and resume; newest first")
+    async def list_audit(
+        self, pool: Pool, job_id: FromQuery[str | None] = None, limit: Limit = 100, cursor: Cursor = None
+    ) -> Page:
+        return Page.model_validate(await audit.list_records(pool, job_id=job_id, limit=limit, cursor=cursor))
+
+
+def _actor(request: Request) -> str:
+    """The caller as the audit record names it (the bearer token passed the guard: it is the app's)."""
+    return audit.token_actor(request.app.state.api_token)
 
 
 class HealthController(Controller):

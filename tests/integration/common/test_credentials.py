@@ -1,0 +1,207 @@
+"""Least privilege on the bus, against a real nats-server with the roles' `authorization` block: what a
+credential may not publish is refused by the server and never stored; ranks act only on commands
+delivered from the command stream."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import nats.js.errors
+import pytest
+
+from tests.helpers import eventually
+from tests.unit.common.samples import SAMPLES
+from vigil_common import credentials, subjects
+from vigil_common.bus import Bus, ConsumerSpec
+from vigil_common.embedded import EmbeddedNats
+from vigil_common.errors import RetryableError
+from vigil_common.events import HaltJob, Message, NodeHeartbeat, StepCompleted
+
+pytestmark = pytest.mark.integration
+
+
+def sample(kind: type[Message], **update: object) -> Message:
+    return SAMPLES[kind].model_copy(update={"event_id": uuid.uuid4().hex, **update})
+
+
+def step_event(job_id: str) -> Message:
+    return sample(StepCompleted, job_id=job_id)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, Path]]:
+    data = tmp_path_factory.mktemp("secured")
+    creds = credentials.load_or_create(data / credentials.CREDENTIALS_FILE, ["n1"])
+    with EmbeddedNats(data / "nats", users=creds.nats) as server:
+        yield server, data
+
+
+@pytest.fixture
+async def admin(secured: tuple[EmbeddedNats, Path]) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(secured[0].url, "test-admin")
+    await bus.ensure_streams()
+    yield bus
+    await bus.close()
+
+
+class Refusals:
+    """The server's asynchronous `-ERR 'Permissions Violation ...'` lines, as nats-py reports them."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.event = asyncio.Event()
+
+    async def on_error(self, exc: Exception) -> None:
+        self.seen.append(str(exc))
+        self.event.set()
+
+
+async def raw(server: EmbeddedNats, role: str, refusals: Refusals) -> nats.NATS:
+    return await nats.connect(server.url_for(role), error_cb=refusals.on_error, allow_reconnect=False)
+
+
+async def stored(admin: Bus, stream: subjects.StreamSpec, subject: str) -> bool:
+    try:
+        await admin.js.get_last_msg(stream.name, subject)
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
+
+
+def test_credentials_and_server_config_are_0600(secured: tuple[EmbeddedNats, Path]) -> None:
+    server, data = secured
+    for path in (data / credentials.CREDENTIALS_FILE, server.data_dir / "nats.conf"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+async def test_no_credential_no_connection(secured: tuple[EmbeddedNats, Path]) -> None:
+    with pytest.raises(Exception, match=r"(?i)authorization"):
+        await nats.connect(secured[0].bare_url, allow_reconnect=False, max_reconnect_attempts=0)
+
+
+async def test_a_worker_credential_publishing_a_command_is_refused(
+    secured: tuple[EmbeddedNats, Path], admin: Bus, job_id: str
+) -> None:
+    server, _ = secured
+    worker = await Bus.connect(server.url_for(credentials.worker_role("n1")), "test-worker")
+    try:
+        halt = HaltJob(job_id=job_id, attempt=1, reason="forged by a worker")
+        with pytest.raises(RetryableError):
+            await worker.publish(subjects.cmd(job_id), halt, timeout_s=1.0)
+        # its own node's heartbeat and a step are allowed
+        await worker.publish(subjects.heartbeat("n1"), sample(NodeHeartbeat, node="n1"))
+        await worker.publish(subjects.step(job_id), step_event(job_id))
+    finally:
+        await worker.close()
+    assert not await stored(admin, subjects.COMMANDS, subjects.cmd(job_id))
+    assert await stored(admin, subjects.NODES, subjects.heartbeat("n1"))
+    assert await stored(admin, subjects.STEPS, subjects.step(job_id))
+
+
+@pytest.mark.parametrize(
+    ("role", "subject"),
+    [
+        (credentials.worker_role("n1"), subjects.heartbeat("n2")),  # another node's events
+        (credentials.worker_role("n1"), subjects.launch("j-x")),
+        (credentials.RANK, subjects.cmd("j-x")),
+        (credentials.RANK, subjects.heartbeat("n1")),
+        (credentials.RANK, subjects.incident("j-x")),
+        (credentials.TELEMETRY, subjects.step("j-x")),
+        (credentials.TELEMETRY, subjects.cmd("j-x")),
+        (credentials.GUARDIAN, subjects.launch("j-x")),
+        (credentials.RANK, "_INBOX.someone-elses-consumer"),  # no forged deliveries
+        (credentials.worker_role("n1"), "$JS.API.STREAM.UPDATE." + subjects.COMMANDS.name),
+        (credentials.GUARDIAN, "$JS.API.STREAM.DELETE." + subjects.STEPS.name),
+        (credentials.TELEMETRY, "$JS.API.STREAM.PURGE." + subjects.STEPS.name),
+    ],
+)
+async def test_the_server_refuses_what_a_role_may_not_publish(
+    secured: tuple[EmbeddedNats, Path], admin: Bus, role: str, subject: str
+) -> None:
+    refusals = Refusals()
+    nc = await raw(secured[0], role, refusals)
+    try:
+        await nc.publish(subject, b"{}")
+        await nc.flush()
+        await asyncio.wait_for(refusals.event.wait(), 10)
+    finally:
+        await nc.close()
+    assert any(
+        "permissions violation for publish" in s.lower() and subject.lower() in s.lower()
+        for s in refusals.seen
+    ), refusals.seen
+
+
+async def test_the_guardian_and_scheduler_publish_commands(
+    secured: tuple[EmbeddedNats, Path], admin: Bus, job_id: str
+) -> None:
+    for role in (credentials.GUARDIAN, credentials.SCHEDULER):
+        bus = await Bus.connect(secured[0].url_for(role), f"test-{role}")
+        try:
+            await bus.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason=role))
+        finally:
+            await bus.close()
+    assert await stored(admin, subjects.COMMANDS, subjects.cmd(job_id))
+
+
+async def test_telemetry_reads_through_a_durable_consumer_and_a_rank_watches_commands(
+    secured: tuple[EmbeddedNats, Path], admin: Bus, job_id: str
+) -> None:
+    reader = await Bus.connect(secured[0].url_for(credentials.TELEMETRY), "test-telemetry")
+    rank = await Bus.connect(secured[0].url_for(credentials.RANK), "test-rank")
+    got: list[StepCompleted] = []
+    done, stop = asyncio.Event(), asyncio.Event()
+
+    async def handler(batch):  # type: ignore[no-untyped-def]
+        got.extend(e for e, _ in batch)
+        done.set()
+
+    spec = ConsumerSpec(
+        stream=subjects.STEPS, durable=f"t-{job_id}", filter_subject=subjects.step(job_id), deliver_new=True
+    )
+    try:
+        await reader.ensure_streams(manage=False)
+        consumer = asyncio.create_task(reader.consume_batches(spec, handler, stop))
+        async with rank.watch(subjects.cmd(job_id), from_start=True) as commands:
+            await eventually(lambda: _consumer_exists(admin, spec), what="telemetry's consumer")
+            await rank.publish(subjects.step(job_id), step_event(job_id))
+            await admin.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason="real"))
+            assert (await commands.next(10)).reason == "real"  # type: ignore[union-attr]
+            await asyncio.wait_for(done.wait(), 10)
+        stop.set()
+        await consumer
+    finally:
+        await reader.close()
+        await rank.close()
+    assert [e.job_id for e in got] == [job_id]
+
+
+async def _consumer_exists(admin: Bus, spec: ConsumerSpec) -> bool:
+    try:
+        await admin.js.consumer_info(spec.stream.name, spec.durable)
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
+
+
+async def test_ranks_ignore_a_command_not_delivered_from_the_command_stream(bus: Bus, job_id: str) -> None:
+    """On an open server (where anyone may publish anywhere), a command pushed straight into a rank's
+    command watcher's inbox, with or without a forged JetStream reply subject, is skipped."""
+    async with bus.watch(subjects.cmd(job_id), from_start=True) as commands:
+        infos = await bus.js.consumers_info(subjects.COMMANDS.name)
+        inbox = next(
+            i.config.deliver_subject for i in infos if i.config.filter_subject == subjects.cmd(job_id)
+        )
+        forged = HaltJob(job_id=job_id, attempt=1, reason="forged").to_bytes()
+        await bus.nc.publish(inbox, forged)
+        steps_reply = f"$JS.ACK.{subjects.STEPS.name}.c.1.1.1.1700000000000000000.0"
+        await bus.nc.publish(inbox, forged, reply=steps_reply)
+        await bus.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason="real"))
+        first = await commands.next(10)
+        assert first is not None and first.reason == "real"  # type: ignore[attr-defined]
+        assert await commands.next(0.5) is None
