@@ -19,6 +19,7 @@ BENCHES: dict[str, str] = {
     "schedule": "vigil_bench.schedule",
     "guardian": "vigil_bench.guardian",
     "ingest": "vigil_bench.ingest",
+    "detectors": "vigil_bench.detectors",
     "fleet": "vigil_bench.fleet",
     "scaling": "vigil_bench.scaling",
     "console": "vigil_bench.console",

@@ -213,7 +213,12 @@ class GuardianSpec(StrictModel):
     spike_warmup: int = Field(10, ge=1, le=10_000_000, description="steps seen before spikes are judged")
     spike_skip_steps: int = Field(1, ge=0, le=10_000, description="data window skipped after a spike")
     divergence_window: int = Field(50, ge=5, le=100_000)
-    divergence_tolerance: float = Field(0.5, gt=0, le=1e6, description="relative rise of smoothed loss")
+    divergence_tolerance: float = Field(
+        0.1,
+        gt=0,
+        le=1e6,
+        description="relative rise of the loss trend across the window (and a significant one)",
+    )
     imbalance_threshold: float = Field(0.2, gt=0, lt=10)
     imbalance_steps: int = Field(5, ge=1, le=10_000)
 

@@ -6,11 +6,17 @@ wait for it: the spread of the ranks' compute times and of their communication w
 fraction of the step time, measures the imbalance, and the rank with the most compute and the
 least waiting is the straggler. A rank that is late after the collective (its step event arrives
 well after its peers') is a straggler of the other kind, seen by the spread of arrival times.
+
+Both judge one step at a time, so they need a large spread. A rank that is persistently a little
+slower (10-20 %) is found by `StragglerScores`: each rank's compute time relative to the median
+rank's, its median over a window of steps (as NVIDIA's resiliency extension scores ranks), so
+jitter and a single slow step cancel out.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,6 +111,74 @@ class ImbalanceTracker:
             },
         )
 
+    @property
+    def quiet(self) -> bool:
+        """No episode in progress (no run of imbalanced steps)."""
+        return not self._run
+
     def reset(self) -> None:
         self._run.clear()
+        self._raised = None
+
+
+SCORE_WINDOW = 20  # complete steps a rank's relative score is the median of
+SCORE_THRESHOLD = 0.10  # a score this far above 1 (10 % slower than the median rank) is a straggler
+# The window's median takes out jitter, so a smaller absolute floor than a single step's will do.
+SCORE_MIN_S = 0.02
+
+
+class StragglerScores:
+    """Per rank, the median over the last `window` steps of its compute time relative to the median
+    rank's; one verdict (kind "imbalance") when a rank's score passes `1 + threshold`, and again only
+    after it has come back under half of that."""
+
+    def __init__(self, window: int = SCORE_WINDOW, threshold: float = SCORE_THRESHOLD) -> None:
+        self.window = window
+        self.threshold = threshold
+        self._relative: dict[int, deque[float]] = {}
+        self._raised: int | None = None
+
+    def observe(self, events: Sequence[StepCompleted], nodes: dict[int, str]) -> Verdict | None:
+        if len(events) < 3:  # with two ranks the median rank is the mean: a pair has no majority
+            return None
+        compute = {e.rank: max(e.step_time_s - e.comm_time_s, 0.0) for e in events}
+        typical = statistics.median(compute.values())
+        if typical <= 0:
+            return None
+        for rank, c in compute.items():
+            self._relative.setdefault(rank, deque(maxlen=self.window)).append(c / typical)
+        scores = {r: statistics.median(q) for r, q in self._relative.items() if len(q) == self.window}
+        if not scores:
+            return None
+        rank = max(scores, key=lambda r: (scores[r], -r))
+        score = scores[rank]
+        if self._raised is not None:
+            if scores.get(self._raised, 0.0) < 1.0 + self.threshold / 2:
+                self._raised = None
+            return None
+        # a few milliseconds of a very short step are jitter, however large a share of it
+        if score <= 1.0 + self.threshold or (score - 1.0) * typical < SCORE_MIN_S:
+            return None
+        self._raised = rank
+        step = events[0].step
+        node = nodes.get(rank, next((e.node for e in events if e.rank == rank), None))
+        return Verdict(
+            kind="imbalance",
+            step=step,
+            rank=rank,
+            node=node,
+            message=f"imbalance at step {step}: rank {rank} on {node} is the straggler (its compute "
+            f"is {score - 1.0:.0%} above the median rank's over {self.window} steps, threshold "
+            f"{self.threshold:.0%})",
+            evidence={
+                "score": round(score, 4),
+                "scores": {str(r): round(v, 4) for r, v in sorted(scores.items())},
+                "window": self.window,
+                "threshold": self.threshold,
+                "compute_s": typical,
+            },
+        )
+
+    def reset(self) -> None:
+        self._relative.clear()
         self._raised = None

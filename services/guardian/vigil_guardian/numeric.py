@@ -1,6 +1,9 @@
-"""Detectors on a rank's numbers: non-finite values, loss spikes, divergence.
+"""Detectors on the numbers of a step: non-finite values, loss and gradient-norm spikes, divergence.
 
-Each is a pure function of a window of values and returns a `Verdict` or None.
+Each is a pure function of a window of values and returns a `Verdict` or None. A loss spike is judged
+per rank (a bad batch is one rank's); the gradient norm is one global value per step (it is
+all-reduced), and divergence is judged on the step's cross-rank median loss, which is steadier than
+any one rank's and blind to a single rank's spike.
 """
 
 from __future__ import annotations
@@ -18,6 +21,17 @@ MAD_TO_SIGMA = 1.4826
 # turn noise of a few percent into huge z-scores. With z = 6 a spike must be >= 12 % above the median.
 REL_SCALE_FLOOR = 0.02
 ABS_SCALE_FLOOR = 1e-8
+# A spike is sudden: the value must also stand out (by half the threshold) from the median of the
+# rank's last few values, so a loss that climbs a few percent a step is left to the divergence test.
+SUDDEN_OVER = 3
+# The gradient norm wanders by 2-3x in healthy training; an explosion is this many times its median
+# (and a robust outlier in log space, whose spread is floored at GRAD_LOG_SCALE_FLOOR).
+GRAD_SPIKE_RATIO = 8.0
+GRAD_LOG_SCALE_FLOOR = 0.1
+# Divergence: the least-squares trend of log(loss) over the window must be this many standard
+# errors above flat (as well as rising more than the tolerance across the window).
+DIVERGENCE_T = 6.0
+LONG_WINDOWS = 4  # the trend is also fitted over this many windows, which sees a slow rise sooner
 
 
 def non_finite(event: StepCompleted) -> Verdict | None:
@@ -45,16 +59,37 @@ def non_finite(event: StepCompleted) -> Verdict | None:
     )
 
 
-def robust_z(history: Sequence[float], value: float) -> tuple[float, float, float]:
-    """(z, median, mad) of `value` against `history`: (value - median) / (1.4826 * MAD), floored."""
+def robust_z(history: Sequence[float], value: float, floor: float = 0.0) -> tuple[float, float, float]:
+    """(z, median, mad) of `value` against `history`: (value - median) / (1.4826 * MAD), floored
+    (relative to the median, and by `floor`)."""
     median = statistics.median(history)
     mad = statistics.median([abs(x - median) for x in history])
-    scale = max(MAD_TO_SIGMA * mad, REL_SCALE_FLOOR * abs(median), ABS_SCALE_FLOOR)
-    return (value - median) / scale, median, mad
+    return (value - median) / _scale(median, mad, floor), median, mad
+
+
+def _scale(median: float, mad: float, floor: float = 0.0) -> float:
+    return max(MAD_TO_SIGMA * mad, REL_SCALE_FLOOR * abs(median), ABS_SCALE_FLOOR, floor)
+
+
+def relative_spread(history: Sequence[float]) -> float | None:
+    """The robust spread of `history` relative to its median (1.4826 * MAD / median)."""
+    if not history:
+        return None
+    median = statistics.median(history)
+    mad = statistics.median([abs(x - median) for x in history])
+    return MAD_TO_SIGMA * mad / max(abs(median), ABS_SCALE_FLOOR)
 
 
 def spike(
-    history: Sequence[float], loss: float, *, zscore: float, warmup: int, step: int, rank: int, node: str
+    history: Sequence[float],
+    loss: float,
+    *,
+    zscore: float,
+    warmup: int,
+    step: int,
+    rank: int,
+    node: str,
+    peer_spread: float = 0.0,
 ) -> Verdict | None:
     """A loss far above the rolling median of the previous finite losses (robust z-score).
 
@@ -63,12 +98,19 @@ def spike(
         loss: this step's loss.
         zscore: the threshold (GuardianSpec.spike_zscore).
         warmup: no verdict until the window holds at least this many values.
+        peer_spread: the other ranks' relative spread (`relative_spread`): a floor under this rank's
+            own, which a short window can badly underestimate (the ranks see the same noise).
     """
     if len(history) < warmup or not history or not math.isfinite(loss):
         return None
-    z, median, mad = robust_z(history, loss)
+    floor = peer_spread * abs(statistics.median(history)) if peer_spread else 0.0
+    z, median, mad = robust_z(history, loss, floor)
     if z <= zscore:
         return None
+    recent = statistics.median(history[-SUDDEN_OVER:])
+    jump = (loss - recent) / _scale(median, mad, floor)
+    if jump <= zscore / 2:
+        return None  # a climb, not a jump: divergence's business
     return Verdict(
         kind="spike",
         step=step,
@@ -86,49 +128,100 @@ def spike(
     )
 
 
-def smoothing_width(window: int) -> int:
-    """How many steps the rolling median that smooths the loss spans, for a divergence window."""
-    return max(3, window // 5)
+def grad_spike(
+    history: Sequence[float], grad_norm: float, *, zscore: float, warmup: int, step: int
+) -> Verdict | None:
+    """A gradient norm that exploded: `GRAD_SPIKE_RATIO` times the rolling median of the previous
+    finite norms and a robust outlier (z > `zscore`) in log space. It often precedes a loss spike.
+
+    Args:
+        history: the job's previous finite gradient norms (one per step), oldest first.
+    """
+    if len(history) < warmup or not math.isfinite(grad_norm) or grad_norm <= 0:
+        return None
+    logs = [math.log(x) for x in history if x > 0]
+    if not logs:
+        return None
+    median = statistics.median(logs)
+    mad = statistics.median([abs(x - median) for x in logs])
+    z = (math.log(grad_norm) - median) / max(MAD_TO_SIGMA * mad, GRAD_LOG_SCALE_FLOOR)
+    ratio = grad_norm / math.exp(median)
+    if ratio < GRAD_SPIKE_RATIO or z <= zscore:
+        return None
+    return Verdict(
+        kind="spike",
+        step=step,
+        message=f"gradient norm spike at step {step}: {grad_norm:.4g} is {ratio:.0f}x its median "
+        f"{math.exp(median):.4g} (z={z:.1f} in log space)",
+        evidence={
+            "grad_norm": grad_norm,
+            "median": math.exp(median),
+            "ratio": ratio,
+            "zscore": z,
+            "threshold": zscore,
+            "window": len(history),
+        },
+    )
+
+
+def trend(values: Sequence[float]) -> tuple[float, float]:
+    """(slope per step, its standard error) of the least-squares line through `values` (>= 3)."""
+    n = len(values)
+    mx = (n - 1) / 2
+    my = sum(values) / n
+    sxx = n * (n * n - 1) / 12
+    slope = sum((i - mx) * (y - my) for i, y in enumerate(values)) / sxx
+    resid = sum((y - my - slope * (i - mx)) ** 2 for i, y in enumerate(values))
+    se = math.sqrt(resid / (n - 2) / sxx) if n > 2 else math.inf
+    return slope, max(se, ABS_SCALE_FLOOR)
 
 
 def divergence(
-    losses: Sequence[float], *, window: int, tolerance: float, step: int, rank: int, node: str
+    losses: Sequence[float],
+    *,
+    window: int,
+    tolerance: float,
+    step: int,
+    rank: int | None = None,
+    node: str | None = None,
 ) -> Verdict | None:
-    """The smoothed loss has risen by more than `tolerance` (relative) above its lowest point in the window.
+    """The loss trends upward: a trend test on log(loss), over the last `window` values and over
+    `LONG_WINDOWS` windows (a slow rise shows there first).
 
-    The loss is smoothed by a rolling median over `smoothing_width(window)` steps, so a single spike
-    (the spike detector's business) never reads as divergence.
+    It is divergence when the fitted line rises by more than `tolerance` (relative) across its span
+    and its slope is `DIVERGENCE_T` standard errors above flat. A single spike barely moves the
+    line and inflates its error; a benign shift of a few percent (a data-mix change) rises too little.
 
     Args:
-        losses: the rank's finite losses, oldest first, ending with this step's; at least `window`
-            values are needed (earlier values beyond `window + width` are ignored).
+        losses: finite losses, oldest first, ending with this step's (for the job: each step's
+            cross-rank median); at least `window` values are needed.
     """
-    width = smoothing_width(window)
-    if len(losses) < window:
-        return None
-    recent = list(losses[-(window + width - 1) :])
-    smoothed = [statistics.median(recent[i - width + 1 : i + 1]) for i in range(width - 1, len(recent))]
-    low = min(smoothed)
-    now = smoothed[-1]
-    rise = (now - low) / max(abs(low), ABS_SCALE_FLOOR)
-    if rise <= tolerance:
-        return None
-    return Verdict(
-        kind="divergence",
-        step=step,
-        rank=rank,
-        node=node,
-        message=f"loss diverging on rank {rank} at step {step}: smoothed {now:.4g} is {rise:.0%} above "
-        f"its low {low:.4g} in the last {window} steps",
-        evidence={
-            "smoothed": now,
-            "low": low,
-            "rise": rise,
-            "tolerance": tolerance,
-            "window": window,
-            "smoothing": width,
-        },
-    )
+    for span in (window, LONG_WINDOWS * window):
+        if len(losses) < span:
+            return None
+        ys = [math.log(max(x, ABS_SCALE_FLOOR)) for x in losses[-span:]]
+        slope, se = trend(ys)
+        rise = math.exp(slope * (span - 1)) - 1.0
+        t = slope / se
+        if rise > tolerance and t > DIVERGENCE_T:
+            where = f" on rank {rank}" if rank is not None else ""
+            return Verdict(
+                kind="divergence",
+                step=step,
+                rank=rank,
+                node=node,
+                message=f"loss diverging{where} at step {step}: its trend rose {rise:.0%} over the last "
+                f"{span} steps ({slope:.2%} per step, t={t:.1f})",
+                evidence={
+                    "rise": rise,
+                    "slope_per_step": slope,
+                    "t": t,
+                    "tolerance": tolerance,
+                    "window": span,
+                    "latest": losses[-1],
+                },
+            )
+    return None
 
 
 def _json_float(value: float | None) -> float | str | None:

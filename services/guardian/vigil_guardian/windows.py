@@ -1,12 +1,20 @@
 """The detectors' state for one timeline of a job: what a new step is judged against.
 
-Per rank, the recent finite losses (spike and divergence windows) and its last step; per job, the
-steps not yet reported by every rank (the imbalance detector needs all of a step's events), the
-run of imbalanced steps, and recent step times (the hang detector's median). Pure: no I/O.
+Per rank, the recent finite losses (the spike window) and its last step; per job, the steps not yet
+reported by every rank, the series judged once per complete step (the cross-rank median loss for
+divergence, the global gradient norm for its spikes), the run of imbalanced steps, and recent step
+times (the hang detector's median). Pure: no I/O.
+
+Which rank made a NaN. After the all-reduce every rank's gradient norm is NaN and every rank skips
+the update, so a rank whose own loss was finite (`local_finite` True) is a witness, not a culprit:
+its event is held until the whole step is in, and the incident names the rank whose own loss was not
+finite (judged at once when its event comes). A sender that does not say (`local_finite` None, a
+v1 event) or a job of one rank is judged from its own event, as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -14,10 +22,10 @@ from collections import deque
 from vigil_common.events import StepCompleted
 from vigil_common.spec import GuardianSpec
 from vigil_guardian import numeric
-from vigil_guardian.collective import ImbalanceTracker
+from vigil_guardian.collective import ImbalanceTracker, StragglerScores
 from vigil_guardian.verdict import Verdict
 
-PENDING_MAX = 64  # incomplete steps kept for the imbalance detector
+PENDING_MAX = 64  # incomplete steps kept for the detectors judging a whole step
 
 
 class Windows:
@@ -25,17 +33,22 @@ class Windows:
         self.losses: dict[int, deque[tuple[int, float]]] = {}  # rank -> (step, loss), oldest first
         self.pending: dict[int, dict[int, StepCompleted]] = {}  # step -> rank -> event
         self.step_times: deque[float] = deque(maxlen=101)
+        self.spreads: dict[int, float] = {}  # rank -> relative spread of its loss window
         self.progress: dict[int, tuple[float, int | None]] = {}  # rank -> (time of its last step, step)
+        self.step_losses: deque[tuple[int, float]] = deque()  # (step, cross-rank median loss)
+        self.grad_norms: deque[tuple[int, float]] = deque()  # (step, global gradient norm)
         self.resize(spec)
 
     def resize(self, spec: GuardianSpec) -> None:
         """Apply a (new) policy's window sizes and thresholds, keeping what has been seen."""
         self.spec = spec
-        self.keep = max(
-            spec.spike_window, spec.divergence_window + numeric.smoothing_width(spec.divergence_window)
-        )
+        self.keep = spec.spike_window
         self.losses = {r: deque(s, maxlen=self.keep) for r, s in self.losses.items()}
+        keep_job = numeric.LONG_WINDOWS * spec.divergence_window
+        self.step_losses = deque(self.step_losses, maxlen=keep_job)
+        self.grad_norms = deque(self.grad_norms, maxlen=spec.spike_window)
         self.tracker = ImbalanceTracker(spec.imbalance_threshold, spec.imbalance_steps)
+        self.scores = StragglerScores()
 
     def median_step_s(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
@@ -48,10 +61,16 @@ class Windows:
         if math.isfinite(event.step_time_s) and event.step_time_s > 0:
             self.step_times.append(event.step_time_s)
 
+        verdicts = []
         verdict = numeric.non_finite(event)
-        if verdict is None:
+        if verdict is not None:
+            if not (event.local_finite and world_size and world_size >= 2):
+                verdicts.append(verdict)  # its own loss, or nobody to ask: this rank
+            # else a witness of another rank's NaN: judged with its whole step (`_whole_step`)
+        else:
             series = self.losses.setdefault(rank, deque(maxlen=self.keep))
-            history = [x for _, x in series][-spec.spike_window :]
+            history = [x for _, x in series]
+            peers = [v for r, v in self.spreads.items() if r != rank]
             verdict = numeric.spike(
                 history,
                 event.loss,
@@ -60,39 +79,97 @@ class Windows:
                 step=step,
                 rank=rank,
                 node=event.node,
+                peer_spread=statistics.median(peers) if peers else 0.0,
             )
             series.append((step, event.loss))
-            if verdict is None:
-                verdict = numeric.divergence(
-                    [x for _, x in series],
-                    window=spec.divergence_window,
-                    tolerance=spec.divergence_tolerance,
-                    step=step,
-                    rank=rank,
-                    node=event.node,
-                )
-        verdicts = [verdict] if verdict else []
+            if len(series) >= spec.spike_warmup:
+                self.spreads[rank] = numeric.relative_spread([x for _, x in series]) or 0.0
+            if verdict is not None:
+                verdicts.append(verdict)
 
         # Held even before the world size is known (a launch can be judged after the first steps):
         # every step complete by then is judged, in order, as soon as it is.
         self.pending.setdefault(step, {})[rank] = event
-        if world_size and world_size >= 2:
+        if world_size:
             for s in sorted(self.pending):
                 group = self.pending.get(s)
                 if group is None or len(group) < world_size:
                     continue
-                for older in [o for o in self.pending if o <= s]:  # incomplete older steps: given up
-                    del self.pending[older]
-                if found := self.tracker.observe(list(group.values()), nodes):
-                    verdicts.append(found)
+                for older in [o for o in self.pending if o < s]:  # incomplete older steps: given up
+                    verdicts += self._lone_witnesses(self.pending.pop(older))
+                del self.pending[s]
+                verdicts += self._whole_step(s, list(group.values()), nodes)
         while len(self.pending) > PENDING_MAX:
-            del self.pending[min(self.pending)]
+            verdicts += self._lone_witnesses(self.pending.pop(min(self.pending)))
         return verdicts
+
+    def _whole_step(self, step: int, events: list[StepCompleted], nodes: dict[int, str]) -> list[Verdict]:
+        """The verdicts on one complete step: a NaN only witnessed, a gradient-norm spike,
+        divergence of the cross-rank median loss, and an imbalance across ranks."""
+        spec = self.spec
+        out = self._lone_witnesses({e.rank: e for e in events}) if len(events) >= 2 else []
+        norms = [e.grad_norm for e in events if e.grad_norm is not None and math.isfinite(e.grad_norm)]
+        if norms:
+            g = statistics.median(norms)
+            history = [x for _, x in self.grad_norms]
+            found = numeric.grad_spike(
+                history, g, zscore=spec.spike_zscore, warmup=spec.spike_warmup, step=step
+            )
+            self.grad_norms.append((step, g))
+            if found is not None:
+                out.append(found)
+        losses = [e.loss for e in events if math.isfinite(e.loss)]
+        if len(losses) == len(events):
+            self.step_losses.append((step, statistics.median(losses)))
+            found = numeric.divergence(
+                [x for _, x in self.step_losses],
+                window=spec.divergence_window,
+                tolerance=spec.divergence_tolerance,
+                step=step,
+                rank=events[0].rank if len(events) == 1 else None,
+                node=events[0].node if len(events) == 1 else None,
+            )
+            if found is not None:
+                out.append(found)
+        found = self.tracker.observe(events, nodes)
+        scored = self.scores.observe(events, nodes)
+        if found is None and self.tracker.quiet:  # a per-step episode already names the straggler
+            found = scored
+        if found is not None:
+            out.append(found)
+        return out
+
+    @staticmethod
+    def _lone_witnesses(group: dict[int, StepCompleted]) -> list[Verdict]:
+        """A non-finite step that no rank owned (every `local_finite` True: the gradients, not the
+        loss, overflowed, or the culprit's event never came): named after the lowest such rank."""
+        bad = [e for _, e in sorted(group.items()) if numeric.non_finite(e) is not None]
+        if not bad or any(e.local_finite is False or e.local_finite is None for e in bad):
+            return []  # the culprit (or a rank that could not tell) was judged from its own event
+        v = numeric.non_finite(bad[0])
+        assert v is not None
+        return [
+            dataclasses.replace(
+                v,
+                evidence={
+                    **v.evidence,
+                    "culprit": "unknown: every rank's own loss was finite",
+                    "ranks": sorted(group),
+                },
+            )
+        ]
 
     def rewind(self, to_step: int, at: float, ranks: list[int]) -> None:
         """A rollback to checkpoint `to_step` at time `at`: forget the steps from `to_step` on."""
         for rank, series in self.losses.items():
             self.losses[rank] = deque(((s, x) for s, x in series if s < to_step), maxlen=self.keep)
+        self.step_losses = deque(
+            ((s, x) for s, x in self.step_losses if s < to_step), maxlen=self.step_losses.maxlen
+        )
+        self.grad_norms = deque(
+            ((s, x) for s, x in self.grad_norms if s < to_step), maxlen=self.grad_norms.maxlen
+        )
         self.pending.clear()
         self.tracker.reset()
+        self.scores.reset()
         self.progress = {r: (at, to_step - 1 if to_step else None) for r in ranks}

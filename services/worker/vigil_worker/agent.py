@@ -37,7 +37,7 @@ from vigil_common.settings import Settings
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import prepare_ranks
 from vigil_worker.procs import Exit, RankRecord, RankTable
-from vigil_worker.trainer.exits import EXIT_PREEMPTED
+from vigil_worker.trainer.exits import EXIT_PREEMPTED, read_last_step
 from vigil_worker.trainer.preemption import SIGNAL as PREEMPTION_SIGNAL
 
 log = logging.getLogger("vigil.worker")
@@ -232,6 +232,7 @@ class Worker:
                 exit_code=ended.code,
                 signal=ended.signal,
                 failure=failure,
+                last_step=read_last_step(r.exit_path),
                 log_tail=_tail(Path(r.log_path)),
             ),
         )

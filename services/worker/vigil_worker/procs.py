@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vigil_worker.trainer.exits import last_step_path
+
 
 def start_ticks(pid: int) -> int | None:
     """The kernel's start time of `pid` (clock ticks since boot), or None if there is no such process."""
@@ -103,6 +105,7 @@ class RankTable:
     ) -> RankRecord:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path.unlink(missing_ok=True)
+        last_step_path(exit_path).unlink(missing_ok=True)
         with log_path.open("ab") as log:
             proc = subprocess.Popen(  # an argument list: no shell ever sees job input
                 argv,

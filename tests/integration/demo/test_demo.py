@@ -44,6 +44,7 @@ def test_the_demo_rescues_its_run_and_stays_up_with_its_console(server_dir: Path
     assert "web console http://127.0.0.1:" in stderr and "--stay: the stack stays up" in stderr
     assert summary["state"] == "SUCCEEDED", stderr[-4000:]
     kinds = {i["kind"] for i in summary["incidents"]}
+    assert {i["rank"] for i in summary["incidents"] if i["kind"] == "nan"} == {1}  # injected on rank 1
     assert {"nan", "spike"} <= kinds
     assert all(f["caught"] for f in summary["faults"]) and len(summary["faults"]) == 2
     assert len(summary["rollbacks"]) >= 2

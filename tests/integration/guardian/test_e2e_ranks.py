@@ -197,6 +197,7 @@ async def test_nan_is_rolled_back_before_two_more_steps_and_a_slow_rank_is_named
     incidents = {i.kind: i for i in run.of(IncidentRaised)}
     nan = incidents["nan"]
     assert (nan.action, nan.step) == ("rollback", k)
+    assert nan.rank == 1  # the rank that made it, though every rank's grad norm was NaN after the all-reduce
     # the slow rank, named with its node
     imbalance = incidents["imbalance"]
     assert (imbalance.rank, imbalance.node, imbalance.action) == (0, stack.node, "alert")

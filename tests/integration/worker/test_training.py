@@ -70,6 +70,7 @@ async def test_crashed_rank_is_reported_with_its_exit_code(ready_cluster, bus, j
     # its partner does not linger: ended by its worker or failed out of the broken collective
     assert exits[0].failure in ("killed_by_vigil", "error", "signal")
     assert max(e.step for e in rec.of(ev.StepCompleted, rank=1)) == 1
+    assert exits[1].last_step == 1  # the last step it reported, noted beside its exit file
 
 
 async def test_halt_leaves_no_rank_blocked(ready_cluster, bus, job_id):

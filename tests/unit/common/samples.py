@@ -46,7 +46,9 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
     ),
     ev.LaunchJob: ev.LaunchJob(
         **JOB,
-        spec=JobSpec(name="tiny-gpt"),
+        spec=JobSpec(
+            name="tiny-gpt", guardian={"divergence_tolerance": 0.5}
+        ),  # as sent before its default became 0.1
         placement=[ev.RankPlacement(rank=0, node="n1", device=0, local_rank=0)],
         master_addr="10.0.0.1",
         master_port=29500,

@@ -21,7 +21,8 @@ from typing import Protocol
 
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import Message
+from vigil_common.events import Message, StepCompleted
+from vigil_worker.trainer.exits import write_last_step
 
 log = logging.getLogger("vigil.rank")
 
@@ -70,6 +71,7 @@ class BusSink:
         self.url, self.job_id, self.name = url, job_id, name
         self.dropped = 0
         self.failed = 0
+        self.last_step: int | None = None  # the last step published, noted for the worker at close
         self._queue_size = queue_size
         self._commands: list[Message] = []
         self._arrivals: list[float] = []  # time.monotonic() when each command reached this rank
@@ -121,6 +123,9 @@ class BusSink:
         if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._put, None)
             self._thread.join(timeout_s)
+        if self.last_step is not None:
+            with contextlib.suppress(OSError):
+                write_last_step(self.last_step)  # the worker's RankExited.last_step
         if self.dropped or self.failed:
             log.warning(
                 "bus sink: %d events dropped (queue full), %d failed to publish", self.dropped, self.failed
@@ -187,5 +192,8 @@ class BusSink:
             except Exception as exc:
                 self.failed += 1
                 log.warning("bus sink: publishing %s to %s failed: %s", event.type, subject, exc)
+            else:
+                if isinstance(event, StepCompleted):
+                    self.last_step = event.step
             if self._closing and self._queue.empty():
                 return
