@@ -58,7 +58,7 @@ async def watch_events(  # type: ignore[no-untyped-def]
     once the subscription is in place)."""
     require_urls(settings, "watch", database=False)
     assert settings.nats_url
-    bus = await Bus.connect(settings.nats_url, name="vigil-watch")
+    bus = await Bus.connect(settings.nats_url, name="vigil-watch", tls_ca=settings.nats_tls_ca)
     try:
         wanted = (
             (subjects.incident(job_id), subjects.status(job_id))

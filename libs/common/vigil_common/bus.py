@@ -15,9 +15,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -163,8 +165,11 @@ class Bus:
         *,
         provider: TracerProvider | None = None,
         connect_timeout_s: float = 10.0,
+        tls_ca: Path | None = None,
     ) -> Bus:
-        """Connect, retrying until `connect_timeout_s`; once connected, reconnect forever."""
+        """Connect, retrying until `connect_timeout_s`; once connected, reconnect forever. `tls_ca`
+        (VIGIL_NATS_TLS_CA): the CA that signed the server's certificate, for a server with a private CA
+        (a tls:// URL alone verifies against the system's CAs)."""
 
         async def on_disconnect() -> None:
             if not nc_ref or not (nc_ref[0].is_closed or nc_ref[0].is_draining):
@@ -189,6 +194,7 @@ class Bus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
+                    tls=ssl.create_default_context(cafile=str(tls_ca)) if tls_ca else None,
                 ),
                 timeout=connect_timeout_s,
             )

@@ -110,7 +110,7 @@ async def connect(
         pool = await create_pool(settings.database_url)
         stack.push_async_callback(pool.close)
         await migrate(pool)
-        bus = await Bus.connect(settings.nats_url, name=name, provider=provider)
+        bus = await Bus.connect(settings.nats_url, name=name, provider=provider, tls_ca=settings.nats_tls_ca)
         stack.push_async_callback(bus.close)
         await bus.ensure_streams(manage=manage_streams, replicas=settings.stream_replicas)
         yield Connections(provider, pool, bus)

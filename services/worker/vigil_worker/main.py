@@ -32,7 +32,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     inventory = Inventory.discover(settings.cpu_slots, settings.node_name, settings.gpu_backend)
     async with AsyncExitStack() as stack:
         # --- connect --------------------------------------------------------------------------------------
-        bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.node_name}")
+        bus = await Bus.connect(
+            settings.nats_url, name=f"worker-{settings.node_name}", tls_ca=settings.nats_tls_ca
+        )
         stack.push_async_callback(bus.close)
         stack.callback(inventory.close)
         await bus.ensure_streams(

@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("VIGIL_RANK_NATS_URL"),  # how the worker passes it: never on a command line
         help="publish events and take commands over this NATS; unset: run alone",
     )
+    p.add_argument(
+        "--nats-tls-ca",
+        type=Path,
+        default=os.environ.get("VIGIL_NATS_TLS_CA") or None,  # the worker's setting, inherited
+        help="CA certificate of a NATS server with a private CA",
+    )
     p.add_argument("--resume-from", help="checkpoint directory (overrides the launch's)")
     p.add_argument(
         "--skip-data", type=int, nargs=2, metavar=("START", "END"), help="[start, end) data positions"
@@ -270,7 +276,9 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     comm = CommTimer(clock).install()
     sink: Sink = NullSink()
     if args.nats_url:
-        sink = BusSink(args.nats_url, job.job_id, name=f"rank-{job.job_id}-{env.rank}").start()
+        sink = BusSink(
+            args.nats_url, job.job_id, name=f"rank-{job.job_id}-{env.rank}", tls_ca=args.nats_tls_ca
+        ).start()
 
     # --- model and engine ---------------------------------------------------------------------------------
     engine, plan = build_engine(job.spec, env, device)

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Protocol
 
 from vigil_common import subjects
@@ -67,8 +68,10 @@ class NullSink:
 class BusSink:
     """Publishes events and receives commands on a background thread with its own event loop."""
 
-    def __init__(self, url: str, job_id: str, name: str, *, queue_size: int = 10_000) -> None:
-        self.url, self.job_id, self.name = url, job_id, name
+    def __init__(
+        self, url: str, job_id: str, name: str, *, queue_size: int = 10_000, tls_ca: Path | None = None
+    ) -> None:
+        self.url, self.job_id, self.name, self.tls_ca = url, job_id, name, tls_ca
         self.dropped = 0
         self.failed = 0
         self.last_step: int | None = None  # the last step published, noted for the worker at close
@@ -161,7 +164,7 @@ class BusSink:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue(self._queue_size)
         self._closing = False
-        bus = await Bus.connect(self.url, name=self.name)
+        bus = await Bus.connect(self.url, name=self.name, tls_ca=self.tls_ca)
         try:
             async with bus.watch(subjects.cmd(self.job_id), from_start=True) as commands:
                 watcher = asyncio.create_task(self._watch(commands))
