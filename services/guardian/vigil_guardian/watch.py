@@ -68,6 +68,7 @@ class JobWatch:
         self.job_id = job_id
         self.spec = GuardianSpec()
         self.world_size: int | None = None
+        self.final_step: int | None = None  # the job's last step (train.steps - 1), from its launch
         self.placement: dict[int, tuple[str, int]] = {}  # rank -> (node, device)
         self.attempt = 0
         self.attempt_started_at = 0.0
@@ -141,6 +142,7 @@ class JobWatch:
         self.spec = event.spec.guardian
         self.placement = {p.rank: (p.node, p.device) for p in event.placement}
         self.world_size = len(event.placement)
+        self.final_step = event.spec.train.steps - 1
         if not self.attempt_started_at:
             self.attempt_started_at = event.occurred_at.timestamp()
         if spec_changed:
@@ -363,6 +365,13 @@ class JobWatch:
         elif self.running():
             start = self.running_since or self.attempt_started_at or ts
             progress = {r: self.windows.progress.get(r, (start, None)) for r in ranks}
+            if self.final_step is not None and all(
+                last is not None and last >= self.final_step for _, last in progress.values()
+            ):
+                # Every rank has made the job's last step: what is left (final saves, leaving the
+                # process group, exiting) is not a step, so no step-time multiple applies, only the
+                # plain timeout (on a busy machine the exit alone can take several step times).
+                median = None
         elif self.state in (None, JobState.SCHEDULED) and self.attempt_started_at:
             # Launched, yet some rank never started (a launch lost on its way, a worker that died
             # starting it): its devices are held for nothing. The wait counts from the launch.
@@ -406,6 +415,7 @@ class JobWatch:
         return {
             "spec": self.spec.model_dump(mode="json"),
             "world_size": self.world_size,
+            "final_step": self.final_step,
             "placement": {str(r): list(p) for r, p in self.placement.items()},
             "attempt": self.attempt,
             "attempt_started_at": self.attempt_started_at,
@@ -426,6 +436,7 @@ class JobWatch:
         w = cls(job_id)
         w.spec = GuardianSpec.model_validate(snap["spec"])
         w.world_size = snap["world_size"]
+        w.final_step = snap.get("final_step")  # absent from snapshots saved before it was kept
         w.placement = {int(r): (p[0], int(p[1])) for r, p in snap["placement"].items()}
         w.attempt = snap["attempt"]
         w.attempt_started_at = snap["attempt_started_at"]

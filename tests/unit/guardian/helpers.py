@@ -48,8 +48,11 @@ def step(
     )
 
 
-def launch(world: int = 2, *, attempt: int = 1, t: float = 0.0, **guardian: Any) -> LaunchJob:
-    spec = JobSpec(name="t", resources={"nodes": world, "gpus_per_node": 1}, guardian=guardian)
+def launch(
+    world: int = 2, *, attempt: int = 1, t: float = 0.0, steps: int | None = None, **guardian: Any
+) -> LaunchJob:
+    train = {} if steps is None else {"steps": steps}
+    spec = JobSpec(name="t", resources={"nodes": world, "gpus_per_node": 1}, guardian=guardian, train=train)
     return LaunchJob(
         job_id=JOB,
         attempt=attempt,

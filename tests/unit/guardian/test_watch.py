@@ -158,6 +158,18 @@ def test_missing_steps_give_a_hang_then_the_policys_action():
     assert feed(g, [step(6, 0, math.nan, t=0.6)]) == []  # attempt 1: stale
 
 
+def test_ranks_past_the_jobs_last_step_are_held_to_the_plain_timeout_not_the_step_multiple():
+    # The job's last step is 5: after it, the ranks save and exit, which is not a step. On a busy
+    # machine that took longer than 5 step times, and a finished job was halted as hung.
+    g = Guardian()
+    feed(g, [launch(2, hang_timeout_s=30, steps=6)])
+    feed(g, normal_steps(0, 6))  # steps 0..5 from both ranks, 0.1 s apart
+    assert g.check_hangs(at(10.0)) == []  # past MIN_HANG_S, within the 30 s timeout
+    out = g.check_hangs(at(40.0))  # a rank that never exits is still a hang, after the timeout
+    assert len(out) == 1 and out[0].incident.kind == "hang"
+    assert out[0].incident.evidence["limit_s"] == 30
+
+
 def test_a_launched_rank_that_never_starts_is_a_hang_after_the_timeout():
     g = started(hang_timeout_s=30)  # launched at 0.0, with checkpoints 0 and 5 from before
     feed(g, [RankStarted(job_id=JOB, attempt=1, rank=0, node="n0", pid=1, log_path="-", occurred_at=at(1))])
