@@ -188,7 +188,11 @@ class AuditController(Controller):
     path = "/audit"
     tags = ["audit"]
 
-    @get("/", summary="Who asked for each submit, cancel, halt, rollback and resume; newest first")
+    @get(
+        "/",
+        summary="Who asked for each submit, cancel, halt, rollback and resume; newest first",
+        responses=READ,
+    )
     async def list_audit(
         self, pool: Pool, job_id: FromQuery[str | None] = None, limit: Limit = 100, cursor: Cursor = None
     ) -> Page:
