@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import statistics
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from vigil_bench import measure_on_servers, result
-from vigil_bench.guardian import _GUARDIAN, _drained, _until
+from vigil_bench.guardian import _drained, _until, start_guardian
 from vigil_bench.streams import NOISE_LEVELS, WORLD, Stream, suite
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
 from vigil_common.events import (
     IncidentRaised,
     JobStateChanged,
@@ -176,19 +173,8 @@ async def replay(
 ) -> tuple[dict[str, list[IncidentRaised]], dict[str, float], dict[str, Any]]:
     """Run the guardian as its own process, replay `streams` into it, return the incidents per job,
     the wall time of each job's last step and some figures about the run."""
-    assert settings.nats_url and settings.database_url
-    pool = await create_pool(settings.database_url)
-    await migrate(pool)
-    await pool.close()
-    env = {
-        **os.environ,
-        "VIGIL_NATS_URL": settings.nats_url,
-        "VIGIL_DATABASE_URL": settings.database_url,
-        "VIGIL_DATA_DIR": str(settings.data_dir),
-        "VIGIL_LOG_LEVEL": "ERROR",
-        "VIGIL_WEBHOOK_URLS": "[]",
-    }
-    guardian = await asyncio.create_subprocess_exec(sys.executable, "-c", _GUARDIAN, env=env)
+    assert settings.nats_url
+    guardian, _ = await start_guardian(settings)
     bus = await Bus.connect(settings.nats_url, "bench-detectors")
     incidents: dict[str, list[IncidentRaised]] = defaultdict(list)
     last_sent: dict[str, float] = {}

@@ -173,7 +173,8 @@ async def _sample(bus: Bus, arrivals: _Arrivals, spec: JobSpec, jobs: list[str])
     return arrivals.times[("watch", job)] - t0, arrivals.times[("core", job)] - t0
 
 
-async def _measure(settings: Settings) -> dict[str, object]:
+async def start_guardian(settings: Settings) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """The guardian as its own process on the bench's servers (migrated first), and its environment."""
     assert settings.nats_url and settings.database_url
     pool = await create_pool(settings.database_url)
     await migrate(pool)
@@ -186,8 +187,12 @@ async def _measure(settings: Settings) -> dict[str, object]:
         "VIGIL_LOG_LEVEL": "ERROR",
         "VIGIL_WEBHOOK_URLS": "[]",
     }
+    return await asyncio.create_subprocess_exec(sys.executable, "-c", _GUARDIAN, env=env), env
+
+
+async def _measure(settings: Settings) -> dict[str, object]:
+    guardian, env = await start_guardian(settings)
     probe = subjects.probe("bench-" + uuid.uuid4().hex[:8])
-    guardian = await asyncio.create_subprocess_exec(sys.executable, "-c", _GUARDIAN, env=env)
     echo = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _ECHO, settings.nats_url, probe, env=env, stdout=asyncio.subprocess.PIPE
     )
