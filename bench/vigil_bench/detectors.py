@@ -194,8 +194,11 @@ async def replay(
             await _until(lambda: _drained(bus), 60.0)  # the guardian is up and consuming
             jobs = {s.name: f"det-{i:04d}" for i, s in enumerate(streams)}
             for s in streams:
-                spec = JobSpec(
-                    name=s.name, resources={"nodes": 1, "gpus_per_node": s.world}, guardian=ALERT_ONLY
+                spec = JobSpec(  # the run the window is cut from (the guardian knows where a job ends)
+                    name=s.name,
+                    resources={"nodes": 1, "gpus_per_node": s.world},
+                    train={"steps": s.job_steps},
+                    guardian=ALERT_ONLY,
                 )
                 placement = [
                     RankPlacement(rank=r, node="bench", device=r, local_rank=r) for r in range(s.world)

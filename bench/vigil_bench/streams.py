@@ -76,6 +76,7 @@ class Stream:
     label: Label
     world: int
     steps: list[list[RankStep]] = field(default_factory=list)  # steps[k][rank]
+    job_steps: int = 0  # the training run the window is cut from goes on past it: its train.steps
 
     @property
     def rank_steps(self) -> int:
@@ -102,7 +103,7 @@ def clean(name: str, rng: random.Random, *, noise: float, steps: int, world: int
     blip = (start + rng.randrange(20, steps), rng.randrange(world))  # a single-step blip of +5 %
     learned = sum(lr_at(s) for s in range(start)) / 3e-4
     g_level = 1.5
-    out = Stream(name, Label("clean", noise), world)
+    out = Stream(name, Label("clean", noise), world, job_steps=2 * (start + steps))
     for step in range(start, start + steps):
         lr = lr_at(step, decay_at=decay_at)
         learned += lr / 3e-4
