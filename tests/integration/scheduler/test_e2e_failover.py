@@ -24,15 +24,19 @@ from .conftest import launched, next_event, wait_state
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def start_worker(nats_url: str, data_dir: Path, node: str) -> subprocess.Popen[bytes]:
+def start_worker(
+    nats_url: str, data_dir: Path, node: str, *, cpu_slots: int = 1, **settings: str
+) -> subprocess.Popen[bytes]:
+    """`vigil worker` as its own process; `settings`: more environment (VIGIL_... variables)."""
     env = dict(
         os.environ,
         VIGIL_NATS_URL=nats_url,
         VIGIL_DATA_DIR=str(data_dir),  # shared, as nodes share checkpoint storage
         VIGIL_NODE_NAME=node,
-        VIGIL_CPU_SLOTS="1",
+        VIGIL_CPU_SLOTS=str(cpu_slots),
         VIGIL_HEARTBEAT_INTERVAL_S="0.5",
         OMP_NUM_THREADS="1",
+        **settings,
     )
     with (data_dir / f"worker-{node}.log").open("ab") as out:
         return subprocess.Popen(

@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -37,6 +35,7 @@ from .conftest import (
     wait_state,
 )
 from .test_e2e_failover import kill_our_rank
+from .test_e2e_failover import start_worker as start_failover_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -64,25 +63,16 @@ async def one_attempt_scheduler(db_url: str, nats_url: str, tmp_path: Path) -> A
 
 
 def start_worker(nats_url: str, data_dir: Path, node: str) -> subprocess.Popen[bytes]:
-    env = dict(
-        os.environ,
-        VIGIL_NATS_URL=nats_url,
-        VIGIL_DATA_DIR=str(data_dir),  # shared, as nodes share checkpoint storage
-        VIGIL_NODE_NAME=node,
-        VIGIL_CPU_SLOTS="2",
-        VIGIL_HEARTBEAT_INTERVAL_S="0.5",
+    """A worker on spot terms: SIGTERM or its notice file is a preemption notice."""
+    return start_failover_worker(
+        nats_url,
+        data_dir,
+        node,
+        cpu_slots=2,
         VIGIL_PREEMPT_ON_SIGTERM="true",
         VIGIL_PREEMPTION_NOTICE_FILE=str(data_dir / f"notice-{node}"),
         VIGIL_PREEMPTION_GRACE_S="60",
-        OMP_NUM_THREADS="1",
     )
-    with (data_dir / f"worker-{node}.log").open("ab") as out:
-        return subprocess.Popen(
-            [str(Path(sys.executable).parent / "vigil"), "worker"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
 
 
 @pytest.fixture
