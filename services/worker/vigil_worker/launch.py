@@ -19,6 +19,7 @@ from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
 
 RANK_NATS_URL_ENV = "VIGIL_RANK_NATS_URL"  # where a rank finds its NATS URL (`vigil_worker.trainer.rank`)
+RANK_NATS_TLS_CA_ENV = "VIGIL_NATS_TLS_CA"  # and the CA of a NATS server with a private one
 # the worker's secrets that a rank has no use for
 _NOT_FOR_RANKS = ("VIGIL_DATABASE_URL", "VIGIL_API_TOKEN", "VIGIL_NATS_URL")
 
@@ -89,6 +90,8 @@ def rank_env(
     env = {k: v for k, v in os.environ.items() if k not in _NOT_FOR_RANKS}
     if url := settings.rank_nats_url or settings.nats_url:  # the rank credential when there is one
         env[RANK_NATS_URL_ENV] = url
+    if settings.nats_tls_ca:  # the worker's setting, however it was given
+        env[RANK_NATS_TLS_CA_ENV] = str(settings.nats_tls_ca)
     env.update(
         RANK=str(placement.rank),
         WORLD_SIZE=str(launch.world_size),

@@ -7,7 +7,7 @@ import sys
 from vigil_common import events as ev
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
-from vigil_worker.launch import RANK_NATS_URL_ENV, prepare_ranks
+from vigil_worker.launch import RANK_NATS_TLS_CA_ENV, RANK_NATS_URL_ENV, prepare_ranks
 
 
 def make_launch() -> ev.LaunchJob:
@@ -73,3 +73,12 @@ def test_secrets_reach_a_rank_by_its_environment_never_its_command_line(tmp_path
 def test_a_launch_for_other_nodes_writes_nothing(tmp_path):
     assert prepare_ranks(make_launch(), settings(tmp_path, node="c"), "gpu") == []
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_nats_ca_reaches_a_rank_whatever_way_the_worker_was_given_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("VIGIL_NATS_TLS_CA", raising=False)
+    conf = Settings(
+        data_dir=tmp_path, node_name="b", nats_url="tls://bus:4222", nats_tls_ca=tmp_path / "ca.pem"
+    )
+    (rank, *_) = prepare_ranks(make_launch(), conf, "cpu")
+    assert rank.env[RANK_NATS_TLS_CA_ENV] == str(tmp_path / "ca.pem")

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--nats-tls-ca",
         type=Path,
-        default=os.environ.get("VIGIL_NATS_TLS_CA") or None,  # the worker's setting, inherited
+        default=os.environ.get("VIGIL_NATS_TLS_CA") or None,  # how the worker passes it (launch.py)
         help="CA certificate of a NATS server with a private CA",
     )
     p.add_argument("--resume-from", help="checkpoint directory (overrides the launch's)")
