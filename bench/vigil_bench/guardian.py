@@ -40,11 +40,11 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
+from vigil_guardian.main import INPUT
 
 ROUNDS = 5
 SAMPLES_PER_ROUND = 100
 RR_PER_ROUND = 400
-GUARDIAN_CONSUMERS = ("guardian-steps", "guardian-status", "guardian-launches")
 
 _GUARDIAN = (
     "from vigil_common.service import run_service; from vigil_common.settings import Settings; "
@@ -75,15 +75,11 @@ def echo_main(url: str, subject: str) -> None:
 
 async def _drained(bus: Bus) -> bool:
     """The guardian has judged everything published so far."""
-    for durable in GUARDIAN_CONSUMERS:
-        stream = subjects.STEPS if durable == "guardian-steps" else subjects.JOBS
-        try:
-            info = await bus.js.consumer_info(stream.name, durable)
-        except Exception:
-            return False
-        if info.num_pending or info.num_ack_pending:
-            return False
-    return True
+    try:
+        info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
+    except Exception:
+        return False
+    return not (info.num_pending or info.num_ack_pending)
 
 
 async def _until(check, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]

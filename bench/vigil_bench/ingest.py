@@ -92,7 +92,9 @@ async def _bare_consumer_rate(settings: Settings, pool: asyncpg.Pool, job: str) 
     try:
         js = nc.jetstream()
         sub = await js.pull_subscribe(
-            subjects.step(job), durable="bench-bare-" + uuid.uuid4().hex[:8], stream=subjects.STEPS.name
+            subjects.step(job),
+            durable="bench-bare-" + uuid.uuid4().hex[:8],
+            stream=subjects.stream_for(subjects.step(job)).name,
         )
         async with pool.acquire() as conn:
             await conn.execute("DROP TABLE IF EXISTS bench_bare_steps")
@@ -163,7 +165,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         await pool.execute("DELETE FROM telemetry_steps WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_job_progress WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_step_aggregates WHERE job_id = $1", job)
-        await bus.js.purge_stream(subjects.STEPS.name, subject=subject)
+        await bus.js.purge_stream(subjects.stream_for(subject).name, subject=subject)
     finally:
         await bus.close()
         await pool.close()

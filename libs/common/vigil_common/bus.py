@@ -19,6 +19,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,9 @@ class ConsumerSpec:
     max_deliver: int = 8  # then the message is dead-lettered, never retried forever
     max_ack_pending: int = 20_000
     deliver_new: bool = False  # a new durable starts at new messages instead of the stream's start
+    # A new durable starts at the messages stored in the last `replay_s` seconds (a bounded replay)
+    # instead of the stream's start; an existing durable goes on from where it is, whatever this says.
+    replay_s: float | None = None
     # Shared by several replicas of a service (a queue group named after the durable): each message
     # goes to one of them. With max_ack_pending=1 the group still handles messages in stream order.
     shared: bool = False
@@ -115,6 +119,11 @@ class Delivery:
     @property
     def stream_seq(self) -> int:
         return self._meta.sequence.stream
+
+    @property
+    def num_pending(self) -> int:
+        """Messages of the consumer still to be delivered after this one."""
+        return self._meta.num_pending
 
     @functools.cached_property
     def trace_context(self) -> otel_context.Context:
@@ -227,6 +236,8 @@ class Bus:
         With `manage=False` (a service whose NATS role may not change streams: see
         `vigil_common.credentials`) a stream that exists is left as it is, and only a missing one is
         created (which a restricted credential is refused: the scheduler or `vigil up` creates them)."""
+        if manage:
+            await self._retire_legacy_steps(specs)
         for spec in specs:
             if not manage:
                 try:
@@ -251,6 +262,56 @@ class Bus:
                 await self.js.add_stream(config)
             except nats.js.errors.BadRequestError:
                 await self.js.update_stream(config)  # exists with an older configuration
+        if manage:
+            await self._copy_legacy_steps()
+
+    async def _retire_legacy_steps(self, specs: Sequence[StreamSpec]) -> None:
+        """Moving a deployment made when steps had a stream of their own (`subjects.LEGACY_STEPS`),
+        first half: that stream stops taking steps, so that VIGIL_JOBS may take them."""
+        if subjects.JOBS not in specs:
+            return
+        try:
+            info = await self.js.stream_info(subjects.LEGACY_STEPS)
+        except nats.js.errors.NotFoundError:
+            return
+        if list(info.config.subjects or []) != [subjects.RETIRED_STEPS]:
+            log.warning(
+                "moving step events from stream %s into %s", subjects.LEGACY_STEPS, subjects.JOBS.name
+            )
+            info.config.subjects = [subjects.RETIRED_STEPS]
+            await self.js.update_stream(info.config)
+
+    async def _copy_legacy_steps(self) -> None:
+        """Second half: the steps that some consumer of the old stream had not acknowledged are
+        published again (same `Nats-Msg-Id`, same subject, so into VIGIL_JOBS), then the old stream,
+        and the guardian's old consumers on VIGIL_JOBS, are deleted. Run again after a crash, it
+        copies again; consumers of steps are idempotent on the event id."""
+        try:
+            info = await self.js.stream_info(subjects.LEGACY_STEPS)
+        except nats.js.errors.NotFoundError:
+            return
+        first = info.state.last_seq + 1
+        for consumer in await self.js.consumers_info(subjects.LEGACY_STEPS):
+            first = min(first, consumer.ack_floor.stream_seq + 1 if consumer.ack_floor else 1)
+        copied = 0
+        for seq in range(max(first, info.state.first_seq), info.state.last_seq + 1):
+            try:
+                raw = await self.js.get_msg(subjects.LEGACY_STEPS, seq)
+            except nats.js.errors.NotFoundError:
+                continue  # deleted or aged out
+            headers = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-Expected")}
+            await self.js.publish(raw.subject, raw.data or b"", headers=headers)
+            copied += 1
+        await self.js.delete_stream(subjects.LEGACY_STEPS)
+        for name in subjects.LEGACY_CONSUMERS:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.js.delete_consumer(subjects.JOBS.name, name)
+        log.warning(
+            "stream %s deleted after %d unconsumed steps were copied into %s",
+            subjects.LEGACY_STEPS,
+            copied,
+            subjects.JOBS.name,
+        )
 
     # --- publish -------------------------------------------------------------------------------------
 
@@ -449,6 +510,9 @@ class Bus:
             filter_subject=spec.filter_subject,
             deliver_policy=DeliverPolicy.NEW if spec.deliver_new else DeliverPolicy.ALL,
         )
+        if spec.replay_s is not None:
+            config.deliver_policy = DeliverPolicy.BY_START_TIME
+            config.opt_start_time = datetime.fromtimestamp(time.time() - spec.replay_s, tz=UTC)
         await self._replace_if_reshaped(spec, config)
         deadline = time.monotonic() + 10.0
         while True:

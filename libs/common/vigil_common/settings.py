@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     preemption_grace_s: float = Field(
         30.0, gt=0, le=3600, description="after a notice, how long ranks have to checkpoint before SIGKILL"
     )
+    guardian_replay_s: float = Field(
+        3600.0,
+        ge=0,
+        le=7 * 86_400,
+        description="a new guardian judges the job events of this many seconds back (bounded replay)",
+    )
     log_level: str = "INFO"
     trace_file: Path | None = Field(
         None, description="also write every span as a JSON line here (traces without a collector)"

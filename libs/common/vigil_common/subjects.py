@@ -76,6 +76,8 @@ ALL_GPU = f"{PREFIX}.node.*.gpu"
 ALL_LAUNCHES = f"{PREFIX}.job.*.launch"
 ALL_STEPS = f"{PREFIX}.job.*.step"
 ALL_STATUS = f"{PREFIX}.job.*.status"
+# Everything VIGIL_JOBS keeps about every job (launch, status and step; commands live in VIGIL_COMMANDS).
+ALL_JOB_EVENTS = f"{PREFIX}.job.>"
 ALL_CMDS = f"{PREFIX}.job.*.cmd"
 ALL_INCIDENTS = f"{PREFIX}.incident.*"
 ALL_DEAD_LETTERS = f"{PREFIX}.deadletter.*"
@@ -140,20 +142,24 @@ NODES = StreamSpec(
     max_bytes=2 * _GIB,
     description="worker heartbeats and per-device samples",
 )
+# One stream for what happens in a job, so that a job's launch, status and step events have one order:
+# the order the server stored them in. A rank publishes `CheckpointSaved` and waits for its ack
+# before its next step, so a consumer of this stream (the guardian) knows that checkpoint before
+# it judges that step; with steps in a stream of their own there was no order between the two.
 JOBS = StreamSpec(
     name="VIGIL_JOBS",
-    subjects=(ALL_LAUNCHES, ALL_STATUS),
+    subjects=(ALL_LAUNCHES, ALL_STATUS, ALL_STEPS),
     max_age_s=30 * _DAY,
-    max_bytes=2 * _GIB,
-    description="launches and job/rank status events",
+    max_bytes=10 * _GIB,
+    description="launches, job/rank status events and one event per rank per training step",
 )
-STEPS = StreamSpec(
-    name="VIGIL_STEPS",
-    subjects=(ALL_STEPS,),
-    max_age_s=7 * _DAY,
-    max_bytes=8 * _GIB,
-    description="one event per rank per training step",
-)
+# Steps had a stream of their own before: `Bus.ensure_streams` moves a deployment that still has it
+# (the steps some consumer had not acknowledged are copied into VIGIL_JOBS; it is then deleted).
+LEGACY_STEPS = "VIGIL_STEPS"
+RETIRED_STEPS = f"{PREFIX}.retired.steps"  # its subject while it is being emptied
+# Consumers the guardian had on VIGIL_JOBS before it read the stream through one consumer.
+LEGACY_CONSUMERS = ("guardian-status", "guardian-launches")
+
 COMMANDS = StreamSpec(
     name="VIGIL_COMMANDS",
     subjects=(ALL_CMDS,),
@@ -180,7 +186,7 @@ DEAD_LETTERS = StreamSpec(
     description="messages consumers terminated, with the reason",
 )
 
-STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, STEPS, COMMANDS, INCIDENTS, DEAD_LETTERS)
+STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, COMMANDS, INCIDENTS, DEAD_LETTERS)
 
 
 def stream_for(subject: str) -> StreamSpec:

@@ -13,9 +13,8 @@ from vigil_common.events import (
     Message,
     StepCompleted,
 )
-from vigil_common.spec import GuardianSpec
 from vigil_guardian.gpu_health import DeviceHealth, GpuLimits
-from vigil_guardian.policy import Decision, decide, incident_id
+from vigil_guardian.policy import Decision, Policy, incident_id
 from vigil_guardian.watch import JobWatch
 
 FINISHED_MAX = 10_000
@@ -57,7 +56,7 @@ class Guardian:
             out = watch.on_status(event, now)
         else:
             out = []
-        if watch.terminal:
+        if watch.control.terminal:
             self.finish(event.job_id)
         return self._fresh(out)
 
@@ -86,8 +85,8 @@ class Guardian:
     def device_job(self, node: str, index: int) -> tuple[JobWatch, int] | None:
         """The job (and rank) running on a device, from the launches seen."""
         for watch in self.jobs.values():
-            for rank, (n, d) in watch.placement.items():
-                if (n, d) == (node, index) and rank not in watch.exited:
+            for rank, (n, d) in watch.control.placement.items():
+                if (n, d) == (node, index) and rank not in watch.control.exited:
                     return watch, rank
         return None
 
@@ -105,16 +104,7 @@ class Guardian:
             return [watch.decide(verdict, now, anomaly_step=anomaly, key=sample.event_id)]
         iid = incident_id(None, sample.node, sample.index, "gpu_health", sample.event_id)
         return [
-            decide(
-                verdict,
-                iid=iid,
-                job_id=None,
-                attempt=0,
-                spec=GuardianSpec(),
-                checkpoints={},
-                rollbacks=0,
-                now=now,
-            )
+            Policy().decide(verdict, iid=iid, job_id=None, attempt=0, checkpoints={}, rollbacks=0, now=now)
         ]
 
     def device_levels(self) -> dict[tuple[str, int], int]:

@@ -1,10 +1,14 @@
-"""Hang: a running job from which some rank has sent no step for too long, or a launched job one of
-whose ranks never started."""
+"""Hang: a running job from which some rank has sent no step for too long, a launched job one of
+whose ranks never started, or a rollback that never completes. `hang` measures one set of waits;
+`job_hang` holds the rules for which waits a job has (called on a timer)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
+from vigil_common.jobstates import JobState
+from vigil_guardian.state import Control
 from vigil_guardian.verdict import Verdict
 
 # The step-time multiple never judges a silence shorter than this a hang: a checkpoint save or an
@@ -59,3 +63,76 @@ def hang(
             "last_steps": {str(r): p[1] for r, p in sorted(progress.items())},
         },
     )
+
+
+# --- the rules: which ranks are waited for, since when, against which limit -------------------------
+
+
+def running(c: Control, progress: Mapping[int, tuple[float, int | None]]) -> bool:
+    """Is the job meant to be making steps now? The scheduler's word, else inferred from the ranks."""
+    if c.state == JobState.RUNNING:
+        return True
+    if c.state is not None and c.state != JobState.SCHEDULED:
+        return False
+    return c.world_size is not None and (len(c.started) >= c.world_size or bool(progress))
+
+
+def job_hang(
+    c: Control, progress: Mapping[int, tuple[float, int | None]], median_step_s: float | None, now: float
+) -> Verdict | None:
+    """A hang verdict for a job, or None. Three waits can hang:
+
+    - a rollback in progress that has not completed within `hang_timeout_s` (loading a checkpoint
+      takes what it takes, whatever the step time: the plain timeout only);
+    - a running job's rank with no step for too long: `hang_timeout_s`, or `hang_step_multiple`
+      median steps if that is sooner; once every rank has made the job's last step, the plain
+      timeout only (final saves, leaving the process group and exiting are not steps);
+    - a launched job's rank that never started, counted from the launch (plain timeout).
+    """
+    ranks = c.live_ranks
+    if c.terminal or not ranks:
+        return None
+    rec = c.recovering
+    if rec is not None:
+        if rec.kind != "rollback":
+            return None
+        waits = {r: (rec.since, rec.to_step - 1 if rec.to_step else None) for r in ranks}
+        median_step_s = None
+    elif running(c, progress):
+        start = c.running_since or c.attempt_started_at or now
+        waits = {r: progress.get(r, (start, None)) for r in ranks}
+        if c.final_step is not None and all(s is not None and s >= c.final_step for _, s in waits.values()):
+            median_step_s = None
+    elif c.state in (None, JobState.SCHEDULED) and c.attempt_started_at:
+        waits = {r: (c.attempt_started_at, None) for r in ranks if r not in c.started}
+        median_step_s = None
+    else:
+        return None
+    v = hang(
+        now,
+        waits,
+        median_step_s,
+        timeout_s=c.spec.hang_timeout_s,
+        multiple=c.spec.hang_step_multiple,
+        nodes=c.nodes,
+    )
+    if v is None:
+        return None
+    since = round(waits[v.rank or 0][0], 3)
+    silent, limit = v.evidence["silent_s"], v.evidence["limit_s"]
+    if rec is not None:
+        return dataclasses.replace(
+            v,
+            message=f"hang: the rollback to step {rec.to_step} has not completed after "
+            f"{silent:.1f}s (limit {limit:.1f}s)",
+            evidence={**v.evidence, "rollback_to": rec.to_step, "since": since},
+        )
+    if not running(c, progress):
+        waiting = sorted(waits)
+        return dataclasses.replace(
+            v,
+            message=f"hang: rank {v.rank} on {v.node} has not started {silent:.1f}s "
+            f"after the launch (limit {limit:.1f}s; not started: {waiting})",
+            evidence={**v.evidence, "not_started": waiting, "since": since},
+        )
+    return dataclasses.replace(v, evidence={**v.evidence, "since": since})

@@ -1,24 +1,38 @@
-"""The guardian service: watches every step, GPU sample and status event, decides, and commands.
+"""The guardian service: judges every job's launch, status and step events, and every GPU sample.
 
-Lifecycle: connect, load saved state and rebuild the detector windows (a quiet replay of each
-active job's steps up to what the durable consumer has acknowledged), then consume launches,
-status, steps and GPU samples in one TaskGroup with a hang check on a timer and the webhook
-notifier, until `stop`; drain and close.
+Lifecycle: connect; restore (saved state, then a quiet replay of each active job's steps that the
+input has acknowledged); consume its two inputs, the job events and the GPU samples, with a hang
+check on a timer and the webhook notifier, until `stop`; drain and close.
 
-A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then
-its `IncidentRaised` on `subjects.incident(job)`; then the job's control state and the incident
-id are saved, and only then is the event that caused it acknowledged. Ids are stable per fault,
-so a crash between publishing and saving republishes the same ids (JetStream drops them). An
-event is judged once: a decision whose publishing fails stays owed, and goes out before anything
-newer on the next try (the event's redelivery, another event, or the hang timer).
+One ordered input. The job events come through one durable consumer of VIGIL_JOBS (`INPUT`), in
+the order the server stored them, and are judged in that order: a job's launch before its steps,
+a rank's checkpoint before its next step, a rollback's completion before the steps that follow it.
+
+Judged once. Two sequences of that input say where the guardian stands: `judged` (every event up
+to it has had its effect) and `windowed` (every step up to it is in the detector windows). The
+judged sequence is saved with the job state it changed, in one transaction; after a restart an
+event up to it is not judged again (a step only goes back into the windows), and a redelivered
+event up to `windowed` is skipped.
+
+A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then its
+`IncidentRaised`; the state and incident are saved, and only then is the batch acknowledged. A
+decision that cannot be published is retried in place, and nothing after it is judged until it
+is out: the order holds. Ids are stable per fault, so a crash between publishing and saving
+republishes the same ids (JetStream drops them).
+
+First start. A guardian with no consumer and no saved state (a new deployment, or one started
+after its jobs) replays the last `guardian_replay_s` of job events, so it judges a running job from
+its start; jobs that ended within that window are not judged at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from datetime import datetime, timedelta
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import nats.errors
@@ -28,7 +42,16 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.errors import MalformedMessage
-from vigil_common.events import GpuSampled, IncidentRaised, Message, StepCompleted, decode, utcnow
+from vigil_common.events import (
+    GpuSampled,
+    IncidentRaised,
+    JobStateChanged,
+    Message,
+    StepCompleted,
+    decode,
+    utcnow,
+)
+from vigil_common.jobstates import TERMINAL_STATES
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
@@ -36,24 +59,18 @@ from vigil_guardian import store
 from vigil_guardian.fleet import Guardian
 from vigil_guardian.notifier import Notifier
 from vigil_guardian.policy import Decision
+from vigil_guardian.state import Control
 from vigil_guardian.watch import JobWatch
 
 log = logging.getLogger(__name__)
 
-STEPS = ConsumerSpec(
-    stream=subjects.STEPS, durable="guardian-steps", filter_subject=subjects.ALL_STEPS, deliver_new=True
-)
+INPUT = ConsumerSpec(stream=subjects.JOBS, durable="guardian", filter_subject=subjects.ALL_JOB_EVENTS)
 GPU = ConsumerSpec(
     stream=subjects.NODES, durable="guardian-gpu", filter_subject=subjects.ALL_GPU, deliver_new=True
 )
-STATUS = ConsumerSpec(
-    stream=subjects.JOBS, durable="guardian-status", filter_subject=subjects.ALL_STATUS, deliver_new=True
-)
-LAUNCHES = ConsumerSpec(
-    stream=subjects.JOBS, durable="guardian-launches", filter_subject=subjects.ALL_LAUNCHES, deliver_new=True
-)
 HANG_CHECK_S = 0.5
-REPLAY_HORIZON_S = 3600.0
+REPLAY_HORIZON_S = 3600.0  # the windows hold the last few dozen steps per rank: an hour rebuilds them
+RETRY_MAX_S = 5.0
 
 
 class GuardianService:
@@ -73,111 +90,97 @@ class GuardianService:
         self.pool = pool
         self.notifier = notifier
         self.publish_timeout_s = publish_timeout_s
+        self.judged = 0  # input sequence: every event up to here has had its effect
+        self.windowed = 0  # input sequence: every step up to here is in the windows
+        self.caught_up = asyncio.Event()  # the input has delivered all it held at start: hangs count
         self._saved: dict[str, dict] = {}  # the last snapshot written per job
         self._devices = core.device_levels()
         self._lock = asyncio.Lock()
-        # Decided but not yet published (an attempt failed), with their `sync`; and incidents
-        # published but not yet saved. An event is judged once, so these must outlive a failure.
-        self._owed: list[tuple[Decision, bool]] = []
+        # Decided but not yet published, and incidents published but not yet saved.
+        self._owed: list[Decision] = []
         self._unsaved: list[IncidentRaised] = []
 
-    async def handle(self, event: Message, delivery: Delivery | None = None) -> None:
-        """Judge one event; publish and save what it decides before it is acknowledged."""
-        job = event.job_id
-        watch = self.core.jobs.get(job) if job else None
-        mark = _mark(watch)
-        decisions = self.core.on_event(event, utcnow())
-        if (
-            isinstance(event, StepCompleted)
-            and not decisions
-            and not self._owed
-            and not self._unsaved
-            and watch is not None
-            and _mark(watch) == mark
-        ):
-            return  # the common case: a step that changes nothing but the windows
-        await self.settle(
-            decisions,
-            {job} if job else set(),
-            sync=isinstance(event, StepCompleted | GpuSampled),
-            devices=isinstance(event, GpuSampled),
-        )
+    # --- the inputs ---------------------------------------------------------------------------------
 
-    async def settle(
-        self, decisions: list[Decision], job_ids: set[str], *, sync: bool = True, devices: bool = False
-    ) -> None:
-        """Publish `decisions`, after any still owed from a failed attempt, then save the state of
-        `job_ids` and of the jobs decided about.
+    async def on_jobs(self, batch: list[tuple[Message, Delivery]], stop: asyncio.Event | None = None) -> None:
+        """Judge a batch of job events in stream order; publish each decision as it is made; save."""
+        touched: set[str] = set()
+        for event, delivery in batch:
+            seq = delivery.stream_seq
+            if seq <= self.windowed:
+                continue  # redelivered: judged already
+            self.windowed = seq
+            quiet = seq <= self.judged
+            if quiet and not isinstance(event, StepCompleted):
+                continue  # its effect is in the saved state
+            decisions = self.core.on_event(event, utcnow(), quiet=quiet)
+            self.judged = max(self.judged, seq)
+            if event.job_id:
+                touched.add(event.job_id)
+            if decisions or self._owed:
+                self._owed += decisions
+                await self._retrying(self.publish_owed, stop)
+        await self._retrying(lambda: self.persist(touched, cursor=self.judged), stop)
+        if batch and batch[-1][1].num_pending == 0:
+            self.caught_up.set()
 
-        When publishing fails, what is left stays owed and the error propagates (the event is
-        nak'd): the next call, be it the event's redelivery, another event or the hang timer,
-        publishes it first. Without that, a redelivered event would find itself already judged
-        and its halt would never go out.
-        """
-        todo, self._owed = self._owed + [(d, sync) for d in decisions], []
-        published: list[Decision] = []
-        try:
-            for d, d_sync in todo:
-                published.append(await self.act(d, sync=d_sync))
-        except BaseException:
-            self._owed = todo[len(published) :] + self._owed
-            raise
-        finally:
-            self._unsaved += [d.incident for d in published]
-        job_ids = job_ids | {d.incident.job_id for d in published if d.incident.job_id}
-        await self.persist(job_ids, devices=devices)
+    async def on_gpu(self, batch: list[tuple[Message, Delivery]], stop: asyncio.Event | None = None) -> None:
+        for event, _ in batch:
+            self._owed += self.core.on_event(event, utcnow())
+        if self._owed:
+            await self._retrying(self.publish_owed, stop)
+        await self._retrying(lambda: self.persist(set(), devices=True), stop)
 
-    async def act(self, d: Decision, *, sync: bool = True) -> Decision:
-        """Publish one decision; returns it as published.
+    async def handle(self, event: Message) -> None:
+        """Judge one event outside the input (tests, tools): publish and save what it decides."""
+        self._owed += self.core.on_event(event, utcnow())
+        await self.publish_owed()
+        await self.persist({event.job_id} if event.job_id else set(), devices=isinstance(event, GpuSampled))
 
-        With `sync`, a decision that names a checkpoint is made again once the status and launch
-        consumers have handled what is already in their streams (a CheckpointSaved published just
-        before the faulty step may not be known yet); its HaltJob goes out before that wait.
-        """
-        messages = d.messages()
-        watch = self.core.jobs.get(d.incident.job_id or "")
-        if sync and watch is not None and d.action in ("rollback", "halt") and "redo" in d.effects:
-            if messages[0][1].type == "job.halt":
-                await self.bus.publish(*messages[0], timeout_s=self.publish_timeout_s)
-            await self.caught_up()
-            d = watch.refresh(d)
-            messages = d.messages()  # a HaltJob sent already is dropped by JetStream as a duplicate
-        for subject, message in messages:
-            await self.bus.publish(subject, message, timeout_s=self.publish_timeout_s)
-        self.core.mark_published(d.incident.event_id)
-        self.notifier.notify(d.incident)
-        log.warning(
-            "incident %s %s -> %s: %s",
-            d.incident.job_id or d.incident.node,
-            d.incident.kind,
-            d.action,
-            d.incident.message,
-        )
-        return d
-
-    async def caught_up(self, timeout_s: float = 2.0) -> None:
-        """Wait (at most `timeout_s`) until the status and launch consumers have nothing pending."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+    async def _retrying(self, attempt: Callable[[], Awaitable[None]], stop: asyncio.Event | None) -> None:
+        """Run `attempt` until it succeeds; without `stop` (a direct caller), once."""
+        delay = 0.1
         while True:
-            behind = 0
-            for spec in (STATUS, LAUNCHES):
-                with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-                    info = await self.bus.js.consumer_info(spec.stream.name, spec.durable)
-                    behind += info.num_pending + info.num_ack_pending
-            if not behind or loop.time() > deadline:
-                return
-            await asyncio.sleep(0.01)  # the other consumers are working: look again shortly
+            try:
+                return await attempt()
+            except Exception as exc:
+                if stop is None or stop.is_set():
+                    raise
+                log.warning("guardian: %s; judging waits, retrying in %.1fs", exc, delay)
+            await wait_any(stop, timeout_s=delay)
+            delay = min(delay * 2, RETRY_MAX_S)
 
-    async def persist(self, job_ids: set[str], *, devices: bool = False) -> None:
-        """Save the changed snapshots of `job_ids`, the incidents published since the last save and,
-        with `devices`, the device levels, in one transaction."""
+    # --- publishing and saving ----------------------------------------------------------------------
+
+    async def publish_owed(self) -> None:
+        """Publish the decisions owed, oldest first; one that fails stays owed with those after it."""
+        while self._owed:
+            d = self._owed[0]
+            for subject, message in d.messages():
+                await self.bus.publish(subject, message, timeout_s=self.publish_timeout_s)
+            self._owed.pop(0)
+            self._unsaved.append(d.incident)
+            self.core.mark_published(d.incident.event_id)
+            self.notifier.notify(d.incident)
+            log.warning(
+                "incident %s %s -> %s: %s",
+                d.incident.job_id or d.incident.node,
+                d.incident.kind,
+                d.action,
+                d.incident.message,
+            )
+
+    async def persist(self, job_ids: set[str], *, devices: bool = False, cursor: int | None = None) -> None:
+        """Save, in one transaction, the changed snapshots of `job_ids` and of the jobs decided about,
+        the incidents published since the last save and, with `devices`, the device levels; with
+        them (never alone: a step that changes nothing writes nothing) the input `cursor`."""
         async with self._lock:
+            job_ids = job_ids | {i.job_id for i in self._unsaved if i.job_id}
             rows = []
             for job_id in sorted(job_ids):
                 watch = self.core.jobs.get(job_id)
                 if watch is not None:
-                    snap, terminal = watch.snapshot(), False
+                    snap, terminal = watch.control.snapshot(), False
                 elif job_id in self.core.finished and job_id in self._saved:
                     snap, terminal = self._saved[job_id], True  # ended: written once, never loaded again
                 else:
@@ -190,7 +193,13 @@ class GuardianService:
             incidents = list(self._unsaved)
             if not rows and not incidents and levels is None:
                 return
-            await store.save(self.pool, jobs=rows, incidents=incidents, devices=levels)
+            await store.save(
+                self.pool,
+                jobs=rows,
+                incidents=incidents,
+                devices=levels,
+                cursor=(INPUT.stream.name, cursor) if cursor else None,
+            )
             del self._unsaved[: len(incidents)]
             for job_id, snap, terminal in rows:
                 if terminal:
@@ -201,36 +210,35 @@ class GuardianService:
                 self._devices = levels
 
     async def hang_loop(self, stop: asyncio.Event) -> None:
-        """Check for hangs on a timer, and publish anything still owed."""
+        """Check for hangs on a timer, once the input has caught up (before that, the last steps
+        known are old ones, not silences)."""
         while not stop.is_set():
-            decisions = self.core.check_hangs(utcnow())
-            if decisions or self._owed:
-                try:
-                    await self.settle(decisions, set())
-                except Exception as exc:  # owed still: the next tick tries again
-                    log.warning("guardian: publishing decisions failed, will retry: %s", exc)
+            if self.caught_up.is_set() or await _input_idle(self.bus):
+                self.caught_up.set()
+                self._owed += self.core.check_hangs(utcnow())
+                if self._owed:
+                    try:
+                        await self.publish_owed()
+                        await self.persist(set())
+                    except Exception as exc:  # owed still: the next tick tries again
+                        log.warning("guardian: publishing decisions failed, will retry: %s", exc)
             await wait_any(stop, timeout_s=HANG_CHECK_S)
 
-    def remember(self, job_id: str, snap: dict) -> None:
-        self._saved[job_id] = snap
+
+async def _input_idle(bus: Bus) -> bool:
+    with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+        info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
+        return info.num_pending == 0 and info.num_ack_pending == 0
+    return False
 
 
-def _mark(watch: JobWatch | None) -> tuple[object, ...] | None:
-    """What a step can change in a job's saved state besides its decisions."""
-    if watch is None:
-        return None
-    return (
-        watch.attempt,
-        watch.running_since is None,
-        watch.generation,
-        watch.recovering is None,
-        watch.state,
-    )
+# --- start: restore, or a first start's bounded replay ----------------------------------------------
 
 
-async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool) -> None:
-    """Load saved state, then rebuild each active job's windows from the steps it has already judged."""
-    saved = await store.load(pool)
+async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay_s: float) -> ConsumerSpec:
+    """Load saved state and rebuild each active job's windows from the steps the input has
+    acknowledged; returns the input's spec (a first start: a bounded replay)."""
+    saved = await store.load(pool, INPUT.stream.name)
     core = service.core
     for job_id in saved.finished:
         core.finish(job_id)
@@ -239,58 +247,79 @@ async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool) -> Non
     core.restore_devices(saved.devices)
     service._devices = core.device_levels()
     for job_id, snap in saved.jobs.items():
-        core.jobs[job_id] = JobWatch.restore(job_id, snap)
-        service.remember(job_id, snap)
+        core.jobs[job_id] = JobWatch(job_id, Control.restore(snap))
+        service._saved[job_id] = snap
+    service.judged = saved.cursor or 0
     try:
-        info = await bus.js.consumer_info(STEPS.stream.name, STEPS.durable)
+        info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
     except nats.js.errors.NotFoundError:
-        return  # never consumed: nothing was judged
-    upto = info.ack_floor.stream_seq
+        if saved.jobs and saved.cursor is None:
+            # State saved by a guardian that read several consumers (before this input): it judged
+            # up to now, so this one starts at new events, as that one would have.
+            return dataclasses.replace(INPUT, deliver_new=True)
+        since = utcnow().timestamp() - replay_s
+        ended = await _ended_since(bus, since)
+        for job_id in ended:
+            if job_id not in core.jobs:
+                core.finish(job_id)
+        log.info("guardian: first start, replaying %.0fs of job events (%d jobs ended)", replay_s, len(ended))
+        return dataclasses.replace(INPUT, replay_s=replay_s)
+    service.windowed = upto = info.ack_floor.stream_seq
     replayed = 0
     for watch in list(core.jobs.values()):
         replayed += await _replay(bus, core, watch, upto)
     if saved.jobs:
         log.info("guardian: restored %d jobs, replayed %d step events", len(saved.jobs), replayed)
+    return INPUT
+
+
+async def _scan(
+    bus: Bus, subject: str, since: float, kinds: tuple[type[Message], ...], upto: int | None = None
+):  # type: ignore[no-untyped-def]
+    """Decoded events of `subject` stored since `since` (epoch seconds), up to sequence `upto`."""
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_TIME,
+        opt_start_time=datetime.fromtimestamp(max(since, 0.0), tz=UTC) - timedelta(seconds=1),
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=30.0,
+    )
+    sub = await bus.js.pull_subscribe(subject, stream=INPUT.stream.name, config=config)
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(500, timeout=1.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                return
+            for msg in msgs:
+                if upto is not None and msg.metadata.sequence.stream > upto:
+                    return
+                with contextlib.suppress(MalformedMessage):
+                    yield decode(msg.data, kinds)
+            if not msgs or msgs[-1].metadata.num_pending == 0:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def _ended_since(bus: Bus, since: float) -> set[str]:
+    """Jobs whose last state change since `since` ended them."""
+    last: dict[str, bool] = {}
+    async for event in _scan(bus, subjects.ALL_STATUS, since, subjects.CARRIES["status"]):
+        if isinstance(event, JobStateChanged) and event.job_id:
+            last[event.job_id] = event.to_state in TERMINAL_STATES
+    return {job for job, ended in last.items() if ended}
 
 
 async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int) -> int:
     """Feed a job's step events (stream sequence <= `upto`) quietly: windows only, no decisions."""
     if upto <= 0:
         return 0
-    # The windows hold the last few dozen steps per rank: an hour of steps is plenty to rebuild them.
-    since = max(watch.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S, 0.0)
-    start = datetime.fromtimestamp(since, tz=utcnow().tzinfo) - timedelta(seconds=1)
-    config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.BY_START_TIME,
-        opt_start_time=start,
-        ack_policy=AckPolicy.NONE,
-        inactive_threshold=30.0,
-    )
-    sub = await bus.js.pull_subscribe(subjects.step(watch.job_id), stream=subjects.STEPS.name, config=config)
+    since = max(watch.control.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S)
     fed = 0
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(500, timeout=1.0)
-            except (nats.errors.TimeoutError, TimeoutError):
-                break
-            done = False
-            for msg in msgs:
-                meta = msg.metadata
-                if meta.sequence.stream > upto:
-                    done = True
-                    break
-                try:
-                    event = decode(msg.data, subjects.CARRIES["step"])
-                except MalformedMessage:
-                    continue
-                core.on_event(event, event.occurred_at, quiet=True)
-                fed += 1
-            if done or not msgs or msgs[-1].metadata.num_pending == 0:
-                break
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+    async for event in _scan(bus, subjects.step(watch.job_id), since, subjects.CARRIES["step"], upto):
+        core.on_event(event, event.occurred_at, quiet=True)
+        fed += 1
     return fed
 
 
@@ -300,12 +329,10 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         bus, pool = conn.bus, conn.pool
         notifier = Notifier(settings.webhook_urls)
         service = GuardianService(Guardian(), bus, pool, notifier)
-        await restore(service, bus, pool)
+        jobs = await restore(service, bus, pool, settings.guardian_replay_s)
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(bus.consume(LAUNCHES, service.handle, stop))
-            tasks.create_task(bus.consume(STATUS, service.handle, stop))
-            tasks.create_task(bus.consume(STEPS, service.handle, stop))
-            tasks.create_task(bus.consume(GPU, service.handle, stop))
+            tasks.create_task(bus.consume_batches(jobs, lambda b: service.on_jobs(b, stop), stop, gather_s=0))
+            tasks.create_task(bus.consume_batches(GPU, lambda b: service.on_gpu(b, stop), stop, gather_s=0))
             tasks.create_task(service.hang_loop(stop))
             tasks.create_task(notifier.run(stop))
         log.info(

@@ -61,10 +61,6 @@ def incident_id(*key: object) -> str:
     return "inc-" + hashlib.sha256(repr(key).encode()).hexdigest()[:28]
 
 
-def action_for(kind: str, spec: GuardianSpec) -> Action:
-    return getattr(spec, kind) if kind in GuardianSpec.model_fields else "alert"
-
-
 def rollback_target(checkpoints: Mapping[int, str], anomaly_step: int | None) -> tuple[int, str] | None:
     """The newest checkpoint (step, path) with step <= `anomaly_step` (any, when the step is unknown)."""
     steps = [s for s in checkpoints if anomaly_step is None or s <= anomaly_step]
@@ -74,88 +70,99 @@ def rollback_target(checkpoints: Mapping[int, str], anomaly_step: int | None) ->
     return best, checkpoints[best]
 
 
-def decide(
-    verdict: Verdict,
-    *,
-    iid: str,
-    job_id: str | None,
-    attempt: int,
-    spec: GuardianSpec,
-    checkpoints: Mapping[int, str],
-    rollbacks: int,
-    now: datetime,
-    anomaly_step: int | None = None,
-    data_position: int | None = None,
-) -> Decision:
-    """Turn a verdict into an incident and commands.
+@dataclass(frozen=True)
+class Policy:
+    """What to do about a verdict under one job's `GuardianSpec` (a device that runs no job: the
+    default spec, and its incidents are alerts)."""
 
-    Args:
-        iid: the incident id (see `incident_id`).
-        checkpoints: the job's valid checkpoints, step -> path.
-        rollbacks: rollbacks already made for this job.
-        anomaly_step: the step whose update is suspect (defaults to the verdict's step).
-        data_position: the data step of the anomalous batch (the spike's skip window starts there).
-    """
-    action = action_for(verdict.kind, spec) if job_id else "alert"
-    evidence: dict[str, Any] = dict(verdict.evidence)
-    reason = verdict.message
-    commands: list[Command] = []
-    effects: dict[str, Any] = {}
-    anomaly = verdict.step if anomaly_step is None else anomaly_step
+    spec: GuardianSpec = field(default_factory=GuardianSpec)
 
-    if action == "rollback" and rollbacks >= spec.max_rollbacks:
-        action = "fail"
-        reason = f"{verdict.message}; max_rollbacks ({spec.max_rollbacks}) reached"
-        evidence["max_rollbacks"] = spec.max_rollbacks
-    target = rollback_target(checkpoints, anomaly) if action == "rollback" else None
-    if action == "rollback" and target is None:
-        action = "halt"
-        evidence["no_checkpoint"] = f"no valid checkpoint at or before step {anomaly}"
+    def action_for(self, kind: str) -> Action:
+        return getattr(self.spec, kind) if kind in GuardianSpec.model_fields else "alert"
 
-    common = {"job_id": job_id, "attempt": attempt, "occurred_at": now, "incident_id": iid}
-    if action == "rollback" and target is not None:
-        step, path = target
-        in_place = verdict.kind in IN_PLACE
-        skip = None
-        if verdict.kind == "spike" and spec.spike_skip_steps and data_position is not None:
-            skip = (data_position, data_position + spec.spike_skip_steps)
-        if in_place:
-            commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
-        commands.append(
-            RollbackJob(
-                event_id=f"{iid}-rollback",
-                checkpoint=path,
-                step=step,
-                skip_data=skip,
-                restart=not in_place,
-                reason=reason,
-                **common,
+    def decide(
+        self,
+        verdict: Verdict,
+        *,
+        iid: str,
+        job_id: str | None,
+        attempt: int,
+        checkpoints: Mapping[int, str],
+        rollbacks: int,
+        now: datetime,
+        anomaly_step: int | None = None,
+        data_position: int | None = None,
+    ) -> Decision:
+        """Turn a verdict into an incident and commands.
+
+        Args:
+            iid: the incident id (see `incident_id`).
+            checkpoints: the job's valid checkpoints, step -> path.
+            rollbacks: rollbacks already made for this job.
+            anomaly_step: the step whose update is suspect (defaults to the verdict's step).
+            data_position: the data step of the anomalous batch (the spike's skip window starts there).
+        """
+        spec = self.spec
+        action = self.action_for(verdict.kind) if job_id else "alert"
+        evidence: dict[str, Any] = dict(verdict.evidence)
+        reason = verdict.message
+        commands: list[Command] = []
+        effects: dict[str, Any] = {}
+        anomaly = verdict.step if anomaly_step is None else anomaly_step
+
+        if action == "rollback" and rollbacks >= spec.max_rollbacks:
+            action = "fail"
+            reason = f"{verdict.message}; max_rollbacks ({spec.max_rollbacks}) reached"
+            evidence["max_rollbacks"] = spec.max_rollbacks
+        target = rollback_target(checkpoints, anomaly) if action == "rollback" else None
+        if action == "rollback" and target is None:
+            action = "halt"
+            evidence["no_checkpoint"] = f"no valid checkpoint at or before step {anomaly}"
+
+        common = {"job_id": job_id, "attempt": attempt, "occurred_at": now, "incident_id": iid}
+        if action == "rollback" and target is not None:
+            step, path = target
+            in_place = verdict.kind in IN_PLACE
+            skip = None
+            if verdict.kind == "spike" and spec.spike_skip_steps and data_position is not None:
+                skip = (data_position, data_position + spec.spike_skip_steps)
+            if in_place:
+                commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
+            commands.append(
+                RollbackJob(
+                    event_id=f"{iid}-rollback",
+                    checkpoint=path,
+                    step=step,
+                    skip_data=skip,
+                    restart=not in_place,
+                    reason=reason,
+                    **common,
+                )
             )
+            evidence.update(
+                checkpoint=path,
+                checkpoint_step=step,
+                skip_data=list(skip) if skip else None,
+                restart=not in_place,
+                rollback=rollbacks + 1,
+            )
+            effects.update(rollback_step=step, in_place=in_place)
+        elif action == "halt":
+            commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
+        # action "fail": the incident alone. The scheduler, which owns job state, turns it into
+        # FAILED and cancels the ranks itself; a CancelJob from here could race it to CANCELLED.
+        incident = IncidentRaised(
+            event_id=iid,
+            job_id=job_id,
+            attempt=attempt,
+            occurred_at=now,
+            kind=verdict.kind,
+            action=action,
+            step=verdict.step,
+            rank=verdict.rank,
+            node=verdict.node,
+            device=verdict.device,
+            message=reason,
+            evidence=evidence,
         )
-        evidence.update(
-            checkpoint=path,
-            checkpoint_step=step,
-            skip_data=list(skip) if skip else None,
-            restart=not in_place,
-            rollback=rollbacks + 1,
-        )
-        effects.update(rollback_step=step, in_place=in_place)
-    elif action == "halt":
-        commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
-    # action "fail": the incident alone. The scheduler, which owns job state, turns it into
-    # FAILED and cancels the ranks itself; a CancelJob from here could race it to CANCELLED.
-    incident = IncidentRaised(
-        event_id=iid,
-        job_id=job_id,
-        attempt=attempt,
-        occurred_at=now,
-        kind=verdict.kind,
-        action=action,
-        step=verdict.step,
-        rank=verdict.rank,
-        node=verdict.node,
-        device=verdict.device,
-        message=reason,
-        evidence=evidence,
-    )
-    return Decision(incident, tuple(commands), effects)
+        return Decision(incident, tuple(commands), effects)

@@ -1,4 +1,5 @@
-"""The guardian's state in Postgres (migration 0004): job control state, published incidents, sick devices."""
+"""The guardian's state in Postgres (migrations 0004, 0010): job control state, published incidents, sick
+devices, and how far in its input stream that state stands."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ class Saved:
     finished: list[str] = field(default_factory=list)
     incidents: list[str] = field(default_factory=list)
     devices: dict[tuple[str, int], int] = field(default_factory=dict)
+    cursor: int | None = None  # the last input-stream sequence whose effect is in this state
 
 
-async def load(pool: asyncpg.Pool) -> Saved:
-    saved = Saved()
+async def load(pool: asyncpg.Pool, stream: str) -> Saved:
+    saved = Saved(cursor=await pool.fetchval("SELECT seq FROM guardian_cursor WHERE stream = $1", stream))
     # A job silent for a week (no status, checkpoint or decision) is abandoned, not watched.
     active = """SELECT job_id, state FROM guardian_jobs
                 WHERE NOT terminal AND updated_at > now() - interval '7 days'"""
@@ -56,9 +58,17 @@ async def save(
     jobs: Sequence[tuple[str, dict[str, Any], bool]] = (),
     incidents: Sequence[IncidentRaised] = (),
     devices: dict[tuple[str, int], int] | None = None,
+    cursor: tuple[str, int] | None = None,
 ) -> None:
-    """Write job snapshots (job_id, snapshot, terminal), incidents published and device levels, in one go."""
+    """Write job snapshots (job_id, snapshot, terminal), incidents published, device levels and the
+    input (stream, sequence) they stand at, in one go."""
     async with pool.acquire() as conn, conn.transaction():
+        if cursor is not None:
+            await conn.execute(
+                """INSERT INTO guardian_cursor (stream, seq) VALUES ($1, $2) ON CONFLICT (stream)
+                   DO UPDATE SET seq = GREATEST(guardian_cursor.seq, EXCLUDED.seq), updated_at = now()""",
+                *cursor,
+            )
         if jobs:
             await conn.executemany(
                 """INSERT INTO guardian_jobs (job_id, state, terminal, updated_at) VALUES ($1, $2, $3, now())

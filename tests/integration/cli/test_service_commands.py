@@ -124,7 +124,7 @@ async def test_the_control_plane_runs_without_the_worker_dependencies(
             async def guardian_consumes() -> bool:
                 assert procs["guardian"].poll() is None, logs["guardian"].read_text()[-3000:]
                 try:
-                    await bus.js.consumer_info("VIGIL_STEPS", "guardian-steps")
+                    await bus.js.consumer_info("VIGIL_JOBS", "guardian")
                 except nats.js.errors.NotFoundError:
                     return False
                 return True

@@ -100,7 +100,7 @@ async def test_a_worker_credential_publishing_a_command_is_refused(
         await worker.close()
     assert not await stored(admin, subjects.COMMANDS, subjects.cmd(job_id))
     assert await stored(admin, subjects.NODES, subjects.heartbeat("n1"))
-    assert await stored(admin, subjects.STEPS, subjects.step(job_id))
+    assert await stored(admin, subjects.JOBS, subjects.step(job_id))
 
 
 @pytest.mark.parametrize(
@@ -116,8 +116,8 @@ async def test_a_worker_credential_publishing_a_command_is_refused(
         (credentials.GUARDIAN, subjects.launch("j-x")),
         (credentials.RANK, "_INBOX.someone-elses-consumer"),  # no forged deliveries
         (credentials.worker_role("n1"), "$JS.API.STREAM.UPDATE." + subjects.COMMANDS.name),
-        (credentials.GUARDIAN, "$JS.API.STREAM.DELETE." + subjects.STEPS.name),
-        (credentials.TELEMETRY, "$JS.API.STREAM.PURGE." + subjects.STEPS.name),
+        (credentials.GUARDIAN, "$JS.API.STREAM.DELETE." + subjects.JOBS.name),
+        (credentials.TELEMETRY, "$JS.API.STREAM.PURGE." + subjects.JOBS.name),
     ],
 )
 async def test_the_server_refuses_what_a_role_may_not_publish(
@@ -162,7 +162,7 @@ async def test_telemetry_reads_through_a_durable_consumer_and_a_rank_watches_com
         done.set()
 
     spec = ConsumerSpec(
-        stream=subjects.STEPS, durable=f"t-{job_id}", filter_subject=subjects.step(job_id), deliver_new=True
+        stream=subjects.JOBS, durable=f"t-{job_id}", filter_subject=subjects.step(job_id), deliver_new=True
     )
     try:
         await reader.ensure_streams(manage=False)
@@ -199,7 +199,7 @@ async def test_ranks_ignore_a_command_not_delivered_from_the_command_stream(bus:
         )
         forged = HaltJob(job_id=job_id, attempt=1, reason="forged").to_bytes()
         await bus.nc.publish(inbox, forged)
-        steps_reply = f"$JS.ACK.{subjects.STEPS.name}.c.1.1.1.1700000000000000000.0"
+        steps_reply = f"$JS.ACK.{subjects.JOBS.name}.c.1.1.1.1700000000000000000.0"
         await bus.nc.publish(inbox, forged, reply=steps_reply)
         await bus.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason="real"))
         first = await commands.next(10)

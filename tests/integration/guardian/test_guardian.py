@@ -22,7 +22,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_guardian.main import run
+from vigil_guardian.main import GPU, INPUT, run
 
 pytestmark = pytest.mark.integration
 
@@ -119,14 +119,9 @@ async def take(events: AsyncIterator[Message], n: int, timeout: float = 15.0) ->
 
 async def ready(bus: Bus) -> bool:
     """The guardian's durable consumers exist (events published from now on reach it)."""
-    for stream, durable in (
-        (subjects.STEPS, "guardian-steps"),
-        (subjects.JOBS, "guardian-status"),
-        (subjects.JOBS, "guardian-launches"),
-        (subjects.NODES, "guardian-gpu"),
-    ):
+    for spec in (INPUT, GPU):
         try:
-            await bus.js.consumer_info(stream.name, durable)
+            await bus.js.consumer_info(spec.stream.name, spec.durable)
         except Exception:
             return False
     return True
@@ -241,5 +236,5 @@ async def test_a_guardian_restart_mid_run_misses_nothing(bus, pool, nats_url, mi
 
 
 async def _steps_acked(bus: Bus) -> bool:
-    info = await bus.js.consumer_info(subjects.STEPS.name, "guardian-steps")
+    info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
     return info.num_ack_pending == 0 and info.num_pending == 0

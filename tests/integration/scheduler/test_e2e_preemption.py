@@ -156,7 +156,7 @@ async def test_preempted_job_resumes_elsewhere_from_the_emergency_checkpoint(
 
 async def steps_of(bus: Bus, job_id: str, attempt: int) -> list[StepCompleted]:
     """Every StepCompleted of one attempt that the stream holds now."""
-    n = await count_on(bus, subjects.STEPS.name, subjects.step(job_id))
+    n = await count_on(bus, subjects.JOBS.name, subjects.step(job_id))
     found: list[StepCompleted] = []
     async with bus.watch(subjects.step(job_id), from_start=True) as events:
         for _ in range(n):

@@ -190,7 +190,7 @@ async def _n_items(page_coro, n):
 
 
 async def _in_flight(bus) -> bool:
-    info = await bus.js.consumer_info(subjects.STEPS.name, "telemetry-steps")
+    info = await bus.js.consumer_info(subjects.JOBS.name, "telemetry-steps")
     return info.num_ack_pending > 0
 
 

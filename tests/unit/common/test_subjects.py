@@ -24,7 +24,7 @@ def test_builders_validate_tokens():
         (subjects.gpu("n1"), "VIGIL_NODES"),
         (subjects.launch("j1"), "VIGIL_JOBS"),
         (subjects.status("j1"), "VIGIL_JOBS"),
-        (subjects.step("j1"), "VIGIL_STEPS"),
+        (subjects.step("j1"), "VIGIL_JOBS"),
         (subjects.cmd("j1"), "VIGIL_COMMANDS"),
         (subjects.incident("j1"), "VIGIL_INCIDENTS"),
         (subjects.dead_letter("VIGIL_STEPS"), "VIGIL_DEAD_LETTERS"),

@@ -1,7 +1,7 @@
 from tests.unit.guardian.helpers import JOB, T0
 from vigil_common import subjects
 from vigil_common.spec import GuardianSpec
-from vigil_guardian.policy import decide, incident_id, rollback_target
+from vigil_guardian.policy import Policy, incident_id, rollback_target
 from vigil_guardian.verdict import Verdict
 
 CKPTS = {0: "/c/step_00000000", 5: "/c/step_00000005", 10: "/c/step_00000010"}
@@ -9,12 +9,11 @@ CKPTS = {0: "/c/step_00000000", 5: "/c/step_00000005", 10: "/c/step_00000010"}
 
 def run(kind="nan", step=7, rollbacks=0, checkpoints=CKPTS, **spec):
     v = Verdict(kind=kind, step=step, rank=1, node="n1", message=f"{kind} at {step}")
-    return decide(
+    return Policy(GuardianSpec(**spec)).decide(
         v,
         iid=incident_id(JOB, kind, step),
         job_id=JOB,
         attempt=2,
-        spec=GuardianSpec(**spec),
         checkpoints=checkpoints,
         rollbacks=rollbacks,
         now=T0,
@@ -89,12 +88,11 @@ def test_ids_are_stable():
 
 def test_deviceless_incident_goes_to_the_node_subject():
     v = Verdict(kind="gpu_health", node="n3", device=1, message="hot")
-    d = decide(
+    d = Policy(GuardianSpec(gpu_health="rollback")).decide(
         v,
         iid="inc-x",
         job_id=None,
         attempt=0,
-        spec=GuardianSpec(gpu_health="rollback"),
         checkpoints={},
         rollbacks=0,
         now=T0,

@@ -1,0 +1,86 @@
+"""A job's control state, as the guardian saves it after every change and loads it at start.
+
+One dataclass, `Control`, serialised by one pydantic adapter: what is listed here is what is saved.
+What is not here (the detector windows, the open episodes, the steps held during a recovery) is
+rebuilt after a restart by replaying the job's step events quietly (`vigil_guardian.main`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import PlainSerializer, TypeAdapter
+
+from vigil_common.jobstates import TERMINAL_STATES, JobState
+from vigil_common.spec import GuardianSpec
+
+Ranks = Annotated[set[int], PlainSerializer(sorted, return_type=list[int])]
+
+
+@dataclass
+class Recovering:
+    """A decision that stopped the job's timeline, until the ranks report back."""
+
+    kind: Literal["rollback", "halt", "restart", "fail"]
+    since: float  # epoch seconds of the decision
+    to_step: int | None = None
+    checkpoint: str | None = None
+
+
+@dataclass
+class Control:
+    """What the guardian knows of a job besides its detector windows."""
+
+    spec: GuardianSpec = field(default_factory=GuardianSpec)
+    world_size: int | None = None
+    final_step: int | None = None  # the job's last step (train.steps - 1), from its launch
+    placement: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (node, device)
+    attempt: int = 0
+    attempt_started_at: float = 0.0
+    generation: int = 0  # rollbacks completed in this attempt
+    gen_started_at: float | None = None  # when the current generation began (None: the attempt's)
+    state: JobState | None = None  # the scheduler's word, when it has spoken
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> path, valid ones
+    rollbacks: int = 0
+    recovering: Recovering | None = None
+    started: Ranks = field(default_factory=set)
+    exited: Ranks = field(default_factory=set)
+    running_since: float | None = None
+    last_rollback_completed: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def nodes(self) -> dict[int, str]:
+        return {r: p[0] for r, p in self.placement.items()}
+
+    @property
+    def live_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size or 0) if r not in self.exited]
+
+    @property
+    def replay_from(self) -> float:
+        """Step events created from this time on rebuild the windows after a restart."""
+        return max(self.attempt_started_at, self.gen_started_at or 0.0)
+
+    def new_attempt(self, attempt: int, at: float) -> None:
+        """A relaunch: what belonged to the previous attempt is forgotten (checkpoints outlive it)."""
+        self.attempt, self.attempt_started_at = attempt, at
+        self.generation, self.gen_started_at = 0, None
+        self.recovering, self.running_since = None, None
+        self.started, self.exited = set(), set()
+        if not self.terminal:
+            self.state = None
+
+    def snapshot(self) -> dict[str, Any]:
+        return _ADAPTER.dump_python(self, mode="json")
+
+    @classmethod
+    def restore(cls, snap: dict[str, Any]) -> Control:
+        return _ADAPTER.validate_python(snap)
+
+
+_ADAPTER = TypeAdapter(Control)
