@@ -5,7 +5,7 @@ place that says what each role may publish and read) into two checked-in files:
     deploy/nats/authorization.conf            compose's, included by deploy/nats/nats.conf
     deploy/k8s/base/nats-authorization.yaml   Kubernetes', a ConfigMap beside nats.yaml's
 
-    python deploy/nats/authorization.py                      # render both again (after credentials.py changed)
+    python deploy/nats/authorization.py                      # render both again (credentials.py changed)
     python deploy/nats/authorization.py --k8s-nodes a,b,c    # Kubernetes: your worker nodes' names
     python deploy/nats/authorization.py --check              # exit 1 when a file is not what it renders
 
@@ -52,7 +52,7 @@ _PASSWORD_VARIABLE = re.compile(r'("password": )\$([A-Z_][A-Z0-9_]*)')
 
 
 def password_variable(role: str) -> str:
-    """The environment variable holding `role`'s password: NATS_ADMIN_PASSWORD, NATS_WORKER_<NODE>_PASSWORD."""
+    """The variable holding `role`'s password: NATS_ADMIN_PASSWORD, NATS_WORKER_<NODE>_PASSWORD."""
     return f"NATS_{role.upper().replace('-', '_')}_PASSWORD"
 
 
@@ -116,8 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file differs")
     args = parser.parse_args(argv)
     nodes = None
-    if args.k8s_nodes:  # each checked as a node name (letters, digits, '-', '_')
-        nodes = [credentials.worker_role(n.strip()).removeprefix("worker-") for n in args.k8s_nodes.split(",")]
+    if args.k8s_nodes:
+        try:  # each a node name Vigil accepts (letters, digits, '-', '_')
+            nodes = [
+                credentials.worker_role(n.strip()).removeprefix("worker-") for n in args.k8s_nodes.split(",")
+            ]
+        except ValueError as exc:
+            parser.error(f"--k8s-nodes: {exc}")
     stale = []
     for path, text in rendered(nodes).items():
         if path.exists() and path.read_text() == text:
