@@ -9,6 +9,8 @@ place that says what each role may publish and read) into two checked-in files:
     python deploy/nats/authorization.py --k8s-nodes a,b,c    # Kubernetes: your worker nodes' names
     python deploy/nats/authorization.py --check              # exit 1 when a file is not what it renders
 
+(with the Python Vigil is installed in, `.venv/bin/python`: it imports vigil_common).
+
 Rendered and checked in rather than rendered at deploy time: neither `docker compose` nor
 `kubectl apply -k` can run a step of ours before NATS starts, and the nats image has no Python. A
 checked-in file is reviewed like code, and tests/unit/test_nats_authorization.py fails when it
