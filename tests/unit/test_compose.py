@@ -4,7 +4,8 @@ compose.yaml is interpolated the way Compose does it (with deploy/env.example as
 validated against the Compose Specification schema (tests/unit/fixtures/compose_spec.json; its
 source and licence are in fixtures/README.md). Every Vigil service's command must be a real
 `vigil` command, every `VIGIL_*` variable a real setting with a valid value, every dependency a
-real service, and the NATS config must be accepted by the real nats-server.
+real service, and the NATS config must be accepted by the real nats-server, with one user per role
+(credentials.py's) and each service connecting as its own.
 """
 
 from __future__ import annotations
@@ -28,13 +29,25 @@ import pytest
 import yaml
 from jsonschema import Draft201909Validator
 
-from tests.unit.deploy_checks import assert_vigil_command, nats_server, settings_from, unknown_settings
+from tests.unit.deploy_checks import (
+    assert_connects_as,
+    assert_users_are_credentials_roles,
+    assert_vigil_command,
+    nats_authorization,
+    nats_server,
+    service_role,
+    settings_from,
+    unknown_settings,
+)
+from vigil_common import credentials
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 DEPLOY = ROOT / "deploy"
 SCHEMA_FILE = Path(__file__).parent / "fixtures" / "compose_spec.json"
-SECRETS = {"NATS_PASSWORD", "POSTGRES_PASSWORD", "VIGIL_API_TOKEN", "GRAFANA_ADMIN_PASSWORD"}
+AUTHORIZATION = nats_authorization()
+NATS_PASSWORDS = {AUTHORIZATION.password_variable(r) for r in credentials.roles(AUTHORIZATION.COMPOSE_NODES)}
+SECRETS = {"POSTGRES_PASSWORD", "VIGIL_API_TOKEN", "GRAFANA_ADMIN_PASSWORD", *NATS_PASSWORDS}
 INFRA_HEALTHCHECKED = ("nats", "postgres", "prometheus")
 
 # Compose interpolation: `$$` escapes a dollar; `${VAR}`, `${VAR:-default}`, `${VAR-default}`,
@@ -251,15 +264,38 @@ def test_nats_config_is_accepted_by_nats_server(services: dict[str, dict[str, An
     config = DEPLOY / "nats" / "nats.conf"
     mounted = {v.split(":")[0]: v.split(":")[1] for v in nats["volumes"]}
     assert mounted["./deploy/nats/nats.conf"] == nats["command"][1]
+    included = Path(nats["command"][1]).parent / "authorization.conf"  # `include` is relative to the file
+    assert mounted["./deploy/nats/authorization.conf"] == str(included)
     text = config.read_text()
     assert re.search(r"^\s*sync_interval:\s*always\s*$", text, re.M)
-    assert re.search(r"user:\s*\$NATS_USER\b", text) and re.search(r"password:\s*\$NATS_PASSWORD\b", text)
-    env = {**os.environ, "NATS_USER": nats["environment"]["NATS_USER"]}
-    env["NATS_PASSWORD"] = nats["environment"]["NATS_PASSWORD"]
+    assert re.search(r'^include "authorization.conf"$', text, re.M)
+    env = {**os.environ, **nats["environment"]}
     check = subprocess.run([nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30)
     assert check.returncode == 0, check.stderr.decode()
-    url = urlsplit(services["scheduler"]["environment"]["VIGIL_NATS_URL"])
-    assert (url.username, url.password, url.hostname) == (env["NATS_USER"], env["NATS_PASSWORD"], "nats")
+    del env["NATS_RANK_PASSWORD"]  # a password left out: the server refuses to start
+    check = subprocess.run([nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30)
+    assert check.returncode != 0 and b"NATS_RANK_PASSWORD" in check.stderr
+
+
+def test_each_service_connects_as_its_own_nats_user(services: dict[str, dict[str, Any]]) -> None:
+    """Users and permissions are credentials.py's; each service's URL has its own user and that user's
+    password (env.example's are all different), a worker's ranks get the rank user's, none admin's."""
+    nodes = [services[n]["environment"]["VIGIL_NODE_NAME"] for n in VIGIL_SERVICES if "worker" in n]
+    assert sorted(nodes) == sorted(AUTHORIZATION.COMPOSE_NODES), "render deploy/nats/authorization.py"
+    variables = assert_users_are_credentials_roles(AUTHORIZATION.COMPOSE_FILE.read_text(), nodes)
+    nats_env = services["nats"]["environment"]
+    assert sorted(nats_env) == sorted(variables.values()) == sorted(NATS_PASSWORDS)
+    assert len(set(nats_env.values())) == len(nats_env), "deploy/env.example: one password per user"
+    password = {user: nats_env[variable] for user, variable in variables.items()}
+    for name in VIGIL_SERVICES:
+        env = services[name]["environment"]
+        command = services[name]["command"][0]
+        role = service_role(command, env.get("VIGIL_NODE_NAME"))
+        assert_connects_as(env["VIGIL_NATS_URL"], role, password[role])
+        if command == "worker":
+            assert_connects_as(env["VIGIL_RANK_NATS_URL"], credentials.RANK, password[credentials.RANK])
+        else:
+            assert "VIGIL_RANK_NATS_URL" not in env, name
 
 
 def test_collector_forwards_traces_to_jaeger(services: dict[str, dict[str, Any]]) -> None:

@@ -3,7 +3,7 @@ subset of kustomize the manifests use: resources, namespace, labels, images, str
 every object validated against the Kubernetes schemas (kubernetes-validate, strict), and checked like
 compose.yaml: every Vigil container runs a real `vigil` command with real settings, probes that its
 service serves, secrets and volumes that exist, selectors that select, a NATS config that nats-server
-accepts."""
+accepts, with one user per role (credentials.py's) and each container connecting as its own."""
 
 from __future__ import annotations
 
@@ -19,7 +19,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.unit.deploy_checks import assert_vigil_command, nats_server, settings_from, unknown_settings
+from tests.unit.deploy_checks import (
+    assert_connects_as,
+    assert_users_are_credentials_roles,
+    assert_vigil_command,
+    nats_authorization,
+    nats_server,
+    service_role,
+    settings_from,
+    unknown_settings,
+)
+from vigil_common import credentials
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
@@ -27,6 +37,8 @@ KUBERNETES_VERSION = "1.31"
 VIGIL_IMAGES = ("vigil", "vigil-worker")
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "ClusterRole", "ClusterRoleBinding", "StorageClass"}
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+AUTHORIZATION = nats_authorization()
+K8S_NODES = AUTHORIZATION.k8s_nodes(AUTHORIZATION.K8S_FILE.read_text())  # the listed worker nodes
 
 Doc = dict[str, Any]
 
@@ -168,16 +180,14 @@ def test_every_vigil_container_runs_a_real_command_with_real_settings(
     overlay: tuple[str, list[Doc]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, docs = overlay
-    secrets = {k: v for s in _of(docs, "Secret") for k, v in s["stringData"].items()}
     commands = []
     for doc, container in _vigil_containers(docs):
         assert "command" not in container, "the image's entry point is `vigil`: give the command as args"
         assert_vigil_command(container["args"])
         commands.append(container["args"][0])
-        env = {e["name"]: _value(e, secrets, doc) for e in container.get("env", [])}
+        env = _env(docs, doc, container)
         assert not unknown_settings(list(env)), f"{_key(doc)}: not settings: {unknown_settings(list(env))}"
-        resolved = {k: _expand(v, env) for k, v in env.items()}
-        settings = settings_from({k: v for k, v in resolved.items() if k.startswith("VIGIL_")}, monkeypatch)
+        settings = settings_from({k: v for k, v in env.items() if k.startswith("VIGIL_")}, monkeypatch)
         assert settings.nats_url and urlsplit(settings.nats_url).hostname == "nats", _key(doc)
         nats_servers = _of(docs, "StatefulSet", "nats")[0]["spec"]["replicas"]
         assert settings.stream_replicas == nats_servers, f"{_key(doc)}: VIGIL_STREAM_REPLICAS"
@@ -186,9 +196,15 @@ def test_every_vigil_container_runs_a_real_command_with_real_settings(
     assert sorted(commands) == ["guardian", "scheduler", "telemetry", "worker"]
 
 
-def _expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' `$(NAME)` references to the container's other variables."""
-    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
+def _env(docs: list[Doc], doc: Doc, container: Doc) -> dict[str, str]:
+    """A container's environment as Kubernetes builds it: in order, each `$(NAME)` replaced by a variable
+    defined above it (one defined later, or not at all, stays as written)."""
+    secrets = {k: v for s in _of(docs, "Secret") for k, v in s["stringData"].items()}
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        value = _value(entry, secrets, doc)
+        env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+    return env
 
 
 def _value(entry: Doc, secrets: dict[str, str], doc: Doc) -> str:
@@ -201,7 +217,29 @@ def _value(entry: Doc, secrets: dict[str, str], doc: Doc) -> str:
         assert ref["name"] == "vigil-secrets" and ref["key"] in secrets, (_key(doc), ref)
         return secrets[ref["key"]]
     field = source["fieldRef"]["fieldPath"]
-    return {"spec.nodeName": "gpu-node-1", "status.podIP": "10.1.2.3", "metadata.name": "pod-0"}[field]
+    return {"spec.nodeName": K8S_NODES[0], "status.podIP": "10.1.2.3", "metadata.name": "pod-0"}[field]
+
+
+def test_each_container_connects_as_its_own_nats_user(overlay: tuple[str, list[Doc]]) -> None:
+    """Users and permissions are credentials.py's; each container's URL has its own user and the
+    password the NATS servers give that user, a worker's ranks get the rank user's, none admin's."""
+    _, docs = overlay
+    (nats,) = _of(docs, "StatefulSet", "nats")
+    (server,) = _containers(nats)
+    nats_env = {k: v for k, v in _env(docs, nats, server).items() if k.endswith("_PASSWORD")}
+    (config_map,) = _of(docs, "ConfigMap", "nats-authorization")
+    variables = assert_users_are_credentials_roles(config_map["data"]["authorization.conf"], K8S_NODES)
+    assert sorted(nats_env) == sorted(set(variables.values())), "each password the users read, no other"
+    assert len(set(nats_env.values())) == len(nats_env), "secrets.yaml: one password per variable"
+    password = {user: nats_env[variable] for user, variable in variables.items()}
+    for doc, c in _vigil_containers(docs):
+        env = _env(docs, doc, c)
+        role = service_role(c["args"][0], env.get("VIGIL_NODE_NAME"))
+        assert_connects_as(env["VIGIL_NATS_URL"], role, password[role])
+        if c["args"][0] == "worker":
+            assert_connects_as(env["VIGIL_RANK_NATS_URL"], credentials.RANK, password[credentials.RANK])
+        else:
+            assert "VIGIL_RANK_NATS_URL" not in env, _key(doc)
 
 
 def test_probes_ask_what_each_service_serves(overlay: tuple[str, list[Doc]]) -> None:
@@ -247,8 +285,9 @@ def test_services_and_policies_select_pods_and_volumes_exist(overlay: tuple[str,
         for v in volumes.values():
             if "persistentVolumeClaim" in v:
                 assert _of(docs, "PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"])
-            if "configMap" in v:
-                assert _of(docs, "ConfigMap", v["configMap"]["name"])
+            for source in [v, *v.get("projected", {}).get("sources", [])]:
+                if "configMap" in source:
+                    assert _of(docs, "ConfigMap", source["configMap"]["name"]), source["configMap"]["name"]
     for service in _of(docs, "Service"):
         (target,) = selects(service["spec"]["selector"]) or [None]
         assert target is not None, service["metadata"]["name"]
@@ -289,10 +328,17 @@ def test_nats_is_three_clustered_jetstream_servers_on_their_own_volumes(
     headless = _of(docs, "Service", nats["spec"]["serviceName"])[0]
     assert headless["spec"]["clusterIP"] == "None"
     assert sorted(routes) == [(f"nats-{i}.{headless['metadata']['name']}", "6222") for i in range(3)]
-    config = tmp_path / "nats.conf"
-    config.write_text(config_text)
-    env = {"POD_NAME": "nats-0", "NATS_USER": "vigil", "NATS_PASSWORD": "secret"}
-    check = subprocess.run([nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30)
+    # the config volume as the pod sees it: every file of its ConfigMaps in one folder
+    (volume,) = [v for v in _pod(nats)["volumes"] if v["name"] == "config"]
+    assert container["args"] == ["--config", f"{mounts['config']}/nats.conf"]
+    for source in volume["projected"]["sources"]:
+        for name, text in _of(docs, "ConfigMap", source["configMap"]["name"])[0]["data"].items():
+            (tmp_path / name).write_text(text)
+    assert re.search(r'^include "authorization.conf"$', config_text, re.M)
+    env = _env(docs, nats, container)
+    check = subprocess.run(
+        [nats_server(), "-c", str(tmp_path / "nats.conf"), "-t"], env=env, capture_output=True, timeout=30
+    )
     assert check.returncode == 0, check.stderr.decode()
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ TELEMETRY = "telemetry"
 RANK = "rank"
 SERVICE_ROLES = (SCHEDULER, GUARDIAN, TELEMETRY)
 CREDENTIALS_FILE = "credentials.json"
+_VARIABLE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 # What every JetStream client needs to consume, read stream state and answer flow control.
 _JS_CLIENT = (
@@ -167,3 +169,16 @@ def authorization_block(users: Mapping[str, str]) -> str:
         for role, password in sorted(users.items())
     ]
     return "authorization {\n  users: " + json.dumps(entries, indent=2) + "\n}\n"
+
+
+def authorization_template(variables: Mapping[str, str]) -> str:
+    """`authorization_block` with each password a `$NAME` (role -> variable name) that nats-server
+    reads from its environment when it starts: the same users and permissions, and no secret, for a
+    configuration that is checked in (compose.yaml's, deploy/k8s's)."""
+    for name in variables.values():
+        if not _VARIABLE.match(name):
+            raise ValueError(f"{name!r} is no nats-server variable name: use A-Z, 0-9 and '_'")
+    text = authorization_block({role: f"${name}" for role, name in variables.items()})
+    for name in set(variables.values()):  # unquoted: a quoted "$NAME" is the literal string
+        text = text.replace(f'"password": "${name}"', f'"password": ${name}')
+    return text

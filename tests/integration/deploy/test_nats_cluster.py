@@ -1,6 +1,7 @@
 """The Kubernetes manifests' NATS (deploy/k8s/base/nats.yaml), run for real: three nats-servers from
-its ConfigMap (ports and route hosts moved to this machine), Vigil's streams created with
-VIGIL_STREAM_REPLICAS=3, and publishing that goes on when one server is stopped."""
+its ConfigMaps (ports and route hosts moved to this machine; the users of nats-authorization.yaml),
+Vigil's streams created with VIGIL_STREAM_REPLICAS=3 by the scheduler's user, and publishing that
+goes on when one server is stopped."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 import yaml
 
 from tests.helpers import eventually
-from vigil_common import subjects
+from tests.unit.deploy_checks import nats_authorization
+from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats, free_port
 from vigil_common.events import CancelJob
@@ -23,7 +25,7 @@ from vigil_common.events import CancelJob
 pytestmark = pytest.mark.integration
 
 NATS_YAML = Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "base" / "nats.yaml"
-USER, PASSWORD = "vigil", "cluster-test-password"
+AUTHORIZATION = nats_authorization()
 
 
 def config_map_text() -> str:
@@ -49,19 +51,30 @@ def local_config(
 def cluster(tmp_path: Path) -> Iterator[tuple[list[str], list[subprocess.Popen[bytes]]]]:
     clients, routes, monitors = ([free_port() for _ in range(3)] for _ in range(3))
     text = config_map_text()
+    users = AUTHORIZATION.k8s_conf(AUTHORIZATION.K8S_FILE.read_text())
+    (tmp_path / "authorization.conf").write_text(users)  # beside the configs that include it
+    passwords = {
+        e["password"].removeprefix("$"): uuid.uuid4().hex for e in AUTHORIZATION.users(users).values()
+    }
     procs = []
     try:
         for i in range(3):
             conf = tmp_path / f"nats-{i}.conf"
             conf.write_text(local_config(text, i, clients, routes, monitors, tmp_path))
-            env = {"POD_NAME": f"nats-{i}", "NATS_USER": USER, "NATS_PASSWORD": PASSWORD}
+            env = {"POD_NAME": f"nats-{i}", **passwords}
             log = (tmp_path / f"nats-{i}.log").open("wb")
             procs.append(
                 subprocess.Popen([EmbeddedNats.binary(), "-c", str(conf)], env=env, stdout=log, stderr=log)
             )
         yield (
             [f"http://127.0.0.1:{m}" for m in monitors]
-            + [f"nats://{USER}:{PASSWORD}@127.0.0.1:{clients[0]}"],
+            + [
+                credentials.with_user(
+                    f"nats://127.0.0.1:{clients[0]}",
+                    credentials.SCHEDULER,
+                    passwords[AUTHORIZATION.password_variable(credentials.SCHEDULER)],
+                )
+            ],
             procs,
         )
     finally:
