@@ -6,8 +6,10 @@ shared step consumer) and the guardian. Simulated nodes (no ranks: `VIGIL_BENCH_
 processes, each publishing for its share of the nodes) heartbeat with 8 devices, sample every device
 every few seconds, and once the scheduler has placed a job on them (one 8-device job per node,
 submitted through the gateway) report its ranks started and publish one step event per rank at
-`VIGIL_BENCH_FLEET_STEP_HZ`. Load events go out on core NATS with `Nats-Msg-Id` (the streams store
-them as they store any publish): the generator's own acknowledgement waits are not the system's cost.
+`VIGIL_BENCH_FLEET_STEP_HZ`, each node at its own phase of the step period
+(`VIGIL_BENCH_FLEET_PHASES` groups; 1 sends the whole fleet's steps in one burst). Load events go
+out on core NATS with `Nats-Msg-Id` (the streams store them as they store any publish):
+the generator's own acknowledgement waits are not the system's cost.
 
 Measured, with the machine's load average beside each figure:
 - the event rate held: step events published per second (and stored by telemetry) against the target;
@@ -17,6 +19,12 @@ Measured, with the machine's load average beside each figure:
   subscriber of the command subjects, p99 idle (before the fleet starts: the floor) and under load
   (the value); the ratio is load over idle;
 - Postgres growth per million steps stored, and CPU seconds per component (where the time goes).
+
+When the target is not met, `holding_back` says why, from what was sampled every half second: every
+durable consumer's backlog (`consumers`: growing, or never caught up), every process's CPU (a Python
+service is one core at most; the machine's cores), the generator's lateness, slow-consumer drops in a
+process's log (each process's stderr is kept in the run's data dir) and the guardian's own figures;
+`timeline` shows backlogs and CPU shares about every ten seconds.
 
 Defaults are the target: 256 nodes x 8 ranks at 1 step/s for 120 s; ratio <= 3 with no lag growing.
 """
@@ -67,8 +75,8 @@ from vigil_common.spec import JobSpec
 DEVICES = 8
 HEARTBEAT_S = 2.0
 GPU_SAMPLE_S = 5.0
-PROBE_EVERY_S = 2.0
-IDLE_PROBES = 20
+PROBE_EVERY_S = 1.0
+IDLE_PROBES = 60
 LAG_SAMPLE_S = 0.5
 TOKEN = "bench-fleet-token-" + "x" * 16
 
@@ -78,8 +86,11 @@ class Plan:
     nodes: int = 256
     step_hz: float = 1.0
     seconds: float = 120.0
-    telemetry: int = 2
-    simulators: int = 2
+    telemetry: int = 1
+    simulators: int = 1
+    # Each node steps at its own phase of the period, in this many groups (1: every rank of the fleet
+    # at the same instant, a burst no real fleet of independent jobs sends).
+    phases: int = 16
 
     @classmethod
     def from_env(cls) -> Plan:
@@ -90,6 +101,7 @@ class Plan:
             seconds=float(env("VIGIL_BENCH_FLEET_SECONDS", cls.seconds)),
             telemetry=int(env("VIGIL_BENCH_FLEET_TELEMETRY", cls.telemetry)),
             simulators=int(env("VIGIL_BENCH_FLEET_SIMULATORS", cls.simulators)),
+            phases=int(env("VIGIL_BENCH_FLEET_PHASES", cls.phases)),
         )
 
     @property
@@ -104,9 +116,9 @@ def node_name(i: int) -> str:
     return f"sim-{i:04d}"
 
 
-def simulate_main(url: str, first: int, count: int, step_hz: float, seconds: float) -> None:
+def simulate_main(url: str, first: int, count: int, step_hz: float, seconds: float, phases: int) -> None:
     """Publish for nodes [first, first + count) until `seconds` pass or SIGTERM; print stats as JSON."""
-    print(json.dumps(asyncio.run(_simulate(url, first, count, step_hz, seconds))), flush=True)
+    print(json.dumps(asyncio.run(_simulate(url, first, count, step_hz, seconds, phases))), flush=True)
 
 
 @dataclass
@@ -117,7 +129,9 @@ class _Job:
     step: int = 0
 
 
-async def _simulate(url: str, first: int, count: int, step_hz: float, seconds: float) -> dict[str, Any]:
+async def _simulate(
+    url: str, first: int, count: int, step_hz: float, seconds: float, phases: int
+) -> dict[str, Any]:
     nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -153,14 +167,15 @@ async def _simulate(url: str, first: int, count: int, step_hz: float, seconds: f
     t0, tick, late = loop.time(), 0, []
     hb_every, gpu_every = max(1, round(HEARTBEAT_S * step_hz)), max(1, round(GPU_SAMPLE_S * step_hz))
     while not stop.is_set() and loop.time() - t0 < seconds:
-        target = t0 + tick / step_hz
+        phase = tick % phases  # the nodes of one phase publish together, the next a fraction of a period on
+        target = t0 + tick / (step_hz * phases)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, target - loop.time()))  # the step period
+            await asyncio.wait_for(stop.wait(), max(0.0, target - loop.time()))  # the phase's turn
         late.append(loop.time() - target)
-        now = utcnow()
-        for node in nodes:
+        now, period = utcnow(), tick // phases
+        for node in nodes[phase::phases]:
             job = jobs.get(node)
-            if tick % hb_every == 0:
+            if period % hb_every == 0:
                 beat = NodeHeartbeat(
                     node=node,
                     address="127.0.0.1",
@@ -170,7 +185,7 @@ async def _simulate(url: str, first: int, count: int, step_hz: float, seconds: f
                     started_at=started_at,
                 )
                 await publish(subjects.heartbeat(node), beat, "heartbeat")
-            if tick % gpu_every == 0:
+            if period % gpu_every == 0:
                 for d in range(DEVICES):
                     sample = GpuSampled(
                         node=node, index=d, device_kind="gpu", uuid=f"GPU-{node}-{d}",
@@ -330,7 +345,7 @@ _SERVICE = (
 )
 _SIMULATOR = (
     "import sys; from vigil_bench.fleet import simulate_main as m; "
-    "m(sys.argv[1], *map(int, sys.argv[2:4]), *map(float, sys.argv[4:6]))"
+    "m(sys.argv[1], *map(int, sys.argv[2:4]), *map(float, sys.argv[4:6]), int(sys.argv[6]))"
 )
 
 
@@ -589,7 +604,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
                     break
                 sim = await procs.start(
                     f"simulator-{s}", _SIMULATOR, nats_server.url, str(first), str(count), str(plan.step_hz),
-                    str(plan.seconds + 120), env=base_env, stdout=asyncio.subprocess.PIPE,
+                    str(plan.seconds + 120), str(plan.phases), env=base_env, stdout=asyncio.subprocess.PIPE,
                 )  # fmt: skip
                 assert sim.stdout is not None
                 await asyncio.wait_for(sim.stdout.readline(), 60)  # "ready"
@@ -670,6 +685,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         step_hz=plan.step_hz,
         seconds=round(elapsed, 1),
         telemetry_replicas=plan.telemetry,
+        phases=plan.phases,
         target_step_events_per_s=rate,
         published_step_events=published,  # over the simulators' whole run (start-up and drain included)
         stored_step_events_per_s=round(stored_during / elapsed, 1),

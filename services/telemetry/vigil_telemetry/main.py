@@ -48,7 +48,7 @@ def _spec(stream: subjects.StreamSpec, durable: str, filter_subject: str, **kw: 
 # no order (rows are keyed by event id; "latest" tables compare occurred_at). Status events do (a
 # rollback invalidates the checkpoints saved before it): one unacknowledged at a time keeps the stream's
 # order across replicas.
-STEPS = _spec(subjects.STEPS, "telemetry-steps", subjects.ALL_STEPS)
+STEPS = _spec(subjects.stream_for(subjects.ALL_STEPS), "telemetry-steps", subjects.ALL_STEPS)
 GPU = _spec(subjects.NODES, "telemetry-gpu", subjects.ALL_GPU)
 STATUS = _spec(subjects.JOBS, "telemetry-status", subjects.ALL_STATUS, max_ack_pending=1)
 LAUNCHES = _spec(subjects.JOBS, "telemetry-launches", subjects.ALL_LAUNCHES)
