@@ -6,8 +6,10 @@ shared step consumer) and the guardian. Simulated nodes (no ranks: `VIGIL_BENCH_
 processes, each publishing for its share of the nodes) heartbeat with 8 devices, sample every device
 every few seconds, and once the scheduler has placed a job on them (one 8-device job per node,
 submitted through the gateway) report its ranks started and publish one step event per rank at
-`VIGIL_BENCH_FLEET_STEP_HZ`. Load events go out on core NATS with `Nats-Msg-Id` (the streams store
-them as they store any publish): the generator's own acknowledgement waits are not the system's cost.
+`VIGIL_BENCH_FLEET_STEP_HZ`, each node at its own phase of the step period
+(`VIGIL_BENCH_FLEET_PHASES` groups; 1 sends the whole fleet's steps in one burst). Load events go
+out on core NATS with `Nats-Msg-Id` (the streams store them as they store any publish):
+the generator's own acknowledgement waits are not the system's cost.
 
 Measured, with the machine's load average beside each figure:
 - the event rate held: step events published per second (and stored by telemetry) against the target;
@@ -17,6 +19,12 @@ Measured, with the machine's load average beside each figure:
   subscriber of the command subjects, p99 idle (before the fleet starts: the floor) and under load
   (the value); the ratio is load over idle;
 - Postgres growth per million steps stored, and CPU seconds per component (where the time goes).
+
+When the target is not met, `holding_back` says why, from what was sampled every half second: every
+durable consumer's backlog (`consumers`: growing, or never caught up), every process's CPU (a Python
+service is one core at most; the machine's cores), the generator's lateness, slow-consumer drops in a
+process's log (each process's stderr is kept in the run's data dir) and the guardian's own figures;
+`timeline` shows backlogs and CPU shares about every ten seconds.
 
 Defaults are the target: 256 nodes x 8 ranks at 1 step/s for 120 s; ratio <= 3 with no lag growing.
 """
@@ -34,12 +42,15 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import nats
+import nats.js.errors
+from nats.js.api import ConsumerInfo
 
 from vigil_bench import percentile, result
 from vigil_common import credentials, subjects
@@ -64,8 +75,9 @@ from vigil_common.spec import JobSpec
 DEVICES = 8
 HEARTBEAT_S = 2.0
 GPU_SAMPLE_S = 5.0
-PROBE_EVERY_S = 2.0
-IDLE_PROBES = 20
+PROBE_EVERY_S = 1.0
+IDLE_PROBES = 60
+LAG_SAMPLE_S = 0.5
 TOKEN = "bench-fleet-token-" + "x" * 16
 
 
@@ -74,8 +86,11 @@ class Plan:
     nodes: int = 256
     step_hz: float = 1.0
     seconds: float = 120.0
-    telemetry: int = 2
-    simulators: int = 2
+    telemetry: int = 1
+    simulators: int = 1
+    # Each node steps at its own phase of the period, in this many groups (1: every rank of the fleet
+    # at the same instant, a burst no real fleet of independent jobs sends).
+    phases: int = 16
 
     @classmethod
     def from_env(cls) -> Plan:
@@ -86,6 +101,7 @@ class Plan:
             seconds=float(env("VIGIL_BENCH_FLEET_SECONDS", cls.seconds)),
             telemetry=int(env("VIGIL_BENCH_FLEET_TELEMETRY", cls.telemetry)),
             simulators=int(env("VIGIL_BENCH_FLEET_SIMULATORS", cls.simulators)),
+            phases=int(env("VIGIL_BENCH_FLEET_PHASES", cls.phases)),
         )
 
     @property
@@ -100,9 +116,9 @@ def node_name(i: int) -> str:
     return f"sim-{i:04d}"
 
 
-def simulate_main(url: str, first: int, count: int, step_hz: float, seconds: float) -> None:
+def simulate_main(url: str, first: int, count: int, step_hz: float, seconds: float, phases: int) -> None:
     """Publish for nodes [first, first + count) until `seconds` pass or SIGTERM; print stats as JSON."""
-    print(json.dumps(asyncio.run(_simulate(url, first, count, step_hz, seconds))), flush=True)
+    print(json.dumps(asyncio.run(_simulate(url, first, count, step_hz, seconds, phases))), flush=True)
 
 
 @dataclass
@@ -113,7 +129,9 @@ class _Job:
     step: int = 0
 
 
-async def _simulate(url: str, first: int, count: int, step_hz: float, seconds: float) -> dict[str, Any]:
+async def _simulate(
+    url: str, first: int, count: int, step_hz: float, seconds: float, phases: int
+) -> dict[str, Any]:
     nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -149,14 +167,15 @@ async def _simulate(url: str, first: int, count: int, step_hz: float, seconds: f
     t0, tick, late = loop.time(), 0, []
     hb_every, gpu_every = max(1, round(HEARTBEAT_S * step_hz)), max(1, round(GPU_SAMPLE_S * step_hz))
     while not stop.is_set() and loop.time() - t0 < seconds:
-        target = t0 + tick / step_hz
+        phase = tick % phases  # the nodes of one phase publish together, the next a fraction of a period on
+        target = t0 + tick / (step_hz * phases)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, target - loop.time()))  # the step period
+            await asyncio.wait_for(stop.wait(), max(0.0, target - loop.time()))  # the phase's turn
         late.append(loop.time() - target)
-        now = utcnow()
-        for node in nodes:
+        now, period = utcnow(), tick // phases
+        for node in nodes[phase::phases]:
             job = jobs.get(node)
-            if tick % hb_every == 0:
+            if period % hb_every == 0:
                 beat = NodeHeartbeat(
                     node=node,
                     address="127.0.0.1",
@@ -166,7 +185,7 @@ async def _simulate(url: str, first: int, count: int, step_hz: float, seconds: f
                     started_at=started_at,
                 )
                 await publish(subjects.heartbeat(node), beat, "heartbeat")
-            if tick % gpu_every == 0:
+            if period % gpu_every == 0:
                 for d in range(DEVICES):
                     sample = GpuSampled(
                         node=node, index=d, device_kind="gpu", uuid=f"GPU-{node}-{d}",
@@ -237,28 +256,69 @@ async def _consumer_idle(bus: Bus, stream: str, durable: str) -> bool:
     return not (info.num_pending or info.num_ack_pending)
 
 
+def _steps_stream() -> str:
+    return subjects.stream_for(subjects.ALL_STEPS).name
+
+
+async def _durables(bus: Bus, streams: Iterable[str] | None = None) -> list[ConsumerInfo]:
+    """Every durable consumer on `streams` (all of them unless told)."""
+    found = []
+    for stream in streams if streams is not None else [spec.name for spec in subjects.STREAMS]:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            found += [c for c in await bus.js.consumers_info(stream) if c.config.durable_name]
+    return found
+
+
+def _backlog(info: ConsumerInfo) -> int:
+    return (info.num_pending or 0) + (info.num_ack_pending or 0)
+
+
+def _takes(info: ConsumerInfo, subject: str) -> bool:
+    """Whether the consumer's filter covers `subject` (on the stream that stores it)."""
+    if info.stream_name != subjects.stream_for(subject).name:
+        return False
+    filters = [info.config.filter_subject] if info.config.filter_subject else info.config.filter_subjects
+    return not filters or any(subjects.matches(f, subject) for f in filters)
+
+
+async def _guardian_idle(bus: Bus) -> bool:
+    """The guardian's durable consumers (whatever their number and streams) exist and are caught up."""
+    mine = [c for c in await _durables(bus) if c.name.startswith("guardian")]
+    return bool(mine) and not any(_backlog(c) for c in mine)
+
+
+async def _guardian_has(bus: Bus, published: list[tuple[str, int]]) -> bool:
+    """Every guardian consumer taking one of the `(subject, stream sequence)` published has acknowledged
+    up to it."""
+    for c in await _durables(bus, {subjects.stream_for(subject).name for subject, _ in published}):
+        seqs = [seq for subject, seq in published if c.name.startswith("guardian") and _takes(c, subject)]
+        if seqs and (c.ack_floor.stream_seq if c.ack_floor else 0) < max(seqs):
+            return False
+    return True
+
+
 async def _probe(bus: Bus, halts: _Halts, spec: JobSpec, timeout_s: float = 30.0) -> float | None:
     """Seconds from a probe job's NaN step to its HaltJob; None when none came within `timeout_s`."""
     job = "probe-" + uuid.uuid4().hex[:12]
     placement = [RankPlacement(rank=0, node="probe", device=0, local_rank=0)]
-    await bus.publish(
+    launched = await bus.publish(
         subjects.launch(job),
         LaunchJob(
             job_id=job, attempt=1, spec=spec, master_addr="127.0.0.1", master_port=29500, placement=placement
         ),
     )
-    await bus.publish(
+    saved = await bus.publish(
         subjects.status(job),
         CheckpointSaved(job_id=job, attempt=1, step=0, path=f"/probe/{job}", bytes=1, manifest_sha256="x",
                         data_position=0),
     )  # fmt: skip
-    # the guardian knows the job before its steps come (launches and status are light consumers)
+    # the guardian knows the job (its launch and checkpoint acknowledged) before its steps come
     deadline = time.monotonic() + timeout_s
-    for durable in ("guardian-launches", "guardian-status"):
-        while not await _consumer_idle(bus, subjects.JOBS.name, durable):
-            if time.monotonic() > deadline:
-                return None
-            await asyncio.sleep(0.005)  # polling the guardian's light consumers
+    known = [(subjects.launch(job), launched.seq), (subjects.status(job), saved.seq)]
+    while not await _guardian_has(bus, known):
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.01)  # polling the guardian's consumers
 
     def step(k: int, loss: float) -> StepCompleted:
         return StepCompleted(
@@ -285,20 +345,39 @@ _SERVICE = (
 )
 _SIMULATOR = (
     "import sys; from vigil_bench.fleet import simulate_main as m; "
-    "m(sys.argv[1], *map(int, sys.argv[2:4]), *map(float, sys.argv[4:6]))"
+    "m(sys.argv[1], *map(int, sys.argv[2:4]), *map(float, sys.argv[4:6]), int(sys.argv[6]))"
 )
 
 
 @dataclass
 class _Procs:
+    logs: Path  # each process's stderr, as <name>.log
     named: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
 
     async def start(
         self, name: str, *args: str, env: dict[str, str], stdout: Any = None
     ) -> asyncio.subprocess.Process:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", *args, env=env, stdout=stdout)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with (self.logs / f"{name}.log").open("ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", *args, env=env, stdout=stdout, stderr=log
+            )
         self.named[name] = proc
         return proc
+
+    def log_counts(self) -> dict[str, dict[str, int]]:
+        """Per process, its log's lines that tell of trouble (nats-py's slow-consumer drops, errors)."""
+        out = {}
+        for name in self.named:
+            text = (self.logs / f"{name}.log").read_text(errors="replace").lower()
+            counts = {
+                "slow_consumer": text.count("slow consumer"),
+                "errors": text.count(" error ") + text.count("traceback"),
+                "warnings": text.count(" warning "),
+            }
+            if any(counts.values()):
+                out[name] = counts
+        return out
 
     async def stop(self, names: list[str] | None = None) -> None:
         chosen = [self.named[n] for n in (names or list(self.named))]
@@ -336,6 +415,106 @@ def _postgres_pids(pgdata: Path) -> list[int]:
 
 def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+# --- what holds the run back ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Watch:
+    """Every durable consumer's backlog (pending + unacknowledged) and every process's CPU seconds,
+    sampled through the run."""
+
+    t0: float
+    cpu0: dict[str, float]
+    samples: list[tuple[float, dict[str, int], dict[str, float]]] = field(default_factory=list)
+
+    def sample(self, consumers: list[ConsumerInfo], cpu: dict[str, float]) -> None:
+        self.samples.append((time.monotonic() - self.t0, {c.name: _backlog(c) for c in consumers}, cpu))
+
+    def names(self) -> list[str]:
+        return sorted({name for _, backlogs, _ in self.samples for name in backlogs})
+
+    def consumer(self, name: str) -> dict[str, Any]:
+        """Its backlog's max and its mean over the run's first and last thirds; growing when the last
+        is over twice the first and over 100 messages."""
+        backlog = [b.get(name, 0) for _, b, _ in self.samples] or [0]
+        third = max(1, len(backlog) // 3)
+        first, last = statistics.mean(backlog[:third]), statistics.mean(backlog[-third:])
+        return {
+            "max": max(backlog),
+            "min": min(backlog),  # over 0: never caught up in the whole run
+            "first_third": round(first),
+            "last_third": round(last),
+            "growing": last > max(2 * first, 100),
+        }
+
+    def timeline(self, every_s: float = 10.0) -> list[dict[str, Any]]:
+        """About every `every_s`: the backlogs that are not empty, and each process's share of one core
+        since the previous point."""
+        out: list[dict[str, Any]] = []
+        last_t, last_cpu = 0.0, self.cpu0
+        for t, backlogs, cpu in self.samples:
+            if t - last_t < every_s and (t, backlogs, cpu) != self.samples[-1]:
+                continue
+            span = max(t - last_t, 1e-9)
+            out.append({
+                "t": round(t, 1),
+                "backlog": {k: v for k, v in backlogs.items() if v},
+                "cpu": {k: round((v - last_cpu.get(k, 0.0)) / span, 2) for k, v in cpu.items()},
+            })  # fmt: skip
+            last_t, last_cpu = t, cpu
+        return out
+
+
+def _shares(cpu_s: dict[str, float], elapsed: float) -> dict[str, float]:
+    """CPU seconds as a share of one core over the run (1.0: a process that had a core to itself)."""
+    return {k: round(v / elapsed, 2) for k, v in sorted(cpu_s.items(), key=lambda kv: -kv[1])}
+
+
+def _holding_back(
+    plan: Plan,
+    watch: _Watch,
+    cpu_s: dict[str, float],
+    elapsed: float,
+    sims: list[dict[str, Any]],
+    logs: dict[str, dict[str, int]],
+    probes_missed: int,
+    probe_ratio: float,
+) -> list[str]:
+    """What kept the run from its target, most telling first: the machine's cores, a process pegged at
+    one core (a Python service uses one), consumers falling behind, a load generator late on its
+    ticks, messages dropped by a slow subscriber, probes with no answer."""
+    found = []
+    cores = os.cpu_count() or 1
+    busy = sum(cpu_s.values()) / (elapsed * cores)
+    if busy >= 0.85:
+        found.append(f"the machine: {busy:.0%} of its {cores} cores busy")
+    for name, share in _shares(cpu_s, elapsed).items():
+        if share >= 0.8 and name not in ("postgres", "nats-server"):  # those use several threads/processes
+            found.append(f"{name}: {share:.0%} of a core (one Python process gets at most one)")
+    for name in watch.names():
+        c = watch.consumer(name)
+        if c["growing"]:
+            found.append(f"{name}: backlog growing, {c['first_third']} -> {c['last_third']} (max {c['max']})")
+        elif c["min"]:
+            found.append(f"{name}: never caught up, backlog {c['min']} to {c['max']}")
+    for i, sim in enumerate(sims):
+        if sim.get("p99_late_s", 0.0) > 0.5 / plan.step_hz:
+            found.append(f"simulator-{i}: its ticks p99 {sim['p99_late_s']} s late (the generator is slow)")
+    for name, counts in logs.items():
+        if counts["slow_consumer"]:
+            found.append(f"{name}: {counts['slow_consumer']} slow-consumer drops in its log")
+    if probes_missed:
+        found.append(f"guardian: {probes_missed} probes under load got no HaltJob within 30 s")
+    if probe_ratio > 3:
+        guardian = {n: watch.consumer(n)["max"] for n in watch.names() if n.startswith("guardian")}
+        share = cpu_s.get("guardian", 0.0) / elapsed
+        found.append(
+            f"guardian: detect-to-command p99 {probe_ratio:.0f}x idle; "
+            f"its consumers' backlog max {guardian}, {share:.0%} of a core"
+        )
+    return found
 
 
 # --- the run ------------------------------------------------------------------------------------------------
@@ -386,7 +565,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         def env(role: str) -> dict[str, str]:
             return {**base_env, "VIGIL_NATS_URL": nats_server.url_for(role)}
 
-        procs = _Procs()
+        procs = _Procs(data / "logs")
         halts = _Halts()
         core = await bus.nc.subscribe(subjects.ALL_CMDS, cb=halts.on_msg)
         spec = JobSpec(name="probe", resources={"nodes": 1, "gpus_per_node": 1})
@@ -407,15 +586,9 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
                 return False
 
             await _wait(ready, 120, "the scheduler ready")
+            await _wait(lambda: _guardian_idle(bus), 120, "the guardian consuming")
             await _wait(
-                lambda: _consumer_idle(bus, subjects.STEPS.name, "guardian-steps"),
-                120,
-                "the guardian consuming",
-            )
-            await _wait(
-                lambda: _consumer_idle(bus, subjects.STEPS.name, "telemetry-steps"),
-                120,
-                "telemetry consuming",
+                lambda: _consumer_idle(bus, _steps_stream(), "telemetry-steps"), 120, "telemetry consuming"
             )
 
             # idle: the floor
@@ -431,7 +604,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
                     break
                 sim = await procs.start(
                     f"simulator-{s}", _SIMULATOR, nats_server.url, str(first), str(count), str(plan.step_hz),
-                    str(plan.seconds + 120), env=base_env, stdout=asyncio.subprocess.PIPE,
+                    str(plan.seconds + 120), str(plan.phases), env=base_env, stdout=asyncio.subprocess.PIPE,
                 )  # fmt: skip
                 assert sim.stdout is not None
                 await asyncio.wait_for(sim.stdout.readline(), 60)  # "ready"
@@ -455,17 +628,14 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
             start_load = _loadavg()
             t_start = time.monotonic()
             loaded: list[float | None] = []
-            lag: list[tuple[float, int, int]] = []  # (t, telemetry backlog, guardian backlog)
+            watch = _Watch(t_start, cpu0)
             next_probe = t_start
             while time.monotonic() - t_start < plan.seconds:
-                tele = await bus.js.consumer_info(subjects.STEPS.name, "telemetry-steps")
-                guard = await bus.js.consumer_info(subjects.STEPS.name, "guardian-steps")
-                lag.append((time.monotonic() - t_start, tele.num_pending + tele.num_ack_pending,
-                            guard.num_pending + guard.num_ack_pending))  # fmt: skip
+                watch.sample(await _durables(bus), _cpu(procs, nats_server, pg))
                 if time.monotonic() >= next_probe:
                     loaded.append(await _probe(bus, halts, spec))
                     next_probe += PROBE_EVERY_S
-                await asyncio.sleep(0.5)  # the lag sampling period
+                await asyncio.sleep(LAG_SAMPLE_S)  # the lag sampling period
             load_load = _loadavg()
             cpu1 = _cpu(procs, nats_server, pg)
             elapsed = time.monotonic() - t_start
@@ -479,7 +649,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
                     sim_stats.append(json.loads((await out.read()).decode().strip().splitlines()[-1]))
             drain_t = time.monotonic()
             await _wait(
-                lambda: _consumer_idle(bus, subjects.STEPS.name, "telemetry-steps"), 600, "telemetry drained"
+                lambda: _consumer_idle(bus, _steps_stream(), "telemetry-steps"), 600, "telemetry drained"
             )
             drain_s = time.monotonic() - drain_t
             rows2 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
@@ -495,14 +665,13 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
     ok_load = [x for x in loaded if x is not None]
     idle_p99 = percentile(ok_idle, 0.99) if ok_idle else float("nan")
     load_p99 = percentile(ok_load, 0.99) if len(ok_load) == len(loaded) and ok_load else float("inf")
-    third = max(1, len(lag) // 3)
-    first_lag = statistics.mean(x[1] for x in lag[:third])
-    last_lag = statistics.mean(x[1] for x in lag[-third:])
     rate = plan.target_rate
-    lag_growing = last_lag > max(2 * first_lag, 2 * rate)  # more than two seconds of events, and doubling
+    tele = watch.consumer("telemetry-steps")
+    lag_growing = tele["growing"] and tele["last_third"] > 2 * rate  # and more than two seconds of events
     published = sum(s.get("step", 0) for s in sim_stats)
     stored_during = rows1 - rows0
     cpu = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 1) for k in cpu1}
+    logs = procs.log_counts()
     ratio_ok = load_p99 <= 3 * idle_p99
     return result(
         "fleet",
@@ -516,14 +685,15 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         step_hz=plan.step_hz,
         seconds=round(elapsed, 1),
         telemetry_replicas=plan.telemetry,
+        phases=plan.phases,
         target_step_events_per_s=rate,
         published_step_events=published,  # over the simulators' whole run (start-up and drain included)
         stored_step_events_per_s=round(stored_during / elapsed, 1),
-        telemetry_backlog_first_third=round(first_lag),
-        telemetry_backlog_last_third=round(last_lag),
-        telemetry_backlog_max=max((x[1] for x in lag), default=0),
-        telemetry_lag_s_max=round(max((x[1] for x in lag), default=0) / rate, 2),
-        guardian_backlog_max=max((x[2] for x in lag), default=0),
+        telemetry_backlog_first_third=tele["first_third"],
+        telemetry_backlog_last_third=tele["last_third"],
+        telemetry_backlog_max=tele["max"],
+        telemetry_lag_s_max=round(tele["max"] / rate, 2),
+        guardian_backlog_max=sum(watch.consumer(c)["max"] for c in watch.names() if c.startswith("guardian")),
         lag_growing=lag_growing,
         telemetry_drain_after_s=round(drain_s, 2),
         guardian_idle_p50_ms=round(statistics.median(ok_idle) * 1e3, 2) if ok_idle else None,
@@ -533,6 +703,13 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         probes_load_missed=len(loaded) - len(ok_load),
         pg_mb_per_million_steps=round((size1 - size0) / max(rows2 - rows0, 1) * 1e6 / 2**20, 1),
         cpu_s_under_load=cpu,
+        cpu_core_share=_shares(cpu, elapsed),
+        consumers={c: watch.consumer(c) for c in watch.names()},
+        holding_back=_holding_back(
+            plan, watch, cpu, elapsed, sim_stats, logs, len(loaded) - len(ok_load), load_p99 / idle_p99
+        ),
+        logs=logs,
+        timeline=watch.timeline(),
         simulators=sim_stats,
         loadavg_idle=idle_load,
         loadavg_load_start=start_load,

@@ -8,9 +8,10 @@ batch to the last (startup excluded). The floor, in the same run: asyncpg's
 and indexes), which is as fast as Postgres ingests from Python. `value`/`floor` are rates, so
 the ratio is telemetry's share of raw COPY speed. Target: ratio >= 0.5.
 
-A second floor shows what Vigil's own code costs: a bare nats-py JetStream pull consumer of the
-same backlog (`json.loads`, no pydantic, no dead-lettering, no traces) feeding the same COPY in
-batches of the same size, acknowledging each message after its batch commits.
+A second floor shows what Vigil's own code costs: a bare nats-py JetStream push consumer of the
+same backlog, shaped like telemetry's (`json.loads`, no pydantic, no dead-lettering, no traces, no
+progress table), feeding the same COPY in batches of the same size and acknowledging each message
+after its batch commits.
 `ratio_to_bare_consumer` is telemetry's rate over that one's.
 """
 
@@ -24,6 +25,8 @@ from datetime import datetime, timedelta
 
 import asyncpg
 import nats
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig
 
 from vigil_bench import measure_on_servers, result
 from vigil_common import subjects
@@ -85,36 +88,57 @@ async def _copy_floor(pool: asyncpg.Pool, events: list[StepCompleted]) -> float:
 
 
 async def _bare_consumer_rate(settings: Settings, pool: asyncpg.Pool, job: str) -> float:
-    """Seconds for a bare nats-py pull consumer to COPY the job's backlog into a table like telemetry's."""
+    """Seconds for a bare nats-py push consumer to COPY the job's backlog into a table like telemetry's.
+
+    Shaped like telemetry's consumer (the server pushes into a buffer while a batch is written, at
+    most as many unacknowledged, batches of the same size) so that only Vigil's own code differs.
+    """
     assert settings.nats_url
     nc = await nats.connect(settings.nats_url)
     fields = store.STEP_FIELDS
+    spec = telemetry.STEPS
+    buffer: list[Msg] = []
+    arrived = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        buffer.append(msg)
+        arrived.set()
+
     try:
-        js = nc.jetstream()
-        sub = await js.pull_subscribe(
-            subjects.step(job),
-            durable="bench-bare-" + uuid.uuid4().hex[:8],
-            stream=subjects.stream_for(subjects.step(job)).name,
-        )
         async with pool.acquire() as conn:
             await conn.execute("DROP TABLE IF EXISTS bench_bare_steps")
             await conn.execute("CREATE TABLE bench_bare_steps (LIKE telemetry_steps INCLUDING ALL)")
             try:
-                done, t = 0, time.perf_counter()
+                t = time.perf_counter()
+                sub = await nc.jetstream().subscribe(
+                    subjects.step(job),
+                    durable="bench-bare-" + uuid.uuid4().hex[:8],
+                    stream=subjects.stream_for(subjects.step(job)).name,
+                    cb=on_msg,
+                    manual_ack=True,
+                    config=ConsumerConfig(max_ack_pending=spec.max_ack_pending, ack_wait=spec.ack_wait_s),
+                    pending_msgs_limit=4 * spec.max_ack_pending,
+                )
+                done = 0
                 while done < N:
-                    msgs = await sub.fetch(telemetry.STEP_BATCH, timeout=5)
+                    if not buffer:
+                        arrived.clear()
+                        await asyncio.wait_for(arrived.wait(), 10)
+                    batch, buffer[:] = buffer[: telemetry.STEP_BATCH], buffer[telemetry.STEP_BATCH :]
                     rows = []
-                    for m in msgs:
+                    for m in batch:
                         d = json.loads(m.data)
                         d["occurred_at"] = datetime.fromisoformat(d["occurred_at"])
                         rows.append(tuple(d.get(f) for f in fields))
                     await conn.copy_records_to_table("bench_bare_steps", records=rows, columns=list(fields))
-                    await asyncio.gather(*(m.ack() for m in msgs))
-                    done += len(msgs)
-                return time.perf_counter() - t
+                    for m in batch:
+                        await m.ack()
+                    done += len(batch)
+                elapsed = time.perf_counter() - t
+                await sub.unsubscribe()
+                return elapsed
             finally:
                 await conn.execute("DROP TABLE bench_bare_steps")
-                await sub.unsubscribe()
     finally:
         await nc.close()
 

@@ -49,14 +49,12 @@ class Handlers:
         for event, _ in batch:
             if isinstance(event, NodeHeartbeat) and not self._stale(event, now):
                 latest[event.node] = event  # a batch is in stream order: keep each node's newest
-        restarted: list[str] = []
-        changed = False
+        if not latest:
+            return
         async with self.s.tx() as conn:
-            for name in sorted(latest):
-                result = await inventory.record_heartbeat(conn, latest[name])
-                changed = changed or result.changed
-                if result.restarted:
-                    restarted.append(name)
+            results = await inventory.record_heartbeats(conn, list(latest.values()))
+        restarted = [name for name, r in results.items() if r.restarted]
+        changed = any(r.changed for r in results.values())
         for name in restarted:  # a new worker process: ranks it no longer reports are gone
             async with self.s.tx() as conn:
                 for job_id in await inventory.jobs_with_vanished_ranks(conn, name):

@@ -3,6 +3,7 @@ the guardian, node-lost detection, and the snapshot placement works on."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -20,66 +21,87 @@ class HeartbeatResult:
     changed: bool  # anything placement cares about changed: free, health, devices, liveness
 
 
-async def record_heartbeat(conn: asyncpg.Connection, hb: NodeHeartbeat) -> HeartbeatResult:
-    """Upsert the node and its devices; the heartbeat time is the scheduler's receipt time."""
-    before = await conn.fetchrow("SELECT alive, started_at FROM nodes WHERE name = $1 FOR UPDATE", hb.node)
-    await conn.execute(
-        """INSERT INTO nodes (name, address, started_at, interval_s, last_heartbeat, alive)
-           VALUES ($1, $2, $3, $4, now(), true)
-           ON CONFLICT (name) DO UPDATE SET address = $2, started_at = $3, interval_s = $4,
-               last_heartbeat = now(), alive = true, lost_at = NULL""",
-        hb.node,
-        hb.address,
-        hb.started_at,
-        hb.interval_s,
-    )
-    restarted = before is not None and before["started_at"] != hb.started_at
-    free = set(hb.free)
-    old = {
-        r["index"]: (r["reported_free"], r["reported_healthy"], r["present"])
+async def record_heartbeats(
+    conn: asyncpg.Connection, heartbeats: Sequence[NodeHeartbeat]
+) -> dict[str, HeartbeatResult]:
+    """Upsert the nodes and their devices (one heartbeat per node, the newest); the heartbeat time is
+    the scheduler's receipt time.
+
+    A batch costs three statements whatever its size (the nodes before, their upsert, their devices);
+    devices are written only for the nodes whose devices changed, which a steady heartbeat's are not.
+    """
+    by_node = {hb.node: hb for hb in heartbeats}
+    names = sorted(by_node)  # rows locked in one order by every batch
+    before = {
+        r["name"]: r
         for r in await conn.fetch(
-            "SELECT index, reported_free, reported_healthy, present FROM devices WHERE node = $1", hb.node
+            "SELECT name, alive, started_at FROM nodes WHERE name = ANY($1::text[]) ORDER BY name FOR UPDATE",
+            names,
         )
     }
-    changed = before is None or not before["alive"] or restarted
-    changed = changed or {i for i, v in old.items() if v[2]} != {d.index for d in hb.devices}
-    for d in hb.devices:
-        now = (d.index in free, d.healthy, True)
-        changed = changed or old.get(d.index) != now
-    if changed:
+    await conn.execute(
+        """INSERT INTO nodes (name, address, started_at, interval_s, last_heartbeat, alive)
+           SELECT u.name, u.address, u.started_at, u.interval_s, now(), true
+           FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::float8[])
+               AS u(name, address, started_at, interval_s)
+           ON CONFLICT (name) DO UPDATE SET address = EXCLUDED.address, started_at = EXCLUDED.started_at,
+               interval_s = EXCLUDED.interval_s, last_heartbeat = now(), alive = true, lost_at = NULL""",
+        names,
+        [by_node[n].address for n in names],
+        [by_node[n].started_at for n in names],
+        [by_node[n].interval_s for n in names],
+    )
+    old: dict[str, dict[int, tuple[bool, bool, bool]]] = {n: {} for n in names}
+    for r in await conn.fetch(
+        """SELECT node, index, reported_free, reported_healthy, present FROM devices
+           WHERE node = ANY($1::text[])""",
+        names,
+    ):
+        old[r["node"]][r["index"]] = (r["reported_free"], r["reported_healthy"], r["present"])
+    results: dict[str, HeartbeatResult] = {}
+    for name in names:
+        hb, prior = by_node[name], before.get(name)
+        restarted = prior is not None and prior["started_at"] != hb.started_at
+        free = set(hb.free)
+        devices = old[name]
+        changed = prior is None or not prior["alive"] or restarted
+        changed = changed or {i for i, v in devices.items() if v[2]} != {d.index for d in hb.devices}
+        changed = changed or any(
+            devices.get(d.index) != (d.index in free, d.healthy, True) for d in hb.devices
+        )
+        results[name] = HeartbeatResult(
+            new_node=prior is None or not prior["alive"], restarted=restarted, changed=changed
+        )
+    changed_hbs = [by_node[n] for n in names if results[n].changed]
+    if changed_hbs:
+        await _record_devices(conn, changed_hbs)
+    restarted_hbs = [by_node[n] for n in names if results[n].restarted]
+    if restarted_hbs:  # a new worker process: the guardian's marks were about the old one's run
         await conn.executemany(
-            """INSERT INTO devices (node, index, kind, name, uuid, memory_bytes, nvlink_peers,
-                                    present, reported_healthy, reported_free)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, true, $8, $9)
-               ON CONFLICT (node, index) DO UPDATE SET kind = $3, name = $4, uuid = $5, memory_bytes = $6,
-                   nvlink_peers = $7, present = true, reported_healthy = $8, reported_free = $9""",
-            [
-                (
-                    hb.node,
-                    d.index,
-                    d.kind,
-                    d.name,
-                    d.uuid,
-                    d.memory_bytes,
-                    d.nvlink_peers,
-                    d.healthy,
-                    d.index in free,
-                )
-                for d in hb.devices
-            ],
+            "DELETE FROM device_marks WHERE node = $1 AND marked_at < $2",
+            [(hb.node, hb.started_at) for hb in restarted_hbs],
         )
-        reported = [d.index for d in hb.devices]
-        await conn.execute(
-            "UPDATE devices SET present = false WHERE node = $1 AND NOT (index = ANY($2::int[]))",
-            hb.node,
-            reported,
-        )
-        if restarted:  # a new worker process: the guardian's marks were about the old one's run
-            await conn.execute(
-                "DELETE FROM device_marks WHERE node = $1 AND marked_at < $2", hb.node, hb.started_at
-            )
-    return HeartbeatResult(
-        new_node=before is None or not before["alive"], restarted=restarted, changed=changed
+    return results
+
+
+async def _record_devices(conn: asyncpg.Connection, heartbeats: Sequence[NodeHeartbeat]) -> None:
+    """The devices each heartbeat reports, and those it no longer reports marked absent."""
+    await conn.executemany(
+        """INSERT INTO devices (node, index, kind, name, uuid, memory_bytes, nvlink_peers,
+                                present, reported_healthy, reported_free)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, true, $8, $9)
+           ON CONFLICT (node, index) DO UPDATE SET kind = $3, name = $4, uuid = $5, memory_bytes = $6,
+               nvlink_peers = $7, present = true, reported_healthy = $8, reported_free = $9""",
+        [
+            (hb.node, d.index, d.kind, d.name, d.uuid, d.memory_bytes, d.nvlink_peers, d.healthy,
+             d.index in hb.free)
+            for hb in heartbeats
+            for d in hb.devices
+        ],
+    )  # fmt: skip
+    await conn.executemany(
+        "UPDATE devices SET present = false WHERE node = $1 AND NOT (index = ANY($2::int[]))",
+        [(hb.node, [d.index for d in hb.devices]) for hb in heartbeats],
     )
 
 

@@ -116,7 +116,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(bus.consume_batches(STEPS, t.steps, stop, max_batch=STEP_BATCH))
             tasks.create_task(bus.consume_batches(GPU, t.gpu, stop))
-            tasks.create_task(bus.consume_batches(STATUS, t.status, stop))
+            # one unacknowledged at a time: no burst can gather, so waiting for one only adds latency
+            tasks.create_task(bus.consume_batches(STATUS, t.status, stop, gather_s=0.0))
             tasks.create_task(bus.consume_batches(INCIDENTS, t.incidents, stop))
             tasks.create_task(bus.consume_batches(LAUNCHES, t.launches, stop))
             tasks.create_task(t.flush_traces(stop))

@@ -59,6 +59,9 @@ class Registry:
     def __init__(self) -> None:
         self._values: dict[str, dict[Labels, float]] = {name: {} for name in _HELP}
         self._ended: dict[str, None] = {}  # jobs that ended, oldest first (an ordered set)
+        # per job, the labels of its ranks' series: a job's aggregates read its own ranks, not every
+        # rank of every job (which cost a batch time in the square of the fleet's size)
+        self._rank_labels: dict[str, set[Labels]] = {}
 
     def set(self, name: str, value: float | None, **labels: object) -> None:
         if value is not None:
@@ -96,9 +99,11 @@ class Registry:
                 if (e.job_id, e.rank) in newest or e.job_id in ended:
                     continue
                 newest.add((e.job_id, e.rank))
-                labels = {"job": e.job_id, "rank": e.rank}
+                key = _labels({"job": e.job_id, "rank": e.rank})
+                self._rank_labels.setdefault(e.job_id, set()).add(key)
                 for name, value in _rank_fields(e).items():
-                    self.set(name, value, **labels)
+                    if value is not None:
+                        self._values[name][key] = float(value)
             elif isinstance(e, GpuSampled):
                 if (e.node, e.index) in newest:
                     continue
@@ -145,8 +150,11 @@ class Registry:
     def _job_aggregates(self, job: str) -> None:
         """The job's gauges from its ranks' newest values."""
 
+        ranks = self._rank_labels.get(job, set())
+
         def per_rank(name: str) -> list[float]:
-            return [v for k, v in self._values[name].items() if ("job", job) in k]
+            series = self._values[name]
+            return [series[k] for k in ranks if k in series]
 
         steps, times = per_rank("vigil_step_last"), per_rank("vigil_step_time_seconds")
         losses, tokens = per_rank("vigil_step_loss"), per_rank("vigil_step_tokens_per_second")
@@ -161,6 +169,7 @@ class Registry:
 
     def forget_job(self, job: str) -> None:
         """Drop every series labelled with `job` (it ended: its series would only grow the scrape)."""
+        self._rank_labels.pop(job, None)
         for series in self._values.values():
             for key in [k for k in series if ("job", job) in k]:
                 del series[key]

@@ -20,6 +20,7 @@ def test_a_small_fleet_runs_and_reports() -> None:
         "VIGIL_BENCH_FLEET_NODES": "3",
         "VIGIL_BENCH_FLEET_SECONDS": "8",
         "VIGIL_BENCH_FLEET_SIMULATORS": "1",
+        "VIGIL_BENCH_FLEET_TELEMETRY": "2",
     }
     vigil = str(Path(sys.executable).parent / "vigil")
     out = subprocess.run([vigil, "bench", "fleet"], env=env, capture_output=True, text=True, timeout=400)
@@ -31,3 +32,7 @@ def test_a_small_fleet_runs_and_reports() -> None:
     assert {"scheduler", "guardian", "telemetry-0", "telemetry-1", "postgres", "nats-server"} <= set(
         res["cpu_s_under_load"]
     )
+    # what holds it back: every durable's backlog and every process's CPU through the run
+    assert "telemetry-steps" in res["consumers"] and any(c.startswith("guardian") for c in res["consumers"])
+    assert isinstance(res["holding_back"], list) and res["timeline"]
+    assert "telemetry-0" in res["timeline"][-1]["cpu"]

@@ -95,6 +95,18 @@ def test_a_jobs_gauges_come_from_its_ranks_newest_steps():
     assert r.get("vigil_steps_total", job="j-1") == 3
 
 
+def test_a_jobs_gauges_come_from_its_own_ranks_only_across_batches_and_a_rerun():
+    r = Registry()
+    r.observe([step(0, 1, 2.0, 100.0, 0.5, job="a"), step(0, 1, 8.0, 10.0, 0.5, job="b")])
+    r.observe([step(1, 1, 4.0, 100.0, 0.5, job="a")])  # a's rank 0 is remembered from the batch before
+    assert r.get("vigil_job_loss", job="a") == 3.0
+    assert r.get("vigil_job_loss", job="b") == 8.0
+    r.forget_job("a")
+    r.observe([step(0, 1, 6.0, 100.0, 0.5, job="a")])  # a job id seen again starts from its new ranks
+    assert r.get("vigil_job_loss", job="a") == 6.0
+    assert r.get("vigil_job_tokens_per_second", job="a") == 100.0
+
+
 def test_incidents_count_per_job_and_overall():
     r = Registry()
     r.observe(
