@@ -36,7 +36,6 @@ class Decision:
 
     incident: IncidentRaised
     commands: tuple[Command, ...] = ()
-    effects: dict[str, Any] = field(default_factory=dict)  # for the caller: rollback target, etc.
 
     @property
     def action(self) -> Action:
@@ -107,7 +106,6 @@ class Policy:
         evidence: dict[str, Any] = dict(verdict.evidence)
         reason = verdict.message
         commands: list[Command] = []
-        effects: dict[str, Any] = {}
         anomaly = verdict.step if anomaly_step is None else anomaly_step
 
         if action == "rollback" and rollbacks >= spec.max_rollbacks:
@@ -146,7 +144,6 @@ class Policy:
                 restart=not in_place,
                 rollback=rollbacks + 1,
             )
-            effects.update(rollback_step=step, in_place=in_place)
         elif action == "halt":
             commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
         # action "fail": the incident alone. The scheduler, which owns job state, turns it into
@@ -165,4 +162,4 @@ class Policy:
             message=reason,
             evidence=evidence,
         )
-        return Decision(incident, tuple(commands), effects)
+        return Decision(incident, tuple(commands))
