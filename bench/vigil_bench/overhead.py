@@ -2,12 +2,13 @@
 
 The same two-rank DeepSpeed job (tiny GPT, ZeRO-1, CPU, gloo) runs with everything Vigil adds to a
 step on (section timers, the comm timer, the per-step control all-reduce with the finiteness guard
-and command boundary, and a StepCompleted event per rank per step published to a real NATS through
-the background thread) and off (a plain DeepSpeed loop over the same engine, model and data). Both
-run as `python -m vigil_bench.timed_rank`, which records each step's wall time (`--plain` for off).
-Runs alternate, the order flipping every pair, so drift on a shared machine hits both alike. `value`
-is the median step time with Vigil on, `floor` with it off, both over every step after the first
-WARMUP of each run. Target: ratio <= 1.03 on a CPU configuration whose step takes at least 50 ms.
+and command boundary, and a StepCompleted event per rank per step sent from the rank's background
+thread through an agent's relay to a real NATS) and off (a plain DeepSpeed loop over the same engine,
+model and data). Both run as `python -m vigil_bench.timed_rank`, which records each step's wall time
+(`--plain` for off). Runs alternate, the order flipping every pair, so drift on a shared machine hits
+both alike. `value` is the median step time with Vigil on, `floor` with it off, both over every step
+after the first WARMUP of each run. Target: ratio <= 1.03 on a CPU configuration whose step takes at
+least 50 ms.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import yaml
 from vigil_bench import result, servers
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_worker.local import start_ranks
+from vigil_worker.local import LocalAgent, start_ranks
 
 TIMED_RANK = "vigil_bench.timed_rank"
 PAIRS = 3
@@ -38,13 +39,13 @@ SPEC = {
 }
 
 
-def _one_run(tmp: Path, name: str, extra: list[str]) -> list[float]:
+def _one_run(tmp: Path, name: str, extra: list[str], agent: LocalAgent | None = None) -> list[float]:
     run_dir = tmp / name
     timings = run_dir / "timings.jsonl"
     ranks = start_ranks(
         ["--timings", str(timings), *extra, "--spec", str(tmp / "spec.yaml"), "--job-id", name,
          "--checkpoint-root", str(tmp / "ckpt"), "--cache-dir", str(tmp / "cache")],
-        2, run_dir, module=TIMED_RANK,
+        2, run_dir, module=TIMED_RANK, agent=agent, job=(name, 1),
     )  # fmt: skip
     try:
         codes = ranks.wait(300)
@@ -71,6 +72,7 @@ def run(settings: Settings) -> dict[str, object]:
             await bus.close()
 
         asyncio.run(ensure())
+        agent = stack.enter_context(LocalAgent(url, tmp / "ckpt"))
         (tmp / "spec.yaml").write_text(yaml.safe_dump(SPEC))
         on: list[float] = []
         off: list[float] = []
@@ -80,7 +82,7 @@ def run(settings: Settings) -> dict[str, object]:
                 if side == "off":
                     off += _one_run(tmp, f"off-{i}", ["--plain"])
                 else:
-                    on += _one_run(tmp, f"on-{i}", ["--nats-url", url])
+                    on += _one_run(tmp, f"on-{i}", [], agent)
     value, floor = statistics.median(on), statistics.median(off)
     return result(
         "overhead",

@@ -36,7 +36,7 @@ from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_worker.local import start_ranks
+from vigil_worker.local import LocalAgent, start_ranks
 from vigil_worker.trainer.checkpoint import step_dir
 
 ROLLBACKS = 5
@@ -88,9 +88,10 @@ async def _measure(url: str, tmp: Path) -> dict[str, Any]:
     root = tmp / "ckpt"
     (tmp / "spec.yaml").write_text(yaml.safe_dump(SPEC))
     common = ["--spec", str(tmp / "spec.yaml"), "--job-id", job, "--checkpoint-root", str(root),
-              "--cache-dir", str(tmp / "cache"), "--nats-url", url]  # fmt: skip
+              "--cache-dir", str(tmp / "cache")]  # fmt: skip
+    agent = LocalAgent(url, root).__enter__()
     seen = Seen()
-    async with bus.watch(subjects.step(job), subjects.status(job)) as stream:
+    async with bus.watch(subjects.step(job, agent.node), subjects.status(job, agent.node)) as stream:
 
         async def pump() -> None:
             async for event in stream:
@@ -98,7 +99,7 @@ async def _measure(url: str, tmp: Path) -> dict[str, Any]:
 
         pumping = asyncio.create_task(pump())
         timed = ["--timings", str(tmp / "timings.jsonl"), *common]
-        ranks = start_ranks(timed, 2, tmp / "run", module="vigil_bench.timed_rank")
+        ranks = start_ranks(timed, 2, tmp / "run", module="vigil_bench.timed_rank", agent=agent, job=(job, 1))
         try:
             await seen.first(lambda e: isinstance(e, ev.CheckpointSaved) and e.step == 10, timeout=180)
             mark = await seen.first(_step(12))
@@ -130,13 +131,20 @@ async def _measure(url: str, tmp: Path) -> dict[str, Any]:
 
         # a full restart from the same checkpoint: new processes through to their first step
         sent = time.perf_counter()
-        again = start_ranks([*common, "--attempt", "2", "--resume-from", str(target)], 2, tmp / "restart")
+        again = start_ranks(
+            [*common, "--attempt", "2", "--resume-from", str(target)],
+            2,
+            tmp / "restart",
+            agent=agent,
+            job=(job, 2),
+        )
         try:
             first = await seen.first(_step(10, attempt=2), timeout=180)
             restart_s = seen.events[first][0] - sent
         finally:
             again.kill()
         pumping.cancel()
+    await asyncio.to_thread(agent.__exit__, None, None, None)
     await bus.close()
     step_s = statistics.median(steps)
     return {

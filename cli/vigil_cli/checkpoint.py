@@ -22,7 +22,7 @@ def register(group: click.Group) -> None:
         """Check the checkpoint at PATH against its manifest (every file's size and SHA-256).
 
         Exits 0 when it verifies, 1 when it does not."""
-        from vigil_worker.trainer.checkpoint import verify as verify_checkpoint
+        from vigil.manifest import verify as verify_checkpoint
 
         try:
             m = verify_checkpoint(path)

@@ -52,7 +52,13 @@ def load(text: str, *, json_only: bool = False) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # a safe loader (SafeConstructor)
     except yaml.YAMLError as exc:
-        raise DocumentError("(spec)", f"not valid YAML or JSON: {exc}") from exc
+        raise _yaml_error(exc) from exc
+
+
+def _yaml_error(exc: yaml.YAMLError) -> DocumentError:
+    if "maximum nesting depth" in str(exc):  # PyYAML >= 6.0.3 stops deep flow collections itself
+        return DocumentError("(spec)", f"nested deeper than {MAX_DEPTH} levels")
+    return DocumentError("(spec)", f"not valid YAML or JSON: {exc}")
 
 
 def _where(path: list[str | int]) -> str:
@@ -94,7 +100,7 @@ def _check_yaml_events(text: str) -> None:
                 if on_path:
                     path.pop()
     except yaml.YAMLError as exc:
-        raise DocumentError("(spec)", f"not valid YAML or JSON: {exc}") from exc
+        raise _yaml_error(exc) from exc
 
 
 def _child(stack: list[list[Any]], path: list[str | int], event: yaml.NodeEvent) -> str | int | None:

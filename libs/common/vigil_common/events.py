@@ -269,6 +269,36 @@ class RollbackCompleted(Message):
     node: str
 
 
+class RestartRequested(Message):
+    """The ranks were told to roll back in place but their program registered no way to load a
+    checkpoint in place: they stop, and ask for a relaunch from `checkpoint` (the scheduler starts the
+    next attempt with it as `resume_from`, as for a RestartJob)."""
+
+    type: Literal["restart.requested"] = "restart.requested"
+    schema_version: Literal[1] = 1
+    checkpoint: str
+    step: int = Field(ge=0, description="the checkpoint's step")
+    skip_data: tuple[int, int] | None = None
+    command_id: str
+    node: str
+
+
+class OutOfMemoryHalted(Message):
+    """A step ran out of memory on `rank` and the retry with half the micro-batch did too: every rank
+    wrote the emergency checkpoint of `checkpoint_step` and halted. The guardian records it as an `oom`
+    incident (ranks publish no incident themselves)."""
+
+    type: Literal["ranks.out_of_memory"] = "ranks.out_of_memory"
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    node: str
+    micro_batch: int = Field(ge=1)
+    grad_accum: int = Field(ge=1)
+    checkpoint_step: int = Field(ge=0)
+    message: str
+
+
 class JobStateChanged(Message):
     type: Literal["job.state_changed"] = "job.state_changed"
     schema_version: Literal[1] = 1
@@ -289,19 +319,48 @@ class HaltJob(Command):
     incident_id: str | None = None
 
 
-class RollbackJob(Command):
-    """Ranks load `checkpoint` in place (no process restart), skip `skip_data`, and train on."""
+class RollbackJobV1(Command):
+    """Version 1 of RollbackJob, still read: its `restart` flag gave it two meanings, now two messages
+    (`decode` upgrades it to RollbackJob v2 or to RestartJob)."""
 
     type: Literal["job.rollback"] = "job.rollback"
     schema_version: Literal[1] = 1
     checkpoint: str
     step: int = Field(ge=0, description="the checkpoint's step")
     skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
-    restart: bool = Field(
-        False,
-        description="stop the ranks and relaunch them (a new attempt) from the checkpoint, for ranks that "
-        "cannot roll back in place (hung in a collective); false: in place, no process restart",
-    )
+    restart: bool = False
+    reason: str
+    incident_id: str | None = None
+
+    def upgraded(self) -> RollbackJob | RestartJob:
+        fields = self.model_dump(exclude={"schema_version", "type", "restart"})
+        return RestartJob(**fields) if self.restart else RollbackJob(**fields)
+
+
+class RollbackJob(Command):
+    """The ranks load `checkpoint` in place (no process restart), skip `skip_data`, and train on.
+
+    Version 2: in place only; a relaunch from a checkpoint is `RestartJob`."""
+
+    type: Literal["job.rollback"] = "job.rollback"
+    schema_version: Literal[2] = 2
+    checkpoint: str
+    step: int = Field(ge=0, description="the checkpoint's step")
+    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
+    reason: str
+    incident_id: str | None = None
+
+
+class RestartJob(Command):
+    """Stop the ranks and relaunch them (a new attempt) from `checkpoint`, skipping `skip_data`: for ranks
+    that cannot roll back in place (hung in a collective, or a program that registered no in-place
+    loader). The scheduler acts on it; the workers see the next attempt's LaunchJob."""
+
+    type: Literal["job.restart"] = "job.restart"
+    schema_version: Literal[1] = 1
+    checkpoint: str
+    step: int = Field(ge=0, description="the checkpoint's step")
+    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
     reason: str
     incident_id: str | None = None
 
@@ -363,9 +422,13 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     CheckpointSaved,
     RanksHalted,
     RollbackCompleted,
+    RestartRequested,
+    OutOfMemoryHalted,
     JobStateChanged,
     HaltJob,
     RollbackJob,
+    RollbackJobV1,
+    RestartJob,
     ResumeJob,
     CancelJob,
     IncidentRaised,
@@ -383,9 +446,18 @@ STATUS_EVENTS: tuple[type[Message], ...] = (
     CheckpointSaved,
     RanksHalted,
     RollbackCompleted,
+    RestartRequested,
+    OutOfMemoryHalted,
     JobStateChanged,
 )
-JOB_COMMANDS: tuple[type[Message], ...] = (HaltJob, RollbackJob, ResumeJob, CancelJob)
+JOB_COMMANDS: tuple[type[Message], ...] = (
+    HaltJob,
+    RollbackJob,
+    RollbackJobV1,
+    RestartJob,
+    ResumeJob,
+    CancelJob,
+)
 
 
 _TYPE = re.compile(rb'"type":\s*"([^"]+)"')

@@ -18,6 +18,14 @@ from vigil_common.errors import ConfigError
 
 _NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MIN_TOKEN_LENGTH = 16  # the gateway's bearer token, from VIGIL_API_TOKEN or the token file
+# What a rank inherits from its worker's environment: nothing else (no credential, no VIGIL_* setting).
+RANK_ENV_ALLOW = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_*", "TZ", "TMPDIR", "TERM",
+    "PYTHONPATH", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "NCCL_*", "ROCM_PATH", "HIP_PATH",
+    "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "TORCH_HOME",
+    "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "DS_ACCELERATOR", "DS_BUILD_OPS", "GLOO_SOCKET_IFNAME",
+)  # fmt: skip
 
 
 def default_node_name() -> str:
@@ -36,9 +44,16 @@ class Settings(BaseSettings):
         default_factory=list,
         description="folders a spec's data.path and data.tokenizer may name (JSON list); empty: the data dir",
     )
+    code_roots: list[Path] = Field(
+        default_factory=list,
+        description="folders a spec's entrypoint.workdir may name (JSON list); empty: <data dir>/code",
+    )
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")
+    console_session_s: int = Field(
+        12 * 3600, ge=60, le=30 * 86_400, description="a console login lasts this long (seconds), then expires"
+    )
     node_name: str = Field(default_factory=default_node_name)
     node_address: str = Field("127.0.0.1", description="where this node's ranks are reachable")
     cpu_slots: int = Field(2, ge=1, le=1024, description="slots on a node without GPUs")
@@ -85,6 +100,14 @@ class Settings(BaseSettings):
         ge=0,
         le=7 * 86_400,
         description="a new guardian judges the job events of this many seconds back (bounded replay)",
+    )
+    entrypoints: bool = Field(
+        True,
+        description="jobs may run their own program (a spec's entrypoint); false: the built-in trainer only",
+    )
+    rank_env_allow: list[str] = Field(
+        default_factory=lambda: list(RANK_ENV_ALLOW),
+        description="worker variables a rank inherits (names; a trailing * matches a prefix; JSON list)",
     )
     log_level: str = "INFO"
     trace_file: Path | None = Field(
@@ -147,6 +170,11 @@ class Settings(BaseSettings):
     @property
     def allowed_data_roots(self) -> list[Path]:
         return [p.resolve() for p in self.data_roots] or [self.data_dir.resolve()]
+
+    @property
+    def allowed_code_roots(self) -> list[Path]:
+        """Where a job's own program may run: a folder of its own that holds no secret by default."""
+        return [p.resolve() for p in self.code_roots] or [(self.data_dir / "code").resolve()]
 
     @property
     def log_dir(self) -> Path:

@@ -6,9 +6,19 @@ A spec never carries a shell command, and no field of it reaches a shell.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from vigil_common import documents
 from vigil_common.errors import SpecError
@@ -190,6 +200,73 @@ class DataSpec(StrictModel):
         return value
 
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Names a job's `entrypoint.env` may not set: Vigil's and NATS's own, torchrun's (the worker sets them),
+# the loader's, and any that look like they hold a credential.
+_RESERVED_ENV_PREFIXES = ("VIGIL_", "NATS_", "LD_", "PYTHONSTARTUP")
+_TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"}  # fmt: skip
+_CREDENTIAL_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "CREDENTIAL", "API_KEY", "APIKEY",
+                     "PRIVATE_KEY", "ACCESS_KEY", "AUTH")  # fmt: skip
+_ARGV_BYTES = 64 * 1024
+_ENV_BYTES = 64 * 1024
+
+
+class EntrypointSpec(StrictModel):
+    """The user's own training program: started once per rank, as an argument list (never through a
+    shell), in `workdir` (under a code root), with torchrun's environment plus Vigil's and `env`."""
+
+    argv: list[str] = Field(min_length=1, max_length=512, description="the program and its arguments")
+    workdir: str | None = Field(
+        None,
+        max_length=4096,
+        description="where it runs, under a code root (VIGIL_CODE_ROOTS); null: the root",
+    )
+    env: dict[str, str] = Field(default_factory=dict, max_length=256, description="extra environment")
+
+    @field_validator("argv")
+    @classmethod
+    def _argv(cls, argv: list[str]) -> list[str]:
+        for i, arg in enumerate(argv):
+            if "\x00" in arg or len(arg) > 4096:
+                raise FieldError(
+                    f"entrypoint.argv.{i}", f"entrypoint.argv[{i}] holds a NUL or exceeds 4096 characters"
+                )
+        if not argv[0].strip():
+            raise FieldError("entrypoint.argv.0", "entrypoint.argv[0] must name a program")
+        if sum(len(a.encode()) + 1 for a in argv) > _ARGV_BYTES:
+            raise FieldError("entrypoint.argv", f"entrypoint.argv exceeds {_ARGV_BYTES} bytes")
+        return argv
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or "\x00" in value):
+            raise ValueError("must be a non-empty folder path")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            where = f"entrypoint.env.{name}" if _ENV_NAME.match(name) else "entrypoint.env"
+            upper = name.upper()
+            if not _ENV_NAME.match(name):
+                raise FieldError(where, f"entrypoint.env: {name[:64]!r} is not a variable name (A-Z, 0-9, _)")
+            if upper.startswith(_RESERVED_ENV_PREFIXES) or upper in _TORCHRUN_ENV:
+                raise FieldError(where, f"entrypoint.env: {name} is set by Vigil, not by a job")
+            if any(word in upper for word in _CREDENTIAL_WORDS):
+                raise FieldError(
+                    where,
+                    f"entrypoint.env: {name} looks like a credential; a job spec is no place for secrets",
+                )
+            if "\x00" in value or len(value) > 4096:
+                raise FieldError(where, f"entrypoint.env.{name} holds a NUL or exceeds 4096 characters")
+        if sum(len(k) + len(v) + 2 for k, v in env.items()) > _ENV_BYTES:
+            raise FieldError("entrypoint.env", f"entrypoint.env exceeds {_ENV_BYTES} bytes")
+        return env
+
+
 class CheckpointSpec(StrictModel):
     every: int = Field(20, ge=1, le=1_000_000, description="save every N steps")
     keep: int = Field(5, ge=1, le=1000, description="keep the newest K valid checkpoints")
@@ -273,6 +350,31 @@ class JobSpec(StrictModel):
     checkpoint: CheckpointSpec = CheckpointSpec()
     guardian: GuardianSpec = GuardianSpec()
     faults: list[Fault] = Field(default_factory=list, max_length=64)
+    entrypoint: EntrypointSpec | None = Field(
+        None, description="the user's own training program; null: the built-in GPT trainer (`model`)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_absent_entrypoint(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A spec without an entrypoint serialises as it did before the field existed (LaunchJob v1's wire
+        format, and older workers, which refuse unknown fields, keep reading it)."""
+        data = handler(self)
+        if data.get("entrypoint", 0) is None:
+            del data["entrypoint"]
+        return data
+
+    @model_validator(mode="after")
+    def _program(self) -> JobSpec:
+        if self.entrypoint is not None and "model" in self.model_fields_set:
+            raise FieldError(
+                "entrypoint",
+                "entrypoint and model are exclusive: a job runs its own program or the built-in GPT",
+            )
+        if self.entrypoint is not None and self.faults:
+            raise FieldError(
+                "faults", "faults are the built-in trainer's; a job with an entrypoint injects its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _faults_fit(self) -> JobSpec:

@@ -6,7 +6,7 @@
   to the newest valid checkpoint with step <= the anomaly step (a checkpoint with step s holds the
   state after s updates, so it precedes the anomalous update), skipping the spike's data window;
   for faults a rollback in place cannot cure (a hang, a sick GPU, a straggler) a
-  `RollbackJob(restart=True)`, relaunching the ranks. After `max_rollbacks` rollbacks the next one
+  `RestartJob`, relaunching the ranks. After `max_rollbacks` rollbacks the next one
   becomes `fail`; with no checkpoint to go back to, it becomes `halt`.
 - `fail`: the incident alone (action "fail"); the scheduler turns it into FAILED and cancels the ranks.
 
@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from vigil_common import subjects
-from vigil_common.events import Command, HaltJob, IncidentRaised, RollbackJob
+from vigil_common.events import Command, HaltJob, IncidentRaised, RestartJob, RollbackJob
 from vigil_common.spec import Action, GuardianSpec
 from vigil_guardian.verdict import Verdict
 
@@ -126,13 +126,13 @@ class Policy:
                 skip = (data_position, data_position + spec.spike_skip_steps)
             if in_place:
                 commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
+            recovery = RollbackJob if in_place else RestartJob
             commands.append(
-                RollbackJob(
+                recovery(
                     event_id=f"{iid}-rollback",
                     checkpoint=path,
                     step=step,
                     skip_data=skip,
-                    restart=not in_place,
                     reason=reason,
                     **common,
                 )

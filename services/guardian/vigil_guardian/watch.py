@@ -19,12 +19,15 @@ from datetime import datetime
 
 from vigil_common.events import (
     CheckpointSaved,
+    IncidentRaised,
     JobStateChanged,
     LaunchJob,
     Message,
+    OutOfMemoryHalted,
     RankExited,
     RanksHalted,
     RankStarted,
+    RestartJob,
     RollbackCompleted,
     RollbackJob,
     StepCompleted,
@@ -146,6 +149,8 @@ class JobWatch:
                 return [self.decide(v, now, key=event.rank)]
         elif isinstance(event, RanksHalted):
             c.state = JobState.HALTED
+        elif isinstance(event, OutOfMemoryHalted):
+            return [out_of_memory(event)]
         elif isinstance(event, RollbackCompleted):
             return self._on_rollback_completed(event, now)
         return []
@@ -232,9 +237,32 @@ class JobWatch:
         )
         if d.action == "rollback":
             c.rollbacks += 1
-            target = next(cmd for cmd in d.commands if isinstance(cmd, RollbackJob))
-            kind = "restart" if target.restart else "rollback"
+            target = next(cmd for cmd in d.commands if isinstance(cmd, RollbackJob | RestartJob))
+            kind = "restart" if isinstance(target, RestartJob) else "rollback"
             c.recovering = Recovering(kind, now.timestamp(), target.step, target.checkpoint)
         elif d.action in ("halt", "fail"):
             c.recovering = Recovering(d.action, now.timestamp())  # type: ignore[arg-type]
         return d
+
+
+def out_of_memory(event: OutOfMemoryHalted) -> Decision:
+    """The ranks' own halt on an out-of-memory they could not cure, recorded as the `oom` incident (same
+    id as their report, so a replay publishes it once)."""
+    return Decision(
+        IncidentRaised(
+            event_id=event.event_id,
+            job_id=event.job_id,
+            attempt=event.attempt,
+            kind="oom",
+            action="halt",
+            step=event.step,
+            rank=event.rank,
+            node=event.node if event.rank == 0 else None,
+            message=event.message,
+            evidence={
+                "micro_batch": event.micro_batch,
+                "grad_accum": event.grad_accum,
+                "checkpoint_step": event.checkpoint_step,
+            },
+        )
+    )

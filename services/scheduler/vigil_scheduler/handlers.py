@@ -24,6 +24,8 @@ from vigil_common.events import (
     RankExited,
     RanksHalted,
     RankStarted,
+    RestartJob,
+    RestartRequested,
     ResumeJob,
     RollbackCompleted,
     RollbackJob,
@@ -84,6 +86,8 @@ class Handlers:
             await self._on_current(event, self._ranks_halted)
         elif isinstance(event, RollbackCompleted):
             await self._on_current(event, self._rollback_completed)
+        elif isinstance(event, RestartRequested):
+            await self._on_current(event, self._restart_requested)
         # JobStateChanged: our own, or history; nothing to do.
 
     async def _rank_started(self, event: RankStarted) -> None:
@@ -207,6 +211,8 @@ class Handlers:
             await self._on_current(event, self._halt)
         elif isinstance(event, RollbackJob):
             await self._on_current(event, self._rollback)
+        elif isinstance(event, RestartJob):
+            await self._on_current(event, self._restart)
         elif isinstance(event, ResumeJob):
             await self._on_current(event, self._resume)
         elif isinstance(event, CancelJob):
@@ -237,24 +243,51 @@ class Handlers:
         if job.state in (JobState.RUNNING, JobState.SCHEDULED, JobState.ROLLING_BACK) and not job.queued:
             await lifecycle.transition(conn, job, JobState.HALTED, f"halted: {event.reason}")
 
+    async def _restart_requested(self, conn: asyncpg.Connection, job: Job, event: RestartRequested) -> None:
+        """Ranks told to roll back in place whose program cannot: relaunch them from the checkpoint."""
+        if event.command_id in job.completed_commands:
+            return
+        await conn.execute(
+            "UPDATE jobs SET completed_commands = array_append(completed_commands, $2) WHERE id = $1",
+            job.id,
+            event.command_id,
+        )
+        reason = f"the program cannot roll back in place (command {event.command_id})"
+        await self._relaunch(conn, job, event.step, event.checkpoint, event.skip_data, reason)
+
+    async def _restart(self, conn: asyncpg.Connection, job: Job, event: RestartJob) -> None:
+        """The next attempt, from the checkpoint: the ranks of this one are ended by the new launch."""
+        if event.event_id in job.completed_commands:
+            return
+        await self._relaunch(conn, job, event.step, event.checkpoint, event.skip_data, event.reason)
+
+    async def _relaunch(
+        self,
+        conn: asyncpg.Connection,
+        job: Job,
+        step: int,
+        checkpoint: str,
+        skip_data: tuple[int, int] | None,
+        reason: str,
+    ) -> None:
+        if not states.holds_devices(job.state) or job.queued:
+            return
+        await _supersede(conn, job.id, after_step=step)
+        await lifecycle.requeue(
+            conn,
+            job,
+            f"restart from step {step}: {reason}",
+            max_attempts=self.s.settings.max_attempts,
+            to_state=JobState.ROLLING_BACK,
+            resume_from=checkpoint,
+            skip_data=skip_data,
+        )
+        self.s.want_placement()
+
     async def _rollback(self, conn: asyncpg.Connection, job: Job, event: RollbackJob) -> None:
         if event.event_id in job.completed_commands:
             return
-        if event.restart:
-            if not states.holds_devices(job.state) or job.queued:
-                return
-            await _supersede(conn, job.id, after_step=event.step)
-            await lifecycle.requeue(
-                conn,
-                job,
-                f"restart from step {event.step}: {event.reason}",
-                max_attempts=self.s.settings.max_attempts,
-                to_state=JobState.ROLLING_BACK,
-                resume_from=event.checkpoint,
-                skip_data=event.skip_data,
-            )
-            self.s.want_placement()
-        elif job.state in (JobState.RUNNING, JobState.HALTED, JobState.SCHEDULED):
+        if job.state in (JobState.RUNNING, JobState.HALTED, JobState.SCHEDULED):
             await lifecycle.transition(
                 conn, job, JobState.ROLLING_BACK, f"rollback to step {event.step}: {event.reason}"
             )
@@ -312,6 +345,7 @@ BUS_NAME = "scheduler"  # the scheduler's own bus connection (vigil_scheduler.ma
 _AUDITED: dict[type[Message], audit.Action] = {
     HaltJob: "halt",
     RollbackJob: "rollback",
+    RestartJob: "rollback",
     ResumeJob: "resume",
     CancelJob: "cancel",
 }

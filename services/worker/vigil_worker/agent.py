@@ -20,9 +20,11 @@ from pathlib import Path
 
 import nats.js.errors
 
+from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
+from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.errors import RetryableError
+from vigil_common.errors import RetryableError, SpecError
 from vigil_common.events import (
     CancelJob,
     FailureType,
@@ -35,10 +37,9 @@ from vigil_common.events import (
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_worker.inventory import Inventory
-from vigil_worker.launch import prepare_ranks
+from vigil_worker.launch import agent_socket, prepare_ranks
 from vigil_worker.procs import Exit, RankRecord, RankTable
-from vigil_worker.trainer.exits import EXIT_PREEMPTED, read_last_step
-from vigil_worker.trainer.preemption import SIGNAL as PREEMPTION_SIGNAL
+from vigil_worker.relay import Relay
 
 log = logging.getLogger("vigil.worker")
 
@@ -55,6 +56,9 @@ class Worker:
         self.inventory = inventory
         self.node = settings.node_name
         self.table = RankTable(settings.data_dir.resolve() / "worker" / self.node)
+        self.relay = Relay(
+            bus, self.node, agent_socket(settings), settings.checkpoint_root, self.table.find
+        )  # the ranks' only way to the bus
         self.started_at = datetime.now(UTC)
         self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
         self.preempting = False  # a preemption notice came: no new ranks here
@@ -102,7 +106,14 @@ class Worker:
         self.table.save()  # before starting: a crash now must not start this attempt twice
 
         devices = {d.index for d in self.inventory.devices}
-        for r in prepare_ranks(launch, self.settings, self.inventory.kind):
+        try:
+            ranks = prepare_ranks(launch, self.settings, self.inventory.kind, self.relay.socket_path)
+        except SpecError as exc:  # the job's program may not run here: a permanent failure
+            for p in launch.placement:
+                if p.node == self.node:
+                    await self._publish_exit_without_start(launch, p.rank, str(exc), exit_code=EXIT_SPEC)
+            return
+        for r in ranks:
             p = r.placement
             if p.device not in devices:
                 await self._publish_exit_without_start(
@@ -118,6 +129,8 @@ class Worker:
                 device=p.device,
                 log_path=r.log_path,
                 exit_path=r.exit_path,
+                token=r.token,
+                cwd=r.cwd,
             )
             log.info(
                 "started rank %d of %s attempt %d on device %d: pid %d",
@@ -128,7 +141,7 @@ class Worker:
                 record.pid,
             )
             await self.bus.publish(
-                subjects.status(job),
+                subjects.status(job, self.node),
                 RankStarted(
                     job_id=job,
                     attempt=launch.attempt,
@@ -140,17 +153,22 @@ class Worker:
             )
 
     async def _publish_exit_without_start(
-        self, launch: LaunchJob, rank: int, why: str, failure: FailureType = "error"
+        self,
+        launch: LaunchJob,
+        rank: int,
+        why: str,
+        failure: FailureType = "error",
+        exit_code: int | None = None,
     ) -> None:
         log.error("%s rank %d: %s", launch.job_id, rank, why)
         await self.bus.publish(
-            subjects.status(str(launch.job_id)),
+            subjects.status(str(launch.job_id), self.node),
             RankExited(
                 job_id=launch.job_id,
                 attempt=launch.attempt,
                 rank=rank,
                 node=self.node,
-                exit_code=None,
+                exit_code=exit_code,
                 failure=failure,
                 log_tail=why,
             ),
@@ -159,15 +177,14 @@ class Worker:
     # --- commands ------------------------------------------------------------------------------------------
 
     async def on_command(self, command: Message, delivery: Delivery) -> None:
-        # Halt, rollback and resume are the ranks' own (they watch the command subject themselves);
-        # a restart rollback arrives here as a LaunchJob for the next attempt.
-        if (
-            isinstance(command, CancelJob)
-            and command.job_id
-            and (ranks := self.table.running(command.job_id))
-        ):
-            log.warning("cancelling %s: %s", command.job_id, command.reason or "no reason given")
-            await self.end_ranks(ranks)
+        """The agent's own command is cancel. Halt, rollback and resume are the ranks' (the relay feeds them
+        their job's); a restart reaches this agent as the next attempt's LaunchJob."""
+        match command:
+            case CancelJob(job_id=str(job)) if ranks := self.table.running(job):
+                log.warning("cancelling %s: %s", job, command.reason or "no reason given")
+                await self.end_ranks(ranks)
+            case _:
+                pass
 
     async def end_ranks(self, ranks: list[RankRecord]) -> None:
         """SIGTERM, SIGKILL after the grace period; returns once every one has exited and been reported."""
@@ -223,7 +240,7 @@ class Worker:
             failure,
         )
         await self.bus.publish(
-            subjects.status(r.job_id),
+            subjects.status(r.job_id, self.node),
             RankExited(
                 job_id=r.job_id,
                 attempt=r.attempt,

@@ -1,27 +1,35 @@
-"""How a LaunchJob becomes this node's rank processes: the run directory, each rank's argv and env.
+"""How a LaunchJob becomes this node's rank processes: the run directory, each rank's argv, env and cwd.
 
 A launch's run directory is `<data dir>/runs/<job>/attempt-<n>/`: the launch event as `launch.json`
-(what every rank reads) and each rank's exit file. Logs go to `<log dir>/<job>/`. Every value on a
-rank's command line comes from Vigil, none from a shell, and none is a secret: a rank's command line
-is readable by every local user (`ps`), so the NATS URL, which may hold a password, travels in its
-environment (`RANK_NATS_URL_ENV`, readable only by its own user), and the worker's other secrets
-(the database URL, the API token) are not passed on at all.
+(what the built-in trainer reads) and each rank's exit file. Logs go to `<log dir>/<job>/`.
+
+A rank runs either the built-in GPT trainer (`python -m vigil_worker.trainer`, the default) or the
+job's own program (`entrypoint.argv`, in `entrypoint.workdir` under a code root). Either way its
+command line is an argument list that no shell sees, and its environment is built from scratch:
+torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR,
+MASTER_PORT), what the SDK needs to reach this agent (`vigil_common.protocol`'s names, among them the
+token the agent minted for this rank), the job's `entrypoint.env`, and of the worker's own environment
+only the names in `VIGIL_RANK_ENV_ALLOW` (never a credential: a rank holds no bus or database secret).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import os
+import secrets
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from vigil_common import protocol as proto
+from vigil_common.confine import OutsideRoots, within
+from vigil_common.errors import SpecError
 from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
 
-RANK_NATS_URL_ENV = "VIGIL_RANK_NATS_URL"  # where a rank finds its NATS URL (`vigil_worker.trainer.rank`)
-RANK_NATS_TLS_CA_ENV = "VIGIL_NATS_TLS_CA"  # and the CA of a NATS server with a private one
-# the worker's secrets that a rank has no use for
-_NOT_FOR_RANKS = ("VIGIL_DATABASE_URL", "VIGIL_API_TOKEN", "VIGIL_NATS_URL")
+PYTHON_NAMES = ("python", "python3")  # an entrypoint's argv[0] that means the worker's own interpreter
 
 
 @dataclass(frozen=True)
@@ -31,30 +39,39 @@ class RankLaunch:
     placement: RankPlacement
     argv: list[str]
     env: dict[str, str]
+    cwd: Path | None
+    token: str  # the rank's proof of identity to this agent (in its env as VIGIL_RANK_TOKEN)
     log_path: Path
     exit_path: Path
 
 
-def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str) -> list[RankLaunch]:
+def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str, socket_path: Path) -> list[RankLaunch]:
     """This node's ranks of `launch` (none if it places nothing here), its run directory written.
 
-    `kind` is this node's device kind ("gpu" or "cpu")."""
+    `kind` is this node's device kind ("gpu" or "cpu"); `socket_path` where this agent's relay listens.
+    SpecError (naming the field) when the job's program may not run here."""
     mine = [p for p in launch.placement if p.node == settings.node_name]
     if not mine:
         return []
+    argv, cwd = program(launch, settings)
     job = str(launch.job_id)
     run_dir = settings.data_dir.resolve() / "runs" / job / f"attempt-{launch.attempt}"
     run_dir.mkdir(parents=True, exist_ok=True)
     launch_file = run_dir / "launch.json"
     launch_file.write_bytes(launch.to_bytes())
+    if argv is None:
+        argv = trainer_argv(launch_file, settings)
     ranks = []
     for p in mine:
         exit_path = run_dir / f"rank-{p.rank}.exit"
+        token = secrets.token_urlsafe(32)
         ranks.append(
             RankLaunch(
                 placement=p,
-                argv=rank_argv(launch_file, settings),
-                env=rank_env(launch, p, len(mine), kind, settings, exit_path),
+                argv=argv,
+                env=rank_env(launch, p, len(mine), kind, settings, exit_path, token, socket_path),
+                cwd=cwd,
+                token=token,
                 log_path=settings.log_dir / job / f"attempt-{launch.attempt}-rank-{p.rank}.log",
                 exit_path=exit_path,
             )
@@ -62,9 +79,39 @@ def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str) -> list[Rank
     return ranks
 
 
-def rank_argv(launch_file: Path, settings: Settings) -> list[str]:
-    """The rank program's command line: an argument list, every value from Vigil, none from a shell, none
-    secret."""
+def agent_socket(settings: Settings) -> Path:
+    """Where this node's agent listens for its ranks: in its state folder, or, where that path is too
+    long for a Unix socket (108 bytes), in a private folder under the system's temporary one."""
+    path = settings.data_dir.resolve() / "worker" / settings.node_name / "agent.sock"
+    if len(str(path).encode()) <= 100:
+        return path
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"vigil-agent-{digest}" / "agent.sock"
+
+
+def program(launch: LaunchJob, settings: Settings) -> tuple[list[str] | None, Path | None]:
+    """The job's own argv and working folder; (None, None) for the built-in trainer."""
+    entry = launch.spec.entrypoint
+    if entry is None:
+        return None, None
+    if not settings.entrypoints:
+        raise SpecError([{"field": "entrypoint", "message": "this cluster runs the built-in trainer only "
+                          "(VIGIL_ENTRYPOINTS=false)"}])  # fmt: skip
+    roots = settings.allowed_code_roots
+    try:
+        cwd = within(entry.workdir or ".", roots)
+    except OutsideRoots as exc:
+        raise SpecError([{"field": "entrypoint.workdir", "message": str(exc)}]) from exc
+    if not cwd.is_dir():
+        raise SpecError([{"field": "entrypoint.workdir", "message": f"{cwd} is not a folder on this node"}])
+    argv = list(entry.argv)
+    if argv[0] in PYTHON_NAMES:
+        argv[0] = sys.executable  # the worker's Python, where the `vigil` SDK is installed
+    return argv, cwd
+
+
+def trainer_argv(launch_file: Path, settings: Settings) -> list[str]:
+    """The built-in trainer's command line: every value from Vigil, none from a shell, none secret."""
     argv = [
         sys.executable, "-m", "vigil_worker.trainer",
         "--launch", str(launch_file),
@@ -77,6 +124,13 @@ def rank_argv(launch_file: Path, settings: Settings) -> list[str]:
     return argv
 
 
+def inherited(settings: Settings, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The worker's variables a rank may see: only the allowlisted names (`VIGIL_RANK_ENV_ALLOW`)."""
+    source = os.environ if environ is None else environ
+    allow = settings.rank_env_allow
+    return {k: v for k, v in source.items() if any(fnmatch.fnmatchcase(k, pattern) for pattern in allow)}
+
+
 def rank_env(
     launch: LaunchJob,
     placement: RankPlacement,
@@ -84,25 +138,36 @@ def rank_env(
     kind: str,
     settings: Settings,
     exit_path: Path,
+    token: str,
+    socket_path: Path,
 ) -> dict[str, str]:
-    """The torch.distributed environment for one rank and its NATS URL, on top of the worker's own
-    environment less the worker's secrets."""
-    env = {k: v for k, v in os.environ.items() if k not in _NOT_FOR_RANKS}
-    if url := settings.rank_nats_url or settings.nats_url:  # the rank credential when there is one
-        env[RANK_NATS_URL_ENV] = url
-    if settings.nats_tls_ca:  # the worker's setting, however it was given
-        env[RANK_NATS_TLS_CA_ENV] = str(settings.nats_tls_ca)
+    """One rank's whole environment (see the module's docstring)."""
+    env = inherited(settings)
+    if launch.spec.entrypoint is not None:
+        env.update(launch.spec.entrypoint.env)
+    nodes = list(dict.fromkeys(p.node for p in sorted(launch.placement, key=lambda p: p.rank)))
     env.update(
         RANK=str(placement.rank),
         WORLD_SIZE=str(launch.world_size),
         LOCAL_RANK=str(placement.local_rank),
         LOCAL_WORLD_SIZE=str(local_world),
+        NODE_RANK=str(nodes.index(placement.node)),
         MASTER_ADDR=launch.master_addr,
         MASTER_PORT=str(launch.master_port),
-        VIGIL_NODE_NAME=settings.node_name,
-        VIGIL_EXIT_FILE=str(exit_path),
         PYTHONUNBUFFERED="1",
     )
+    env[proto.JOB_ID_ENV] = str(launch.job_id)
+    env[proto.ATTEMPT_ENV] = str(launch.attempt)
+    env[proto.NODE_ENV] = settings.node_name
+    env[proto.AGENT_SOCKET_ENV] = str(socket_path)
+    env[proto.RANK_TOKEN_ENV] = token
+    env[proto.EXIT_FILE_ENV] = str(exit_path)
+    env[proto.CHECKPOINT_ROOT_ENV] = str(settings.checkpoint_root)
+    env[proto.CHECKPOINT_KEEP_ENV] = str(launch.spec.checkpoint.keep)
+    if launch.resume_from:
+        env[proto.RESUME_FROM_ENV] = launch.resume_from
+    if launch.skip_data:
+        env[proto.SKIP_DATA_ENV] = f"{launch.skip_data[0]}:{launch.skip_data[1]}"
     if kind == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = str(placement.device)
     else:

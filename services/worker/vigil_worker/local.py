@@ -1,19 +1,81 @@
 """Run a job's ranks on this machine without a worker: for benchmarks, demos and debugging.
 
 The worker is the production path (`agent.py`, `launch.py`); this starts the same rank program with the same
-torch.distributed environment, from an argument list.
+torch.distributed environment, from an argument list. With a `LocalAgent` the ranks are linked to the bus
+as a worker's are: through the agent's relay (its own thread, event loop and bus connection).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from vigil_common import protocol as proto
+from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
+from vigil_worker.procs import RankRecord
+from vigil_worker.relay import Relay
+
+
+class LocalAgent:
+    """The relay of a worker, for ranks started by `start_ranks`: `env(job, attempt, rank)` is what a rank
+    needs to link to it (a fresh token each time)."""
+
+    def __init__(self, nats_url: str, checkpoint_root: Path, node: str = "local") -> None:
+        self.nats_url, self.checkpoint_root, self.node = nats_url, checkpoint_root, node
+        self.socket_path = Path(tempfile.mkdtemp(prefix="vigil-agent-")) / "agent.sock"
+        self._ranks: dict[tuple[str, int, int], RankRecord] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="local-agent", daemon=True)
+        self._relay: Relay | None = None
+        self._bus: Bus | None = None
+
+    def __enter__(self) -> LocalAgent:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(60)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> None:
+        self._bus = await Bus.connect(self.nats_url, name=f"agent-{self.node}")
+        self._relay = await Relay(
+            self._bus, self.node, self.socket_path, self.checkpoint_root, self._find
+        ).start()
+
+    async def _stop(self) -> None:
+        if self._relay is not None:
+            await self._relay.close()
+        if self._bus is not None:
+            await self._bus.close()
+
+    def _find(self, job_id: str, attempt: int, rank: int) -> RankRecord | None:
+        return self._ranks.get((job_id, attempt, rank))
+
+    def env(self, job_id: str, attempt: int, rank: int) -> dict[str, str]:
+        token = secrets.token_urlsafe(32)
+        self._ranks[(job_id, attempt, rank)] = RankRecord(
+            job_id=job_id, attempt=attempt, rank=rank, device=rank, pid=0, ticks=0, log_path="", exit_path="",
+            token=token,
+        )  # fmt: skip
+        return {
+            proto.AGENT_SOCKET_ENV: str(self.socket_path),
+            proto.RANK_TOKEN_ENV: token,
+            proto.JOB_ID_ENV: job_id,
+            proto.ATTEMPT_ENV: str(attempt),
+            proto.NODE_ENV: self.node,
+        }
 
 
 @dataclass
@@ -42,9 +104,12 @@ def start_ranks(
     *,
     threads: int = 1,
     module: str = "vigil_worker.trainer",
+    agent: LocalAgent | None = None,
+    job: tuple[str, int] | None = None,
 ) -> LocalRanks:
     """Start `world_size` ranks of `python -m MODULE ARGS` here, logs in `log_dir`. MODULE is the rank
-    program, or one that wraps it (a benchmark's, calling `vigil_worker.trainer.rank.main`)."""
+    program, or one that wraps it (a benchmark's, calling `vigil_worker.trainer.rank.main`). With
+    `agent` and `job` (job id, attempt) the ranks are linked to the bus through that agent."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
@@ -60,6 +125,10 @@ def start_ranks(
             OMP_NUM_THREADS=str(threads),
             PYTHONUNBUFFERED="1",
         )
+        for name in [k for k in env if k.startswith("VIGIL_")]:
+            del env[name]  # this process's settings are not the rank's
+        if agent is not None and job is not None:
+            env.update(agent.env(job[0], job[1], rank))
         log = log_dir / f"rank-{rank}.log"
         with log.open("ab") as out:
             procs.append(

@@ -1,13 +1,13 @@
 """The worker service, one per node: `run(settings, stop)` is its lifecycle.
 
-Connect to NATS, find ranks a previous run of this worker started (report the truth about each), then
-in a TaskGroup: durable consumers of launches and commands, and once they exist, heartbeats, device
-samples, the rank monitor and the preemption watch. On stop the consumers drain and the bus closes;
-running ranks are left running, so a restarted worker picks them up again (unless
-VIGIL_WORKER_END_RANKS_ON_STOP, as under `vigil up`). A preemption notice (SIGTERM with
-VIGIL_PREEMPT_ON_SIGTERM, or VIGIL_PREEMPTION_NOTICE_FILE appearing) first has the ranks checkpoint and
-exit, then stops the worker. What the worker does is `agent.Worker`'s; how a launch becomes processes,
-`launch`'s.
+Connect to NATS, find ranks a previous run of this worker started (report the truth about each), open
+the relay (the ranks' Unix socket: their only way to the bus), then in a TaskGroup: durable consumers
+of launches and commands, and once they exist, heartbeats, device samples, the rank monitor and the
+preemption watch. On stop the consumers drain and the bus closes; running ranks are left running, so a
+restarted worker picks them up again (unless VIGIL_WORKER_END_RANKS_ON_STOP, as under `vigil up`). A
+preemption notice (SIGTERM with VIGIL_PREEMPT_ON_SIGTERM, or VIGIL_PREEMPTION_NOTICE_FILE appearing)
+first has the ranks checkpoint and exit, then stops the worker. What the worker does is
+`agent.Worker`'s; how a launch becomes processes, `launch`'s; the ranks' link, `relay`'s.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             manage=False, replicas=settings.stream_replicas
         )  # its NATS role may not change them
 
-        # --- recover: the truth about ranks a previous run started ------------------------------------------
+        # --- recover: the truth about ranks a previous run started; their links ---------------------------
         worker = Worker(settings, bus, inventory)
         await worker.recover()
+        await worker.relay.start()  # ranks still running from a previous run reconnect here
+        stack.push_async_callback(worker.relay.close)
         kinds = {d.kind for d in inventory.devices}
         log.info(
             "worker %s: %d %s device(s)", settings.node_name, len(inventory.devices), "/".join(sorted(kinds))

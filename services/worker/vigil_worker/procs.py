@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vigil_worker.trainer.exits import last_step_path
+from vigil.exits import last_step_path
 
 
 def start_ticks(pid: int) -> int | None:
@@ -44,6 +44,7 @@ class RankRecord:
     log_path: str
     exit_path: str
     started_at: float = field(default_factory=time.time)
+    token: str = ""  # the rank's proof of identity to this agent's relay (ranks.json is 0600)
     killed: bool = False  # ended by this worker (cancel, newer attempt, a sibling's death)
     reported: bool = False  # RankExited published
 
@@ -78,13 +79,26 @@ class RankTable:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         body = {"ranks": [asdict(r) for r in self.records if not r.reported], "attempts": self.attempts}
-        tmp.write_text(json.dumps(body, indent=1))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the ranks' tokens
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(body, indent=1))
         os.replace(tmp, self.path)
 
     # --- queries --------------------------------------------------------------------------------------------
 
     def running(self, job_id: str | None = None) -> list[RankRecord]:
         return [r for r in self.records if not r.reported and (job_id is None or r.job_id == job_id)]
+
+    def find(self, job_id: str, attempt: int, rank: int) -> RankRecord | None:
+        """The running rank `rank` of `job_id`'s attempt `attempt`, if this worker started it."""
+        return next(
+            (
+                r
+                for r in self.running(job_id)
+                if r.attempt == attempt and r.rank == rank and not r.killed and r.token
+            ),
+            None,
+        )
 
     def on_device(self, index: int) -> RankRecord | None:
         return next((r for r in self.running() if r.device == index), None)
@@ -102,6 +116,8 @@ class RankTable:
         device: int,
         log_path: Path,
         exit_path: Path,
+        token: str = "",
+        cwd: Path | None = None,
     ) -> RankRecord:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path.unlink(missing_ok=True)
@@ -115,6 +131,7 @@ class RankTable:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 close_fds=True,
+                cwd=cwd,
             )
         ticks = start_ticks(proc.pid)
         record = RankRecord(
@@ -126,6 +143,7 @@ class RankTable:
             ticks=ticks if ticks is not None else -1,
             log_path=str(log_path),
             exit_path=str(exit_path),
+            token=token,
         )
         self._children[proc.pid] = proc
         self.records.append(record)

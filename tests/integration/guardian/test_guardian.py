@@ -147,7 +147,9 @@ async def test_nan_halts_and_rolls_back_to_the_newest_checkpoint_at_or_before_it
         halt, rollback, incident = await take(events, 3)
     assert (halt.type, rollback.type, incident.type) == ("job.halt", "job.rollback", "incident.raised")
     assert (
-        rollback.checkpoint == f"/ckpt/{job_id}/step_00000005" and rollback.step == 5 and not rollback.restart
+        rollback.checkpoint == f"/ckpt/{job_id}/step_00000005"
+        and rollback.step == 5
+        and rollback.type == "job.rollback"
     )
     assert (incident.kind, incident.action, incident.step, incident.rank) == ("nan", "rollback", 7, 1)
     assert halt.incident_id == rollback.incident_id == incident.event_id and rollback.attempt == 1
@@ -198,7 +200,11 @@ async def test_missing_steps_give_a_hang_incident_then_the_policys_action(bus, g
         rollback, incident = await take(events, 2)
     assert (incident.kind, incident.rank, incident.action, incident.step) == ("hang", 1, "rollback", 3)
     assert incident.evidence["silent_s"] > 1.0
-    assert rollback.restart and rollback.step == 0 and rollback.checkpoint.endswith("step_00000000")
+    assert (
+        rollback.type == "job.restart"
+        and rollback.step == 0
+        and rollback.checkpoint.endswith("step_00000000")
+    )
     await job.end()
 
 

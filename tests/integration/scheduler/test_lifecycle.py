@@ -9,7 +9,15 @@ import pytest
 from tests.helpers import eventually
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import CancelJob, HaltJob, IncidentRaised, ResumeJob, RollbackCompleted, RollbackJob
+from vigil_common.events import (
+    CancelJob,
+    HaltJob,
+    IncidentRaised,
+    RestartJob,
+    ResumeJob,
+    RollbackCompleted,
+    RollbackJob,
+)
 
 from .conftest import checkpoint, exit_rank, launched, spec, start_ranks, wait_state
 
@@ -119,9 +127,7 @@ async def test_guardian_commands_drive_halt_rollback_restart_and_fail(scheduler,
     # checkpoint was superseded by the rollback to 19, so nothing newer than 19 is offered.
     await bus.publish(
         subjects.cmd(jid),
-        RollbackJob(
-            job_id=jid, attempt=1, checkpoint=good, step=19, skip_data=(20, 22), restart=True, reason="hang"
-        ),
+        RestartJob(job_id=jid, attempt=1, checkpoint=good, step=19, skip_data=(20, 22), reason="hang"),
     )
     second = await launched(bus, jid, attempt=2)
     assert second.resume_from == good and second.skip_data == (20, 22)

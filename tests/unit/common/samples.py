@@ -114,7 +114,7 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         **JOB, from_state="RUNNING", to_state="HALTED", cause="nan at step 12"
     ),
     ev.HaltJob: ev.HaltJob(**JOB, reason="nan at step 12", incident_id="i1"),
-    ev.RollbackJob: ev.RollbackJob(
+    ev.RollbackJobV1: ev.RollbackJobV1(
         **JOB,
         checkpoint="/ckpt/j/step_00000010",
         step=10,
@@ -122,6 +122,30 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         restart=False,
         reason="spike",
         incident_id="i2",
+    ),
+    ev.RollbackJob: ev.RollbackJob(
+        **JOB,
+        checkpoint="/ckpt/j/step_00000010",
+        step=10,
+        skip_data=(12, 13),
+        reason="spike",
+        incident_id="i2",
+    ),
+    ev.RestartJob: ev.RestartJob(
+        **JOB, checkpoint="/ckpt/j/step_00000010", step=10, skip_data=None, reason="hang", incident_id="i3"
+    ),
+    ev.RestartRequested: ev.RestartRequested(
+        **JOB, checkpoint="/ckpt/j/step_00000010", step=10, skip_data=(12, 13), command_id="c2", node="n1"
+    ),
+    ev.OutOfMemoryHalted: ev.OutOfMemoryHalted(
+        **JOB,
+        step=12,
+        rank=1,
+        node="n1",
+        micro_batch=4,
+        grad_accum=2,
+        checkpoint_step=12,
+        message="rank 1 ran out of memory at step 12 with micro-batch 4",
     ),
     ev.ResumeJob: ev.ResumeJob(**JOB, reason="operator"),
     ev.CancelJob: ev.CancelJob(**JOB, reason="user"),

@@ -148,7 +148,7 @@ def test_missing_steps_give_a_hang_then_the_policys_action():
         6,
         "rollback",
     )
-    assert [c.type for c in d.commands] == ["job.rollback"] and d.commands[0].restart
+    assert [c.type for c in d.commands] == ["job.restart"]
     assert d.commands[0].step == 5
     for dd in out:
         g.mark_published(dd.incident.event_id)
@@ -181,7 +181,7 @@ def test_a_launched_rank_that_never_starts_is_a_hang_after_the_timeout():
     assert (d.incident.kind, d.incident.rank, d.incident.node) == ("hang", 1, "n1")
     assert "rank 1 on n1 has not started 31.0s after the launch" in d.incident.message
     assert d.incident.evidence["not_started"] == [1]
-    assert d.commands[0].restart  # relaunched (a new attempt), from the newest checkpoint
+    assert d.commands[0].type == "job.restart"  # relaunched (a new attempt), from the newest checkpoint
     g.mark_published(d.incident.event_id)
     assert g.check_hangs(at(60.0)) == []  # one incident
 
@@ -227,7 +227,7 @@ def test_gpu_health_on_a_busy_device_follows_the_jobs_policy():
         0,
         1,
     )
-    assert d.commands[0].restart and d.commands[0].step == 5
+    assert d.commands[0].type == "job.restart" and d.commands[0].step == 5
     idle = feed(g, [gpu(node="n9", index=3, xid=79)])
     assert idle[0].incident.job_id is None and idle[0].incident.device == 3 and idle[0].commands == ()
 
@@ -267,4 +267,4 @@ def test_a_rollback_that_never_completes_is_a_hang_after_the_timeout():
     assert len(out) == 1
     d = out[0]
     assert d.incident.kind == "hang" and "rollback to step 5 has not completed" in d.incident.message
-    assert d.commands[0].restart and d.commands[0].step == 5
+    assert d.commands[0].type == "job.restart" and d.commands[0].step == 5

@@ -164,21 +164,21 @@ def test_a_malformed_manifest_is_invalid_with_its_reason(tmp_path, edit, says):
 
 def test_a_rollback_naming_another_jobs_checkpoint_loads_this_jobs_own(tmp_path):
     """A command naming `checkpoints/<other job>/step_...` is refused; the job falls back to its own."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
-    from vigil_worker.trainer.checkpoint_collective import choose_checkpoint
+    from vigil.link import NullLink
+    from vigil.run import Identity, Run
+
+    def run(job: str) -> Run:
+        return Run(Identity(job, 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path)
 
     mine, other = make(tmp_path, job="mine", step=4), make(tmp_path, job="other", step=8)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        ctx = SimpleNamespace(rank=0, checkpoint_root=tmp_path, job_id="mine")
-        chosen = choose_checkpoint(ctx, str(other.path), 9)  # type: ignore[arg-type]
+        chosen = run("mine").choose_checkpoint(str(other.path), 9)
         assert chosen.path == mine.path and chosen.job_id == "mine"
-        ctx = SimpleNamespace(rank=0, checkpoint_root=tmp_path, job_id="fresh")
         with pytest.raises(CheckpointError, match="no valid checkpoint"):
-            choose_checkpoint(ctx, str(other.path), None)  # type: ignore[arg-type]
+            run("fresh").choose_checkpoint(str(other.path), None)
     finally:
         dist.destroy_process_group()

@@ -1,84 +1,136 @@
-"""How a LaunchJob becomes this node's rank processes: argv, env, run directory."""
+"""How a LaunchJob becomes this node's rank processes: argv, env, cwd, run directory."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+import pytest
 
 from vigil_common import events as ev
+from vigil_common import protocol as proto
+from vigil_common.errors import SpecError
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
-from vigil_worker.launch import RANK_NATS_TLS_CA_ENV, RANK_NATS_URL_ENV, prepare_ranks
+from vigil_worker.launch import inherited, prepare_ranks
+
+SOCKET = Path("/run/vigil/agent.sock")
 
 
-def make_launch() -> ev.LaunchJob:
-    spec = parse_spec({"name": "j", "resources": {"nodes": 2, "gpus_per_node": 2}})
+def make_launch(**spec: object) -> ev.LaunchJob:
+    spec = parse_spec({"name": "j", "resources": {"nodes": 2, "gpus_per_node": 2}, **spec})
     placement = [
         ev.RankPlacement(rank=r, node=node, device=d, local_rank=d)
         for r, (node, d) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)])
     ]
     return ev.LaunchJob(
-        job_id="j1", attempt=2, spec=spec, placement=placement, master_addr="10.0.0.1", master_port=29511
+        job_id="j1",
+        attempt=2,
+        spec=spec,
+        placement=placement,
+        master_addr="10.0.0.1",
+        master_port=29511,
+        resume_from="/ckpt/j1/step_00000040",
+        skip_data=(40, 42),
     )
 
 
-def settings(tmp_path, node: str = "b") -> Settings:
-    return Settings(data_dir=tmp_path, node_name=node, nats_url="nats://bus:4222", cpu_slots=2)
+def settings(tmp_path: Path, node: str = "b", **kw: object) -> Settings:
+    return Settings(
+        **{"data_dir": tmp_path, "node_name": node, "nats_url": "nats://bus:4222", "cpu_slots": 2, **kw}
+    )
 
 
-def test_only_this_nodes_ranks_with_their_torch_distributed_environment(tmp_path):
+def test_only_this_nodes_ranks_with_torchruns_environment_and_the_sdks(tmp_path):
     launch = make_launch()
-    ranks = prepare_ranks(launch, settings(tmp_path), "gpu")
+    ranks = prepare_ranks(launch, settings(tmp_path), "gpu", SOCKET)
     assert [r.placement.rank for r in ranks] == [2, 3]
     env = ranks[1].env
-    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
-        "3",
-        "1",
-        "4",
-        "2",
-    )
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["NODE_RANK"]) == (
+        "3", "1", "4", "2", "1",
+    )  # fmt: skip
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["CUDA_VISIBLE_DEVICES"]) == ("10.0.0.1", "29511", "1")
-    assert env["VIGIL_EXIT_FILE"] == str(ranks[1].exit_path)
+    assert env[proto.EXIT_FILE_ENV] == str(ranks[1].exit_path)
+    assert (env[proto.JOB_ID_ENV], env[proto.ATTEMPT_ENV], env[proto.NODE_ENV]) == ("j1", "2", "b")
+    assert env[proto.AGENT_SOCKET_ENV] == str(SOCKET)
+    assert env[proto.RESUME_FROM_ENV] == "/ckpt/j1/step_00000040" and env[proto.SKIP_DATA_ENV] == "40:42"
+    assert env[proto.RANK_TOKEN_ENV] == ranks[1].token and ranks[0].token != ranks[1].token
+    assert len(ranks[1].token) >= 32
     run_dir = tmp_path.resolve() / "runs" / "j1" / "attempt-2"
     assert ranks[1].exit_path == run_dir / "rank-3.exit"
     assert ranks[1].log_path == tmp_path.resolve() / "logs" / "j1" / "attempt-2-rank-3.log"
     assert ev.decode((run_dir / "launch.json").read_bytes(), (ev.LaunchJob,)) == launch
 
 
-def test_the_rank_command_line_comes_from_vigil_alone(tmp_path):
-    (rank, *_) = prepare_ranks(make_launch(), settings(tmp_path), "cpu")
+def test_the_built_in_trainers_command_line_comes_from_vigil_alone(tmp_path):
+    (rank, *_) = prepare_ranks(make_launch(), settings(tmp_path), "cpu", SOCKET)
     run_dir = tmp_path.resolve() / "runs" / "j1" / "attempt-2"
-    assert rank.argv == [
-        sys.executable, "-m", "vigil_worker.trainer",
+    assert rank.argv[:3] == [sys.executable, "-m", "vigil_worker.trainer"]
+    assert rank.argv[3:11] == [
         "--launch", str(run_dir / "launch.json"),
         "--checkpoint-root", str(tmp_path.resolve() / "checkpoints"),
         "--cache-dir", str(tmp_path.resolve() / "cache"),
         "--node", "b",
-        "--data-root", str(tmp_path.resolve()),
     ]  # fmt: skip
+    assert rank.cwd is None
     assert rank.env["DS_ACCELERATOR"] == "cpu" and rank.env["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_secrets_reach_a_rank_by_its_environment_never_its_command_line(tmp_path, monkeypatch):
-    url = "nats://vigil:s3cret@bus:4222"
+def test_a_rank_inherits_no_secret_and_nothing_outside_the_allowlist(tmp_path, monkeypatch):
     monkeypatch.setenv("VIGIL_DATABASE_URL", "postgresql://vigil:pg-s3cret@db/vigil")
     monkeypatch.setenv("VIGIL_API_TOKEN", "api-token-s3cret-0123456789")
-    conf = Settings(data_dir=tmp_path, node_name="b", nats_url=url, data_roots=[tmp_path / "corpus"])
-    (rank, *_) = prepare_ranks(make_launch(), conf, "cpu")
+    monkeypatch.setenv("VIGIL_NATS_URL", "nats://worker-b:s3cret@bus:4222")
+    monkeypatch.setenv("NATS_WORKER_PASSWORD", "s3cret")  # what Kubernetes gives a worker pod
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    conf = settings(tmp_path, nats_url="nats://worker-b:s3cret@bus:4222")
+    (rank, *_) = prepare_ranks(make_launch(), conf, "cpu", SOCKET)
     assert not [a for a in rank.argv if "s3cret" in a], rank.argv  # argv is visible to everyone in `ps`
-    assert rank.argv[-2:] == ["--data-root", str((tmp_path / "corpus").resolve())]
-    assert rank.env[RANK_NATS_URL_ENV] == url
-    assert not [k for k, v in rank.env.items() if "s3cret" in v and k != RANK_NATS_URL_ENV]
+    assert not [k for k, v in rank.env.items() if "s3cret" in v], "a rank holds no credential"
+    assert rank.env["NCCL_DEBUG"] == "INFO" and rank.env["PATH"]
+    assert "NATS_WORKER_PASSWORD" not in rank.env and "VIGIL_NATS_URL" not in rank.env
+
+
+def test_the_allowlist_takes_names_and_prefixes():
+    allow = Settings(rank_env_allow=["PATH", "NCCL_*"])
+    got = inherited(allow, {"PATH": "/bin", "NCCL_IB_HCA": "mlx5", "NCCLX": "no", "HOME": "/root"})
+    assert got == {"PATH": "/bin", "NCCL_IB_HCA": "mlx5"}
+
+
+def test_a_jobs_own_program_runs_in_its_workdir_under_a_code_root(tmp_path):
+    code = tmp_path / "code"
+    (code / "proj").mkdir(parents=True)
+    launch = make_launch(
+        entrypoint={
+            "argv": ["python", "train.py", "--lr", "3e-4"],
+            "workdir": "proj",
+            "env": {"MY_FLAG": "1"},
+        }
+    )
+    (rank, *_) = prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET)
+    assert rank.argv == [sys.executable, "train.py", "--lr", "3e-4"]  # `python`: the worker's own
+    assert rank.cwd == (code / "proj").resolve()
+    assert rank.env["MY_FLAG"] == "1"
+
+
+@pytest.mark.parametrize("workdir", ["/etc", "../..", "link"])
+def test_a_workdir_outside_the_code_roots_is_refused_naming_the_field(tmp_path, workdir):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "link").symlink_to("/etc")
+    launch = make_launch(entrypoint={"argv": ["python", "x.py"], "workdir": workdir})
+    with pytest.raises(SpecError) as err:
+        prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET)
+    assert err.value.errors[0]["field"] == "entrypoint.workdir"
+
+
+def test_entrypoints_can_be_turned_off(tmp_path):
+    launch = make_launch(entrypoint={"argv": ["python", "x.py"]})
+    with pytest.raises(SpecError) as err:
+        prepare_ranks(launch, settings(tmp_path, entrypoints=False), "cpu", SOCKET)
+    assert err.value.errors[0]["field"] == "entrypoint"
 
 
 def test_a_launch_for_other_nodes_writes_nothing(tmp_path):
-    assert prepare_ranks(make_launch(), settings(tmp_path, node="c"), "gpu") == []
+    assert prepare_ranks(make_launch(), settings(tmp_path, node="c"), "gpu", SOCKET) == []
     assert not (tmp_path / "runs").exists()
-
-
-def test_the_nats_ca_reaches_a_rank_whatever_way_the_worker_was_given_it(tmp_path, monkeypatch):
-    monkeypatch.delenv("VIGIL_NATS_TLS_CA", raising=False)
-    conf = Settings(
-        data_dir=tmp_path, node_name="b", nats_url="tls://bus:4222", nats_tls_ca=tmp_path / "ca.pem"
-    )
-    (rank, *_) = prepare_ranks(make_launch(), conf, "cpu")
-    assert rank.env[RANK_NATS_TLS_CA_ENV] == str(tmp_path / "ca.pem")

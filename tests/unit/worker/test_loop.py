@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
+from vigil.link import NullLink
+from vigil.run import Identity, Run
 from vigil_common.spec import ModelSpec, parse_spec
 from vigil_worker.trainer import guard
 from vigil_worker.trainer.context import RankContext, TrainState
@@ -58,12 +59,6 @@ class Recorder:
         self.rollbacks.append(timing)
 
 
-@pytest.fixture(autouse=True)
-def one_rank(monkeypatch):
-    """A world of one: the control all-reduce is the identity."""
-    monkeypatch.setattr(guard.dist, "all_reduce", lambda tensor, op=None: None)
-
-
 def context(tmp_path: Path, steps: int, faults: list[dict] | None = None) -> tuple[RankContext, Recorder]:
     spec = parse_spec(
         {
@@ -91,6 +86,7 @@ def context(tmp_path: Path, steps: int, faults: list[dict] | None = None) -> tup
         precision="fp32",
         device=torch.device("cpu"),
         faults=FaultInjector(spec.faults, 0, tmp_path / "faults"),
+        run=Run(Identity("loop", 1, 0, 1, 0, "here"), NullLink(), checkpoint_root=tmp_path),
         observer=observer,
     )
     return ctx, observer

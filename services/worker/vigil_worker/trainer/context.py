@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from vigil.preemption import PreemptionNotice
+from vigil.run import Run
 from vigil_common.spec import JobSpec
 from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.mfu import Peak
 from vigil_worker.trainer.observer import NullObserver, Observer
-from vigil_worker.trainer.preemption import PreemptionNotice
-from vigil_worker.trainer.telemetry import NullSink, Sink
 
 
 @dataclass
@@ -36,7 +36,7 @@ class RankContext:
     precision: str
     device: torch.device
     faults: FaultInjector
-    sink: Sink = field(default_factory=NullSink)
+    run: Run  # the rank's session with Vigil (the SDK's): its link to the agent, commands, checkpoints
     comm: CommTimer = field(default_factory=CommTimer)  # measures nothing until installed
     clock: Clock = field(default_factory=Clock)  # wall clock; CUDA events on GPU
     observer: Observer = field(default_factory=NullObserver)
@@ -52,7 +52,7 @@ class TrainState:
     step: int = 0  # the next step to run (= optimizer updates done)
     data_position: int = 0  # the data position that step reads
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
-    handled_seq: int = 0  # commands handled (sequence numbers are 1-based)
+    handled_seq: int = 0  # commands handled (numbered from 1), the SDK's `commands.Inbox`
     halted: bool = False
     saved_step: int | None = None  # the step of the last checkpoint this process saved
     split: int = 1  # each micro-step of the spec runs as this many (2 after an out-of-memory)

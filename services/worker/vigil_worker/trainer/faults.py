@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vigil.exits import write_exit_file
 from vigil_common.spec import CrashFault, Fault, HangFault, NanFault, OomFault, SlowRankFault, SpikeFault
-from vigil_worker.trainer.exits import write_exit_file
 
 if TYPE_CHECKING:
-    from vigil_worker.trainer.telemetry import Sink
+    from vigil.run import Run
 
 log = logging.getLogger("vigil.rank")
 
@@ -80,12 +80,12 @@ class FaultInjector:
     def hangs(self, step: int) -> bool:
         return any(isinstance(f, HangFault) and f.step == step and self._fire(i, f) for i, f in self._mine)
 
-    def act(self, step: int, sink: Sink) -> None:
+    def act(self, step: int, run: Run) -> None:
         """Crash, hang or slow down here when the job spec injects it at `step`."""
         if (code := self.crash_code(step)) is not None:
             log.error("injected crash at step %d: exiting with code %d", step, code)
             write_exit_file(code)
-            sink.close(timeout_s=5.0)
+            run.close()  # what was reported so far reaches the bus
             logging.shutdown()
             os._exit(code)
         if self.hangs(step):

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from vigil_common import events as ev
-from vigil_common import subjects
 from vigil_worker.trainer import guard
 from vigil_worker.trainer.checkpoint_collective import save_checkpoint, save_emergency_checkpoint
 from vigil_worker.trainer.commands import halt, handle_commands
@@ -39,7 +38,7 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
         step, pos = st.step, st.data_position
         ctx.comm.take()  # collectives outside the step (checkpoints, rollbacks) are not its comm time
         t0 = time.perf_counter()
-        ctx.faults.act(step, ctx.sink)  # an injected crash, hang or slow rank (tests and demos)
+        ctx.faults.act(step, ctx.run)  # an injected crash, hang or slow rank (tests and demos)
         factor = ctx.faults.loss_factor(step)
         lr = float(engine.get_lr()[0])
 
@@ -95,8 +94,7 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
             grad_norm = float(gn) if gn is not None else None
         step_s = t_end - t0
         tokens_per_s = tokens_per_step / step_s if step_s > 0 else 0.0
-        ctx.sink.emit(
-            subjects.step(ctx.job_id),
+        ctx.run.emit(
             ev.StepCompleted(
                 job_id=ctx.job_id,
                 attempt=ctx.attempt,
@@ -226,8 +224,7 @@ def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: f
 
 def halt_out_of_memory(ctx: RankContext, st: TrainState, step: int, oom_rank: int) -> None:
     """The retry ran out of memory too: every rank writes the emergency checkpoint and halts; rank 0
-    raises the `oom` incident (the ranks are the ones who know and who acted: it is a fact they report,
-    as the scheduler reports a lost node)."""
+    reports it (`OutOfMemoryHalted`), which the guardian records as the `oom` incident."""
     save_emergency_checkpoint(ctx, st, "out of memory")
     incident_id = f"oom-{ctx.job_id}-{ctx.attempt}-{step}"
     reason = (
@@ -235,23 +232,18 @@ def halt_out_of_memory(ctx: RankContext, st: TrainState, step: int, oom_rank: in
         f"{ctx.spec.train.micro_batch // st.split}; halted after the emergency checkpoint of step {st.step}"
     )
     if ctx.rank == 0:
-        ctx.sink.emit(
-            subjects.incident(ctx.job_id),
-            ev.IncidentRaised(
+        ctx.run.emit(
+            ev.OutOfMemoryHalted(
                 event_id=incident_id,
                 job_id=ctx.job_id,
                 attempt=ctx.attempt,
-                kind="oom",
-                action="halt",
                 step=step,
                 rank=oom_rank,
-                node=ctx.node if oom_rank == 0 else None,
+                node=ctx.node,
+                micro_batch=ctx.spec.train.micro_batch // st.split,
+                grad_accum=ctx.spec.train.grad_accum * st.split,
+                checkpoint_step=st.step,
                 message=reason,
-                evidence={
-                    "micro_batch": ctx.spec.train.micro_batch // st.split,
-                    "grad_accum": ctx.spec.train.grad_accum * st.split,
-                    "checkpoint_step": st.step,
-                },
-            ),
+            )
         )
     halt(ctx, st, reason, incident_id)

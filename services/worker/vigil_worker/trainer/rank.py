@@ -2,10 +2,12 @@
 
 Started by the worker (or by hand) with the torch.distributed environment: RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Builds the process group, the model, the DeepSpeed engine, the
-data and the telemetry sink, resumes or saves the step-0 checkpoint, then runs `loop.train`.
-Without `--nats-url` the rank runs alone: events go nowhere and no command arrives. Each setup step
-is a function (`rank_env`, `read_job`, `init_process_group`, `build_engine`, `load_data`), so that
-another program, such as a benchmark's baseline, builds the very same rank.
+data and its `vigil.Run` (the SDK every program under Vigil uses: the link to its agent, the step
+boundary, commands, checkpoints), resumes or saves the step-0 checkpoint, then runs `loop.train`.
+Started by hand (no agent in its environment) the rank runs alone: events go nowhere and no command
+arrives. Each setup step is a function (`rank_env`, `read_job`, `init_process_group`, `build_engine`,
+`load_data`, `open_run`), so that another program, such as a benchmark's baseline, builds the very
+same rank.
 
 Exit codes: 0 done; 2 bad spec or arguments; 3 no usable checkpoint; 4 preempted (after the emergency
 checkpoint); 1 anything else (traceback in the log).
@@ -23,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vigil_worker.trainer.exits import (
+from vigil.exits import (
     EXIT_CHECKPOINT,
     EXIT_ERROR,
     EXIT_OK,
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from vigil.run import Run
     from vigil_common.spec import JobSpec
     from vigil_worker.trainer.ds_config import DeepSpeedPlan
     from vigil_worker.trainer.mfu import Peak
@@ -63,17 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a folder data.path and data.tokenizer may name (repeatable; default: the data dir)",
     )
     p.add_argument("--node", default=os.environ.get("VIGIL_NODE_NAME", "local"))
-    p.add_argument(
-        "--nats-url",
-        default=os.environ.get("VIGIL_RANK_NATS_URL"),  # how the worker passes it: never on a command line
-        help="publish events and take commands over this NATS; unset: run alone",
-    )
-    p.add_argument(
-        "--nats-tls-ca",
-        type=Path,
-        default=os.environ.get("VIGIL_NATS_TLS_CA") or None,  # how the worker passes it (launch.py)
-        help="CA certificate of a NATS server with a private CA",
-    )
     p.add_argument("--resume-from", help="checkpoint directory (overrides the launch's)")
     p.add_argument(
         "--skip-data", type=int, nargs=2, metavar=("START", "END"), help="[start, end) data positions"
@@ -202,6 +194,17 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     return engine, plan
 
 
+def open_run(job: Job, env: RankEnv, node: str, checkpoint_root: Path) -> Run:
+    """This rank's `vigil.Run`: linked to the agent that started it (its environment says where, with the
+    token the agent minted), or inert when the rank runs alone."""
+    from vigil.link import NullLink, connect_from_env
+    from vigil.run import Identity, Run
+
+    link = connect_from_env(job.job_id, job.attempt, env.rank) or NullLink()
+    identity = Identity(job.job_id, job.attempt, env.rank, env.world, env.local_rank, node)
+    return Run(identity, link, checkpoint_root=checkpoint_root, keep=job.spec.checkpoint.keep)
+
+
 def device_peak(device: torch.device, precision: str) -> Peak | None:
     """The peak MFU is measured against: VIGIL_PEAK_TFLOPS, else the table for this GPU, else (a CPU, or a
     GPU not in the table) this process's measured matmul rate."""
@@ -254,8 +257,9 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
 def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     import torch.distributed as dist
 
+    from vigil.preemption import PreemptionNotice
     from vigil_worker.trainer import checkpoint as ckpt
-    from vigil_worker.trainer.checkpoint_collective import choose_checkpoint, load_checkpoint, save_checkpoint
+    from vigil_worker.trainer.checkpoint_collective import load_checkpoint, save_checkpoint
     from vigil_worker.trainer.clock import Clock
     from vigil_worker.trainer.comm import CommTimer
     from vigil_worker.trainer.context import RankContext, TrainState
@@ -263,22 +267,16 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     from vigil_worker.trainer.faults import FaultInjector
     from vigil_worker.trainer.loop import train
     from vigil_worker.trainer.mfu import flops_per_token
-    from vigil_worker.trainer.preemption import PreemptionNotice
-    from vigil_worker.trainer.telemetry import BusSink, NullSink, Sink
 
     job = read_job(args, env.world)
     root = args.checkpoint_root.resolve()
     notice = PreemptionNotice().install()  # from now on a SIGUSR1 is a preemption notice
 
-    # --- process group, comm timer and sink ----------------------------------------------------------------
+    # --- process group, comm timer and the link to Vigil ---------------------------------------------------
     device = init_process_group(env)
     clock = Clock(cuda=env.cuda)
     comm = CommTimer(clock).install()
-    sink: Sink = NullSink()
-    if args.nats_url:
-        sink = BusSink(
-            args.nats_url, job.job_id, name=f"rank-{job.job_id}-{env.rank}", tls_ca=args.nats_tls_ca
-        ).start()
+    run = open_run(job, env, args.node, root)
 
     # --- model and engine ---------------------------------------------------------------------------------
     engine, plan = build_engine(job.spec, env, device)
@@ -310,7 +308,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         precision=plan.precision,
         device=device,
         faults=FaultInjector(job.spec.faults, env.rank, root / job.job_id / ".vigil" / "faults"),
-        sink=sink,
+        run=run,
         comm=comm,
         clock=clock,
         observer=observer,
@@ -322,7 +320,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     # --- resume, or the step-0 checkpoint -------------------------------------------------------------------
     st = TrainState()
     if job.resume_from:
-        m = choose_checkpoint(ctx, job.resume_from, ckpt.step_of(job.resume_from))
+        m = run.choose_checkpoint(job.resume_from, ckpt.step_of(job.resume_from))
         load_checkpoint(ctx, st, m)
         log.info("resumed from %s at step %d", m.path, st.step)
     if job.skip_data:
@@ -333,7 +331,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
 
     train(ctx, st)
     if st.preempted:  # the emergency checkpoint is on disk: flush its event, then all ranks exit together
-        sink.close()
+        run.close()
         dist.barrier()
         dist.destroy_process_group()
         log.warning("preempted: exiting after the emergency checkpoint of step %d", st.step)
@@ -343,7 +341,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         _save_full_weights(engine, plan.zero_stage, env.rank, args.final_weights)
     if env.rank == 0:
         log.info("done: %d steps", st.step)
-    sink.close()
+    run.close()
     dist.barrier()
     dist.destroy_process_group()
     return EXIT_OK

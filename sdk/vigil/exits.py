@@ -1,10 +1,11 @@
 """How a rank's end reaches the worker: its exit codes, the exit file it leaves behind, and the last
-step it reported (written beside the exit file when its bus sink closes; a rank killed by a signal
+step it reported (written beside the exit file when its link closes; a rank killed by a signal
 leaves none, and its RankExited.last_step stays None).
 
 Exit codes: 0 done; 1 anything else (traceback in the log); 2 bad spec or arguments; 3 no usable
-checkpoint; 4 preempted (every rank wrote the emergency checkpoint first); an injected crash exits with
-the code its fault names.
+checkpoint; 4 preempted (every rank wrote the emergency checkpoint first); 5 stopped to be relaunched
+from a checkpoint (a program that cannot roll back in place; rank 0 reported `RestartRequested`); an
+injected crash exits with the code its fault names.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR, EXIT_SPEC, EXIT_CHECKPOINT, EXIT_PREEMPTED = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_ERROR, EXIT_SPEC, EXIT_CHECKPOINT, EXIT_PREEMPTED, EXIT_RESTART = 0, 1, 2, 3, 4, 5
 
 
 def write_exit_file(code: int) -> None:

@@ -1,0 +1,239 @@
+"""The agent's side of its ranks' links: the only way a rank reaches the bus.
+
+Ranks hold no bus credential. The agent listens on a Unix socket in its own state folder (mode 0600,
+in a 0700 folder); a rank connects and says who it is with the token the agent minted when it started
+that rank (`RankRecord.token`), which stops working once the rank has exited. From then on:
+
+- every event the rank sends (`protocol.FromRanks`) is checked against that identity (its job, attempt
+  and rank; the node is the agent's own; only rank 0 reports job-wide facts; a checkpoint lies in the
+  job's own folder), published on this node's subjects (the only ones the agent's NATS user may publish
+  on), and acknowledged once stored; a rank's events are published one after the other, in order;
+- the job's commands for ranks (`protocol.ToRanks`), read from the command stream from its start by
+  one ordered consumer per job, go to every rank of the job here, numbered in stream order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from vigil.manifest import confine
+from vigil_common import events as ev
+from vigil_common import protocol as proto
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.errors import CheckpointError, MalformedMessage
+from vigil_worker.procs import RankRecord
+
+log = logging.getLogger("vigil.worker")
+
+
+class CommandFeed:
+    """One job's commands for ranks, in stream order, from one ordered consumer; shared by its ranks."""
+
+    def __init__(self, bus: Bus, job_id: str) -> None:
+        self.bus, self.job_id = bus, job_id
+        self.commands: list[ev.Message] = []
+        self.users = 0
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._follow(), name=f"commands-{self.job_id}")
+        await self._ready.wait()
+
+    async def _follow(self) -> None:
+        try:
+            async with self.bus.watch(subjects.cmd(self.job_id), from_start=True) as stream:
+                self._ready.set()
+                async for command in stream:
+                    if isinstance(command, proto.TO_RANKS):
+                        async with self._changed:
+                            self.commands.append(command)
+                            self._changed.notify_all()
+        finally:
+            self._ready.set()
+
+    async def deliver(self, send: Callable[[bytes], None]) -> None:
+        """Send every command so far, then each new one, as `Delivered` frames (until cancelled)."""
+        sent = 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda n=sent: len(self.commands) > n)
+                new = self.commands[sent:]
+            for command in new:
+                sent += 1
+                send(proto.encode_frame(proto.Delivered(seq=sent, command=command)))  # type: ignore[arg-type]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+class Relay:
+    """Serves the ranks' links on `socket_path`; `find` gives the running rank a hello names."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        node: str,
+        socket_path: Path,
+        checkpoint_root: Path,
+        find: Callable[[str, int, int], RankRecord | None],
+    ) -> None:
+        self.bus, self.node, self.socket_path = bus, node, socket_path
+        self.checkpoint_root = checkpoint_root
+        self.find = find
+        self.feeds: dict[str, CommandFeed] = {}
+        self.refused = 0  # events refused (logged), for tests and metrics
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> Relay:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.socket_path.parent, 0o700)
+        self.socket_path.unlink(missing_ok=True)  # a previous agent's
+        self._server = await asyncio.start_unix_server(
+            self._serve, path=str(self.socket_path), limit=proto.MAX_FRAME_BYTES + 1
+        )
+        os.chmod(self.socket_path, 0o600)
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        for feed in list(self.feeds.values()):
+            await feed.stop()
+        self.feeds.clear()
+
+    # --- one rank's link -------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello: proto.Hello | None = None
+        delivering: asyncio.Task[None] | None = None
+        try:
+            hello = await self._welcome(reader, writer)
+            if hello is None:
+                return
+            feed = await self._feed(hello.job_id)
+            delivering = asyncio.create_task(feed.deliver(writer.write))
+            while line := await reader.readline():
+                match proto.decode_rank_frame(line):
+                    case proto.Publish(id=event_id, event=event):
+                        error = await self._publish(hello, event)
+                        writer.write(proto.encode_frame(proto.Acked(id=event_id, error=error)))
+                        await writer.drain()
+                    case proto.Bye():
+                        break
+                    case proto.Hello():
+                        raise MalformedMessage("a second hello on one link")
+        except MalformedMessage as exc:
+            log.warning("rank link %s: %s; closing it", _who(hello), exc)
+            with contextlib.suppress(Exception):
+                writer.write(proto.encode_frame(proto.Refused(reason=str(exc)[:500])))
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+            log.info("rank link %s closed: %s", _who(hello), exc)
+        finally:
+            if delivering is not None:
+                delivering.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await delivering
+            if hello is not None:
+                await self._release(hello.job_id)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _welcome(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> proto.Hello | None:
+        frame = proto.decode_rank_frame(await reader.readline())
+        if not isinstance(frame, proto.Hello):
+            raise MalformedMessage(f"the first frame must be a hello, not {frame.frame!r}")
+        record = self.find(frame.job_id, frame.attempt, frame.rank)
+        if record is None or not hmac.compare_digest(record.token.encode(), frame.token.encode()):
+            log.warning("refused a link claiming to be %s: no running rank with that token", _who(frame))
+            writer.write(proto.encode_frame(proto.Refused(reason="no running rank with that identity")))
+            await writer.drain()
+            return None
+        writer.write(proto.encode_frame(proto.Welcome(node=self.node)))
+        await writer.drain()
+        return frame
+
+    async def _feed(self, job_id: str) -> CommandFeed:
+        feed = self.feeds.get(job_id)
+        if feed is None:
+            feed = self.feeds[job_id] = CommandFeed(self.bus, job_id)
+            await feed.start()
+        feed.users += 1
+        return feed
+
+    async def _release(self, job_id: str) -> None:
+        feed = self.feeds.get(job_id)
+        if feed is not None:
+            feed.users -= 1
+            if feed.users <= 0:
+                del self.feeds[job_id]
+                await feed.stop()
+
+    # --- one event -------------------------------------------------------------------------------------
+
+    async def _publish(self, hello: proto.Hello, event: ev.Message) -> str | None:
+        """Publish `event` for the rank `hello` names; the reason it is refused, or None once stored."""
+        if why := self.refusal(hello, event):
+            self.refused += 1
+            log.warning("refused %s from %s: %s", event.type, _who(hello), why)
+            return why
+        job = hello.job_id
+        subject = (
+            subjects.step(job, self.node)
+            if isinstance(event, ev.StepCompleted)
+            else subjects.status(job, self.node)
+        )
+        try:
+            await self.bus.publish(subject, event)
+        except Exception as exc:
+            log.warning("publishing %s from %s failed: %s", event.type, _who(hello), exc)
+            return f"not published: {exc}"
+        return None
+
+    def refusal(self, hello: proto.Hello, event: ev.Message) -> str | None:
+        """Why the rank `hello` names may not publish `event`; None when it may."""
+        if event.job_id != hello.job_id:
+            return f"job_id {event.job_id!r} is not this rank's job {hello.job_id!r}"
+        if event.attempt != hello.attempt:
+            return f"attempt {event.attempt} is not this rank's attempt {hello.attempt}"
+        if (node := getattr(event, "node", self.node)) != self.node:
+            return f"node {node!r} is not this node {self.node!r}"
+        if isinstance(event, ev.StepCompleted):
+            return (
+                None
+                if event.rank == hello.rank
+                else f"rank {event.rank} is not this link's rank {hello.rank}"
+            )
+        if hello.rank != 0:
+            return f"{event.type} is reported by rank 0 only"
+        if isinstance(event, ev.CheckpointSaved | ev.RollbackCompleted | ev.RestartRequested):
+            path = event.path if isinstance(event, ev.CheckpointSaved) else event.checkpoint
+            try:
+                confine(self.checkpoint_root / hello.job_id, path)
+            except CheckpointError as exc:
+                return f"not a checkpoint of job {hello.job_id}: {exc}"
+        return None
+
+
+def _who(hello: proto.Hello | None) -> str:
+    return (
+        "an unidentified rank"
+        if hello is None
+        else f"rank {hello.rank} of {hello.job_id} attempt {hello.attempt}"
+    )

@@ -1,0 +1,181 @@
+"""A rank's link to its agent (the SDK's `AgentLink`) and the agent's relay, against a real NATS: events
+reach the bus on the agent's node subjects, in order, never blocking the training loop; only the rank
+the agent started, with its token, gets through, and only for its own job, attempt and rank; the
+job's commands reach every rank numbered in stream order; a restarted agent is reconnected to."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from vigil.link import AgentLink
+from vigil_common import events as ev
+from vigil_common import protocol as proto
+from vigil_common import subjects
+from vigil_worker.procs import RankRecord
+from vigil_worker.relay import Relay
+
+pytestmark = pytest.mark.integration
+
+NODE = "relay-node"
+
+
+def step_event(job_id: str, step: int, rank: int = 0, attempt: int = 1) -> ev.StepCompleted:
+    return ev.StepCompleted(
+        job_id=job_id, attempt=attempt, rank=rank, node=NODE, step=step, loss=1.0, lr=0.1, tokens=1,
+        tokens_per_s=1.0, step_time_s=0.1, local_finite=True,
+    )  # fmt: skip
+
+
+class Ranks:
+    """Stands in for the agent's RankTable: the ranks it started, with their tokens."""
+
+    def __init__(self) -> None:
+        self.records: dict[tuple[str, int, int], RankRecord] = {}
+
+    def add(self, job_id: str, rank: int, attempt: int = 1) -> str:
+        token = secrets.token_urlsafe(32)
+        self.records[(job_id, attempt, rank)] = RankRecord(
+            job_id=job_id, attempt=attempt, rank=rank, device=rank, pid=1, ticks=1, log_path="", exit_path="",
+            token=token,
+        )  # fmt: skip
+        return token
+
+    def find(self, job_id: str, attempt: int, rank: int) -> RankRecord | None:
+        return self.records.get((job_id, attempt, rank))
+
+
+@pytest.fixture
+async def relay(bus) -> AsyncIterator[tuple[Relay, Ranks]]:
+    ranks = Ranks()
+    folder = Path(tempfile.mkdtemp(prefix="vigil-relay-"))
+    r = await Relay(bus, NODE, folder / "agent.sock", folder / "checkpoints", ranks.find).start()
+    yield r, ranks
+    await r.close()
+
+
+async def link(r: Relay, job_id: str, rank: int, token: str, attempt: int = 1, **kw: int) -> AgentLink:
+    hello = proto.Hello(job_id=job_id, attempt=attempt, rank=rank, token=token)
+    return await asyncio.to_thread(AgentLink(r.socket_path, hello, **kw).start, 10.0)
+
+
+async def test_events_reach_the_bus_in_order_and_a_full_queue_drops_instead_of_blocking(relay, bus, job_id):
+    r, ranks = relay
+    rank = await link(r, job_id, 0, ranks.add(job_id, 0), queue_size=8)
+    async with bus.watch(subjects.step(job_id, NODE)) as stream:
+        t0 = time.perf_counter()
+        for step in range(2000):
+            rank.emit(step_event(job_id, step))
+        emit_s = time.perf_counter() - t0
+        await asyncio.to_thread(rank.close)
+        delivered = 2000 - rank.dropped
+        got = [await asyncio.wait_for(anext(stream), 10) for _ in range(delivered)]
+    assert emit_s < 0.5, f"2000 emits took {emit_s:.3f}s: emit must not wait for the agent"
+    assert rank.dropped > 0 and rank.refused == 0
+    assert [e.step for e in got] == sorted(e.step for e in got)  # in order, gaps where dropped
+    assert rank.last_step == got[-1].step
+
+
+async def test_a_wrong_token_or_a_rank_it_did_not_start_is_refused(relay, job_id):
+    r, ranks = relay
+    ranks.add(job_id, 0)
+    with pytest.raises(PermissionError):
+        await link(r, job_id, 0, secrets.token_urlsafe(32))  # not its token
+    with pytest.raises(PermissionError):
+        await link(r, job_id, 1, ranks.records[(job_id, 1, 0)].token)  # rank 1 was never started
+
+
+async def test_a_rank_publishes_only_for_its_own_job_attempt_rank_and_node(relay, bus, job_id):
+    r, ranks = relay
+    other = job_id + "-other"
+    one = await link(r, job_id, 1, ranks.add(job_id, 1))
+    async with bus.watch(subjects.ALL_STEPS, subjects.ALL_STATUS) as stream:
+        forged = [
+            step_event(other, 5, rank=1),  # another job
+            step_event(job_id, 5, rank=0),  # another rank
+            step_event(job_id, 5, rank=1, attempt=2),  # another attempt
+            step_event(job_id, 5, rank=1).model_copy(update={"node": "elsewhere"}),  # another node
+            ev.RanksHalted(job_id=job_id, attempt=1, step=5, command_id="c", node=NODE),  # rank 0's to say
+        ]
+        for event in forged:
+            one.emit(event)
+        one.emit(step_event(job_id, 6, rank=1))
+        assert await asyncio.to_thread(one.flush, 10.0)
+        got = await asyncio.wait_for(anext(stream), 10)
+    await asyncio.to_thread(one.close)
+    assert (got.job_id, got.rank, got.step) == (job_id, 1, 6), "only the genuine step got through"
+    assert one.refused == len(forged) and r.refused == len(forged)
+
+
+async def test_a_checkpoint_outside_the_jobs_folder_is_refused(relay, bus, job_id):
+    r, ranks = relay
+    zero = await link(r, job_id, 0, ranks.add(job_id, 0))
+    root = r.checkpoint_root
+    for path in (root / "another-job" / "step_00000010", Path("/etc"), root / job_id / ".." / "x"):
+        zero.emit(
+            ev.CheckpointSaved(
+                job_id=job_id,
+                attempt=1,
+                step=10,
+                path=str(path),
+                bytes=1,
+                manifest_sha256="0",
+                data_position=10,
+            )
+        )
+    assert await asyncio.to_thread(zero.flush, 10.0)
+    await asyncio.to_thread(zero.close)
+    assert zero.refused == 3
+
+
+async def test_commands_reach_every_rank_numbered_in_stream_order(relay, bus, job_id):
+    r, ranks = relay
+    before = ev.HaltJob(job_id=job_id, attempt=1, reason="sent before the ranks started")
+    await bus.publish(subjects.cmd(job_id), before)
+    await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1))  # the agent's, not theirs
+    a = await link(r, job_id, 0, ranks.add(job_id, 0))
+    b = await link(r, job_id, 1, ranks.add(job_id, 1))
+    try:
+        after = ev.ResumeJob(job_id=job_id, attempt=1)
+        await bus.publish(subjects.cmd(job_id), after)
+        await bus.publish(
+            subjects.cmd(job_id + "-other"), ev.HaltJob(job_id=job_id + "-other", attempt=1, reason="x")
+        )
+        for rank in (a, b):
+            first = await asyncio.to_thread(rank.command, 1, 10.0)
+            second = await asyncio.to_thread(rank.command, 2, 10.0)
+            assert (first.event_id, second.event_id) == (before.event_id, after.event_id)
+            with pytest.raises(TimeoutError):
+                rank.command(3, 0.2)  # neither the cancel nor another job's command
+            assert rank.latest_seq == 2
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+
+
+async def test_a_restarted_agent_is_reconnected_to_and_nothing_is_lost(bus, job_id):
+    ranks = Ranks()
+    token = ranks.add(job_id, 0)
+    folder = Path(tempfile.mkdtemp(prefix="vigil-relay-"))
+    path = folder / "agent.sock"
+    first = await Relay(bus, NODE, path, folder / "checkpoints", ranks.find).start()
+    rank = await link(first, job_id, 0, token)
+    async with bus.watch(subjects.step(job_id, NODE)) as stream:
+        rank.emit(step_event(job_id, 0))
+        assert await asyncio.to_thread(rank.flush, 10.0)
+        await first.close()  # the worker restarts
+        rank.emit(step_event(job_id, 1))  # queued while no agent listens
+        second = await Relay(bus, NODE, path, folder / "checkpoints", ranks.find).start()
+        try:
+            assert await asyncio.to_thread(rank.flush, 20.0), "the link reconnects and sends what was queued"
+            got = [await asyncio.wait_for(anext(stream), 10) for _ in range(2)]
+        finally:
+            await asyncio.to_thread(rank.close)
+            await second.close()
+    assert [e.step for e in got] == [0, 1]
