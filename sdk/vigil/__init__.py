@@ -25,16 +25,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vigil.client import Client as Client
     from vigil.client import VigilError as VigilError
+    from vigil.rendezvous import init_process_group as init_process_group
     from vigil.run import Run as Run
     from vigil.run import init as init
 
-__all__ = ["Client", "Run", "VigilError", "init"]
+__all__ = ["Client", "Run", "VigilError", "init", "init_process_group"]
 
 _LAZY = {
     "init": "vigil.run",
     "Run": "vigil.run",
     "Client": "vigil.client",
     "VigilError": "vigil.client",
+    "init_process_group": "vigil.rendezvous",
 }
 
 

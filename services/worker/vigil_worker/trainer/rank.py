@@ -151,9 +151,12 @@ def read_job(args: argparse.Namespace, world: int) -> Job:
 
 
 def init_process_group(env: RankEnv) -> torch.device:
-    """The process group (NCCL on GPU, gloo on CPU); returns this rank's device."""
+    """The process group (NCCL on GPU, gloo on CPU), its store listening on MASTER_ADDR only (the SDK's
+    `init_process_group`; DeepSpeed then takes the group as it is); returns this rank's device."""
     import deepspeed
     import torch
+
+    from vigil.rendezvous import init_process_group as init_group
 
     if env.cuda:
         index = 0 if torch.cuda.device_count() == 1 else env.local_rank  # the worker shows each rank one GPU
@@ -163,6 +166,7 @@ def init_process_group(env: RankEnv) -> torch.device:
         device = torch.device("cpu")
         # DeepSpeed's shared-memory op serves inference all-reduces only; skip its JIT build on CPU
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    init_group("nccl" if env.cuda else "gloo", timeout_s=600)
     deepspeed.init_distributed(dist_backend="nccl" if env.cuda else "gloo", timeout=timedelta(minutes=10))
     return device
 
