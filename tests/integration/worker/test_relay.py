@@ -82,6 +82,7 @@ async def test_events_reach_the_bus_in_order_and_a_full_queue_drops_instead_of_b
     assert rank.last_step == got[-1].step
 
 
+@pytest.mark.security
 async def test_a_wrong_token_or_a_rank_it_did_not_start_is_refused(relay, job_id):
     r, ranks = relay
     ranks.add(job_id, 0)
@@ -91,6 +92,7 @@ async def test_a_wrong_token_or_a_rank_it_did_not_start_is_refused(relay, job_id
         await link(r, job_id, 1, ranks.records[(job_id, 1, 0)].token)  # rank 1 was never started
 
 
+@pytest.mark.security
 async def test_a_rank_publishes_only_for_its_own_job_attempt_rank_and_node(relay, bus, job_id):
     r, ranks = relay
     other = job_id + "-other"
@@ -113,6 +115,7 @@ async def test_a_rank_publishes_only_for_its_own_job_attempt_rank_and_node(relay
     assert one.refused == len(forged) and r.refused == len(forged)
 
 
+@pytest.mark.security
 async def test_a_checkpoint_outside_the_jobs_folder_is_refused(relay, bus, job_id):
     r, ranks = relay
     zero = await link(r, job_id, 0, ranks.add(job_id, 0))
@@ -134,6 +137,7 @@ async def test_a_checkpoint_outside_the_jobs_folder_is_refused(relay, bus, job_i
     assert zero.refused == 3
 
 
+@pytest.mark.security
 async def test_commands_reach_every_rank_numbered_in_stream_order(relay, bus, job_id):
     r, ranks = relay
     before = ev.HaltJob(job_id=job_id, attempt=1, reason="sent before the ranks started")
