@@ -223,7 +223,7 @@ async def replay(
             for s in streams:
                 if s.label.fault != "hang":
                     await bus.publish(
-                        subjects.status(jobs[s.name]),
+                        subjects.status(jobs[s.name], subjects.CONTROL),
                         JobStateChanged(
                             job_id=jobs[s.name],
                             attempt=1,
@@ -272,7 +272,7 @@ async def _publish_steps(
     longest = max(len(s.steps) for s in streams)
     for k in range(longest):
         batch = [
-            (subjects.step(jobs[s.name]), _event(jobs[s.name], rs, "bench"))
+            (subjects.step(jobs[s.name], "bench"), _event(jobs[s.name], rs, "bench"))
             for s in streams
             if k < len(s.steps)
             for rs in s.steps[k]

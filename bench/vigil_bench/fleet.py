@@ -159,7 +159,7 @@ async def _simulate(
                 started = RankStarted(
                     job_id=launch.job_id, attempt=launch.attempt, rank=r, node=node, pid=1, log_path="-"
                 )
-                await publish(subjects.status(launch.job_id), started, "status")
+                await publish(subjects.status(launch.job_id, node), started, "status")
 
     await nc.subscribe(subjects.ALL_LAUNCHES, cb=on_launch)
     print("ready", flush=True)
@@ -196,7 +196,7 @@ async def _simulate(
                     await publish(subjects.gpu(node), sample, "gpu")
             if job:
                 for r in job.ranks:
-                    await publish(subjects.step(job.job_id), _step(job, r, node, now), "step")
+                    await publish(subjects.step(job.job_id, node), _step(job, r, node, now), "step")
                 job.step += 1
         await nc.flush()
         tick += 1
@@ -308,13 +308,13 @@ async def _probe(bus: Bus, halts: _Halts, spec: JobSpec, timeout_s: float = 30.0
         ),
     )
     saved = await bus.publish(
-        subjects.status(job),
+        subjects.status(job, "probe"),
         CheckpointSaved(job_id=job, attempt=1, step=0, path=f"/probe/{job}", bytes=1, manifest_sha256="x",
                         data_position=0),
     )  # fmt: skip
     # the guardian knows the job (its launch and checkpoint acknowledged) before its steps come
     deadline = time.monotonic() + timeout_s
-    known = [(subjects.launch(job), launched.seq), (subjects.status(job), saved.seq)]
+    known = [(subjects.launch(job), launched.seq), (subjects.status(job, "probe"), saved.seq)]
     while not await _guardian_has(bus, known):
         if time.monotonic() > deadline:
             return None
@@ -326,12 +326,12 @@ async def _probe(bus: Bus, halts: _Halts, spec: JobSpec, timeout_s: float = 30.0
             grad_norm=1.0, lr=1e-3, tokens=1024, tokens_per_s=1e4, step_time_s=0.1, skipped=math.isnan(loss),
         )  # fmt: skip
 
-    await bus.publish(subjects.step(job), step(0, 3.0))
+    await bus.publish(subjects.step(job, "probe"), step(0, 3.0))
     t0 = time.perf_counter()
-    await bus.publish(subjects.step(job), step(1, math.nan))
+    await bus.publish(subjects.step(job, "probe"), step(1, math.nan))
     arrived = await halts.wait(job, timeout_s)
     await bus.publish(
-        subjects.status(job),
+        subjects.status(job, subjects.CONTROL),
         JobStateChanged(job_id=job, attempt=1, from_state="HALTED", to_state="CANCELLED", cause="probe over"),
     )
     return None if arrived is None else arrived - t0

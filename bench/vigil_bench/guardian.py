@@ -124,7 +124,7 @@ async def _sample(bus: Bus, arrivals: _Arrivals, spec: JobSpec, jobs: list[str])
         ),
     )
     await bus.publish(
-        subjects.status(job),
+        subjects.status(job, "bench"),
         CheckpointSaved(
             job_id=job,
             attempt=1,
@@ -153,15 +153,15 @@ async def _sample(bus: Bus, arrivals: _Arrivals, spec: JobSpec, jobs: list[str])
             skipped=math.isnan(loss),
         )
 
-    await bus.publish(subjects.step(job), step(0, 3.0))
+    await bus.publish(subjects.step(job, "bench"), step(0, 3.0))
     await _until(lambda: _drained(bus))
     t0 = time.perf_counter()
-    await bus.publish(subjects.step(job), step(1, math.nan))
+    await bus.publish(subjects.step(job, "bench"), step(1, math.nan))
     await arrivals.wait(job)
     # Over: the guardian forgets the job (nobody completes its rollback here; left alone, the
     # guardian would rightly call that a hang a few seconds later, in the middle of other samples).
     await bus.publish(
-        subjects.status(job),
+        subjects.status(job, subjects.CONTROL),
         JobStateChanged(
             job_id=job, attempt=1, from_state="HALTED", to_state="CANCELLED", cause="bench sample over"
         ),

@@ -111,9 +111,9 @@ async def _bare_consumer_rate(settings: Settings, pool: asyncpg.Pool, job: str) 
             try:
                 t = time.perf_counter()
                 sub = await nc.jetstream().subscribe(
-                    subjects.step(job),
+                    subjects.job_steps(job),
                     durable="bench-bare-" + uuid.uuid4().hex[:8],
-                    stream=subjects.stream_for(subjects.step(job)).name,
+                    stream=subjects.stream_for(subjects.job_steps(job)).name,
                     cb=on_msg,
                     manual_ack=True,
                     config=ConsumerConfig(max_ack_pending=spec.max_ack_pending, ack_wait=spec.ack_wait_s),
@@ -176,9 +176,8 @@ async def _measure(settings: Settings) -> dict[str, object]:
         await bus.ensure_streams()
         job = "bench-" + uuid.uuid4().hex[:10]
         events = _events(job)
-        subject = subjects.step(job)
         for i in range(0, N, 1000):
-            await asyncio.gather(*(bus.publish(subject, e) for e in events[i : i + 1000]))
+            await asyncio.gather(*(bus.publish(subjects.step(job, e.node), e) for e in events[i : i + 1000]))
         copy_s = await _copy_floor(pool, events)
         bare_rate = N / await _bare_consumer_rate(settings, pool, job)
         tele_s, tele_n, startup_s = await _telemetry_rate(settings, pool, job)
@@ -189,7 +188,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         await pool.execute("DELETE FROM telemetry_steps WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_job_progress WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_step_aggregates WHERE job_id = $1", job)
-        await bus.js.purge_stream(subjects.stream_for(subject).name, subject=subject)
+        await bus.js.purge_stream(subjects.JOBS.name, subject=subjects.job_steps(job))
     finally:
         await bus.close()
         await pool.close()

@@ -61,7 +61,7 @@ async def watch_events(  # type: ignore[no-untyped-def]
     bus = await Bus.connect(settings.nats_url, name="vigil-watch", tls_ca=settings.nats_tls_ca)
     try:
         wanted = (
-            (subjects.incident(job_id), subjects.status(job_id))
+            (subjects.incident(job_id), subjects.job_status(job_id))
             if job_id
             else (subjects.ALL_INCIDENTS, subjects.ALL_STATUS)
         )

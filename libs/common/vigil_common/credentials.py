@@ -65,7 +65,7 @@ _STREAM_ADMIN = ("$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*")
 
 
 def worker_role(node: str) -> str:
-    return f"worker-{subjects.token(node, 'node name')}"
+    return f"worker-{subjects.node_token(node)}"
 
 
 def permissions(role: str) -> dict[str, object]:
@@ -78,7 +78,7 @@ def permissions(role: str) -> dict[str, object]:
     if role == SCHEDULER:
         publish = (
             subjects.ALL_LAUNCHES,
-            subjects.ALL_STATUS,
+            subjects.CONTROL_STATUS,
             subjects.ALL_CMDS,
             subjects.ALL_INCIDENTS,
             *_STREAM_ADMIN,
@@ -92,7 +92,12 @@ def permissions(role: str) -> dict[str, object]:
         publish = (subjects.ALL_STEPS, subjects.ALL_STATUS)
     elif role.startswith("worker-"):
         node = role.removeprefix("worker-")
-        publish = (subjects.heartbeat(node), subjects.gpu(node), subjects.ALL_STEPS, subjects.ALL_STATUS)
+        publish = (
+            subjects.heartbeat(node),
+            subjects.gpu(node),
+            subjects.node_steps(node),
+            subjects.node_status(node),
+        )
     else:
         raise ValueError(f"unknown NATS role {role!r}")
     return {

@@ -1,7 +1,12 @@
 """The one registry of bus subjects and JetStream streams.
 
-No service spells a subject by hand: it calls a builder here (`subjects.step(job_id)`),
+No service spells a subject by hand: it calls a builder here (`subjects.step(job_id, node)`),
 and `tests/unit/common/test_subjects.py` fails when a `"vigil.` literal appears elsewhere.
+
+A job's step and status subjects end with their origin: the node whose worker published the event, or
+`CONTROL` for the control plane (the scheduler's state changes). The NATS server lets a worker's user
+publish only on its own node's subjects (`vigil_common.credentials`), so a receiver knows which node an
+event came from and checks it against the job's placement (`vigil_common.origin`).
 """
 
 from __future__ import annotations
@@ -24,27 +29,66 @@ def token(value: str, what: str = "subject token") -> str:
     return value
 
 
+# The origin of the control plane's status events; no node name can take it (`node_token`).
+CONTROL = "_control"
+
+
+def node_token(node: str) -> str:
+    """Validate a node name as a subject token; a leading `_` is reserved (`CONTROL`)."""
+    token(node, "node name")
+    if node.startswith("_"):
+        raise ValueError(f"node name {node!r} may not start with '_' (reserved for the control plane)")
+    return node
+
+
+def origin_token(origin: str) -> str:
+    """A status subject's origin: a node name, or `CONTROL`."""
+    return origin if origin == CONTROL else node_token(origin)
+
+
 # --- builders -------------------------------------------------------------------------------------------
 
 
 def heartbeat(node: str) -> str:
-    return f"{PREFIX}.node.{token(node, 'node name')}.heartbeat"
+    return f"{PREFIX}.node.{node_token(node)}.heartbeat"
 
 
 def gpu(node: str) -> str:
-    return f"{PREFIX}.node.{token(node, 'node name')}.gpu"
+    return f"{PREFIX}.node.{node_token(node)}.gpu"
 
 
 def launch(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id, 'job id')}.launch"
 
 
-def step(job_id: str) -> str:
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.step"
+def step(job_id: str, node: str) -> str:
+    """A step of one of `node`'s ranks."""
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.step.{node_token(node)}"
 
 
-def status(job_id: str) -> str:
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.status"
+def status(job_id: str, origin: str) -> str:
+    """A status event from `origin`: a node (its worker, for itself and its ranks) or CONTROL."""
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.status.{origin_token(origin)}"
+
+
+def job_steps(job_id: str) -> str:
+    """Every step of one job, from any node (a wildcard, for watchers)."""
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.step.*"
+
+
+def job_status(job_id: str) -> str:
+    """Every status event of one job, from any origin (a wildcard, for watchers)."""
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.status.*"
+
+
+def node_steps(node: str) -> str:
+    """Every job's steps from `node` (a wildcard, for that node's worker's permissions)."""
+    return f"{PREFIX}.job.*.step.{node_token(node)}"
+
+
+def node_status(node: str) -> str:
+    """Every job's status events from `node` (a wildcard, for that node's worker's permissions)."""
+    return f"{PREFIX}.job.*.status.{node_token(node)}"
 
 
 def cmd(job_id: str) -> str:
@@ -57,7 +101,7 @@ def incident(job_id: str) -> str:
 
 def node_incident(node: str) -> str:
     """Incidents about a node's device that runs no job (a `gpu_health` incident with job_id None)."""
-    return f"{PREFIX}.incident.node_{token(node, 'node name')}"
+    return f"{PREFIX}.incident.node_{node_token(node)}"
 
 
 def dead_letter(stream: str) -> str:
@@ -74,8 +118,9 @@ def probe(name: str) -> str:
 ALL_HEARTBEATS = f"{PREFIX}.node.*.heartbeat"
 ALL_GPU = f"{PREFIX}.node.*.gpu"
 ALL_LAUNCHES = f"{PREFIX}.job.*.launch"
-ALL_STEPS = f"{PREFIX}.job.*.step"
-ALL_STATUS = f"{PREFIX}.job.*.status"
+ALL_STEPS = f"{PREFIX}.job.*.step.*"
+ALL_STATUS = f"{PREFIX}.job.*.status.*"
+CONTROL_STATUS = f"{PREFIX}.job.*.status.{CONTROL}"  # the control plane's status events
 # Everything VIGIL_JOBS keeps about every job (launch, status and step; commands live in VIGIL_COMMANDS).
 ALL_JOB_EVENTS = f"{PREFIX}.job.>"
 ALL_CMDS = f"{PREFIX}.job.*.cmd"
@@ -84,11 +129,13 @@ ALL_DEAD_LETTERS = f"{PREFIX}.deadletter.*"
 
 
 def kind_of(subject: str) -> str:
-    """The registry name of a concrete subject: `vigil.job.j1.step` -> `step`."""
+    """The registry name of a concrete subject: `vigil.job.j1.step.n1` -> `step`."""
     parts = subject.split(".")
     if len(parts) == 4 and parts[:2] == [PREFIX, "node"]:
         return parts[3]
-    if len(parts) == 4 and parts[:2] == [PREFIX, "job"]:
+    if len(parts) == 4 and parts[:2] == [PREFIX, "job"] and parts[3] in ("launch", "cmd"):
+        return parts[3]
+    if len(parts) == 5 and parts[:2] == [PREFIX, "job"] and parts[3] in ("step", "status"):
         return parts[3]
     if len(parts) == 3 and parts[0] == PREFIX and parts[1] in ("incident", "deadletter", "probe"):
         return parts[1]
@@ -96,8 +143,16 @@ def kind_of(subject: str) -> str:
 
 
 def token_at(subject: str, index: int = 2) -> str:
-    """The node or job token of a concrete subject (`vigil.job.<job>.step` -> `<job>`)."""
+    """The node or job token of a concrete subject (`vigil.job.<job>.step.<node>` -> `<job>`)."""
     return subject.split(".")[index]
+
+
+def origin_of(subject: str) -> str:
+    """Where a step or status event came from: its subject's node, or CONTROL."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[3] not in ("step", "status"):
+        raise ValueError(f"subject {subject!r} carries no origin")
+    return parts[4]
 
 
 # What each subject carries: a consumer decodes only these types there.
@@ -153,13 +208,6 @@ JOBS = StreamSpec(
     max_bytes=10 * _GIB,
     description="launches, job/rank status events and one event per rank per training step",
 )
-# Steps had a stream of their own before: `Bus.ensure_streams` moves a deployment that still has it
-# (the steps some consumer had not acknowledged are copied into VIGIL_JOBS; it is then deleted).
-LEGACY_STEPS = "VIGIL_STEPS"
-RETIRED_STEPS = f"{PREFIX}.retired.steps"  # its subject while it is being emptied
-# Consumers the guardian had on VIGIL_JOBS before it read the stream through one consumer.
-LEGACY_CONSUMERS = ("guardian-status", "guardian-launches")
-
 COMMANDS = StreamSpec(
     name="VIGIL_COMMANDS",
     subjects=(ALL_CMDS,),

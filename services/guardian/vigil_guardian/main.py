@@ -317,7 +317,7 @@ async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int) -> int:
         return 0
     since = max(watch.control.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S)
     fed = 0
-    async for event in _scan(bus, subjects.step(watch.job_id), since, subjects.CARRIES["step"], upto):
+    async for event in _scan(bus, subjects.job_steps(watch.job_id), since, subjects.CARRIES["step"], upto):
         core.on_event(event, event.occurred_at, quiet=True)
         fed += 1
     return fed

@@ -231,7 +231,7 @@ async def _record(
         cause,
         event.event_id,
     )
-    await outbox.enqueue(conn, subjects.status(job.id), event)
+    await outbox.enqueue(conn, subjects.status(job.id, subjects.CONTROL), event)
 
 
 def _encode(key: str, value: Any) -> Any:

@@ -95,12 +95,12 @@ async def test_a_worker_credential_publishing_a_command_is_refused(
             await worker.publish(subjects.cmd(job_id), halt, timeout_s=1.0)
         # its own node's heartbeat and a step are allowed
         await worker.publish(subjects.heartbeat("n1"), sample(NodeHeartbeat, node="n1"))
-        await worker.publish(subjects.step(job_id), step_event(job_id))
+        await worker.publish(subjects.step(job_id, "n1"), step_event(job_id))
     finally:
         await worker.close()
     assert not await stored(admin, subjects.COMMANDS, subjects.cmd(job_id))
     assert await stored(admin, subjects.NODES, subjects.heartbeat("n1"))
-    assert await stored(admin, subjects.JOBS, subjects.step(job_id))
+    assert await stored(admin, subjects.JOBS, subjects.step(job_id, "n1"))
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ async def test_a_worker_credential_publishing_a_command_is_refused(
         (credentials.RANK, subjects.cmd("j-x")),
         (credentials.RANK, subjects.heartbeat("n1")),
         (credentials.RANK, subjects.incident("j-x")),
-        (credentials.TELEMETRY, subjects.step("j-x")),
+        (credentials.TELEMETRY, subjects.step("j-x", "n1")),
         (credentials.TELEMETRY, subjects.cmd("j-x")),
         (credentials.GUARDIAN, subjects.launch("j-x")),
         (credentials.RANK, "_INBOX.someone-elses-consumer"),  # no forged deliveries
@@ -162,14 +162,14 @@ async def test_telemetry_reads_through_a_durable_consumer_and_a_rank_watches_com
         done.set()
 
     spec = ConsumerSpec(
-        stream=subjects.JOBS, durable=f"t-{job_id}", filter_subject=subjects.step(job_id), deliver_new=True
+        stream=subjects.JOBS, durable=f"t-{job_id}", filter_subject=subjects.job_steps(job_id), deliver_new=True
     )
     try:
         await reader.ensure_streams(manage=False)
         consumer = asyncio.create_task(reader.consume_batches(spec, handler, stop))
         async with rank.watch(subjects.cmd(job_id), from_start=True) as commands:
             await eventually(lambda: _consumer_exists(admin, spec), what="telemetry's consumer")
-            await rank.publish(subjects.step(job_id), step_event(job_id))
+            await rank.publish(subjects.step(job_id, "n1"), step_event(job_id))
             await admin.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason="real"))
             assert (await commands.next(10)).reason == "real"  # type: ignore[union-attr]
             await asyncio.wait_for(done.wait(), 10)

@@ -56,7 +56,7 @@ class Job:
         )
         for r in range(self.world):
             await self.bus.publish(
-                subjects.status(self.id),
+                subjects.status(self.id, f"node{r}"),
                 RankStarted(
                     job_id=self.id, attempt=1, rank=r, node=f"node{r}", pid=100 + r, log_path="/dev/null"
                 ),
@@ -64,7 +64,7 @@ class Job:
 
     async def checkpoint(self, step: int) -> None:
         await self.bus.publish(
-            subjects.status(self.id),
+            subjects.status(self.id, "node0"),  # rank 0 reports a checkpoint
             CheckpointSaved(
                 job_id=self.id,
                 attempt=1,
@@ -80,7 +80,7 @@ class Job:
         loss = 3.0 - 0.01 * k + 0.02 * ((k * 7 + rank) % 5 - 2) if loss is None else loss
         base = dict(step_time_s=0.1, comm_time_s=0.01, data_position=k, grad_norm=1.0)
         await self.bus.publish(
-            subjects.step(self.id),
+            subjects.step(self.id, f"node{rank}"),
             StepCompleted(
                 job_id=self.id,
                 attempt=1,
@@ -103,7 +103,7 @@ class Job:
 
     async def end(self) -> None:
         await self.bus.publish(
-            subjects.status(self.id),
+            subjects.status(self.id, subjects.CONTROL),
             JobStateChanged(
                 job_id=self.id, attempt=1, from_state="RUNNING", to_state="SUCCEEDED", cause="test over"
             ),

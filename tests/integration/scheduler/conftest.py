@@ -219,7 +219,7 @@ async def wait_state(
     """The first JobStateChanged of the job to `state` (of `attempt`, with a cause starting with `cause`)."""
     event = await next_event(
         bus,
-        subjects.status(job_id),
+        subjects.job_status(job_id),
         lambda e: (
             isinstance(e, JobStateChanged)
             and e.to_state == state
@@ -233,9 +233,9 @@ async def wait_state(
 
 
 async def count_on(bus: Bus, stream: str, subject: str) -> int:
-    """How many messages the stream holds on exactly `subject`."""
+    """How many messages the stream holds on `subject` (on every subject it matches, for a wildcard)."""
     info = await bus.js.stream_info(stream, subjects_filter=subject)
-    return (info.state.subjects or {}).get(subject, 0)
+    return sum((info.state.subjects or {}).values())
 
 
 def spec(name: str = "t", nodes: int = 1, per_node: int = 2, **extra: Any) -> dict[str, Any]:
@@ -259,7 +259,7 @@ async def start_ranks(bus: Bus, launch: LaunchJob) -> None:
     """What the workers publish once the launch's ranks run."""
     for p in launch.placement:
         await bus.publish(
-            subjects.status(launch.job_id or ""),
+            subjects.status(launch.job_id or "", p.node),
             RankStarted(
                 job_id=launch.job_id,
                 attempt=launch.attempt,
@@ -281,7 +281,7 @@ async def exit_rank(
 ) -> None:
     node = launch.placement[rank].node
     await bus.publish(
-        subjects.status(launch.job_id or ""),
+        subjects.status(launch.job_id or "", node),
         RankExited(
             job_id=launch.job_id,
             attempt=attempt or launch.attempt,
@@ -294,10 +294,11 @@ async def exit_rank(
     )
 
 
-async def checkpoint(bus: Bus, job_id: str, attempt: int, step: int) -> str:
+async def checkpoint(bus: Bus, job_id: str, attempt: int, step: int, node: str) -> str:
+    """Rank 0's worker (on `node`) reports a checkpoint."""
     path = f"/ckpt/{job_id}/step_{step:08d}"
     await bus.publish(
-        subjects.status(job_id),
+        subjects.status(job_id, node),
         CheckpointSaved(
             job_id=job_id,
             attempt=attempt,

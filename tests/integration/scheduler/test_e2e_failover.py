@@ -100,9 +100,11 @@ async def test_killed_worker_fails_over_to_the_other_from_the_last_checkpoint(
     first = await launched(bus, jid)
     victim = first.placement[0].node
     survivor = next(n for n in workers if n != victim)
-    started = await next_event(bus, subjects.status(jid), lambda e: isinstance(e, RankStarted), timeout_s=60)
+    started = await next_event(
+        bus, subjects.job_status(jid), lambda e: isinstance(e, RankStarted), timeout_s=60
+    )
     saved = await next_event(
-        bus, subjects.status(jid), lambda e: isinstance(e, CheckpointSaved) and e.step >= 4, timeout_s=120
+        bus, subjects.job_status(jid), lambda e: isinstance(e, CheckpointSaved) and e.step >= 4, timeout_s=120
     )
 
     workers[victim].kill()  # the machine dies: worker and ranks at once
@@ -115,7 +117,7 @@ async def test_killed_worker_fails_over_to_the_other_from_the_last_checkpoint(
     resumed_step = int(Path(second.resume_from).name.removeprefix("step_"))
     assert resumed_step >= saved.step
     first_step = await next_event(
-        bus, subjects.step(jid), lambda e: isinstance(e, StepCompleted) and e.attempt == 2, timeout_s=120
+        bus, subjects.job_steps(jid), lambda e: isinstance(e, StepCompleted) and e.attempt == 2, timeout_s=120
     )
     assert first_step.step == resumed_step and first_step.node == survivor
     done = await wait_state(bus, jid, "SUCCEEDED", timeout_s=180)

@@ -115,7 +115,7 @@ async def test_preempted_job_resumes_elsewhere_from_the_emergency_checkpoint(
     survivor = next(n for n in workers if n != victim)
     assert {p.node for p in first.placement} == {victim}
     await next_event(
-        bus, subjects.step(jid), lambda e: isinstance(e, StepCompleted) and e.step >= 3, timeout_s=120
+        bus, subjects.job_steps(jid), lambda e: isinstance(e, StepCompleted) and e.step >= 3, timeout_s=120
     )
 
     t0 = time.monotonic()
@@ -124,11 +124,11 @@ async def test_preempted_job_resumes_elsewhere_from_the_emergency_checkpoint(
     else:
         workers[victim].send_signal(signal.SIGTERM)
     emergency = await next_event(
-        bus, subjects.status(jid), lambda e: isinstance(e, CheckpointSaved) and e.step > 0, timeout_s=60
+        bus, subjects.job_status(jid), lambda e: isinstance(e, CheckpointSaved) and e.step > 0, timeout_s=60
     )
     checkpointed_s = time.monotonic() - t0
     exited = await next_event(
-        bus, subjects.status(jid), lambda e: isinstance(e, RankExited) and e.attempt == 1, timeout_s=60
+        bus, subjects.job_status(jid), lambda e: isinstance(e, RankExited) and e.attempt == 1, timeout_s=60
     )
     assert exited.failure == "preempted" and exited.exit_code == 4, exited.log_tail
 
@@ -139,7 +139,7 @@ async def test_preempted_job_resumes_elsewhere_from_the_emergency_checkpoint(
     # at most one step of work lost: the checkpoint holds every step the first attempt finished
     assert emergency.step == max(first_steps) + 1
     resumed = await next_event(
-        bus, subjects.step(jid), lambda e: isinstance(e, StepCompleted) and e.attempt == 2, timeout_s=120
+        bus, subjects.job_steps(jid), lambda e: isinstance(e, StepCompleted) and e.attempt == 2, timeout_s=120
     )
     assert resumed.step == emergency.step and resumed.node == survivor
     done = await wait_state(bus, jid, "SUCCEEDED", timeout_s=180)
@@ -156,9 +156,9 @@ async def test_preempted_job_resumes_elsewhere_from_the_emergency_checkpoint(
 
 async def steps_of(bus: Bus, job_id: str, attempt: int) -> list[StepCompleted]:
     """Every StepCompleted of one attempt that the stream holds now."""
-    n = await count_on(bus, subjects.JOBS.name, subjects.step(job_id))
+    n = await count_on(bus, subjects.JOBS.name, subjects.job_steps(job_id))
     found: list[StepCompleted] = []
-    async with bus.watch(subjects.step(job_id), from_start=True) as events:
+    async with bus.watch(subjects.job_steps(job_id), from_start=True) as events:
         for _ in range(n):
             e = await asyncio.wait_for(anext(events), 15)
             if isinstance(e, StepCompleted) and e.attempt == attempt:

@@ -49,7 +49,7 @@ async def test_lost_node_fails_over_to_the_other_node_from_the_last_checkpoint(
     assert {p.node for p in first.placement} == {victim.name}
     await start_ranks(bus, first)
     await wait_state(bus, job["id"], "RUNNING")
-    last = await checkpoint(bus, job["id"], 1, 20)
+    last = await checkpoint(bus, job["id"], 1, 20, victim.name)
 
     await victim.stop()  # the worker dies: no more heartbeats
     second = await launched(bus, job["id"], attempt=2, timeout_s=10 * HEARTBEAT_S * 3)
@@ -107,7 +107,7 @@ async def test_scheduler_killed_and_restarted_mid_job_launches_nothing_twice(
         proc.wait(timeout=10)
         # The job goes on while the scheduler is away: steps and a checkpoint.
         await bus.publish(
-            subjects.step(jid),
+            subjects.step(jid, node.name),
             StepCompleted(
                 job_id=jid,
                 attempt=1,
@@ -122,7 +122,7 @@ async def test_scheduler_killed_and_restarted_mid_job_launches_nothing_twice(
                 step_time_s=0.1,
             ),
         )
-        await checkpoint(bus, jid, 1, 0)
+        await checkpoint(bus, jid, 1, 0, node.name)
         # As if the crash came between publishing the launch and recording it: the relay re-publishes,
         # JetStream drops the copy by its Nats-Msg-Id.
         reset = await pool.execute("UPDATE outbox SET published_at = NULL WHERE job_id = $1", jid)

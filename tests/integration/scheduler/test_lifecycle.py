@@ -52,8 +52,8 @@ async def test_rank_failure_requeues_from_newest_checkpoint_until_attempts_run_o
     await wait_state(bus, job["id"], "RUNNING")
     node.busy = {0, 1}  # the worker reports the old ranks still running: the job may reuse its own devices
     await node.beat()
-    await checkpoint(bus, job["id"], 1, 4)
-    newest = await checkpoint(bus, job["id"], 1, 9)
+    await checkpoint(bus, job["id"], 1, 4, node.name)
+    newest = await checkpoint(bus, job["id"], 1, 9, node.name)
     await exit_rank(bus, first, 1, 3)
 
     second = await launched(bus, job["id"], attempt=2)
@@ -95,8 +95,8 @@ async def test_guardian_commands_drive_halt_rollback_restart_and_fail(scheduler,
     first = await launched(bus, jid)
     await start_ranks(bus, first)
     await wait_state(bus, jid, "RUNNING")
-    good = await checkpoint(bus, jid, 1, 19)
-    await checkpoint(bus, jid, 1, 39)
+    good = await checkpoint(bus, jid, 1, 19, node.name)
+    await checkpoint(bus, jid, 1, 39, node.name)
 
     await bus.publish(subjects.cmd(jid), HaltJob(job_id=jid, attempt=1, reason="nan at step 42"))
     assert (await wait_state(bus, jid, "HALTED")).cause == "halted: nan at step 42"
@@ -104,7 +104,7 @@ async def test_guardian_commands_drive_halt_rollback_restart_and_fail(scheduler,
     await bus.publish(subjects.cmd(jid), rollback)
     await wait_state(bus, jid, "ROLLING_BACK")
     await bus.publish(
-        subjects.status(jid),
+        subjects.status(jid, node.name),
         RollbackCompleted(
             job_id=jid,
             attempt=1,

@@ -179,9 +179,11 @@ async def test_cancelling_the_vigil_job_frees_the_slurm_step(
     slurm_id = sbatch(slurm_cluster, plane, tmp_path, spec)
     job_id = await vigil_job(plane, name, slurm_cluster, tmp_path, slurm_id)
     started = await next_event(
-        plane.bus, subjects.status(job_id), lambda e: isinstance(e, RankStarted), timeout_s=120
+        plane.bus, subjects.job_status(job_id), lambda e: isinstance(e, RankStarted), timeout_s=120
     )
-    await next_event(plane.bus, subjects.step(job_id), lambda e: isinstance(e, StepCompleted), timeout_s=120)
+    await next_event(
+        plane.bus, subjects.job_steps(job_id), lambda e: isinstance(e, StepCompleted), timeout_s=120
+    )
     # the rank runs inside the Slurm step the workers run in
     environ = proc_environ(started.pid)
     assert f"SLURM_JOB_ID={slurm_id}".encode() in environ

@@ -71,13 +71,13 @@ async def test_every_kind_of_event_is_stored_once_and_read_back(
     async with service(run, settings(nats_url, migrated, tmp_path, port)):
         for k in range(4):
             for r in range(2):
-                await bus.publish(subjects.step(job_id), step(job_id, k, r, loss=2.0 - 0.1 * k))
+                await bus.publish(subjects.step(job_id, f"n{r}"), step(job_id, k, r, loss=2.0 - 0.1 * k))
         # a re-run of step 2 after a rollback (a new event), and a NaN step
-        await bus.publish(subjects.step(job_id), step(job_id, 2, 0, loss=1.5, t=9.0))
-        await bus.publish(subjects.step(job_id), step(job_id, 4, 0, loss=math.nan))
+        await bus.publish(subjects.step(job_id, "n0"), step(job_id, 2, 0, loss=1.5, t=9.0))
+        await bus.publish(subjects.step(job_id, "n0"), step(job_id, 4, 0, loss=math.nan))
         for s, t in ((0, 0.0), (2, 0.25), (4, 0.45)):
             await bus.publish(
-                subjects.status(job_id),
+                subjects.status(job_id, "n0"),
                 CheckpointSaved(
                     job_id=job_id,
                     attempt=1,
@@ -90,7 +90,7 @@ async def test_every_kind_of_event_is_stored_once_and_read_back(
                 ),
             )
         await bus.publish(
-            subjects.status(job_id),
+            subjects.status(job_id, "n0"),
             RollbackCompleted(
                 job_id=job_id,
                 attempt=1,
@@ -209,7 +209,9 @@ async def test_killed_mid_stream_and_restarted_stores_exactly_one_row_per_event(
 
     async def publish_all() -> None:
         for i in range(0, n, 100):
-            await asyncio.gather(*(bus.publish(subjects.step(job_id), e) for e in events[i : i + 100]))
+            await asyncio.gather(
+                *(bus.publish(subjects.step(job_id, e.node), e) for e in events[i : i + 100])
+            )
 
     publisher = asyncio.create_task(publish_all())
     async with service(run, cfg) as (task, _), pool.acquire() as blocker:
@@ -228,7 +230,7 @@ async def test_killed_mid_stream_and_restarted_stores_exactly_one_row_per_event(
     # publisher's retry outside JetStream's de-duplication window
     for e in events[:200]:
         await bus.js.publish(
-            subjects.step(job_id), e.to_bytes(), headers={"Nats-Msg-Id": "dup-" + e.event_id}
+            subjects.step(job_id, e.node), e.to_bytes(), headers={"Nats-Msg-Id": "dup-" + e.event_id}
         )
     async with service(run, cfg):
         # the batch in flight at the kill comes back after the consumer's ack wait

@@ -106,7 +106,9 @@ async def test_prometheus_scrapes_vigil_series_from_telemetry(
     async with service(run, settings), httpx.AsyncClient(base_url=prometheus, timeout=10) as prom:
         for k in range(3):
             for rank in (0, 1):
-                await bus.publish(subjects.step(job_id), step(job_id, rank, k, loss=3.0 - k - 0.5 * rank))
+                await bus.publish(
+                    subjects.step(job_id, "n0"), step(job_id, rank, k, loss=3.0 - k - 0.5 * rank)
+                )
         await bus.publish(
             subjects.gpu(node),
             GpuSampled(
@@ -149,7 +151,7 @@ async def test_prometheus_scrapes_vigil_series_from_telemetry(
 
         # the job ends: its series go from /metrics, so Prometheus marks them stale
         await bus.publish(
-            subjects.status(job_id),
+            subjects.status(job_id, subjects.CONTROL),
             JobStateChanged(job_id=job_id, from_state="RUNNING", to_state="SUCCEEDED", cause="done"),
         )
         await eventually(

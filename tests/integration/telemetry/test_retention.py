@@ -125,7 +125,7 @@ async def test_two_replicas_started_together_share_the_step_consumer(
     s = Settings.load(nats_url=nats_url, database_url=migrated, data_dir=tmp_path, metrics_port=0)
     async with service(run, s) as (a, _), service(run, s) as (b, _):
         events = [step(job_id, k, r, datetime.now(UTC)) for k in range(10) for r in range(4)]
-        await asyncio.gather(*(bus.publish(subjects.step(job_id), e) for e in events))
+        await asyncio.gather(*(bus.publish(subjects.step(job_id, e.node), e) for e in events))
 
         async def stored() -> bool:
             n = await pool.fetchval("SELECT count(*) FROM telemetry_steps WHERE job_id = $1", job_id)

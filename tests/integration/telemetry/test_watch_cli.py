@@ -38,7 +38,10 @@ async def test_watch_shows_new_incidents_and_job_events(bus, nats_url, job_id, t
     ]
 
     for e in events:
-        subject = subjects.incident(e.job_id) if e.type == "incident.raised" else subjects.status(job_id)
+        origin = subjects.CONTROL if isinstance(e, JobStateChanged) else "n0"
+        subject = (
+            subjects.incident(e.job_id) if e.type == "incident.raised" else subjects.status(job_id, origin)
+        )
         await bus.publish(subject, e)
     await eventually(lambda: _at_least(seen, 3), timeout=15, what="the watcher to see the events")
     stop.set()

@@ -182,7 +182,7 @@ class Recorder:
 @contextlib.asynccontextmanager
 async def record(bus: Bus, job_id: str) -> AsyncIterator[Recorder]:
     rec = Recorder()
-    async with bus.watch(subjects.step(job_id), subjects.status(job_id)) as stream:
+    async with bus.watch(subjects.job_steps(job_id), subjects.job_status(job_id)) as stream:
 
         async def pump() -> None:
             async for event in stream:

@@ -11,10 +11,44 @@ SOURCE_DIRS = ["libs", "services", "cli", "bench"]
 
 
 def test_builders_validate_tokens():
-    assert subjects.step("j-1") == "vigil.job.j-1.step"
+    assert subjects.step("j-1", "n1") == "vigil.job.j-1.step.n1"
+    assert subjects.status("j-1", "n1") == "vigil.job.j-1.status.n1"
+    assert subjects.status("j-1", subjects.CONTROL) == "vigil.job.j-1.status._control"
     for bad in ["a.b", "*", ">", "a b", "", "x" * 65]:
         with pytest.raises(ValueError, match="subject token"):
-            subjects.step(bad)
+            subjects.step(bad, "n1")
+        with pytest.raises(ValueError, match="subject token"):
+            subjects.step("j-1", bad)
+
+
+def test_no_node_name_can_be_the_control_origin():
+    """A node's worker may publish on its node's subjects: a node named like the control plane's
+    origin would publish the scheduler's status events."""
+    for build in (subjects.heartbeat, subjects.gpu, subjects.node_steps, subjects.node_status):
+        with pytest.raises(ValueError, match="may not start with '_'"):
+            build(subjects.CONTROL)
+    with pytest.raises(ValueError, match="may not start with '_'"):
+        subjects.step("j1", subjects.CONTROL)
+    with pytest.raises(ValueError, match="may not start with '_'"):
+        subjects.status("j1", "_other")
+
+
+def test_kinds_origins_and_tokens_of_subjects():
+    assert subjects.kind_of(subjects.step("j1", "n1")) == "step"
+    assert subjects.kind_of(subjects.status("j1", subjects.CONTROL)) == "status"
+    assert subjects.kind_of(subjects.launch("j1")) == "launch"
+    assert subjects.origin_of(subjects.step("j1", "n1")) == "n1"
+    assert subjects.origin_of(subjects.status("j1", subjects.CONTROL)) == subjects.CONTROL
+    assert subjects.token_at(subjects.status("j1", "n1")) == "j1"
+    for unknown in ("vigil.job.j1.step", "vigil.job.j1.status", "vigil.job.j1.launch.n1"):
+        with pytest.raises(ValueError, match="registry"):
+            subjects.kind_of(unknown)
+    with pytest.raises(ValueError, match="no origin"):
+        subjects.origin_of(subjects.cmd("j1"))
+    assert subjects.matches(subjects.node_steps("n1"), subjects.step("j1", "n1"))
+    assert not subjects.matches(subjects.node_steps("n1"), subjects.step("j1", "n2"))
+    assert subjects.matches(subjects.job_status("j1"), subjects.status("j1", subjects.CONTROL))
+    assert not subjects.matches(subjects.job_status("j1"), subjects.status("j2", "n1"))
 
 
 @pytest.mark.parametrize(
@@ -23,8 +57,9 @@ def test_builders_validate_tokens():
         (subjects.heartbeat("n1"), "VIGIL_NODES"),
         (subjects.gpu("n1"), "VIGIL_NODES"),
         (subjects.launch("j1"), "VIGIL_JOBS"),
-        (subjects.status("j1"), "VIGIL_JOBS"),
-        (subjects.step("j1"), "VIGIL_JOBS"),
+        (subjects.status("j1", "n1"), "VIGIL_JOBS"),
+        (subjects.status("j1", subjects.CONTROL), "VIGIL_JOBS"),
+        (subjects.step("j1", "n1"), "VIGIL_JOBS"),
         (subjects.cmd("j1"), "VIGIL_COMMANDS"),
         (subjects.incident("j1"), "VIGIL_INCIDENTS"),
         (subjects.dead_letter("VIGIL_STEPS"), "VIGIL_DEAD_LETTERS"),

@@ -24,7 +24,7 @@ async def console_events(
 ) -> AsyncIterator[ServerSentEventMessage]:
     watched = [subjects.ALL_STATUS, subjects.ALL_INCIDENTS]
     if job is not None:
-        watched.append(subjects.step(job))
+        watched.append(subjects.job_steps(job))
     loop = asyncio.get_running_loop()
     async with bus.watch(*watched) as events:
         stream = aiter(events)
