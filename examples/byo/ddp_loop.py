@@ -1,0 +1,125 @@
+"""A tiny GPT-style model trained by a plain `torch.distributed` DDP loop under Vigil (or alone).
+
+    python ddp_loop.py --steps 30                       # one process
+    torchrun --nproc-per-node 2 ddp_loop.py             # two ranks on gloo
+    vigil submit examples/byo/ddp_loop.yaml --follow    # under Vigil
+
+The SDK's core API, nothing else: the step boundary before the optimizer step, a report per step, a
+checkpoint every `--save-every` steps, and a loader so that a rollback happens in place. Each step's batch
+is drawn from its data position, so the guardian's skipped windows are honoured. The data is random
+tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once (a marker file in the
+job's checkpoint folder). The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import vigil
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=5, help="the spec's checkpoint.every")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
+    p.add_argument("--out", default="out/ddp_loop", help="where the NaN marker goes outside Vigil")
+    return p.parse_args()
+
+
+class TinyLM(nn.Module):
+    """Embedding, two transformer layers, a head: the next-token loss of (B, T+1) token ids."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=4 * dim, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, num_layers=2)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, y = ids[:, :-1], ids[:, 1:]  # (B, T) each
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
+        logits = self.head(self.blocks(self.embed(x), mask=mask, is_causal=True))  # (B, T, vocab)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def batch(position: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
+    """This rank's (B, T+1) tokens at a data position: the same on every run, whatever came before."""
+    g = torch.Generator().manual_seed(position * 1000 + rank)
+    return torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=g)
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        vigil.init_process_group()  # gloo on CPU; rank 0's store listens on MASTER_ADDR only
+    run = vigil.init()
+    marker = Path(args.out)
+    if run.active and run.checkpoint_root is not None:
+        marker = run.checkpoint_root / run.identity.job_id  # outlives a relaunch
+    marker = marker / f"nan-at-{args.nan_at}.done"
+
+    torch.manual_seed(0)  # same initial weights on every rank
+    net = TinyLM()
+    model = DDP(net) if world > 1 else net
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
+
+    def save(path: Path) -> None:  # every rank holds the same state: rank 0 writes it
+        if rank == 0:
+            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, path / "state.pt")
+
+    def load(path: Path) -> None:
+        state = torch.load(path / "state.pt", weights_only=True)
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    run.on_rollback(load)  # a rollback loads in place; `after_step` then returns the checkpoint's step
+    step = 0
+    if run.resume_from is not None:  # relaunched from a checkpoint
+        chosen = run.choose_checkpoint(str(run.resume_from), None)
+        load(chosen.path)
+        step = chosen.step
+
+    while step < args.steps:
+        # --- forward and backward (DDP all-reduces the gradients in backward) ----------------------------
+        position = run.position(step)
+        loss = model(batch(position, rank, args))
+        if args.nan_at == step and rank == 1 and not marker.exists():  # the injected fault, once
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            loss = loss * float("nan")
+        loss.backward()
+        norm = nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        # --- the step boundary: is every rank's step finite, which commands are there (one all-reduce) ---
+        ok = run.agree(torch.isfinite(loss) & torch.isfinite(norm))
+        if ok.all_finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # --- report, checkpoint, commands ---------------------------------------------------------------
+        run.report(step, loss=loss.item(), grad_norm=norm.item(), lr=args.lr, data_position=position,
+                   tokens=args.micro_batch * args.seq_len, skipped=not ok.all_finite)  # fmt: skip
+        if (step + 1) % args.save_every == 0 and run.active:
+            run.save_checkpoint(step + 1, save)
+        step = run.after_step(step + 1, ok)  # a halt waits here; a rollback returns the checkpoint's step
+
+    finite = all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    print(json.dumps({"steps": step, "finite_weights": finite}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""A tiny GPT-2 trained by the Hugging Face Trainer under Vigil (or alone: the callback is then inert).
+
+    python hf_trainer.py --steps 30                      # one process
+    torchrun --nproc-per-node 2 hf_trainer.py            # DDP on gloo
+    torchrun --nproc-per-node 2 hf_trainer.py --zero 1   # the Trainer's DeepSpeed integration
+    vigil submit examples/byo/hf_trainer.yaml --follow   # under Vigil
+
+The model is built from a config and the data is random tokens: nothing is downloaded. `--nan-at K`
+makes rank 1's loss NaN at step K once (a marker file in the job's checkpoint folder keeps a relaunch
+from doing it again). The last line printed is JSON: the steps trained and whether the weights are finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import vigil
+from vigil.integrations.hf import VigilCallback, resume_checkpoint
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=5, help="the spec's checkpoint.every")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--zero", type=int, default=None, help="train through DeepSpeed with this ZeRO stage")
+    p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
+    p.add_argument("--out", default="out/hf_trainer", help="the Trainer's output_dir")
+    p.add_argument("--no-vigil", action="store_true", help="without the callback (the SDK bench's floor)")
+    return p.parse_args()
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Fixed random token sequences; the labels are the inputs (the model shifts them)."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class NanOnce(TrainerCallback):
+    """Makes rank 1's loss NaN at step `at`, once per job: the marker file outlives a relaunch."""
+
+    def __init__(self, model: torch.nn.Module, at: int | None, marker: Path) -> None:
+        self.at, self.marker, self.step = at, marker, -1
+        if at is not None and int(os.environ.get("RANK", "0")) == 1:
+            model.register_forward_hook(self.poison)
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self.step = state.global_step
+
+    def poison(self, module, inputs, output):
+        if module.training and self.step == self.at and not self.marker.exists():
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.touch()
+            output.loss = output.loss * float("nan")
+        return output
+
+
+def deepspeed_config(stage: int) -> dict:
+    if not torch.cuda.is_available():
+        # DeepSpeed's shared-memory op serves inference all-reduces only: skip its JIT build on CPU
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.zero is not None and not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        vigil.init_process_group()  # Accelerate uses the group as it is (its store on MASTER_ADDR only)
+    run = vigil.init()
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+    )
+    data = RandomTokens(args.steps * args.micro_batch * world, args.seq_len, 256)
+    training = TrainingArguments(
+        output_dir=args.out,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.micro_batch,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        save_strategy="steps",
+        save_steps=args.save_every,
+        logging_steps=args.steps,
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        ddp_backend="gloo" if world > 1 and not torch.cuda.is_available() else None,
+        deepspeed=deepspeed_config(args.zero) if args.zero is not None else None,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
+        disable_tqdm=True,
+    )
+    marker_dir = Path(args.out)
+    if run.active and run.checkpoint_root is not None:
+        marker_dir = run.checkpoint_root / run.identity.job_id  # outlives a relaunch
+    callbacks = [NanOnce(model, args.nan_at, marker_dir / f"nan-at-{args.nan_at}.done")]
+    if not args.no_vigil:
+        callbacks.append(VigilCallback(run))
+    trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
+    result = trainer.train(resume_from_checkpoint=resume_checkpoint(run))
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    print(json.dumps({"steps": trainer.state.global_step, "finite_weights": finite,
+                      "train_loss": result.training_loss if math.isfinite(result.training_loss) else None,
+                      "seconds": result.metrics.get("train_runtime")}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Vigil for a training loop of your own around a DeepSpeed engine: the step, checkpoints, rollbacks.
+
+A few lines in an existing loop::
+
+    from vigil.integrations import deepspeed as vigil_ds
+
+    run = vigil.init()
+    vigil_ds.register_rollback(engine)          # a rollback loads engine.load_checkpoint in place
+    step = vigil_ds.resume(engine)              # 0, or the step of the checkpoint Vigil relaunched from
+    while step < steps:
+        loss = engine(batch(run.position(step)))
+        engine.backward(loss)
+        ok = vigil_ds.step(engine, loss)        # instead of engine.step(): agree, then step
+        run.report(step, loss=loss.item(), grad_norm=vigil_ds.grad_norm(engine), lr=engine.get_lr()[0],
+                   skipped=not engine.was_step_applied())
+        if (step + 1) % every == 0:
+            vigil_ds.save(engine, step + 1)     # engine.save_checkpoint, sealed with Vigil's manifest
+        step = run.after_step(step + 1, ok)     # a halt waits here; a rollback returns the checkpoint's step
+
+`step` puts this rank's loss (and, where DeepSpeed steps your optimizer directly, the gradients' norm)
+into the step boundary's one all-reduce before `engine.step()`. A non-finite update is then skipped on
+every rank: DeepSpeed skips it itself under ZeRO 1-3 and fp16/bf16 (its overflow check); under ZeRO-0 in
+fp32 it does not, and `step` drops the gradients and marks the step as an overflow, so the optimizer
+leaves the weights alone and the LR schedule does not move (`engine.was_step_applied()` is False).
+
+Checkpoints are DeepSpeed's own files (`engine.save_checkpoint(path, tag="ds")`), every rank writing its
+part into Vigil's `step_<n>` folder. Outside Vigil, `save` saves nothing and `resume` returns 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vigil.integrations._guard import StepLoss, verdict
+from vigil.integrations._guard import grad_norm as _norm
+
+if TYPE_CHECKING:
+    import torch
+
+    from vigil.boundary import Boundary
+    from vigil.run import Run
+
+log = logging.getLogger("vigil")
+
+TAG = "ds"  # the DeepSpeed tag (sub-folder) inside Vigil's step_<n> folder
+
+_losses: dict[int, StepLoss] = {}  # per engine: the micro-steps' losses since its last update
+
+
+def _run(run: Run | None) -> Run:
+    if run is not None:
+        return run
+    import vigil
+
+    return vigil.init()
+
+
+def skips_non_finite(engine: Any) -> bool:
+    """True where DeepSpeed itself skips a non-finite update: ZeRO 1-3, or fp16/bf16 (loss scaling)."""
+    return bool(engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled())
+
+
+def step(engine: Any, loss: torch.Tensor, run: Run | None = None) -> Boundary | None:
+    """`engine.step()` for the micro-step whose `loss` was just backpropagated. At the gradient
+    accumulation boundary, first agree with every rank on whether the update is finite and which commands
+    are there, and skip a non-finite update; returns what the ranks agreed on, for `run.after_step`.
+    Between boundaries it only steps the engine and returns None."""
+    run = _run(run)
+    losses = _losses.setdefault(id(engine), StepLoss())
+    losses.add(loss)
+    if not engine.is_gradient_accumulation_boundary():
+        engine.step()
+        return None
+    loss_sum, count, _ = losses.take()
+    guard = not skips_non_finite(engine)
+    params = list(engine.module.parameters()) if guard else []
+    norm = _norm(params) if guard else None  # full gradients, after the all-reduce in backward
+    mean = loss_sum / count if loss_sum is not None and count else None
+    boundary = run.agree(verdict(mean, norm))  # the step's one sync
+    if boundary.all_finite or not guard:
+        engine.step()
+        if not boundary.all_finite and engine.was_step_applied():
+            raise RuntimeError("vigil: DeepSpeed applied a non-finite update; refusing to go on")
+        return boundary
+    for p in params:  # finite, for DeepSpeed's gradient clipping before the (skipped) update
+        if p.grad is not None:
+            p.grad.zero_()
+    optimizer = engine.optimizer
+    had = {name: vars(optimizer)[name] for name in ("step", "overflow") if name in vars(optimizer)}
+    optimizer.step = _no_update
+    optimizer.overflow = True  # DeepSpeed counts the step as skipped and leaves the LR schedule alone
+    try:
+        engine.step()
+    finally:
+        for name in ("step", "overflow"):
+            if name in had:
+                setattr(optimizer, name, had[name])
+            else:
+                delattr(optimizer, name)
+    return boundary
+
+
+def _no_update(*args: Any, **kwargs: Any) -> None:
+    """The optimizer's step while an update is skipped."""
+
+
+def grad_norm(engine: Any) -> float | None:
+    """The gradients' norm DeepSpeed computed for its last update (None where it computed none)."""
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else None
+
+
+def save(
+    engine: Any, step: int, run: Run | None = None, client_state: dict[str, Any] | None = None
+) -> Path | None:
+    """Every rank: the engine's checkpoint of `step` (the step to run next) in Vigil's folder, sealed with
+    its manifest by rank 0; `client_state` is saved with it. None, and nothing saved, outside Vigil."""
+    run = _run(run)
+    if not run.active or run.checkpoint_root is None:
+        return None
+    state = {"step": step, **(client_state or {})}
+    return run.save_checkpoint(
+        step, lambda path: engine.save_checkpoint(str(path), tag=TAG, client_state=state)
+    )
+
+
+def load(engine: Any, path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint `save` wrote (weights, optimizer and LR schedule) into the engine, in place;
+    returns the client state saved with it."""
+    loaded, client_state = engine.load_checkpoint(str(path), tag=TAG)
+    if loaded is None:
+        raise RuntimeError(f"vigil: DeepSpeed found no checkpoint '{TAG}' in {path}")
+    _losses.pop(id(engine), None)
+    return client_state or {}
+
+
+def register_rollback(engine: Any, run: Run | None = None) -> None:
+    """Let Vigil's rollbacks load the checkpoint into `engine` in place (`run.after_step` then returns the
+    checkpoint's step) instead of relaunching the job."""
+    _run(run).on_rollback(lambda path: load(engine, path))
+
+
+def resume(engine: Any, run: Run | None = None) -> int:
+    """Load the checkpoint Vigil relaunched this job from (verified by rank 0, the same on every rank);
+    returns its step, or 0 when the job starts from scratch."""
+    run = _run(run)
+    if run.resume_from is None:
+        return 0
+    from vigil import manifest
+
+    chosen = run.choose_checkpoint(str(run.resume_from), manifest.step_of(run.resume_from))
+    load(engine, chosen.path)
+    log.info("vigil: resumed from %s at step %d", chosen.path, chosen.step)
+    return chosen.step
