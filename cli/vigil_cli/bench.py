@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "fleet": "vigil_bench.fleet",
     "scaling": "vigil_bench.scaling",
     "console": "vigil_bench.console",
+    "sdk": "vigil_bench.sdk",
 }
 
 

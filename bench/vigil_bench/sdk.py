@@ -1,0 +1,99 @@
+"""`vigil bench sdk`: what the rank SDK costs a program that brings its own training code.
+
+The same Hugging Face Trainer script (examples/byo/hf_trainer.py: a 2-layer GPT-2, two ranks, DDP on
+gloo, CPU) runs with `vigil.integrations.hf.VigilCallback` linked to an agent's relay and a real NATS
+(the step boundary's all-reduce, the gradient norm, a StepCompleted per rank per step) and without it
+(`--no-vigil`, no agent). Runs alternate, the order flipping every pair, so drift on a shared machine
+hits both alike. Each run's rank 0 measures its median step time (start of one step to the start of the
+next, every callback included) after a warm-up; `value` is the median of the runs with the callback,
+`floor` without. Target: ratio <= 1.03.
+
+`python -m vigil_bench.sdk SCRIPT ARGS...` runs SCRIPT as `__main__` (how the ranks start it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import runpy
+import statistics
+import sys
+from pathlib import Path
+
+from vigil_bench import result, servers
+from vigil_common.bus import Bus
+from vigil_common.settings import Settings
+from vigil_worker.local import LocalAgent, start_ranks
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "byo" / "hf_trainer.py"
+PAIRS = 3
+STEPS = 40
+ARGS = ["--steps", str(STEPS), "--save-every", "1000000", "--micro-batch", "8", "--seq-len", "64"]
+
+
+def _one_run(tmp: Path, name: str, extra: list[str], agent: LocalAgent | None) -> float:
+    run_dir = tmp / name
+    ranks = start_ranks(
+        [str(SCRIPT), *ARGS, "--out", str(run_dir / "out"), *extra],
+        2,
+        run_dir,
+        module="vigil_bench.sdk",
+        agent=agent,
+        job=(name, 1) if agent is not None else None,
+    )
+    try:
+        codes = ranks.wait(600)
+    finally:
+        ranks.kill()
+    log = (run_dir / "rank-0.log").read_text()
+    if codes != [0, 0]:
+        raise RuntimeError(f"bench run {name} failed: exit codes {codes}\n{ranks.tail()}")
+    out = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
+    if out["steps"] != STEPS or out["median_step_s"] is None:
+        raise RuntimeError(f"bench run {name}: {out}")
+    return float(out["median_step_s"])
+
+
+def run(settings: Settings) -> dict[str, object]:
+    if not SCRIPT.is_file():
+        raise RuntimeError(f"{SCRIPT} is missing: run `vigil bench sdk` from a checkout of the repository")
+    with contextlib.ExitStack() as stack:
+        settings, where = servers(stack, settings, database=False)
+        tmp, url = settings.data_dir, settings.nats_url
+        assert url
+
+        async def ensure() -> None:
+            bus = await Bus.connect(url, "bench-sdk")
+            await bus.ensure_streams()
+            await bus.close()
+
+        asyncio.run(ensure())
+        agent = stack.enter_context(LocalAgent(url, tmp / "ckpt"))
+        on: list[float] = []
+        off: list[float] = []
+        for i in range(PAIRS):  # off, on / on, off / ...: neither side always runs first
+            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                if side == "off":
+                    off.append(_one_run(tmp, f"off-{i}", ["--no-vigil"], None))
+                else:
+                    on.append(_one_run(tmp, f"on-{i}", [], agent))
+    value, floor = statistics.median(on), statistics.median(off)
+    return result(
+        "sdk",
+        value,
+        floor,
+        "s/step",
+        "<= 1.03",
+        runs_on_s=[round(v, 6) for v in on],
+        runs_off_s=[round(v, 6) for v in off],
+        servers=where,
+        config=f"HF Trainer, GPT-2 2 layers x 64, seq 64, micro-batch 8, 2 ranks DDP gloo CPU, {STEPS} steps",
+    )
+
+
+if __name__ == "__main__":
+    script, *rest = sys.argv[1:]
+    sys.argv = [script, *rest]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
