@@ -87,7 +87,9 @@ def job_hang(
     - a running job's rank with no step for too long: `hang_timeout_s`, or `hang_step_multiple`
       median steps if that is sooner; once every rank has made the job's last step, the plain
       timeout only (final saves, leaving the process group and exiting are not steps);
-    - a launched job's rank that never started, counted from the launch (plain timeout).
+    - a launched job's rank that never started, counted from the launch of this attempt, not
+      from the attempt's first event: a job waits in the queue with its attempt already numbered,
+      and that wait is no silence (plain timeout; none before the launch is seen).
     """
     ranks = c.live_ranks
     if c.terminal or not ranks:
@@ -99,12 +101,12 @@ def job_hang(
         waits = {r: (rec.since, rec.to_step - 1 if rec.to_step else None) for r in ranks}
         median_step_s = None
     elif running(c, progress):
-        start = c.running_since or c.attempt_started_at or now
+        start = c.running_since or c.launched_at or now
         waits = {r: progress.get(r, (start, None)) for r in ranks}
         if c.final_step is not None and all(s is not None and s >= c.final_step for _, s in waits.values()):
             median_step_s = None
-    elif c.state in (None, JobState.SCHEDULED) and c.attempt_started_at:
-        waits = {r: (c.attempt_started_at, None) for r in ranks if r not in c.started}
+    elif c.state in (None, JobState.SCHEDULED) and c.launched_at is not None:
+        waits = {r: (c.launched_at, None) for r in ranks if r not in c.started}
         median_step_s = None
     else:
         return None

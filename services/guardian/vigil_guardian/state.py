@@ -37,7 +37,8 @@ class Control:
     final_step: int | None = None  # the job's last step (train.steps - 1), from its launch
     placement: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (node, device)
     attempt: int = 0
-    attempt_started_at: float = 0.0
+    attempt_started_at: float = 0.0  # the attempt's first event (its submission, for a queued job)
+    launched_at: float | None = None  # the attempt's launch (LaunchJob); None until it is seen
     generation: int = 0  # rollbacks completed in this attempt
     gen_started_at: float | None = None  # when the current generation began (None: the attempt's)
     state: JobState | None = None  # the scheduler's word, when it has spoken
@@ -68,7 +69,7 @@ class Control:
 
     def new_attempt(self, attempt: int, at: float) -> None:
         """A relaunch: what belonged to the previous attempt is forgotten (checkpoints outlive it)."""
-        self.attempt, self.attempt_started_at = attempt, at
+        self.attempt, self.attempt_started_at, self.launched_at = attempt, at, None
         self.generation, self.gen_started_at = 0, None
         self.recovering, self.running_since = None, None
         self.started, self.exited = set(), set()

@@ -86,7 +86,8 @@ class JobWatch:
         c.placement = {p.rank: (p.node, p.device) for p in event.placement}
         c.world_size = len(event.placement)
         c.final_step = event.spec.train.steps - 1
-        c.attempt_started_at = c.attempt_started_at or event.occurred_at.timestamp()
+        # The wait for its ranks starts here, not at the attempt's first event (a queued job's submission).
+        c.launched_at = c.launched_at or event.occurred_at.timestamp()
 
     def on_step(self, event: StepCompleted, now: datetime, *, quiet: bool = False) -> list[Decision]:
         """Judge one rank's step. `quiet`: rebuild windows only (a replay of events already judged)."""

@@ -131,13 +131,22 @@ class Windows:
             )
             if found is not None:
                 out.append(found)
-        found = self.tracker.observe(events, nodes)
+        return out + self._slow_rank(events, nodes)
+
+    def _slow_rank(self, events: list[StepCompleted], nodes: dict[int, str]) -> list[Verdict]:
+        """An imbalance or straggler from this step's spread (`tracker`, one per run of imbalanced
+        steps) and a straggler from the ranks' scores over a window (`scores`). One slow rank is one
+        incident: whichever names it first reports it, and neither again until its score is back."""
         scored = self.scores.observe(events, nodes)
-        if found is None and self.tracker.quiet:  # a per-step episode already names the straggler
-            found = scored
-        if found is not None:
-            out.append(found)
-        return out
+        found = self.tracker.observe(events, nodes)
+        if found is not None and found.kind == "imbalance":
+            if scored is not None and scored.rank == found.rank:
+                scored = None  # both name it at this step: the per-step verdict says it
+            elif found.rank in self.scores.reported:
+                found = None  # a persistent straggler, already reported: not once per run again
+            else:
+                self.scores.mark(found.rank)
+        return [v for v in (found, scored) if v is not None]
 
     @staticmethod
     def _lone_witnesses(group: dict[int, StepCompleted]) -> list[Verdict]:
