@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     http_port: int = Field(8000, ge=0, le=65535)
     api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")
     console_session_s: int = Field(
-        12 * 3600, ge=60, le=30 * 86_400, description="a console login lasts this long (seconds), then expires"
+        12 * 3600, ge=60, le=30 * 86_400, description="a console login lasts this long (seconds)"
     )
     node_name: str = Field(default_factory=default_node_name)
     node_address: str = Field("127.0.0.1", description="where this node's ranks are reachable")

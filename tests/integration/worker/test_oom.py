@@ -5,8 +5,6 @@ checkpoint, with an `oom` incident."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.integration.worker.conftest import launch, rank_logs, record, tiny_spec, until_exited
@@ -58,27 +56,29 @@ async def test_oom_is_retried_split_with_the_same_global_batch(ready_cluster, bu
     assert f"step {OOM_STEP}: rank 1 ran out of memory; retrying with micro-batch 2 x 2 accumulation" in logs
 
 
-async def test_a_second_oom_halts_after_an_emergency_checkpoint_with_an_oom_incident(
-    ready_cluster, bus, job_id
-):
+async def test_a_second_oom_halts_after_an_emergency_checkpoint_and_is_reported(ready_cluster, bus, job_id):
     spec = tiny_spec(
         steps=8,
         zero_stage=0,  # fp32 without ZeRO: the guard's GuardedAdamW skips each poisoned update
         checkpoint={"every": 100, "keep": 2},
         faults=[{"kind": "oom", "step": OOM_STEP, "rank": 1, "repeat": True}],
     )
-    async with bus.watch(subjects.incident(job_id)) as incidents, record(bus, job_id) as rec:
+    async with record(bus, job_id) as rec:
         await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
         halted = (await rec.until(lambda r: r.of(ev.RanksHalted), timeout=180))[0]
-        incident = await asyncio.wait_for(anext(incidents), 30)
+        (report,) = await rec.until(lambda r: r.of(ev.OutOfMemoryHalted), timeout=30)
         saved = rec.of(ev.CheckpointSaved)
         await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test done"))
         exits = await until_exited(rec, timeout=60)
 
-    assert isinstance(incident, ev.IncidentRaised)
-    assert (incident.kind, incident.action, incident.step, incident.rank) == ("oom", "halt", OOM_STEP, 1)
-    assert incident.evidence["micro_batch"] == 2 and incident.evidence["checkpoint_step"] == OOM_STEP
-    assert halted.command_id == incident.event_id and halted.step == OOM_STEP - 1
+    # the ranks report it; the guardian records it as the `oom` incident (tests/unit/guardian/test_watch.py)
+    assert (report.step, report.rank, report.micro_batch, report.checkpoint_step) == (
+        OOM_STEP,
+        1,
+        2,
+        OOM_STEP,
+    )
+    assert halted.command_id == report.event_id and halted.step == OOM_STEP - 1
     # the emergency checkpoint holds every step done before the failed one, and verifies
     assert [e.step for e in saved] == [0, OOM_STEP]
     m = ckpt.verify(saved[-1].path, root=ready_cluster.checkpoint_root)
