@@ -162,7 +162,10 @@ async def test_telemetry_reads_through_a_durable_consumer_and_a_rank_watches_com
         done.set()
 
     spec = ConsumerSpec(
-        stream=subjects.JOBS, durable=f"t-{job_id}", filter_subject=subjects.job_steps(job_id), deliver_new=True
+        stream=subjects.JOBS,
+        durable=f"t-{job_id}",
+        filter_subject=subjects.job_steps(job_id),
+        deliver_new=True,
     )
     try:
         await reader.ensure_streams(manage=False)
