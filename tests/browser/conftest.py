@@ -156,6 +156,10 @@ async def browser(stack_dir: Path, chromium: str) -> AsyncIterator[object]:
             headless=True,
             args=CHROMIUM_ARGS,
             viewport={"width": 1400, "height": 1000},
+            # Playwright compiles a wait_for_function predicate in the page with eval, which the
+            # console's Content-Security-Policy forbids; the headers and the pages' lack of inline
+            # script are tested in tests/integration/scheduler/test_console_security.py.
+            bypass_csp=True,
         )
         context.set_default_timeout(30_000)
         try:

@@ -82,7 +82,9 @@ EXIT_FILE_ENV = "VIGIL_EXIT_FILE"  # where the rank leaves its exit code (for a 
 
 
 class _Frame(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A NaN or infinite loss is what a rank most needs to report: written as "NaN" / "Infinity", as
+    # events are (the outer model's setting governs the events a frame carries).
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="strings")
 
 
 class Hello(_Frame):

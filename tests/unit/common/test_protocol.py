@@ -1,0 +1,29 @@
+"""The rank link's frames: what a rank reports reaches the agent as it was measured."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vigil_common import events as ev
+from vigil_common import protocol as proto
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf, 2.5])
+def test_a_non_finite_loss_crosses_the_link_as_itself(loss: float) -> None:
+    step = ev.StepCompleted(
+        job_id="j", attempt=1, rank=1, node="n", step=7, loss=loss, grad_norm=math.nan, lr=1e-3,
+        tokens=8, tokens_per_s=1.0, step_time_s=0.1, local_finite=False,
+    )  # fmt: skip
+    frame = proto.decode_rank_frame(proto.encode_frame(proto.Publish(id=1, event=step)))
+    assert isinstance(frame, proto.Publish)
+    got = frame.event
+    assert isinstance(got, ev.StepCompleted)
+    assert (math.isnan(got.loss) and math.isnan(loss)) or got.loss == loss
+    assert math.isnan(got.grad_norm)
+
+
+def test_a_bad_frame_names_the_field() -> None:
+    with pytest.raises(Exception, match=r"publish\.id"):
+        proto.decode_rank_frame(b'{"frame": "publish", "id": 0, "event": {}}\n')
