@@ -6,17 +6,21 @@ when a Docker engine answers; otherwise the embedded servers Vigil itself uses.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from vigil_common.bus import Bus
+from vigil_common.credentials import APP_ROLE
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
 
@@ -53,6 +57,14 @@ def nats_url(servers_dir: Path) -> Iterator[str]:
             yield server.url
 
 
+async def _allow_createdb(admin_url: str) -> None:
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"ALTER ROLE {APP_ROLE} CREATEDB")
+    finally:
+        await conn.close()
+
+
 @pytest.fixture(scope="session")
 def database_url(servers_dir: Path) -> Iterator[str]:
     if url := os.environ.get("VIGIL_DATABASE_URL"):
@@ -64,6 +76,11 @@ def database_url(servers_dir: Path) -> Iterator[str]:
             yield pg.get_connection_url()
     else:
         with EmbeddedPostgres(servers_dir / "postgres") as server:
+            # The services' role, as `vigil up` makes it (no superuser), and one test-only right: tests
+            # make a fresh database per scheduler (tests/integration/security/test_postgres_role.py
+            # checks the role as `vigil up` leaves it).
+            with ThreadPoolExecutor(1) as one:  # whether or not an event loop runs in this thread
+                one.submit(asyncio.run, _allow_createdb(server.admin_url)).result()
             yield server.url
 
 

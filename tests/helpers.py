@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+from vigil_common import subjects
+from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
+from vigil_common.spec import JobSpec
 
 
 @contextlib.asynccontextmanager
@@ -40,3 +43,19 @@ async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 30
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or check}; last: {last!r}")
         await asyncio.sleep(0.05)  # polling interval of a condition wait
+
+
+async def launch_on(bus: Any, job_id: str, nodes: Mapping[int, str], attempt: int = 1) -> LaunchJob:
+    """Publish the launch that places the job's ranks (rank -> node): what the scheduler stores before
+    any rank runs. Receivers count a step or status event only from its rank's node (`vigil_common.origin`),
+    so a test that publishes them as workers would publishes this first."""
+    launch = LaunchJob(
+        job_id=job_id,
+        attempt=attempt,
+        spec=JobSpec(name="synthetic"),
+        master_addr="127.0.0.1",
+        master_port=29500,
+        placement=[RankPlacement(rank=r, node=n, device=0, local_rank=0) for r, n in sorted(nodes.items())],
+    )
+    await bus.publish(subjects.launch(job_id), launch)
+    return launch

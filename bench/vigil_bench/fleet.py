@@ -543,7 +543,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
     creds = credentials.load_or_create(data / credentials.CREDENTIALS_FILE)
     with (
         EmbeddedNats(data / "nats", users=creds.nats) as nats_server,
-        EmbeddedPostgres(data / "postgres", password=creds.postgres) as pg,
+        EmbeddedPostgres(data / "postgres", password=creds.postgres, app_password=creds.postgres_app) as pg,
     ):
         pool = await create_pool(pg.url)
         await migrate(pool)

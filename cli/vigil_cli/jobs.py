@@ -1,26 +1,26 @@
 """The gateway's clients: `submit [--follow]`, `jobs`, `job ID`, `cancel ID`, `nodes`, `gpus`; rich
 tables for people, `--json` for scripts.
 
-The clients talk HTTP to the gateway at VIGIL_HTTP_HOST:VIGIL_HTTP_PORT (or `--url`) with the bearer
-token from VIGIL_API_TOKEN, else the token file `vigil up` writes in the data dir.
+Built on the SDK's HTTP client (`vigil.Client`), which talks to the gateway at VIGIL_API_URL or
+VIGIL_HTTP_HOST:VIGIL_HTTP_PORT (or `--url`) with the bearer token from VIGIL_API_TOKEN, else the token
+file `vigil up` writes in the data dir.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from pathlib import Path
 from typing import Any
 
 import click
-import httpx
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
+from vigil.client import Client, Event, VigilError
+from vigil_common.events import JobStateChanged
 from vigil_common.jobstates import TERMINAL_STATES, JobState
-from vigil_common.settings import Settings
-from vigil_common.token import require_token
 
 STATE_STYLE: dict[JobState, str] = {
     JobState.PENDING: "yellow",
@@ -34,40 +34,17 @@ STATE_STYLE: dict[JobState, str] = {
 }
 
 url_option = click.option("--url", envvar="VIGIL_API_URL", help="the gateway (default: VIGIL_HTTP_HOST:PORT)")
-json_option = click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+json_option = click.option("--json", "json_out", is_flag=True, help="print JSON instead of a table")
 
 
-class Gateway:
-    """A small synchronous client of the HTTP API; errors become click errors naming the problem."""
-
-    def __init__(self, url: str | None) -> None:
-        settings = Settings.load()
-        self.base = (url or f"http://{settings.http_host}:{settings.http_port}").rstrip("/")
-        self.token = require_token(settings)
-        self.http = httpx.Client(
-            base_url=self.base, headers={"Authorization": f"Bearer {self.token}"}, timeout=30
-        )
-
-    def request(self, method: str, path: str, **kw: Any) -> Any:
-        try:
-            r = self.http.request(method, path, **kw)
-        except httpx.TransportError as exc:
-            raise click.ClickException(
-                f"cannot reach the gateway at {self.base} ({exc}): is `vigil up` running?"
-            ) from exc
-        if r.status_code >= 400:
-            raise click.ClickException(describe_error(r))
-        return r.json()
+def connect(url: str | None) -> Client:
+    """The gateway's client as the CLI finds it (`Client.from_env`); its errors end the command with
+    the status and the fields the gateway named (`vigil_cli.main`)."""
+    return Client.from_env(url)
 
 
-def describe_error(r: httpx.Response) -> str:
-    try:
-        body = r.json()
-    except ValueError:
-        return f"HTTP {r.status_code}: {r.text[:500]}"
-    lines = [f"HTTP {r.status_code}: {body.get('message', body)}"]
-    lines += [f"  {f['field']}: {f['message']}" for f in body.get("fields", [])]
-    return "\n".join(lines)
+def as_json(model: BaseModel) -> str:
+    return model.model_dump_json()
 
 
 def _state(state: str) -> str:
@@ -140,18 +117,17 @@ def register(group: click.Group) -> None:
     @click.option("--follow", is_flag=True, help="stream state changes and progress until the job ends")
     @url_option
     @json_option
-    def submit(file: Path, follow: bool, url: str | None, as_json: bool) -> None:
+    def submit(file: Path, follow: bool, url: str | None, json_out: bool) -> None:
         """Submit the job spec in FILE (YAML or JSON)."""
-        gw = Gateway(url)
-        kind = "application/json" if file.suffix.lower() == ".json" else "application/yaml"
-        job = gw.request("POST", "/api/v1/jobs", content=file.read_bytes(), headers={"Content-Type": kind})
+        client = connect(url)
+        job = client.submit(file)
         console = Console()
-        if as_json:
-            click.echo(json.dumps(job))
+        if json_out:
+            click.echo(as_json(job))
         else:
-            console.print(f"submitted [bold]{job['id']}[/] ({job['name']}), {_state(job['state'])}")
+            console.print(f"submitted [bold]{job.id}[/] ({job.name}), {_state(job.state)}")
         if follow:
-            final = follow_job(gw, job["id"], console, as_json)
+            final = follow_job(client, job.id, console, json_out)
             raise SystemExit(0 if final == JobState.SUCCEEDED else 1)
 
     @group.command("jobs")
@@ -159,50 +135,48 @@ def register(group: click.Group) -> None:
     @click.option("--limit", type=int, default=50, show_default=True)
     @url_option
     @json_option
-    def jobs(state: str | None, limit: int, url: str | None, as_json: bool) -> None:
+    def jobs(state: str | None, limit: int, url: str | None, json_out: bool) -> None:
         """List jobs, newest first."""
-        params: dict[str, Any] = {"limit": limit}
-        if state:
-            params["state"] = state.upper()
-        page = Gateway(url).request("GET", "/api/v1/jobs", params=params)
-        if as_json:
-            click.echo(json.dumps(page))
+        page = connect(url).jobs(state, limit=limit)
+        if json_out:
+            click.echo(as_json(page))
         else:
-            Console().print(jobs_table(page["items"]))
+            Console().print(jobs_table([j.model_dump(mode="json") for j in page.items]))
 
     @group.command("job")
     @click.argument("job_id")
     @url_option
     @json_option
-    def job(job_id: str, url: str | None, as_json: bool) -> None:
+    def job(job_id: str, url: str | None, json_out: bool) -> None:
         """One job: state, placement, attempts, progress and every transition with its cause."""
-        data = Gateway(url).request("GET", f"/api/v1/jobs/{job_id}")
-        if as_json:
-            click.echo(json.dumps(data))
+        data = connect(url).job(job_id)
+        if json_out:
+            click.echo(as_json(data))
         else:
-            print_job(Console(), data)
+            print_job(Console(), data.model_dump(mode="json"))
 
     @group.command("cancel")
     @click.argument("job_id")
     @url_option
     @json_option
-    def cancel(job_id: str, url: str | None, as_json: bool) -> None:
+    def cancel(job_id: str, url: str | None, json_out: bool) -> None:
         """Cancel a queued or running job."""
-        data = Gateway(url).request("POST", f"/api/v1/jobs/{job_id}/cancel")
-        if as_json:
-            click.echo(json.dumps(data))
+        data = connect(url).cancel(job_id)
+        if json_out:
+            click.echo(as_json(data))
         else:
-            Console().print(f"{data['id']} {_state(data['state'])}")
+            Console().print(f"{data.id} {_state(data.state)}")
 
     @group.command("nodes")
     @url_option
     @json_option
-    def nodes(url: str | None, as_json: bool) -> None:
+    def nodes(url: str | None, json_out: bool) -> None:
         """Nodes: liveness, last heartbeat, devices in use and unhealthy."""
-        page = Gateway(url).request("GET", "/api/v1/nodes", params={"limit": 1000})
-        if as_json:
-            click.echo(json.dumps(page))
+        nodes_page = connect(url).nodes()
+        if json_out:
+            click.echo(as_json(nodes_page))
             return
+        page = nodes_page.model_dump(mode="json")
         table = Table(
             "NAME", "ADDRESS", "ALIVE", "LAST HEARTBEAT", "DEVICES", "IN USE", "UNHEALTHY", box=None
         )
@@ -219,12 +193,13 @@ def register(group: click.Group) -> None:
     @group.command("gpus")
     @url_option
     @json_option
-    def gpus(url: str | None, as_json: bool) -> None:
+    def gpus(url: str | None, json_out: bool) -> None:
         """Devices: health, owner job and latest sample."""
-        page = Gateway(url).request("GET", "/api/v1/gpus", params={"limit": 1000})
-        if as_json:
-            click.echo(json.dumps(page))
+        gpus_page = connect(url).gpus()
+        if json_out:
+            click.echo(as_json(gpus_page))
             return
+        page = gpus_page.model_dump(mode="json")
         table = Table("NODE", "IDX", "KIND", "NAME", "HEALTH", "JOB", "UTIL %", "MEM", "TEMP", box=None)
         for g in page["items"]:
             s = g.get("latest") or {}
@@ -240,58 +215,41 @@ def register(group: click.Group) -> None:
         Console().print(table)
 
 
-def follow_job(gw: Gateway, job_id: str, console: Console, as_json: bool) -> str:
-    """Print the job's state changes and incidents (server-sent events) and its progress until it ends."""
-    done = threading.Event()
+def follow_job(client: Client, job_id: str, console: Console, json_out: bool) -> str:
+    """Print the job's state changes and incidents (the gateway's live events) and its progress until
+    it ends; the final state."""
+    done, ending_shown = threading.Event(), threading.Event()
 
     def progress() -> None:
         last: tuple[Any, ...] = ()
         while not done.wait(2.0):
-            with contextlib.suppress(click.ClickException, httpx.HTTPError):  # best effort
-                job = gw.request("GET", f"/api/v1/jobs/{job_id}")
-                now = (job["state"], job.get("last_step"), job.get("loss"))
-                if now != last and job.get("last_step") is not None and not as_json:
-                    console.print(f"  step {job['last_step']}  loss {_loss(job.get('loss'))}")
+            with contextlib.suppress(VigilError):  # best effort
+                job = client.job(job_id)
+                now = (job.state, job.last_step, job.loss)
+                if now != last and job.last_step is not None and not json_out:
+                    console.print(f"  step {job.last_step}  loss {_loss(job.loss)}")
                 last = now
+
+    def show(event: Event) -> None:
+        if isinstance(event, JobStateChanged) and event.to_state in TERMINAL_STATES:
+            ending_shown.set()
+        if json_out:
+            click.echo(event.model_dump_json())
+        elif isinstance(event, JobStateChanged):
+            console.print(f"{_state(event.to_state)} (attempt {event.attempt}): {event.cause}")
+        else:
+            console.print(f"[bold red]incident[/] {event.kind} -> {event.action}: {event.message}")
 
     ticker = threading.Thread(target=progress, daemon=True)
     ticker.start()
     try:
-        with gw.http.stream("GET", "/api/v1/events", params={"job": job_id}, timeout=None) as r:
-            if r.status_code >= 400:
-                r.read()
-                raise click.ClickException(describe_error(r))
-            kind = None
-            for line in r.iter_lines():
-                if line.startswith(": connected"):  # subscribed: a change from now on reaches us
-                    current = gw.request("GET", f"/api/v1/jobs/{job_id}")
-                    if current["state"] in TERMINAL_STATES:  # it ended before we listened
-                        last = current["transitions"][-1]
-                        if as_json:
-                            click.echo(json.dumps(last))
-                        else:
-                            console.print(
-                                f"{_state(last['to_state'])} (attempt {last['attempt']}): {last['cause']}"
-                            )
-                        return str(current["state"])
-                elif line.startswith("event: "):
-                    kind = line.removeprefix("event: ")
-                elif line.startswith("data: ") and kind:
-                    event = json.loads(line.removeprefix("data: "))
-                    if as_json:
-                        click.echo(json.dumps(event))
-                    elif kind == "job.state_changed":
-                        console.print(
-                            f"{_state(event['to_state'])} (attempt {event['attempt']}): {event['cause']}"
-                        )
-                    else:
-                        console.print(
-                            f"[bold red]incident[/] {event['kind']} -> {event['action']}: {event['message']}"
-                        )
-                    if kind == "job.state_changed" and event["to_state"] in TERMINAL_STATES:
-                        return event["to_state"]
-        raise click.ClickException(f"the event stream from {gw.base} ended before job {job_id} did")
-    except httpx.TransportError as exc:
-        raise click.ClickException(f"lost the event stream from {gw.base}: {exc}") from exc
+        final = client.wait(job_id, on_event=show)
     finally:
         done.set()
+    if final.transitions and not ending_shown.is_set():  # it ended before we listened: say how
+        last = final.transitions[-1]
+        if json_out:
+            click.echo(last.model_dump_json())
+        else:
+            console.print(f"{_state(last.to_state)} (attempt {last.attempt}): {last.cause}")
+    return str(final.state)

@@ -1,7 +1,8 @@
 """The `vigil` command line. Each command group lives in its own module and is registered here.
 
-A Vigil error (a bad setting, an unreachable server, a refused checkpoint) ends any command with one
-line naming the problem and exit code 1; anything else is a bug and keeps its traceback.
+A Vigil error (a bad setting, an unreachable server, a refused checkpoint, an API error with the fields
+it names) ends any command with the lines naming the problem and exit code 1; anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from typing import Any
 
 import click
 
+from vigil.client import VigilError as ApiError
 from vigil_cli import bench, checkpoint, demo, jobs, observe, services, slurm, up
 from vigil_common.errors import VigilError
 
 
-def first_error(exc: BaseException) -> VigilError | None:
+def first_error(exc: BaseException) -> VigilError | ApiError | None:
     """The first VigilError in `exc`, looking inside exception groups (a service's TaskGroup wraps its
     failures in them); None when there is none."""
-    if isinstance(exc, VigilError):
+    if isinstance(exc, VigilError | ApiError):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
@@ -30,7 +32,7 @@ class VigilGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (VigilError, BaseExceptionGroup) as exc:
+        except (VigilError, ApiError, BaseExceptionGroup) as exc:
             if (error := first_error(exc)) is None:
                 raise
             raise click.ClickException(str(error)) from exc

@@ -30,11 +30,6 @@ def serve(module: str, **overrides: Any) -> None:
     if role == "worker":
         role = credentials.worker_role(settings.node_name)
     settings = resolve_urls(settings, role)
-    if role.startswith("worker-") and settings.rank_nats_url is None and settings.nats_url:
-        # the worker's ranks get the rank credential from the same file, when there is one
-        rank = resolve_urls(Settings.load(**overrides), credentials.RANK)
-        if rank.nats_url != settings.nats_url:
-            settings = settings.model_copy(update={"rank_nats_url": rank.nats_url})
     run_service(importlib.import_module(module).run, settings)
 
 

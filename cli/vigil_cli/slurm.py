@@ -32,7 +32,8 @@ from typing import Any
 import click
 from rich.console import Console
 
-from vigil_cli.jobs import Gateway, follow_job, url_option
+from vigil.client import Client, VigilError
+from vigil_cli.jobs import connect, follow_job, url_option
 from vigil_cli.services import serve
 from vigil_common.errors import ConfigError
 from vigil_common.jobstates import JobState
@@ -186,11 +187,10 @@ def _stop_step(step: subprocess.Popen[bytes]) -> int:
     return step.returncode
 
 
-def _wait_workers(gw: Gateway, names: set[str], step: subprocess.Popen[bytes], timeout_s: float) -> None:
+def _wait_workers(client: Client, names: set[str], step: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        page = gw.request("GET", "/api/v1/nodes", params={"limit": 1000})
-        alive = {n["name"] for n in page["items"] if n["alive"]}
+        alive = {n.name for n in client.nodes().items if n.alive}
         if names <= alive:
             return
         if step.poll() is not None:
@@ -233,7 +233,7 @@ def register(group: click.Group) -> None:
         """Workers on this allocation's nodes, then SPEC submitted and followed; exits when it ends
         (0 if it SUCCEEDED), ending the step. SIGTERM (scancel) cancels the Vigil job."""
         alloc = Allocation.from_env(os.environ)
-        gw = Gateway(url)
+        client = connect(url)
         console = Console()
         job_id: str | None = None
 
@@ -243,18 +243,16 @@ def register(group: click.Group) -> None:
         previous = signal.signal(signal.SIGTERM, on_term)
         step = subprocess.Popen(worker_step_argv(alloc, _vigil_executable()))
         try:
-            _wait_workers(gw, {worker_name(n, alloc.job_id) for n in alloc.nodes}, step, register_timeout)
-            kind = "application/json" if spec.suffix.lower() == ".json" else "application/yaml"
-            body = spec.read_bytes()
-            job = gw.request("POST", "/api/v1/jobs", content=body, headers={"Content-Type": kind})
-            job_id = job["id"]
-            console.print(f"submitted {job_id} ({job['name']}) from Slurm job {alloc.job_id}")
-            final = follow_job(gw, job["id"], console, as_json=False)
+            _wait_workers(client, {worker_name(n, alloc.job_id) for n in alloc.nodes}, step, register_timeout)
+            job = client.submit(spec)
+            job_id = job.id
+            console.print(f"submitted {job_id} ({job.name}) from Slurm job {alloc.job_id}")
+            final = follow_job(client, job_id, console, json_out=False)
         except _Terminated:
             final = JobState.CANCELLED
             if job_id is not None:
-                with contextlib.suppress(click.ClickException):
-                    gw.request("POST", f"/api/v1/jobs/{job_id}/cancel")
+                with contextlib.suppress(VigilError):
+                    client.cancel(job_id)
                 console.print(f"SIGTERM: cancelled {job_id}")
         finally:
             signal.signal(signal.SIGTERM, previous)

@@ -58,12 +58,8 @@ class Infra:
         if not self.role_urls or role is None:
             return self.settings
         if role == "worker":
-            return self.settings.model_copy(
-                update={
-                    "nats_url": self.role_urls[credentials.worker_role(self.settings.node_name)],
-                    "rank_nats_url": self.role_urls[credentials.RANK],
-                }
-            )
+            role = credentials.worker_role(self.settings.node_name)
+            return self.settings.model_copy(update={"nats_url": self.role_urls[role]})
         return self.settings.model_copy(update={"nats_url": self.role_urls[role]})
 
 
@@ -99,7 +95,11 @@ async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
             role_urls = {role: nats.url_for(role) for role in creds.nats}
             embedded.append("nats")
         if not database_url:
-            pg = stack.enter_context(EmbeddedPostgres(data_dir / "postgres", password=creds.postgres))
+            pg = stack.enter_context(
+                EmbeddedPostgres(
+                    data_dir / "postgres", password=creds.postgres, app_password=creds.postgres_app
+                )
+            )
             database_url, shown_db = pg.url, pg.bare_url
             embedded.append("postgres")
         write_endpoints(settings, shown_nats, shown_db)

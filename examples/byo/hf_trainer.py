@@ -8,7 +8,7 @@
 The model is built from a config and the data is random tokens: nothing is downloaded. `--nan-at K`
 makes rank 1's loss NaN at step K once (a marker file in the job's checkpoint folder keeps a relaunch
 from doing it again). The last line printed is JSON: the steps trained, whether the weights are finite
-and the median step time.
+and the step times.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ class StepClock(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         self.starts.append(time.perf_counter())
 
-    def median_step_s(self, warmup: int = 3) -> float | None:
-        times = [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)][warmup:]
-        return statistics.median(times) if times else None
+    def step_s(self, warmup: int = 3) -> list[float]:
+        """Each step's wall time after the first `warmup` (the last step has no next start)."""
+        return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)][warmup:]
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -152,7 +152,8 @@ def main() -> None:
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     print(json.dumps({"steps": trainer.state.global_step, "finite_weights": finite,
                       "train_loss": result.training_loss if math.isfinite(result.training_loss) else None,
-                      "median_step_s": clock.median_step_s()}))  # fmt: skip
+                      "median_step_s": statistics.median(clock.step_s() or [math.nan]),
+                      "step_s": [round(t, 6) for t in clock.step_s()]}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -272,14 +272,14 @@ def test_nats_config_is_accepted_by_nats_server(services: dict[str, dict[str, An
     env = {**os.environ, **nats["environment"]}
     check = subprocess.run([nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30)
     assert check.returncode == 0, check.stderr.decode()
-    del env["NATS_RANK_PASSWORD"]  # a password left out: the server refuses to start
+    del env["NATS_GUARDIAN_PASSWORD"]  # a password left out: the server refuses to start
     check = subprocess.run([nats_server(), "-c", str(config), "-t"], env=env, capture_output=True, timeout=30)
-    assert check.returncode != 0 and b"NATS_RANK_PASSWORD" in check.stderr
+    assert check.returncode != 0 and b"NATS_GUARDIAN_PASSWORD" in check.stderr
 
 
 def test_each_service_connects_as_its_own_nats_user(services: dict[str, dict[str, Any]]) -> None:
     """Users and permissions are credentials.py's; each service's URL has its own user and that user's
-    password (env.example's are all different), a worker's ranks get the rank user's, none admin's."""
+    password (env.example's are all different), ranks get none, no service admin's."""
     nodes = [services[n]["environment"]["VIGIL_NODE_NAME"] for n in VIGIL_SERVICES if "worker" in n]
     assert sorted(nodes) == sorted(AUTHORIZATION.COMPOSE_NODES), "render deploy/nats/authorization.py"
     variables = assert_users_are_credentials_roles(AUTHORIZATION.COMPOSE_FILE.read_text(), nodes)
@@ -292,10 +292,7 @@ def test_each_service_connects_as_its_own_nats_user(services: dict[str, dict[str
         command = services[name]["command"][0]
         role = service_role(command, env.get("VIGIL_NODE_NAME"))
         assert_connects_as(env["VIGIL_NATS_URL"], role, password[role])
-        if command == "worker":
-            assert_connects_as(env["VIGIL_RANK_NATS_URL"], credentials.RANK, password[credentials.RANK])
-        else:
-            assert "VIGIL_RANK_NATS_URL" not in env, name
+        assert "VIGIL_RANK_NATS_URL" not in env, name  # ranks hold no bus credential
 
 
 def test_collector_forwards_traces_to_jaeger(services: dict[str, dict[str, Any]]) -> None:

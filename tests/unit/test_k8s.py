@@ -29,7 +29,6 @@ from tests.unit.deploy_checks import (
     settings_from,
     unknown_settings,
 )
-from vigil_common import credentials
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
@@ -222,7 +221,7 @@ def _value(entry: Doc, secrets: dict[str, str], doc: Doc) -> str:
 
 def test_each_container_connects_as_its_own_nats_user(overlay: tuple[str, list[Doc]]) -> None:
     """Users and permissions are credentials.py's; each container's URL has its own user and the
-    password the NATS servers give that user, a worker's ranks get the rank user's, none admin's."""
+    password the NATS servers give that user, ranks get none, no service admin's."""
     _, docs = overlay
     (nats,) = _of(docs, "StatefulSet", "nats")
     (server,) = _containers(nats)
@@ -236,10 +235,7 @@ def test_each_container_connects_as_its_own_nats_user(overlay: tuple[str, list[D
         env = _env(docs, doc, c)
         role = service_role(c["args"][0], env.get("VIGIL_NODE_NAME"))
         assert_connects_as(env["VIGIL_NATS_URL"], role, password[role])
-        if c["args"][0] == "worker":
-            assert_connects_as(env["VIGIL_RANK_NATS_URL"], credentials.RANK, password[credentials.RANK])
-        else:
-            assert "VIGIL_RANK_NATS_URL" not in env, _key(doc)
+        assert "VIGIL_RANK_NATS_URL" not in env, _key(doc)  # ranks hold no bus credential
 
 
 def test_probes_ask_what_each_service_serves(overlay: tuple[str, list[Doc]]) -> None:

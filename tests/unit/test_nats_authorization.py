@@ -28,13 +28,13 @@ def test_a_permission_changed_in_credentials_py_and_not_rendered_is_caught(
 ) -> None:
     original = credentials.permissions
 
-    def ranks_may_command(role: str) -> dict[str, Any]:
+    def telemetry_may_command(role: str) -> dict[str, Any]:
         granted: dict[str, Any] = original(role)
-        if role == credentials.RANK:
+        if role == credentials.TELEMETRY:
             granted["publish"]["allow"].append(subjects.ALL_CMDS)
         return granted
 
-    monkeypatch.setattr(credentials, "permissions", ranks_may_command)
+    monkeypatch.setattr(credentials, "permissions", telemetry_may_command)
     assert AUTHORIZATION.main(["--check"]) == 1
     stale = capsys.readouterr().err
     assert str(AUTHORIZATION.COMPOSE_FILE) in stale and str(AUTHORIZATION.K8S_FILE) in stale
@@ -45,24 +45,26 @@ def test_a_permission_changed_in_credentials_py_and_not_rendered_is_caught(
 
 
 def test_passwords_are_variables_nats_server_reads_from_its_environment(tmp_path: Path) -> None:
-    conf = credentials.authorization_template({"rank": "NATS_RANK_PASSWORD", "admin": "NATS_ADMIN_PASSWORD"})
-    assert '"password": $NATS_RANK_PASSWORD,' in conf and '"$NATS' not in conf  # quoted, it is a literal
-    assert AUTHORIZATION.users(conf)["rank"] == {
-        "password": "$NATS_RANK_PASSWORD",
-        "permissions": credentials.permissions(credentials.RANK),
+    conf = credentials.authorization_template(
+        {"guardian": "NATS_GUARDIAN_PASSWORD", "admin": "NATS_ADMIN_PASSWORD"}
+    )
+    assert '"password": $NATS_GUARDIAN_PASSWORD,' in conf and '"$NATS' not in conf  # quoted: a literal
+    assert AUTHORIZATION.users(conf)["guardian"] == {
+        "password": "$NATS_GUARDIAN_PASSWORD",
+        "permissions": credentials.permissions(credentials.GUARDIAN),
     }
     path = tmp_path / "nats.conf"
     path.write_text(conf)
-    env = {"NATS_RANK_PASSWORD": "r", "NATS_ADMIN_PASSWORD": "a"}
+    env = {"NATS_GUARDIAN_PASSWORD": "r", "NATS_ADMIN_PASSWORD": "a"}
     assert (
         subprocess.run([nats_server(), "-c", str(path), "-t"], env=env, capture_output=True).returncode == 0
     )
     missing = subprocess.run(
-        [nats_server(), "-c", str(path), "-t"], env={"NATS_RANK_PASSWORD": "r"}, capture_output=True
+        [nats_server(), "-c", str(path), "-t"], env={"NATS_GUARDIAN_PASSWORD": "r"}, capture_output=True
     )
     assert missing.returncode != 0 and b"NATS_ADMIN_PASSWORD" in missing.stderr
     with pytest.raises(ValueError, match="variable name"):
-        credentials.authorization_template({"rank": "rank-password"})
+        credentials.authorization_template({"guardian": "guardian-password"})
 
 
 def test_kubernetes_workers_are_the_listed_nodes_with_one_password() -> None:

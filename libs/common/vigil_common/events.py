@@ -2,7 +2,7 @@
 
 Events are facts in the past tense (`StepCompleted`, `GpuSampled`, `RankExited`);
 commands are imperative (`LaunchJob`, `HaltJob`, `RollbackJob`). All share one
-envelope: `event_id` (the `Nats-Msg-Id`), `type`, `schema_version`, `occurred_at`
+envelope: `event_id` (in the `Nats-Msg-Id`, with the subject), `type`, `schema_version`, `occurred_at`
 (UTC), `job_id` and `attempt`.
 
 A breaking change is a new class with a higher `schema_version` registered beside

@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path(".vigil"), description="embedded servers' data, checkpoints, logs")
     data_roots: list[Path] = Field(
         default_factory=list,
-        description="folders a spec's data.path and data.tokenizer may name (JSON list); empty: the data dir",
+        description="folders a spec's data.path and data.tokenizer may name (JSON list); "
+        "empty: <data dir>/datasets",
     )
     code_roots: list[Path] = Field(
         default_factory=list,
@@ -73,9 +74,6 @@ class Settings(BaseSettings):
         1, ge=1, le=5, description="servers each JetStream stream is kept on (3 on a 3-server NATS cluster)"
     )
     metrics_port: int = Field(9464, ge=0, le=65535, description="telemetry's Prometheus /metrics; 0: off")
-    rank_nats_url: str | None = Field(
-        None, description="NATS URL (with the rank credential) a worker hands its ranks; unset: its own"
-    )
     nats_tls_ca: Path | None = Field(
         None, description="CA certificate that signed the NATS server's (with a tls:// URL)"
     )
@@ -121,7 +119,7 @@ class Settings(BaseSettings):
             raise ValueError("use 1-64 letters, digits, '_' or '-' (it is a bus subject token)")
         return value
 
-    @field_validator("nats_url", "rank_nats_url")
+    @field_validator("nats_url")
     @classmethod
     def _nats_scheme(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^(nats|tls|ws|wss)://", value):
@@ -169,7 +167,9 @@ class Settings(BaseSettings):
 
     @property
     def allowed_data_roots(self) -> list[Path]:
-        return [p.resolve() for p in self.data_roots] or [self.data_dir.resolve()]
+        """Where a job's data may be read from: by default a folder of its own in the data dir, never the
+        data dir itself (which holds the credentials, the token and the token cache)."""
+        return [p.resolve() for p in self.data_roots] or [(self.data_dir / "datasets").resolve()]
 
     @property
     def allowed_code_roots(self) -> list[Path]:

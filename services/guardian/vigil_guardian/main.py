@@ -32,26 +32,23 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import nats.errors
 import nats.js.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from vigil_common import subjects
+from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.errors import MalformedMessage
 from vigil_common.events import (
     GpuSampled,
     IncidentRaised,
     JobStateChanged,
     Message,
     StepCompleted,
-    decode,
     utcnow,
 )
 from vigil_common.jobstates import TERMINAL_STATES
+from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
@@ -87,6 +84,7 @@ class GuardianService:
     ) -> None:
         self.core = core
         self.bus = bus
+        self.origins = Origins(bus)
         self.pool = pool
         self.notifier = notifier
         self.publish_timeout_s = publish_timeout_s
@@ -267,57 +265,32 @@ async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay
     service.windowed = upto = info.ack_floor.stream_seq
     replayed = 0
     for watch in list(core.jobs.values()):
-        replayed += await _replay(bus, core, watch, upto)
+        replayed += await _replay(bus, core, watch, upto, service.origins)
     if saved.jobs:
         log.info("guardian: restored %d jobs, replayed %d step events", len(saved.jobs), replayed)
     return INPUT
 
 
-async def _scan(
-    bus: Bus, subject: str, since: float, kinds: tuple[type[Message], ...], upto: int | None = None
-):  # type: ignore[no-untyped-def]
-    """Decoded events of `subject` stored since `since` (epoch seconds), up to sequence `upto`."""
-    config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.BY_START_TIME,
-        opt_start_time=datetime.fromtimestamp(max(since, 0.0), tz=UTC) - timedelta(seconds=1),
-        ack_policy=AckPolicy.NONE,
-        inactive_threshold=30.0,
-    )
-    sub = await bus.js.pull_subscribe(subject, stream=INPUT.stream.name, config=config)
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(500, timeout=1.0)
-            except (nats.errors.TimeoutError, TimeoutError):
-                return
-            for msg in msgs:
-                if upto is not None and msg.metadata.sequence.stream > upto:
-                    return
-                with contextlib.suppress(MalformedMessage):
-                    yield decode(msg.data, kinds)
-            if not msgs or msgs[-1].metadata.num_pending == 0:
-                return
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-
-
 async def _ended_since(bus: Bus, since: float) -> set[str]:
     """Jobs whose last state change since `since` ended them."""
     last: dict[str, bool] = {}
-    async for event in _scan(bus, subjects.ALL_STATUS, since, subjects.CARRIES["status"]):
+    admit = Origins(bus).admit
+    async for event in bus.scan(credentials.GUARDIAN_SCAN, subjects.CONTROL_STATUS, since=since, admit=admit):
         if isinstance(event, JobStateChanged) and event.job_id:
             last[event.job_id] = event.to_state in TERMINAL_STATES
     return {job for job, ended in last.items() if ended}
 
 
-async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int) -> int:
+async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int, origins: Origins) -> int:
     """Feed a job's step events (stream sequence <= `upto`) quietly: windows only, no decisions."""
     if upto <= 0:
         return 0
     since = max(watch.control.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S)
     fed = 0
-    async for event in _scan(bus, subjects.job_steps(watch.job_id), since, subjects.CARRIES["step"], upto):
+    steps = subjects.job_steps(watch.job_id)
+    async for event in bus.scan(
+        credentials.GUARDIAN_SCAN, steps, since=since, upto=upto, admit=origins.admit
+    ):
         core.on_event(event, event.occurred_at, quiet=True)
         fed += 1
     return fed
@@ -331,7 +304,12 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         service = GuardianService(Guardian(), bus, pool, notifier)
         jobs = await restore(service, bus, pool, settings.guardian_replay_s)
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(bus.consume_batches(jobs, lambda b: service.on_jobs(b, stop), stop, gather_s=0))
+            # a step or status event counts only from the node its launch placed it on
+            tasks.create_task(
+                bus.consume_batches(
+                    jobs, lambda b: service.on_jobs(b, stop), stop, gather_s=0, admit=service.origins.admit
+                )
+            )
             tasks.create_task(bus.consume_batches(GPU, lambda b: service.on_gpu(b, stop), stop, gather_s=0))
             tasks.create_task(service.hang_loop(stop))
             tasks.create_task(notifier.run(stop))

@@ -13,6 +13,7 @@ import uvicorn
 from vigil_common import subjects
 from vigil_common.bus import ConsumerSpec
 from vigil_common.errors import ConfigError
+from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
@@ -71,7 +72,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             tasks.create_task(scheduler.liveness_loop(stop))
             tasks.create_task(scheduler.placement_loop(stop))
             tasks.create_task(bus.consume_batches(HEARTBEATS, handlers.heartbeats, stop))
-            tasks.create_task(bus.consume(STATUS, handlers.status, stop))
+            # a rank's start or exit counts only from the node its launch placed it on
+            tasks.create_task(bus.consume(STATUS, handlers.status, stop, admit=Origins(bus).admit))
             tasks.create_task(bus.consume(COMMANDS, handlers.commands, stop))
             tasks.create_task(bus.consume(INCIDENTS, handlers.incidents, stop))
             tasks.create_task(_serve(server, deps.closing, stop))

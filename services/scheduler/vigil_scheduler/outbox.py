@@ -1,5 +1,5 @@
 """The transactional outbox: events are written in the transaction that changes the state, and a
-relay publishes them afterwards, in order, with `Nats-Msg-Id = event_id`.
+relay publishes them afterwards, in order, with the event's `Nats-Msg-Id` (its subject and event_id).
 
 A crash between the publish and the `published_at` update re-publishes the row on restart;
 JetStream drops the copy inside the stream's duplicate window, and workers also ignore a launch

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from vigil_common import subjects, tracing
 from vigil_common.bus import ConsumerSpec, Delivery
 from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
+from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
@@ -114,10 +115,12 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         registry = Registry()
         t = Telemetry(pool, registry, StepTraces(conn.provider, enabled=traced))
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(bus.consume_batches(STEPS, t.steps, stop, max_batch=STEP_BATCH))
+            # steps and status are stored only from the nodes their launches placed them on
+            admit = Origins(bus).admit
+            tasks.create_task(bus.consume_batches(STEPS, t.steps, stop, max_batch=STEP_BATCH, admit=admit))
             tasks.create_task(bus.consume_batches(GPU, t.gpu, stop))
             # one unacknowledged at a time: no burst can gather, so waiting for one only adds latency
-            tasks.create_task(bus.consume_batches(STATUS, t.status, stop, gather_s=0.0))
+            tasks.create_task(bus.consume_batches(STATUS, t.status, stop, gather_s=0.0, admit=admit))
             tasks.create_task(bus.consume_batches(INCIDENTS, t.incidents, stop))
             tasks.create_task(bus.consume_batches(LAUNCHES, t.launches, stop))
             tasks.create_task(t.flush_traces(stop))

@@ -22,7 +22,7 @@ import nats.js.errors
 
 from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
 from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
-from vigil_common import subjects
+from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.errors import RetryableError, SpecError
 from vigil_common.events import (
@@ -357,15 +357,16 @@ def _oom_killed() -> bool:
 
 def consumers(node: str) -> tuple[ConsumerSpec, ConsumerSpec]:
     """This node's durable consumers: launches, and commands (cancel is the agent's; the rest, the ranks')."""
+    launches_name, commands_name = credentials.worker_consumers(node)  # the names its NATS user owns
     launches = ConsumerSpec(
         stream=subjects.JOBS,
-        durable=f"worker-{node}-launches",
+        durable=launches_name,
         filter_subject=subjects.ALL_LAUNCHES,
         deliver_new=True,  # a new worker starts with new launches, not the stream's history
     )
     commands = ConsumerSpec(
         stream=subjects.COMMANDS,
-        durable=f"worker-{node}-commands",
+        durable=commands_name,
         filter_subject=subjects.ALL_CMDS,
         deliver_new=True,
     )

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import uuid
 
+import nats.js.errors
 import pytest
 
 from vigil_common import events as ev
@@ -366,3 +367,47 @@ async def test_a_stopped_batch_consumer_loses_nothing_it_had_not_handled(bus: Bu
 
     await run_batches(bus, spec, the_rest, done2)
     assert sorted(e.event_id for e in first + rest) == sorted(e.event_id for e in sent)
+
+
+async def test_an_event_id_on_another_subject_suppresses_nothing(bus: Bus, job_id: str):
+    """De-duplication is per stream: the id is scoped by the subject (`bus.msg_id`)."""
+    event = ev.CancelJob(job_id=job_id, attempt=1, reason="once")
+    other = f"{job_id}-other"
+    assert not (await bus.publish(subjects.cmd(other), event.model_copy(update={"job_id": other}))).duplicate
+    assert not (await bus.publish(subjects.cmd(job_id), event)).duplicate
+    assert (await bus.publish(subjects.cmd(job_id), event)).duplicate
+    assert await stream_count(bus, subjects.cmd(job_id)) == 1
+    assert await stream_count(bus, subjects.cmd(other)) == 1
+
+
+async def test_a_watch_reads_what_was_stored_in_order_without_a_consumer(bus: Bus, job_id: str):
+    before = [ev.CancelJob(job_id=job_id, attempt=1, reason=f"before {i}") for i in range(3)]
+    for e in before:
+        await bus.publish(subjects.cmd(job_id), e)
+    consumers = (await bus.js.stream_info(subjects.COMMANDS.name)).state.consumer_count
+    async with (
+        bus.watch(subjects.cmd(job_id), from_start=True) as everything,
+        bus.watch(subjects.cmd(job_id), subjects.incident(job_id)) as new,
+    ):
+        # a watch is no JetStream consumer: a role's permissions allow it none but its own
+        assert (await bus.js.stream_info(subjects.COMMANDS.name)).state.consumer_count == consumers
+        after = [ev.HaltJob(job_id=job_id, attempt=1, reason=f"after {i}") for i in range(3)]
+        for e in after:
+            await bus.publish(subjects.cmd(job_id), e)
+        assert [await everything.next(10) for _ in range(6)] == before + after
+        assert [await new.next(10) for _ in range(3)] == after
+        assert await new.next(0.2) is None
+
+
+async def test_a_scan_reads_since_a_time_up_to_a_sequence_and_leaves_no_consumer(bus: Bus, job_id: str):
+    name = f"scan-{uuid.uuid4().hex[:8]}"
+    sent = [ev.CancelJob(job_id=job_id, attempt=1, reason=str(i)) for i in range(5)]
+    acks = [await bus.publish(subjects.cmd(job_id), e) for e in sent]
+
+    async def refuse_two(subject: str, event: ev.Message) -> str | None:
+        return "forged" if getattr(event, "reason", "") == "2" else None
+
+    got = [e async for e in bus.scan(name, subjects.cmd(job_id), since=0, upto=acks[3].seq, admit=refuse_two)]
+    assert got == [sent[0], sent[1], sent[3]]
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await bus.js.consumer_info(subjects.COMMANDS.name, name)

@@ -10,17 +10,18 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import nats
 import nats.js.errors
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from tests.helpers import eventually
+from tests.integration.secured import refused, secured_nats
 from tests.unit.common.samples import SAMPLES
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec
 from vigil_common.embedded import EmbeddedNats
 from vigil_common.errors import RetryableError
-from vigil_common.events import HaltJob, Message, NodeHeartbeat, StepCompleted
+from vigil_common.events import HaltJob, IncidentRaised, Message, NodeHeartbeat, StepCompleted
 
 pytestmark = pytest.mark.integration
 
@@ -36,8 +37,7 @@ def step_event(job_id: str) -> Message:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, Path]]:
     data = tmp_path_factory.mktemp("secured")
-    creds = credentials.load_or_create(data / credentials.CREDENTIALS_FILE, ["n1"])
-    with EmbeddedNats(data / "nats", users=creds.nats) as server:
+    with secured_nats(data, ["n1"]) as server:
         yield server, data
 
 
@@ -47,22 +47,6 @@ async def admin(secured: tuple[EmbeddedNats, Path]) -> AsyncIterator[Bus]:
     await bus.ensure_streams()
     yield bus
     await bus.close()
-
-
-class Refusals:
-    """The server's asynchronous `-ERR 'Permissions Violation ...'` lines, as nats-py reports them."""
-
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-        self.event = asyncio.Event()
-
-    async def on_error(self, exc: Exception) -> None:
-        self.seen.append(str(exc))
-        self.event.set()
-
-
-async def raw(server: EmbeddedNats, role: str, refusals: Refusals) -> nats.NATS:
-    return await nats.connect(server.url_for(role), error_cb=refusals.on_error, allow_reconnect=False)
 
 
 async def stored(admin: Bus, stream: subjects.StreamSpec, subject: str) -> bool:
@@ -108,13 +92,12 @@ async def test_a_worker_credential_publishing_a_command_is_refused(
     [
         (credentials.worker_role("n1"), subjects.heartbeat("n2")),  # another node's events
         (credentials.worker_role("n1"), subjects.launch("j-x")),
-        (credentials.RANK, subjects.cmd("j-x")),
-        (credentials.RANK, subjects.heartbeat("n1")),
-        (credentials.RANK, subjects.incident("j-x")),
+        (credentials.worker_role("n1"), subjects.cmd("j-x")),
+        (credentials.worker_role("n1"), subjects.incident("j-x")),
         (credentials.TELEMETRY, subjects.step("j-x", "n1")),
         (credentials.TELEMETRY, subjects.cmd("j-x")),
         (credentials.GUARDIAN, subjects.launch("j-x")),
-        (credentials.RANK, "_INBOX.someone-elses-consumer"),  # no forged deliveries
+        (credentials.worker_role("n1"), "_INBOX.someone-elses-consumer"),  # no forged deliveries
         (credentials.worker_role("n1"), "$JS.API.STREAM.UPDATE." + subjects.COMMANDS.name),
         (credentials.GUARDIAN, "$JS.API.STREAM.DELETE." + subjects.JOBS.name),
         (credentials.TELEMETRY, "$JS.API.STREAM.PURGE." + subjects.JOBS.name),
@@ -123,18 +106,8 @@ async def test_a_worker_credential_publishing_a_command_is_refused(
 async def test_the_server_refuses_what_a_role_may_not_publish(
     secured: tuple[EmbeddedNats, Path], admin: Bus, role: str, subject: str
 ) -> None:
-    refusals = Refusals()
-    nc = await raw(secured[0], role, refusals)
-    try:
-        await nc.publish(subject, b"{}")
-        await nc.flush()
-        await asyncio.wait_for(refusals.event.wait(), 10)
-    finally:
-        await nc.close()
-    assert any(
-        "permissions violation for publish" in s.lower() and subject.lower() in s.lower()
-        for s in refusals.seen
-    ), refusals.seen
+    refusals = await refused(secured[0], role, lambda nc: nc.publish(subject, b"{}"))
+    assert refusals.of("publish", subject), refusals.seen
 
 
 async def test_the_guardian_and_scheduler_publish_commands(
@@ -149,11 +122,11 @@ async def test_the_guardian_and_scheduler_publish_commands(
     assert await stored(admin, subjects.COMMANDS, subjects.cmd(job_id))
 
 
-async def test_telemetry_reads_through_a_durable_consumer_and_a_rank_watches_commands(
+async def test_telemetry_reads_through_its_own_consumer_and_a_worker_watches_commands(
     secured: tuple[EmbeddedNats, Path], admin: Bus, job_id: str
 ) -> None:
     reader = await Bus.connect(secured[0].url_for(credentials.TELEMETRY), "test-telemetry")
-    rank = await Bus.connect(secured[0].url_for(credentials.RANK), "test-rank")
+    worker = await Bus.connect(secured[0].url_for(credentials.worker_role("n1")), "test-worker")
     got: list[StepCompleted] = []
     done, stop = asyncio.Event(), asyncio.Event()
 
@@ -163,16 +136,16 @@ async def test_telemetry_reads_through_a_durable_consumer_and_a_rank_watches_com
 
     spec = ConsumerSpec(
         stream=subjects.JOBS,
-        durable=f"t-{job_id}",
+        durable="telemetry-steps",  # one of the names its user owns (credentials.consumers)
         filter_subject=subjects.job_steps(job_id),
         deliver_new=True,
     )
     try:
         await reader.ensure_streams(manage=False)
         consumer = asyncio.create_task(reader.consume_batches(spec, handler, stop))
-        async with rank.watch(subjects.cmd(job_id), from_start=True) as commands:
+        async with worker.watch(subjects.cmd(job_id), from_start=True) as commands:
             await eventually(lambda: _consumer_exists(admin, spec), what="telemetry's consumer")
-            await rank.publish(subjects.step(job_id, "n1"), step_event(job_id))
+            await worker.publish(subjects.step(job_id, "n1"), step_event(job_id))
             await admin.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason="real"))
             assert (await commands.next(10)).reason == "real"  # type: ignore[union-attr]
             await asyncio.wait_for(done.wait(), 10)
@@ -180,7 +153,7 @@ async def test_telemetry_reads_through_a_durable_consumer_and_a_rank_watches_com
         await consumer
     finally:
         await reader.close()
-        await rank.close()
+        await worker.close()
     assert [e.job_id for e in got] == [job_id]
 
 
@@ -192,19 +165,69 @@ async def _consumer_exists(admin: Bus, spec: ConsumerSpec) -> bool:
     return True
 
 
-async def test_ranks_ignore_a_command_not_delivered_from_the_command_stream(bus: Bus, job_id: str) -> None:
-    """On an open server (where anyone may publish anywhere), a command pushed straight into a rank's
-    command watcher's inbox, with or without a forged JetStream reply subject, is skipped."""
-    async with bus.watch(subjects.cmd(job_id), from_start=True) as commands:
-        infos = await bus.js.consumers_info(subjects.COMMANDS.name)
-        inbox = next(
-            i.config.deliver_subject for i in infos if i.config.filter_subject == subjects.cmd(job_id)
-        )
-        forged = HaltJob(job_id=job_id, attempt=1, reason="forged").to_bytes()
-        await bus.nc.publish(inbox, forged)
-        steps_reply = f"$JS.ACK.{subjects.JOBS.name}.c.1.1.1.1700000000000000000.0"
-        await bus.nc.publish(inbox, forged, reply=steps_reply)
-        await bus.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason="real"))
-        first = await commands.next(10)
-        assert first is not None and first.reason == "real"  # type: ignore[attr-defined]
-        assert await commands.next(0.5) is None
+async def test_a_watcher_acts_only_on_what_the_command_stream_stored(
+    secured: tuple[EmbeddedNats, Path], admin: Bus, job_id: str
+) -> None:
+    """A worker's command watch is woken by the command subject but reads the stream: a message on that
+    subject that the stream did not store (refused here by its expected-sequence header) is not read."""
+    worker = await Bus.connect(secured[0].url_for(credentials.worker_role("n1")), "test-worker")
+    try:
+        async with worker.watch(subjects.cmd(job_id), from_start=True) as commands:
+            forged = HaltJob(job_id=job_id, attempt=1, reason="not stored")
+            with pytest.raises(nats.js.errors.BadRequestError):  # wrong last sequence: not stored
+                await admin.js.publish(
+                    subjects.cmd(job_id),
+                    forged.to_bytes(),
+                    headers={"Nats-Expected-Last-Subject-Sequence": "999999"},
+                )
+            await admin.publish(subjects.cmd(job_id), HaltJob(job_id=job_id, attempt=1, reason="real"))
+            first = await commands.next(10)
+            assert first is not None and first.reason == "real"  # type: ignore[attr-defined]
+            assert await commands.next(0.5) is None
+    finally:
+        await worker.close()
+
+
+async def test_a_consumer_made_with_the_shared_inbox_prefix_is_replaced_on_upgrade(
+    secured: tuple[EmbeddedNats, Path], admin: Bus, job_id: str
+) -> None:
+    """Durables made before each role had its own inbox deliver into `_INBOX.`, which a role may no
+    longer read: the service replaces its consumer (from the old one's ack floor) instead of going deaf."""
+    spec = ConsumerSpec(
+        stream=subjects.INCIDENTS,
+        durable="telemetry-incidents",
+        filter_subject=subjects.incident(job_id),
+        shared=True,
+    )
+    await admin.js.add_consumer(
+        spec.stream.name,
+        ConsumerConfig(
+            name=spec.durable,
+            durable_name=spec.durable,
+            deliver_subject="_INBOX.made-by-an-older-vigil",
+            deliver_group=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            max_ack_pending=spec.max_ack_pending,
+        ),
+    )
+    incident = sample(IncidentRaised, job_id=job_id)
+    await admin.publish(subjects.incident(job_id), incident)
+    telemetry = await Bus.connect(secured[0].url_for(credentials.TELEMETRY), "test-telemetry")
+    got: list[Message] = []
+    done, stop = asyncio.Event(), asyncio.Event()
+
+    async def handler(batch):  # type: ignore[no-untyped-def]
+        got.extend(e for e, _ in batch)
+        done.set()
+
+    try:
+        consumer = asyncio.create_task(telemetry.consume_batches(spec, handler, stop))
+        await asyncio.wait_for(done.wait(), 10)
+        stop.set()
+        await consumer
+    finally:
+        await telemetry.close()
+    assert got == [incident]
+    info = await admin.js.consumer_info(spec.stream.name, spec.durable)
+    assert (info.config.deliver_subject or "").startswith("_INBOX_telemetry.")

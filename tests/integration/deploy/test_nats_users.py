@@ -104,10 +104,10 @@ async def stored_commands(deployed: Deployed, job_id: str) -> list[str]:
     return [HaltJob.model_validate_json(msg.data or b"").reason]
 
 
-async def test_workers_and_ranks_cannot_command_and_the_guardian_can(
+async def test_workers_and_telemetry_cannot_command_and_the_guardian_can(
     deployed: Deployed, scheduler: Bus, job_id: str
 ) -> None:
-    for user in (deployed.worker, credentials.RANK):
+    for user in (deployed.worker, credentials.TELEMETRY):
         bus = await connect(deployed, user)
         try:
             with pytest.raises(RetryableError):  # the server answers with a permissions violation

@@ -11,7 +11,7 @@ import pytest
 from nats.js.api import DeliverPolicy
 
 from vigil_common import subjects
-from vigil_common.bus import Bus
+from vigil_common.bus import Bus, msg_id
 from vigil_scheduler.main import run
 
 from .conftest import TOKEN, scheduler_settings, spec, wait_ready
@@ -50,7 +50,7 @@ async def test_submit_schedule_launch_is_one_trace(
         finally:
             await sub.unsubscribe()
         assert msg.headers and msg.headers["traceparent"].split("-")[1] == TRACE_ID
-        assert msg.headers["Nats-Msg-Id"] == f"launch-{job_id}-1"
+        assert msg.headers["Nats-Msg-Id"] == msg_id(subjects.launch(job_id), f"launch-{job_id}-1")
     finally:
         stop.set()
         await asyncio.wait_for(service, 20)  # shuts the tracer provider down: spans are flushed

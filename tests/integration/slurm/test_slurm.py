@@ -134,6 +134,11 @@ def proc_environ(pid: int) -> list[bytes]:
     return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
 
 
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+
+
 def is_rank(pid: int) -> bool:
     try:
         return b"vigil_worker.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -184,10 +189,12 @@ async def test_cancelling_the_vigil_job_frees_the_slurm_step(
     await next_event(
         plane.bus, subjects.job_steps(job_id), lambda e: isinstance(e, StepCompleted), timeout_s=120
     )
-    # the rank runs inside the Slurm step the workers run in
-    environ = proc_environ(started.pid)
-    assert f"SLURM_JOB_ID={slurm_id}".encode() in environ
-    assert any(v.startswith(b"SLURM_STEP_ID=") for v in environ)
+    # the rank runs inside the Slurm step the workers run in: its worker (its parent) is the step's
+    # process; the rank's own environment is built from an allowlist and holds no SLURM_ variable
+    worker = proc_environ(parent_of(started.pid))
+    assert f"SLURM_JOB_ID={slurm_id}".encode() in worker
+    assert any(v.startswith(b"SLURM_STEP_ID=") for v in worker)
+    assert not any(v.startswith(b"SLURM_") for v in proc_environ(started.pid))
     assert len(slurm_cluster.steps(slurm_id)) == 2  # the batch step and the workers' step
 
     assert (await plane.http.post(f"/api/v1/jobs/{job_id}/cancel")).status_code < 300

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from tests.helpers import eventually, service
+from tests.helpers import eventually, launch_on, service
 from vigil_common import readmodel, subjects
 from vigil_common.embedded import free_port
 from vigil_common.events import (
@@ -68,6 +68,7 @@ async def test_every_kind_of_event_is_stored_once_and_read_back(
     bus, pool, nats_url, migrated, job_id, tmp_path
 ):
     port = free_port()
+    await launch_on(bus, job_id, {0: "n0", 1: "n1"})
     async with service(run, settings(nats_url, migrated, tmp_path, port)):
         for k in range(4):
             for r in range(2):
@@ -213,6 +214,7 @@ async def test_killed_mid_stream_and_restarted_stores_exactly_one_row_per_event(
                 *(bus.publish(subjects.step(job_id, e.node), e) for e in events[i : i + 100])
             )
 
+    await launch_on(bus, job_id, {r: f"n{r}" for r in range(4)})
     publisher = asyncio.create_task(publish_all())
     async with service(run, cfg) as (task, _), pool.acquire() as blocker:
         await eventually(lambda: count(pool, job_id), what="the first rows")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import eventually, service
+from tests.helpers import eventually, launch_on, service
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
@@ -103,6 +103,7 @@ async def test_prometheus_scrapes_vigil_series_from_telemetry(
         nats_url=nats_url, database_url=migrated, data_dir=tmp_path, metrics_port=metrics_port
     )
     node = "prom-" + job_id
+    await launch_on(bus, job_id, {0: "n0", 1: "n0"})
     async with service(run, settings), httpx.AsyncClient(base_url=prometheus, timeout=10) as prom:
         for k in range(3):
             for rank in (0, 1):

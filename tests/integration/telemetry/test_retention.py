@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tests.helpers import eventually, service
+from tests.helpers import eventually, launch_on, service
 from vigil_common import readmodel, subjects
 from vigil_common.events import StepCompleted
 from vigil_common.settings import Settings
@@ -123,6 +123,7 @@ async def test_two_replicas_started_together_share_the_step_consumer(
     bus, pool, migrated, nats_url, job_id, tmp_path
 ) -> None:
     s = Settings.load(nats_url=nats_url, database_url=migrated, data_dir=tmp_path, metrics_port=0)
+    await launch_on(bus, job_id, {r: "n1" for r in range(4)})
     async with service(run, s) as (a, _), service(run, s) as (b, _):
         events = [step(job_id, k, r, datetime.now(UTC)) for k in range(10) for r in range(4)]
         await asyncio.gather(*(bus.publish(subjects.step(job_id, e.node), e) for e in events))

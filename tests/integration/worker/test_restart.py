@@ -51,15 +51,16 @@ async def test_restarted_worker_adopts_running_ranks_and_reports_how_they_ended(
         await rec.until(lambda r: r.of(ev.StepCompleted, rank=0, step=2))
         rank0 = rec.of(ev.RankStarted, rank=0)[0]
 
-        # the worker goes away; its rank trains on
+        # the worker goes away; its rank trains on (its link keeps what the agent could not take)
         await asyncio.to_thread(stop_worker, ready_cluster.workers[0])
         seen = max(e.step for e in rec.of(ev.StepCompleted, rank=0))
-        await rec.until(lambda r: r.of(ev.StepCompleted, rank=0, step=seen + 3))
 
-        # back again: it finds the rank and keeps its slot busy
+        # back again: it finds the rank and keeps its slot busy; the rank's link reconnects to the new
+        # agent (the rank's token is kept on the node) and sends the steps trained meanwhile
         ready_cluster.workers[0] = start_worker(nats_url, ready_cluster.data_dir, node_a, 1)
         beat = await wait_heartbeat(bus, node_a)
         assert beat.free == [] and [d.kind for d in beat.devices] == ["cpu"]
+        await rec.until(lambda r: r.of(ev.StepCompleted, rank=0, step=seen + 3))
         assert not rec.of(ev.RankExited)
 
         # down again; meanwhile the job is cancelled: node b ends rank 1 and rank 0 fails out of its collective

@@ -51,6 +51,16 @@ def test_kinds_origins_and_tokens_of_subjects():
     assert not subjects.matches(subjects.job_status("j1"), subjects.status("j2", "n1"))
 
 
+def test_the_control_planes_status_is_apart_from_every_nodes():
+    """The scheduler's permissions and the guardian's scan of ended jobs name `CONTROL_STATUS`."""
+    assert subjects.matches(subjects.CONTROL_STATUS, subjects.status("j1", subjects.CONTROL))
+    assert not subjects.matches(subjects.CONTROL_STATUS, subjects.status("j1", "n1"))
+    assert not subjects.matches(subjects.node_status("n1"), subjects.status("j1", subjects.CONTROL))
+    assert subjects.matches(subjects.ALL_STATUS, subjects.status("j1", subjects.CONTROL))
+    assert subjects.matches(subjects.ALL_JOB_EVENTS, subjects.step("j1", "n1"))
+    assert not subjects.matches(subjects.ALL_JOB_EVENTS, subjects.incident("j1"))
+
+
 @pytest.mark.parametrize(
     ("subject", "stream"),
     [

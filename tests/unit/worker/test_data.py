@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vigil_common.errors import SpecError
+from vigil_common.settings import Settings
 from vigil_common.spec import DataSpec
 from vigil_worker.trainer.data import (
     ByteTokenizer,
@@ -142,6 +143,19 @@ def test_a_data_path_outside_the_roots_is_refused(tmp_path, outside):
     (tmp_path / "outside.txt").write_text("secret " * 100)
     with pytest.raises(SpecError, match="outside the allowed roots") as info:
         load_tokens(DataSpec(path=outside), tmp_path / "c", vocab_size=256, roots=[root])
+    assert info.value.errors[0]["field"] == "data.path"
+    assert not list((tmp_path / "c").glob("*.bin"))
+
+
+@pytest.mark.parametrize("secret", ["credentials.json", "api_token", "../credentials.json"])
+def test_the_default_data_root_holds_none_of_the_data_dirs_secrets(tmp_path, secret):
+    """The probe trained on `data.path: credentials.json` and left the passwords in the token cache."""
+    settings = Settings.load(data_dir=tmp_path)
+    (tmp_path / "credentials.json").write_text('{"postgres": "secret"}' * 50)
+    (tmp_path / "api_token").write_text("t" * 64)
+    assert settings.allowed_data_roots == [(tmp_path / "datasets").resolve()]
+    with pytest.raises(SpecError) as info:
+        load_tokens(DataSpec(path=secret), tmp_path / "c", vocab_size=256, roots=settings.allowed_data_roots)
     assert info.value.errors[0]["field"] == "data.path"
     assert not list((tmp_path / "c").glob("*.bin"))
 

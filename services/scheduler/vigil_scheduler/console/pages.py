@@ -10,8 +10,7 @@ import anyio
 import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.enums import RequestEncodingType
-from litestar.params import Body, FromPath, FromQuery, QueryParameter
+from litestar.params import FromQuery, QueryParameter
 from litestar.response import Redirect, ServerSentEvent, Template
 
 from vigil_common import readmodel
@@ -21,15 +20,20 @@ from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
 from vigil_scheduler import queries
 from vigil_scheduler.console import spans, views
-from vigil_scheduler.console.auth import COOKIE, safe_next, session_value, token_matches
+from vigil_scheduler.console.auth import COOKIE, ConsoleAuth, LoginRefused, check_origin, read_form, safe_next
 from vigil_scheduler.console.live import console_events
 from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway.auth import actor
+from vigil_scheduler.gateway.params import JOB_ID, Attempt, DeviceIndex, JobId, NodeName, Step
+from vigil_scheduler.gateway.parsing import off_loop
 
 Pool = NamedDependency[asyncpg.Pool]
 BusDep = NamedDependency[Bus]
 SchedulerDep = NamedDependency[Scheduler]
 SettingsDep = NamedDependency[Settings]
-Form = Annotated[dict[str, str], Body(media_type=RequestEncodingType.URL_ENCODED)]
+AuthDep = NamedDependency[ConsoleAuth]
+Points = Annotated[int, QueryParameter(ge=1, le=views.MAX_POINTS, description="points per curve")]
+JobFilter = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's events")]
 ALL = 1000  # one page of the inventory is enough for a console view
 STATES = ("PENDING", "SCHEDULED", "RUNNING", "HALTED", "ROLLING_BACK", "SUCCEEDED", "FAILED", "CANCELLED")
 EXAMPLE_SPEC = """name: tiny-gpt
@@ -47,15 +51,20 @@ class LoginController(Controller):
         return Template("login.html", context={"next": safe_next(next_path), "error": None})
 
     @post("/login", include_in_schema=False)
-    async def login(self, request: Request, data: Form) -> Response:
-        token: str = request.app.state.api_token
-        next_path = safe_next(data.get("next", "/"))
-        if not token_matches(data.get("token", ""), token):
-            return Template(
-                "login.html", context={"next": next_path, "error": "wrong token"}, status_code=401
-            )
+    async def login(self, request: Request, auth: AuthDep) -> Response:
+        check_origin(request)
+        form = await read_form(request)
+        next_path = safe_next(form.get("next", "/"))
+        address = request.client.host if request.client else "unknown"
+        try:
+            cookie = auth.login(address, form.get("token", ""), request.app.state.api_token)
+        except LoginRefused as exc:
+            context = {"next": next_path, "error": str(exc)}
+            return Template("login.html", context=context, status_code=exc.status_code, headers=exc.headers)
         response = Redirect(next_path, status_code=303)
-        response.set_cookie(COOKIE, session_value(token), httponly=True, samesite="strict", path="/")
+        response.set_cookie(
+            COOKIE, cookie, max_age=auth.session_s, httponly=True, samesite="strict", path="/"
+        )
         return response
 
 
@@ -65,7 +74,8 @@ class ConsoleController(Controller):
     include_in_schema = False
 
     @post("/logout")
-    async def logout(self) -> Response:
+    async def logout(self, request: Request, auth: AuthDep) -> Response:
+        auth.sessions.revoke(request.cookies.get(COOKIE, ""))  # a copy of the cookie is dead too
         response = Redirect("/login", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
@@ -77,20 +87,21 @@ class ConsoleController(Controller):
         return Template("jobs.html", context=await _jobs_context(pool, state_filter))
 
     @post("/jobs")
-    async def submit(self, pool: Pool, scheduler: SchedulerDep, data: Form) -> Response:
-        text = data.get("spec", "")
+    async def submit(self, request: Request, pool: Pool, scheduler: SchedulerDep) -> Response:
+        text = (await read_form(request)).get("spec", "")
         try:
-            job = await scheduler.submit(parse_spec(text))
+            spec = await off_loop(request, parse_spec, text)  # as the API does: heartbeats go on
         except SpecError as exc:
             context = await _jobs_context(pool, None)
             context.update(spec_text=text, spec_errors=exc.errors)
             return Template("jobs.html", context=context, status_code=422)
+        job = await scheduler.submit(spec, actor=actor(request))
         return Redirect(f"/jobs/{job.id}", status_code=303)
 
     @post("/jobs/{job_id:str}/cancel")
-    async def cancel(self, pool: Pool, scheduler: SchedulerDep, job_id: FromPath[str]) -> Response:
+    async def cancel(self, request: Request, pool: Pool, scheduler: SchedulerDep, job_id: JobId) -> Response:
         try:
-            await scheduler.cancel(job_id)
+            await scheduler.cancel(job_id, actor=actor(request))
         except Conflict as exc:
             context = await _job_context(pool, job_id)
             context["error"] = str(exc)
@@ -98,7 +109,7 @@ class ConsoleController(Controller):
         return Redirect(f"/jobs/{job_id}", status_code=303)
 
     @get("/jobs/{job_id:str}")
-    async def job(self, pool: Pool, job_id: FromPath[str]) -> Template:
+    async def job(self, pool: Pool, job_id: JobId) -> Template:
         return Template("job.html", context=await _job_context(pool, job_id))
 
     @get("/jobs/{job_id:str}/trace")
@@ -106,9 +117,9 @@ class ConsoleController(Controller):
         self,
         pool: Pool,
         settings: SettingsDep,
-        job_id: FromPath[str],
-        step: FromQuery[int | None] = None,
-        attempt: FromQuery[int | None] = None,
+        job_id: JobId,
+        step: Step = None,
+        attempt: Attempt = None,
     ) -> Template:
         job = await queries.job_detail(pool, job_id)
         if step is None:
@@ -150,7 +161,7 @@ class ConsoleController(Controller):
         )
 
     @get("/cluster/{node:str}/{index:int}")
-    async def gpu(self, node: FromPath[str], index: FromPath[int]) -> Template:
+    async def gpu(self, node: NodeName, index: DeviceIndex) -> Template:
         return Template("gpu.html", context={"node": node, "index": index})
 
     @get("/incidents")
@@ -167,7 +178,7 @@ class ConsoleDataController(Controller):
 
     @get("/data/jobs/{job_id:str}/series")
     async def series(
-        self, pool: Pool, job_id: FromPath[str], points: FromQuery[int] = views.DEFAULT_POINTS
+        self, pool: Pool, job_id: JobId, points: Points = views.DEFAULT_POINTS
     ) -> dict[str, Any]:
         job = await queries.job_detail(pool, job_id)
         resources = job["spec"]["resources"]
@@ -190,7 +201,7 @@ class ConsoleDataController(Controller):
         return out
 
     @get("/data/gpus/{node:str}/{index:int}")
-    async def gpu_history(self, pool: Pool, node: FromPath[str], index: FromPath[int]) -> dict[str, Any]:
+    async def gpu_history(self, pool: Pool, node: NodeName, index: DeviceIndex) -> dict[str, Any]:
         page = await readmodel.gpu_samples(pool, node=node, index=index, limit=1000)
         samples = list(reversed(page["items"]))
         return {
@@ -202,9 +213,7 @@ class ConsoleDataController(Controller):
         }
 
     @get("/events")
-    async def events(
-        self, request: Request, bus: BusDep, job: FromQuery[str | None] = None
-    ) -> ServerSentEvent:
+    async def events(self, request: Request, bus: BusDep, job: JobFilter = None) -> ServerSentEvent:
         return ServerSentEvent(console_events(bus, request.app.state.closing, job))
 
 

@@ -4,10 +4,12 @@ from `vigil_common.token`)."""
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from vigil_scheduler import audit
 from vigil_scheduler.gateway.errors import Unauthorized
 
 
@@ -19,3 +21,10 @@ def bearer_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         raise Unauthorized("missing bearer token: send 'Authorization: Bearer <VIGIL_API_TOKEN>'")
     if not hmac.compare_digest(given.strip().encode(), expected.encode()):
         raise Unauthorized("invalid bearer token")
+
+
+def actor(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    """The caller as the audit record names it. Whoever passed a guard holds the app's token: the
+    bearer header is the token, and a console session is opened only with it, so both are the token's
+    fingerprint."""
+    return audit.token_actor(connection.app.state.api_token)

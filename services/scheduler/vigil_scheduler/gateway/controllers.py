@@ -9,10 +9,11 @@ from typing import Annotated
 import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromQuery, Parameter, QueryParameter, RawBody
+from litestar.params import FromQuery, QueryParameter, RawBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
 
+from vigil.api import GpuPage, Health, JobDetailOut, JobOut, JobPage, NodePage, Page
 from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged
@@ -20,30 +21,15 @@ from vigil_common.jobstates import JobState
 from vigil_common.spec import parse_spec
 from vigil_scheduler import audit, queries
 from vigil_scheduler.core import Scheduler
-from vigil_scheduler.gateway.schemas import (
-    GpuPage,
-    Health,
-    JobDetailOut,
-    JobOut,
-    JobPage,
-    NodePage,
-    Page,
-    SubmitOperation,
-    error_responses,
-)
+from vigil_scheduler.gateway.auth import actor
+from vigil_scheduler.gateway.params import Attempt, Cursor, JobId, JobIdFilter, Limit, Rank
+from vigil_scheduler.gateway.parsing import off_loop
+from vigil_scheduler.gateway.schemas import SubmitOperation, error_responses
 
-Limit = Annotated[int, QueryParameter(ge=1, le=1000, description="items per page")]
-Cursor = Annotated[str | None, QueryParameter(description="the `next` of the previous page")]
-StateFilter = Annotated[JobState | None, QueryParameter(name="state", description="only jobs in this state")]
-# ranks and attempts are Postgres `int` columns
-Rank = Annotated[int | None, QueryParameter(ge=0, le=2**31 - 1, description="only this rank's steps")]
-Attempt = Annotated[int | None, QueryParameter(ge=1, le=2**31 - 1, description="only this attempt's steps")]
 Pool = NamedDependency[asyncpg.Pool]
 BusDep = NamedDependency[Bus]
 SchedulerDep = NamedDependency[Scheduler]
-JobId = Annotated[
-    str, Parameter(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$", description="a job id (`j-...`)")
-]
+StateFilter = Annotated[JobState | None, QueryParameter(name="state", description="only jobs in this state")]
 READ = error_responses(401, 422)
 ONE_JOB = error_responses(401, 404, 422)
 KEEPALIVE_S = 15.0
@@ -61,9 +47,8 @@ class JobController(Controller):
         responses=error_responses(401, 413, 422),
     )
     async def submit(self, request: Request, body: RawBody, scheduler: SchedulerDep) -> JobOut:
-        async with request.app.state.parsing:  # a few at a time, off the event loop: heartbeats go on
-            spec = await asyncio.to_thread(parse_spec, body, content_type=request.headers.get("content-type"))
-        job = await scheduler.submit(spec, parent=dict(request.headers), actor=_actor(request))
+        spec = await off_loop(request, parse_spec, body, content_type=request.headers.get("content-type"))
+        job = await scheduler.submit(spec, parent=dict(request.headers), actor=actor(request))
         return JobOut.model_validate(queries.job_view(job))
 
     @get("/", summary="Jobs, newest first", responses=READ)
@@ -88,7 +73,7 @@ class JobController(Controller):
         responses=error_responses(401, 404, 409, 422),
     )
     async def cancel(self, request: Request, scheduler: SchedulerDep, job_id: JobId) -> JobOut:
-        job = await scheduler.cancel(job_id, actor=_actor(request))
+        job = await scheduler.cancel(job_id, actor=actor(request))
         return JobOut.model_validate(queries.job_view(job))
 
     @get("/{job_id:str}/steps", summary="Step metrics, per rank or aggregated per step", responses=ONE_JOB)
@@ -194,14 +179,9 @@ class AuditController(Controller):
         responses=READ,
     )
     async def list_audit(
-        self, pool: Pool, job_id: FromQuery[str | None] = None, limit: Limit = 100, cursor: Cursor = None
+        self, pool: Pool, job_id: JobIdFilter = None, limit: Limit = 100, cursor: Cursor = None
     ) -> Page:
         return Page.model_validate(await audit.list_records(pool, job_id=job_id, limit=limit, cursor=cursor))
-
-
-def _actor(request: Request) -> str:
-    """The caller as the audit record names it (the bearer token passed the guard: it is the app's)."""
-    return audit.token_actor(request.app.state.api_token)
 
 
 class HealthController(Controller):

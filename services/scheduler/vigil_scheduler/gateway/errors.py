@@ -10,6 +10,7 @@ from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.status_codes import (
     HTTP_401_UNAUTHORIZED,
+    HTTP_403_FORBIDDEN,
     HTTP_404_NOT_FOUND,
     HTTP_409_CONFLICT,
     HTTP_413_REQUEST_ENTITY_TOO_LARGE,
@@ -28,9 +29,23 @@ class Unauthorized(PermanentError):
     """No bearer token, or the wrong one."""
 
 
+class Forbidden(PermanentError):
+    """A console write that did not come from the console's own page (its Origin, its CSRF token)."""
+
+
+class BadForm(PermanentError):
+    """A console form that cannot be read; `field` names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
 def _status(exc: VigilError) -> int:
     if isinstance(exc, Unauthorized):
         return HTTP_401_UNAUTHORIZED
+    if isinstance(exc, Forbidden):
+        return HTTP_403_FORBIDDEN
     if isinstance(exc, NotFound):
         return HTTP_404_NOT_FOUND
     if isinstance(exc, Conflict):
@@ -49,7 +64,7 @@ _PARAMETER_NAMES = {"state_filter": "state"}
 def _fields(exc: Exception) -> list[dict[str, str]]:
     if isinstance(exc, SpecError):
         return exc.errors
-    if isinstance(exc, BadPageRequest):
+    if isinstance(exc, BadPageRequest | BadForm):
         return [{"field": exc.field, "message": str(exc)}]
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list):
         return [

@@ -1,148 +1,17 @@
-"""HTTP shapes, kept apart from the internal models (the job row, bus events)."""
+"""HTTP shapes, kept apart from the internal models (the job row, bus events): the answers are the SDK's
+(`vigil.api`, which `vigil.Client` reads), the spec's OpenAPI description is here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, get_args
+from typing import get_args
 
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from vigil.api import ErrorOut
 from vigil_common.spec import Fault, JobSpec
-
-
-class Out(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class RankOut(Out):
-    rank: int
-    node: str
-    device: int
-    local_rank: int
-
-
-class JobOut(Out):
-    id: str
-    name: str
-    state: str
-    priority: int
-    attempt: int
-    placement: list[RankOut]
-    master_addr: str | None = None
-    master_port: int | None = None
-    resume_from: str | None = None
-    last_step: int | None = None
-    loss: float | None = None
-    mfu: float | None = None  # the newest step's model FLOPs utilisation (of one rank)
-    tokens_per_s: float | None = None  # the newest step's tokens/s (of one rank)
-    reason: str | None = None
-    created_at: datetime
-    updated_at: datetime
-    finished_at: datetime | None = None
-    spec: dict[str, Any]
-
-
-class TransitionOut(Out):
-    attempt: int
-    from_state: str | None
-    to_state: str
-    cause: str
-    occurred_at: datetime
-
-
-class RankStatusOut(Out):
-    rank: int
-    node: str
-    started_at: datetime | None
-    exited_at: datetime | None
-    exit_code: int | None
-    failure: str | None
-
-
-class AttemptOut(Out):
-    attempt: int
-    launched_at: datetime
-    placement: list[RankOut]
-    resume_from: str | None
-    ended: str | None  # the cause that ended it; None while it runs
-
-
-class JobDetailOut(JobOut):
-    transitions: list[TransitionOut]
-    attempts: list[AttemptOut]
-    ranks: list[RankStatusOut]  # of the current attempt
-
-
-class JobPage(Out):
-    items: list[JobOut]
-    next: str | None
-
-
-class DeviceOut(Out):
-    node: str
-    index: int
-    kind: str
-    name: str
-    uuid: str
-    memory_bytes: int
-    nvlink_peers: list[int]
-    healthy: bool
-    unhealthy_reason: str | None
-    reported_free: bool
-    present: bool
-    job_id: str | None
-    rank: int | None
-
-
-class NodeOut(Out):
-    name: str
-    address: str
-    alive: bool
-    last_heartbeat: datetime
-    started_at: datetime
-    interval_s: float
-    lost_at: datetime | None
-    devices: list[DeviceOut]
-
-
-class NodePage(Out):
-    items: list[NodeOut]
-    next: str | None
-
-
-class GpuOut(DeviceOut):
-    alive: bool
-    latest: dict[str, Any] | None
-
-
-class GpuPage(Out):
-    items: list[GpuOut]
-    next: str | None
-
-
-class Page(Out):
-    """A page of telemetry rows (steps, checkpoints, incidents) as the read model returns them."""
-
-    items: list[dict[str, Any]]
-    next: str | None
-
-
-class FieldErrorOut(Out):
-    field: str
-    message: str
-
-
-class ErrorOut(Out):
-    """Every error: `gateway.errors` makes this body for every status."""
-
-    status: int
-    error: str
-    message: str
-    fields: list[FieldErrorOut]
-
 
 _ERRORS = {
     401: "no bearer token, or the wrong one",
@@ -159,11 +28,6 @@ def error_responses(*codes: int) -> dict[int, ResponseSpec]:
         code: ResponseSpec(data_container=ErrorOut, description=_ERRORS[code], generate_examples=False)
         for code in codes
     }
-
-
-class Health(Out):
-    status: str
-    checks: dict[str, str] = {}
 
 
 def _section(name: str) -> Schema:

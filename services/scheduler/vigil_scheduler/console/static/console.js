@@ -1,5 +1,7 @@
 // The console's client side: uPlot charts fed by the server's downsampled series, refreshed on
 // server-sent events (coalesced: at most one request in flight per page). No build step.
+// The pages hold no inline script or style (the Content-Security-Policy forbids them): each names
+// itself in `#vigil-page` (data-page and its arguments), and `boot` starts what it needs.
 "use strict";
 const Vigil = (() => {
   const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"];
@@ -180,5 +182,23 @@ const Vigil = (() => {
     });
   }
 
+  function boot() {
+    for (const select of document.querySelectorAll("select[data-autosubmit]")) {
+      select.addEventListener("change", () => select.form.submit());
+    }
+    for (const el of document.querySelectorAll("[data-colour]")) el.style.background = el.dataset.colour;
+    const page = document.getElementById("vigil-page");
+    if (!page) return;
+    const args = page.dataset;
+    switch (args.page) {
+      case "jobs": reloadOnEvents(["job.state_changed", "incident.raised"]); break;
+      case "cluster": reloadOnEvents(["job.state_changed"]); break;
+      case "job": jobPage(args.job); break;
+      case "gpu": gpuPage(args.node, Number(args.index)); break;
+      case "incidents": incidentFeed(); break;
+    }
+  }
+
+  document.addEventListener("DOMContentLoaded", boot);
   return {state, reloadOnEvents, jobPage, gpuPage, incidentFeed};
 })();

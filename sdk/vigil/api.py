@@ -1,0 +1,148 @@
+"""The HTTP API's answers, as pydantic models: what the gateway returns and what `vigil.Client` reads.
+
+One definition for both sides: the gateway builds its answers with these (so a row's other columns
+never reach a client), and `vigil.Client` reads them back (a field a newer server adds is ignored).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class RankOut(Out):
+    rank: int
+    node: str
+    device: int
+    local_rank: int
+
+
+class JobOut(Out):
+    id: str
+    name: str
+    state: str
+    priority: int
+    attempt: int
+    placement: list[RankOut]
+    master_addr: str | None = None
+    master_port: int | None = None
+    resume_from: str | None = None
+    last_step: int | None = None
+    loss: float | None = None
+    mfu: float | None = None  # the newest step's model FLOPs utilisation (of one rank)
+    tokens_per_s: float | None = None  # the newest step's tokens/s (of one rank)
+    reason: str | None = None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+    spec: dict[str, Any]
+
+
+class TransitionOut(Out):
+    attempt: int
+    from_state: str | None
+    to_state: str
+    cause: str
+    occurred_at: datetime
+
+
+class RankStatusOut(Out):
+    rank: int
+    node: str
+    started_at: datetime | None
+    exited_at: datetime | None
+    exit_code: int | None
+    failure: str | None
+
+
+class AttemptOut(Out):
+    attempt: int
+    launched_at: datetime
+    placement: list[RankOut]
+    resume_from: str | None
+    ended: str | None  # the cause that ended it; None while it runs
+
+
+class JobDetailOut(JobOut):
+    transitions: list[TransitionOut]
+    attempts: list[AttemptOut]
+    ranks: list[RankStatusOut]  # of the current attempt
+
+
+class JobPage(Out):
+    items: list[JobOut]
+    next: str | None
+
+
+class DeviceOut(Out):
+    node: str
+    index: int
+    kind: str
+    name: str
+    uuid: str
+    memory_bytes: int
+    nvlink_peers: list[int]
+    healthy: bool
+    unhealthy_reason: str | None
+    reported_free: bool
+    present: bool
+    job_id: str | None
+    rank: int | None
+
+
+class NodeOut(Out):
+    name: str
+    address: str
+    alive: bool
+    last_heartbeat: datetime
+    started_at: datetime
+    interval_s: float
+    lost_at: datetime | None
+    devices: list[DeviceOut]
+
+
+class NodePage(Out):
+    items: list[NodeOut]
+    next: str | None
+
+
+class GpuOut(DeviceOut):
+    alive: bool
+    latest: dict[str, Any] | None
+
+
+class GpuPage(Out):
+    items: list[GpuOut]
+    next: str | None
+
+
+class Page(Out):
+    """A page of telemetry rows (steps, checkpoints, incidents) as the read model returns them."""
+
+    items: list[dict[str, Any]]
+    next: str | None
+
+
+class FieldErrorOut(Out):
+    field: str
+    message: str
+
+
+class ErrorOut(Out):
+    """Every error: `gateway.errors` makes this body for every status."""
+
+    status: int
+    error: str
+    message: str
+    fields: list[FieldErrorOut]
+
+
+class Health(Out):
+    status: str
+    checks: dict[str, str] = {}

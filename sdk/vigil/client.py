@@ -1,0 +1,233 @@
+"""The HTTP API from Python: what the `vigil` CLI uses, and what scripts and notebooks use.
+
+    import vigil
+
+    with vigil.Client("http://127.0.0.1:8000", token) as client:
+        job = client.submit("job.yaml")            # a path, YAML or JSON text, or a dict
+        final = client.wait(job.id, on_event=print)  # JobStateChanged and IncidentRaised as they happen
+        for row in client.steps(job.id, aggregate=True).items:
+            ...
+
+`vigil.Client.from_env()` finds the gateway and token as the CLI does: VIGIL_API_URL (else
+VIGIL_HTTP_HOST:VIGIL_HTTP_PORT), and VIGIL_API_TOKEN (else the token file `vigil up` writes in the
+data dir). Every answer is one of the API's models (`vigil.api`); every failure is a `VigilError`
+carrying the HTTP status and, for a bad spec or parameter, the fields the gateway named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import TypeAdapter, ValidationError
+
+from vigil.api import ErrorOut, FieldErrorOut, GpuPage, JobDetailOut, JobOut, JobPage, NodePage, Page
+from vigil_common.events import IncidentRaised, JobStateChanged
+from vigil_common.jobstates import TERMINAL_STATES
+
+Event = JobStateChanged | IncidentRaised
+_EVENT: TypeAdapter[Event] = TypeAdapter(Event)
+Spec = Mapping[str, Any] | str | bytes | Path
+
+
+class VigilError(Exception):
+    """The gateway refused a request (`status`, its `message` and the `fields` it named) or could not be
+    reached (`status` None)."""
+
+    def __init__(self, message: str, *, status: int | None = None, fields: list[FieldErrorOut] | None = None):
+        self.status = status
+        self.message = message
+        self.fields = list(fields or [])
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        head = self.message if self.status is None else f"HTTP {self.status}: {self.message}"
+        return "\n".join([head, *(f"  {f.field}: {f.message}" for f in self.fields)])
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> VigilError:
+        try:
+            body = ErrorOut.model_validate_json(response.content)
+        except ValidationError:
+            return cls(response.text[:500] or response.reason_phrase, status=response.status_code)
+        return cls(body.message, status=response.status_code, fields=body.fields)
+
+
+class Client:
+    """A synchronous client of one gateway, with one bearer token. Thread-safe (one httpx pool)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    @classmethod
+    def from_env(cls, url: str | None = None, **kw: Any) -> Client:
+        """The gateway and token the CLI would use on this machine (see the module's docstring)."""
+        import os
+
+        from vigil_common.settings import Settings
+        from vigil_common.token import require_token
+
+        settings = Settings.load()
+        url = url or os.environ.get("VIGIL_API_URL") or f"http://{settings.http_host}:{settings.http_port}"
+        return cls(url, require_token(settings), **kw)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- jobs ---------------------------------------------------------------------------------------
+
+    def submit(self, spec: Spec) -> JobOut:
+        """Submit a job spec: a path to a YAML or JSON file, YAML or JSON text, or a mapping."""
+        if isinstance(spec, Path):
+            kind = "application/json" if spec.suffix.lower() == ".json" else "application/yaml"
+            body = spec.read_bytes()
+        elif isinstance(spec, Mapping):
+            kind, body = "application/json", json.dumps(spec).encode()
+        else:  # YAML text (JSON is YAML too)
+            kind, body = "application/yaml", spec.encode() if isinstance(spec, str) else spec
+        answer = self._call("POST", "/api/v1/jobs", content=body, headers={"Content-Type": kind})
+        return JobOut.model_validate(answer)
+
+    def jobs(self, state: str | None = None, *, limit: int = 50, cursor: str | None = None) -> JobPage:
+        """A page of jobs, newest first; `page.next` is the cursor of the next page."""
+        params = _params(state=state.upper() if state else None, limit=limit, cursor=cursor)
+        return JobPage.model_validate(self._call("GET", "/api/v1/jobs", params=params))
+
+    def job(self, job_id: str) -> JobDetailOut:
+        """One job with its transitions, attempts and the ranks of its current attempt."""
+        return JobDetailOut.model_validate(self._call("GET", f"/api/v1/jobs/{_segment(job_id)}"))
+
+    def cancel(self, job_id: str) -> JobOut:
+        return JobOut.model_validate(self._call("POST", f"/api/v1/jobs/{_segment(job_id)}/cancel"))
+
+    def steps(
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        attempt: int | None = None,
+        aggregate: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page:
+        """Step metrics, per rank, or one row per step with `aggregate=True`."""
+        params = _params(rank=rank, attempt=attempt, aggregate=aggregate or None, limit=limit, cursor=cursor)
+        return Page.model_validate(self._call("GET", f"/api/v1/jobs/{_segment(job_id)}/steps", params=params))
+
+    def checkpoints(self, job_id: str, *, limit: int = 100, cursor: str | None = None) -> Page:
+        params = _params(limit=limit, cursor=cursor)
+        path = f"/api/v1/jobs/{_segment(job_id)}/checkpoints"
+        return Page.model_validate(self._call("GET", path, params=params))
+
+    def incidents(self, job_id: str | None = None, *, limit: int = 100, cursor: str | None = None) -> Page:
+        """What the guardian saw and did: of one job, or of every job; newest first."""
+        path = "/api/v1/incidents" if job_id is None else f"/api/v1/jobs/{_segment(job_id)}/incidents"
+        return Page.model_validate(self._call("GET", path, params=_params(limit=limit, cursor=cursor)))
+
+    def audit(self, job_id: str | None = None, *, limit: int = 100, cursor: str | None = None) -> Page:
+        """Who asked for each submit, cancel, halt, rollback and resume; newest first."""
+        params = _params(job_id=job_id, limit=limit, cursor=cursor)
+        return Page.model_validate(self._call("GET", "/api/v1/audit", params=params))
+
+    # --- inventory ----------------------------------------------------------------------------------
+
+    def nodes(self, *, limit: int = 1000, cursor: str | None = None) -> NodePage:
+        params = _params(limit=limit, cursor=cursor)
+        return NodePage.model_validate(self._call("GET", "/api/v1/nodes", params=params))
+
+    def gpus(self, *, limit: int = 1000, cursor: str | None = None) -> GpuPage:
+        params = _params(limit=limit, cursor=cursor)
+        return GpuPage.model_validate(self._call("GET", "/api/v1/gpus", params=params))
+
+    # --- live events --------------------------------------------------------------------------------
+
+    def events(
+        self, job_id: str | None = None, *, on_connect: Callable[[], None] | None = None
+    ) -> Iterator[Event]:
+        """Job state changes and incidents as they are published (of one job, or all), until the caller
+        stops iterating or the gateway closes the stream. `on_connect` runs once the subscription holds:
+        every change from then on is yielded (what `wait` uses to not miss an ending)."""
+        params = _params(job=job_id)
+        try:
+            with self._http.stream("GET", "/api/v1/events", params=params, timeout=None) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise VigilError.of(r)
+                kind: str | None = None
+                for line in r.iter_lines():
+                    if line.startswith(": connected") and on_connect is not None:
+                        on_connect()
+                    elif line.startswith("event: "):
+                        kind = line.removeprefix("event: ")
+                    elif line.startswith("data: ") and kind in ("job.state_changed", "incident.raised"):
+                        yield _EVENT.validate_json(line.removeprefix("data: "))
+        except httpx.TransportError as exc:
+            raise VigilError(f"lost the event stream from {self.url}: {exc}") from exc
+
+    def wait(self, job_id: str, *, on_event: Callable[[Event], None] | None = None) -> JobDetailOut:
+        """Follow a job until it ends (SUCCEEDED, FAILED or CANCELLED) and return it; `on_event` sees each
+        state change and incident of the job on the way."""
+
+        class _Ended(Exception):
+            pass
+
+        def check_ended() -> None:  # subscribed: an ending from now on reaches us; did it end before?
+            if self.job(job_id).state in TERMINAL_STATES:
+                raise _Ended
+
+        try:
+            for event in self.events(job_id, on_connect=check_ended):
+                if on_event is not None:
+                    on_event(event)
+                if isinstance(event, JobStateChanged) and event.to_state in TERMINAL_STATES:
+                    break
+            else:
+                raise VigilError(f"the event stream from {self.url} ended before job {job_id} did")
+        except _Ended:
+            pass
+        return self.job(job_id)
+
+    # --- one request --------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            where = f"cannot reach the gateway at {self.url} ({exc})"
+            raise VigilError(f"{where}: is `vigil up` running?") from exc
+        if r.status_code >= 400:
+            raise VigilError.of(r)
+        return r.json()
+
+
+def _params(**given: Any) -> dict[str, Any]:
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _segment(job_id: str) -> str:
+    """A job id as one path segment (an id with '/' or '?' in it asks for that job, not another path)."""
+    from urllib.parse import quote
+
+    return quote(job_id, safe="")
