@@ -43,7 +43,9 @@ DeviceKind = Literal["gpu", "cpu"]
 # Why a rank ended, in the spirit of determined's FailureType.
 # "preempted": the rank wrote the emergency checkpoint on a preemption notice and exited (not a failure
 # of the job: its next attempt does not count against VIGIL_MAX_ATTEMPTS).
-FailureType = Literal["ok", "error", "signal", "oom", "killed_by_vigil", "lost", "preempted"]
+# "spec": the job's spec cannot run (a path outside its roots, entrypoints off, ...): the job FAILS at
+# once, as another attempt would fail the same way.
+FailureType = Literal["ok", "error", "signal", "oom", "killed_by_vigil", "lost", "preempted", "spec"]
 
 
 def utcnow() -> datetime:

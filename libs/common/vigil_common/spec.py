@@ -355,12 +355,16 @@ class JobSpec(StrictModel):
     )
 
     @model_serializer(mode="wrap")
-    def _without_absent_entrypoint(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A spec without an entrypoint serialises as it did before the field existed (LaunchJob v1's wire
-        format, and older workers, which refuse unknown fields, keep reading it)."""
+    def _one_program(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The program the spec runs, and only it: a spec without an entrypoint serialises as it did
+        before the field existed (LaunchJob v1's wire format, and older workers, which refuse unknown
+        fields, keep reading it); one with an entrypoint leaves out the built-in trainer's `model`, so
+        that what is stored reads back (the two are exclusive)."""
         data = handler(self)
         if data.get("entrypoint", 0) is None:
             del data["entrypoint"]
+        elif "entrypoint" in data:
+            data.pop("model", None)
         return data
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_scheduler import audit, inventory, lifecycle, outbox, states
+from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, states
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, PlacementRequest, plan
@@ -65,7 +65,8 @@ class Scheduler:
         self, spec: JobSpec, parent: dict[str, str] | None = None, actor: str = "service:scheduler"
     ) -> Job:
         """Store the job PENDING (and who asked, in the audit record); the submit span's context is kept
-        so schedule and launch join its trace."""
+        so schedule and launch join its trace. SpecError when this cluster would not run it (`admission`)."""
+        admission.check(spec, self.settings)
         with self.tracer.start_as_current_span(
             "submit job", context=tracing.extract(parent), kind=trace.SpanKind.SERVER
         ) as span:

@@ -164,6 +164,11 @@ class Handlers:
                 if exited < job.world_size:
                     return
                 cause = f"every rank was ended by its worker (last: rank {event.rank} on {event.node})"
+            elif event.failure == "spec":  # another attempt would be refused the same way
+                reason = f"the spec cannot run: {event.log_tail or cause}"[:2000]
+                await lifecycle.fail(conn, job, cause, reason=reason)
+                self.s.want_placement()
+                return
             await lifecycle.requeue(
                 conn, job, cause, max_attempts=self.s.settings.max_attempts, preempted=preempted
             )

@@ -111,7 +111,9 @@ class Worker:
         except SpecError as exc:  # the job's program may not run here: a permanent failure
             for p in launch.placement:
                 if p.node == self.node:
-                    await self._publish_exit_without_start(launch, p.rank, str(exc), exit_code=EXIT_SPEC)
+                    await self._publish_exit_without_start(
+                        launch, p.rank, str(exc), failure="spec", exit_code=EXIT_SPEC
+                    )
             return
         for r in ranks:
             p = r.placement
@@ -131,6 +133,7 @@ class Worker:
                 exit_path=r.exit_path,
                 token=r.token,
                 cwd=r.cwd,
+                builtin=launch.spec.entrypoint is None,
             )
             log.info(
                 "started rank %d of %s attempt %d on device %d: pid %d",
@@ -227,6 +230,8 @@ class Worker:
             failure = "oom" if ended.signal == signal.SIGKILL and _oom_killed() else "signal"
         elif ended.code == EXIT_PREEMPTED:
             failure = "preempted"
+        elif ended.code == EXIT_SPEC and r.builtin:  # a user's program may exit 2 for its own reasons
+            failure = "spec"
         else:
             failure = "ok" if ended.code == 0 else "error"
         log.log(

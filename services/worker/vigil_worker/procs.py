@@ -45,6 +45,7 @@ class RankRecord:
     exit_path: str
     started_at: float = field(default_factory=time.time)
     token: str = ""  # the rank's proof of identity to this agent's relay (ranks.json is 0600)
+    builtin: bool = False  # the built-in trainer, whose exit code EXIT_SPEC says the spec cannot run
     killed: bool = False  # ended by this worker (cancel, newer attempt, a sibling's death)
     reported: bool = False  # RankExited published
 
@@ -118,6 +119,7 @@ class RankTable:
         exit_path: Path,
         token: str = "",
         cwd: Path | None = None,
+        builtin: bool = False,
     ) -> RankRecord:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path.unlink(missing_ok=True)
@@ -144,6 +146,7 @@ class RankTable:
             log_path=str(log_path),
             exit_path=str(exit_path),
             token=token,
+            builtin=builtin,
         )
         self._children[proc.pid] = proc
         self.records.append(record)

@@ -245,3 +245,23 @@ async def test_a_hung_rank_gives_a_hang_incident_and_a_relaunch_that_finishes(st
     relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
     assert relaunch and relaunch[0].resume_from and relaunch[0].resume_from.endswith("step_00000003")
     assert max(e.step for e in run.of(StepCompleted) if e.attempt == 2) == 9
+
+
+async def test_a_spec_its_worker_refuses_fails_at_once_without_a_relaunch(stack: Stack):
+    """The probe: a spec refused by path confinement was relaunched until max_attempts."""
+    run = await train(
+        stack,
+        {
+            "name": "e2e-confined",
+            "resources": {"nodes": 1, "gpus_per_node": 2},
+            "model": TINY,
+            "data": {"path": "/etc/passwd"},
+            "train": {**TRAIN, "steps": 5},
+        },
+        timeout_s=120,
+    )
+    ended = run.of(JobStateChanged)[-1]
+    assert ended.to_state == "FAILED" and "(spec)" in ended.cause, ended
+    assert [launch.attempt for launch in run.of(LaunchJob)] == [1]
+    job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
+    assert "data.path" in job["reason"] and "outside the allowed roots" in job["reason"], job["reason"]

@@ -126,3 +126,15 @@ def test_a_number_in_exponent_form_is_a_number_in_yaml_as_in_json():
 
 def test_a_non_utf8_body_is_a_spec_error():
     assert "not UTF-8" in fields(b"name: \xff\xfe")["(spec)"]  # type: ignore[arg-type]
+
+
+def test_a_spec_with_an_entrypoint_reads_back_as_stored() -> None:
+    """The scheduler stores the spec as JSON and validates it again at each launch; the built-in trainer's
+    `model` (a default) must not come back beside the entrypoint (they are exclusive)."""
+    spec = JobSpec.model_validate(
+        {"name": "own", "entrypoint": {"argv": ["python", "train.py"], "workdir": "proj"}}
+    )
+    stored = spec.model_dump(mode="json")
+    assert "model" not in stored and stored["entrypoint"]["argv"] == ["python", "train.py"]
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+    assert "entrypoint" not in JobSpec(name="builtin").model_dump()  # LaunchJob v1's wire format
