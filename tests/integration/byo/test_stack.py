@@ -1,0 +1,141 @@
+"""Each example of examples/byo/ as a two-rank job through the whole stack (scheduler and gateway,
+telemetry, guardian and a worker in one process; real NATS and Postgres), its own program started from a
+code root with a NaN on rank 1 at a known step: the guardian names rank 1, the job recovers (the Trainer
+and Lightning by a relaunch from the checkpoint, DeepSpeed and DDP loops in place) and succeeds, and
+every step is stored once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import shutil
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.helpers import eventually
+from tests.integration.byo.ranks import EXAMPLES
+from tests.integration.guardian.test_e2e_ranks import TOKEN, Stack, fresh_database, train
+from vigil.manifest import MANIFEST
+from vigil_cli.stack import run_services
+from vigil_common import readmodel
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import free_port
+from vigil_common.events import (
+    CheckpointSaved,
+    IncidentRaised,
+    JobStateChanged,
+    LaunchJob,
+    RestartRequested,
+    RollbackCompleted,
+    StepCompleted,
+)
+from vigil_common.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.byo]
+
+STEPS, EVERY, NAN_AT = 16, 4, 9  # checkpoints 4, 8, 12, 16; the rollback goes to 8
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    nats_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    code = tmp_path_factory.mktemp("code")
+    shutil.copytree(EXAMPLES, code / "byo", ignore=shutil.ignore_patterns("*.yaml", "*.md", "out"))
+    db = await fresh_database(database_url)
+    node = "byo-" + uuid.uuid4().hex[:6]
+    port = free_port()
+    settings = Settings.load(
+        nats_url=nats_url,
+        database_url=db,
+        data_dir=tmp_path_factory.mktemp("byo"),
+        code_roots=[code],
+        http_port=port,
+        api_token=TOKEN,
+        node_name=node,
+        cpu_slots=2,
+        heartbeat_interval_s=0.5,
+        metrics_port=0,
+    )
+    stop = asyncio.Event()
+    services = asyncio.create_task(run_services(settings, stop))
+    bus = await Bus.connect(nats_url, "byo-test")
+    pool = await create_pool(db)
+    await migrate(pool)
+    http = httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    try:
+
+        async def node_up() -> bool:
+            if services.done():
+                services.result()
+            with contextlib.suppress(httpx.HTTPError):
+                nodes = (await http.get("/api/v1/nodes")).json()["items"]
+                return any(n["name"] == node and n["alive"] for n in nodes)
+            return False
+
+        await eventually(node_up, timeout=90, what="the stack and its worker")
+        yield Stack(settings, http, bus, pool, node)
+    finally:
+        stop.set()
+        await asyncio.wait_for(services, 60)
+        await http.aclose()
+        await pool.close()
+        await bus.close()
+
+
+def example_spec(name: str) -> dict[str, Any]:
+    """examples/byo/<name>.yaml, shortened: STEPS steps, a checkpoint every EVERY, the NaN at NAN_AT."""
+    spec = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    argv = spec["entrypoint"]["argv"]
+    for flag, value in (("--steps", STEPS), ("--save-every", EVERY), ("--nan-at", NAN_AT)):
+        argv[argv.index(flag) + 1] = str(value)
+    spec["train"]["steps"] = STEPS
+    spec["checkpoint"]["every"] = EVERY
+    spec["checkpoint"]["keep"] = 10
+    spec["name"] = f"{spec['name']}-{uuid.uuid4().hex[:4]}"
+    return spec
+
+
+RELAUNCHED = {"hf_trainer", "hf_deepspeed", "lightning_ddp"}  # cannot load a checkpoint in place
+
+
+@pytest.mark.parametrize(
+    "example", ["hf_trainer", "hf_deepspeed", "lightning_ddp", "deepspeed_loop", "ddp_loop"]
+)
+async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stack, example: str):
+    run = await train(stack, example_spec(example), timeout_s=420)
+    states = [e.to_state for e in run.of(JobStateChanged)]
+    assert states[-1] == "SUCCEEDED", states
+    (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
+    assert (nan.rank, nan.step, nan.action) == (1, NAN_AT, "rollback")
+    if example in RELAUNCHED:  # no loader: every rank stopped, the job relaunched from the checkpoint
+        (restart,) = run.of(RestartRequested)
+        assert restart.step == 8
+        relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
+        assert relaunch and (relaunch[0].resume_from or "").endswith("step_00000008")
+        assert max(e.step for e in run.of(StepCompleted) if e.attempt == 2) == STEPS - 1
+    else:  # loaded in place, the same attempt going on
+        (done,) = run.of(RollbackCompleted)
+        assert done.to_step == 8 and done.from_step >= NAN_AT
+        assert {e.attempt for e in run.of(StepCompleted)} == {1}
+    last = max(e.attempt for e in run.of(StepCompleted))
+    after = [e for e in run.of(StepCompleted) if e.step > NAN_AT and e.attempt == last]
+    assert after and all(math.isfinite(e.loss) for e in after)
+    saved = run.of(CheckpointSaved)
+    assert {c.step for c in saved} >= {4, 8, 12, 16}
+    assert all((Path(c.path) / MANIFEST).is_file() for c in saved if c.step == 16)
+    # one aggregate per (attempt, step), every rank's newest event in it: every step of the run is there
+    steps = await readmodel.steps(stack.pool, run.job_id, aggregate=True, limit=100)
+    pairs = [(s["attempt"], s["step"]) for s in steps["items"]]
+    assert len(pairs) == len(set(pairs)) and {k for _, k in pairs} == set(range(STEPS)), pairs
+    assert all(s["ranks"] == 2 for s in steps["items"]), steps["items"]
