@@ -141,7 +141,7 @@ def test_frames_name_what_is_wrong():
 
 def test_importing_the_sdk_pulls_in_no_control_plane():
     code = (
-        "import sys, vigil, vigil.run, vigil.link, vigil.manifest; vigil.init; "
+        "import sys, vigil, vigil.run, vigil.link, vigil.manifest, vigil.client, vigil.api; vigil.init; vigil.Client; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('nats', 'asyncpg', 'litestar', 'torch', 'vigil_scheduler',"
         " 'vigil_worker', 'vigil_guardian', 'vigil_telemetry', 'vigil_cli', 'opentelemetry')]; "
         "assert not bad, bad"
