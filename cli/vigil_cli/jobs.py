@@ -115,12 +115,18 @@ def register(group: click.Group) -> None:
     @group.command("submit")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @click.option("--follow", is_flag=True, help="stream state changes and progress until the job ends")
+    @click.option(
+        "--idempotency-key",
+        help="the submit's Idempotency-Key (default: a new random one; a cut-off submit is retried with it)",
+    )
     @url_option
     @json_option
-    def submit(file: Path, follow: bool, url: str | None, json_out: bool) -> None:
+    def submit(
+        file: Path, follow: bool, idempotency_key: str | None, url: str | None, json_out: bool
+    ) -> None:
         """Submit the job spec in FILE (YAML or JSON)."""
         client = connect(url)
-        job = client.submit(file)
+        job = client.submit(file, idempotency_key=idempotency_key)
         console = Console()
         if json_out:
             click.echo(as_json(job))

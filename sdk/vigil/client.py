@@ -17,6 +17,8 @@ carrying the HTTP status and, for a bad spec or parameter, the fields the gatewa
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -98,8 +100,13 @@ class Client:
 
     # --- jobs ---------------------------------------------------------------------------------------
 
-    def submit(self, spec: Spec) -> JobOut:
-        """Submit a job spec: a path to a YAML or JSON file, YAML or JSON text, or a mapping."""
+    def submit(self, spec: Spec, *, idempotency_key: str | None = None, retry_for_s: float = 30.0) -> JobOut:
+        """Submit a job spec: a path to a YAML or JSON file, YAML or JSON text, or a mapping.
+
+        Safe to retry: the submit carries an `Idempotency-Key` (`idempotency_key`, else a new random
+        one), and a submit cut off before its answer (the gateway unreachable, or 502-504 while a
+        scheduler fails over) is sent again with the same key for up to `retry_for_s` seconds: the
+        gateway returns the job the first one made, never a second job."""
         if isinstance(spec, Path):
             kind = "application/json" if spec.suffix.lower() == ".json" else "application/yaml"
             body = spec.read_bytes()
@@ -107,8 +114,18 @@ class Client:
             kind, body = "application/json", json.dumps(spec).encode()
         else:  # YAML text (JSON is YAML too)
             kind, body = "application/yaml", spec.encode() if isinstance(spec, str) else spec
-        answer = self._call("POST", "/api/v1/jobs", content=body, headers={"Content-Type": kind})
-        return JobOut.model_validate(answer)
+        headers = {"Content-Type": kind, "Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        deadline, wait_s = time.monotonic() + retry_for_s, 0.25
+        while True:
+            try:
+                answer = self._call("POST", "/api/v1/jobs", content=body, headers=headers)
+            except VigilError as exc:
+                if exc.status not in (None, 502, 503, 504) or time.monotonic() + wait_s > deadline:
+                    raise
+                time.sleep(wait_s)  # back-off before sending the same submit again
+                wait_s = min(wait_s * 2, 4.0)
+                continue
+            return JobOut.model_validate(answer)
 
     def jobs(self, state: str | None = None, *, limit: int = 50, cursor: str | None = None) -> JobPage:
         """A page of jobs, newest first; `page.next` is the cursor of the next page."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
 from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, states
+from vigil_scheduler import idempotency as idempotency_keys
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, PlacementRequest, plan
@@ -62,21 +64,35 @@ class Scheduler:
     # --- the API's operations ----------------------------------------------------------------------
 
     async def submit(
-        self, spec: JobSpec, parent: dict[str, str] | None = None, actor: str = "service:scheduler"
-    ) -> Job:
+        self,
+        spec: JobSpec,
+        parent: dict[str, str] | None = None,
+        actor: str = "service:scheduler",
+        idempotency: tuple[str, str] | None = None,
+    ) -> tuple[Job, bool]:
         """Store the job PENDING (and who asked, in the audit record); the submit span's context is kept
-        so schedule and launch join its trace. SpecError when this cluster would not run it (`admission`)."""
+        so schedule and launch join its trace. SpecError when this cluster would not run it (`admission`).
+
+        `idempotency`: (key, body digest) of an `Idempotency-Key` submit: a key used before returns the
+        job made then. The job, and whether it was made now."""
         admission.check(spec, self.settings)
         with self.tracer.start_as_current_span(
             "submit job", context=tracing.extract(parent), kind=trace.SpanKind.SERVER
         ) as span:
             job_id = new_job_id()
-            span.set_attribute("vigil.job_id", job_id)
             async with self.tx() as conn:
+                if idempotency is not None:
+                    earlier = await idempotency_keys.claim(conn, actor, *idempotency, job_id)
+                    if earlier is not None:
+                        span.set_attribute("vigil.job_id", earlier)
+                        job = await lifecycle.get_job(conn, earlier)
+                        assert job is not None  # the key's row goes with its job
+                        return job, False
+                span.set_attribute("vigil.job_id", job_id)
                 job = await lifecycle.insert_job(conn, job_id, spec, tracing.inject({}))
                 await audit.record(conn, "submit", actor, job.id, job.attempt, detail={"name": spec.name})
         self.want_placement()
-        return job
+        return job, True
 
     async def cancel(self, job_id: str, reason: str = "by request", actor: str = "service:scheduler") -> Job:
         async with self.tx() as conn:
@@ -254,9 +270,14 @@ class Scheduler:
         if self.started_at is None:
             await self.start()
         tick = min(1.0, self.settings.heartbeat_interval_s / 2)
+        forgotten_at = 0.0
         while not stop.is_set():
             try:
                 await self.check_nodes()
+                if time.monotonic() - forgotten_at > 600:  # Idempotency-Keys past their day, now and then
+                    async with self.pool.acquire() as conn:
+                        await idempotency_keys.forget_expired(conn)
+                    forgotten_at = time.monotonic()
             except (asyncpg.PostgresError, OSError) as exc:
                 log.warning("node check failed, retrying: %s", exc)
             await wait_any(stop, timeout_s=tick)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 import vigil
@@ -88,3 +90,47 @@ async def test_wait_follows_the_job_to_its_end_and_returns_at_once_for_an_ended_
 
         again = await asyncio.wait_for(asyncio.to_thread(c.wait, job.id), 10)
         assert again.state == JobState.SUCCEEDED
+
+
+async def test_a_submit_sent_again_with_its_idempotency_key_returns_the_first_job(scheduler) -> None:
+    body = {"name": "once", "resources": {"gpus_per_node": 1}}
+    headers = {"Idempotency-Key": "k-" + uuid.uuid4().hex}
+    first = await scheduler.http.post("/api/v1/jobs", json=body, headers=headers)
+    assert first.status_code == 201, first.text
+    # sent again, five at once (a client retrying while its first answer was lost)
+    again = await asyncio.gather(
+        *(scheduler.http.post("/api/v1/jobs", json=body, headers=headers) for _ in range(5))
+    )
+    assert {(r.status_code, r.json()["id"]) for r in again} == {(200, first.json()["id"])}
+    other = await scheduler.http.post("/api/v1/jobs", json={**body, "priority": 5}, headers=headers)
+    assert other.status_code == 409 and "Idempotency-Key" in other.json()["message"], other.text
+    for bad in ("has space", "x" * 256, "é".encode()):
+        refused = await scheduler.http.post("/api/v1/jobs", json=body, headers={"Idempotency-Key": bad})
+        assert refused.status_code == 422 and refused.json()["fields"][0]["field"] == "Idempotency-Key"
+    jobs = (await scheduler.http.get("/api/v1/jobs")).json()["items"]
+    assert [j["id"] for j in jobs if j["name"] == "once"] == [first.json()["id"]]
+
+
+class CutOffOnce(httpx.HTTPTransport):
+    """The first submit reaches the gateway, which makes the job; its answer is lost on the way back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.method == "POST" and self.cut == 0:
+            self.cut += 1
+            response.read()
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return response
+
+
+async def test_the_client_retries_a_cut_off_submit_without_making_a_second_job(scheduler) -> None:
+    transport = CutOffOnce()
+    with vigil.Client(scheduler.base_url, TOKEN, transport=transport) as c:
+        job = await asyncio.to_thread(c.submit, {"name": "cut-off", "resources": {"gpus_per_node": 1}})
+    assert transport.cut == 1
+    jobs = (await scheduler.http.get("/api/v1/jobs")).json()["items"]
+    assert [j["id"] for j in jobs if j["name"] == "cut-off"] == [job.id]

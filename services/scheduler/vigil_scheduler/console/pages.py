@@ -95,7 +95,7 @@ class ConsoleController(Controller):
             context = await _jobs_context(pool, None)
             context.update(spec_text=text, spec_errors=exc.errors)
             return Template("jobs.html", context=context, status_code=422)
-        job = await scheduler.submit(spec, actor=actor(request))
+        job, _ = await scheduler.submit(spec, actor=actor(request))
         return Redirect(f"/jobs/{job.id}", status_code=303)
 
     @post("/jobs/{job_id:str}/cancel")

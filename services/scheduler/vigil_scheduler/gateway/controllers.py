@@ -9,6 +9,7 @@ from typing import Annotated
 import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromQuery, QueryParameter, RawBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
@@ -19,7 +20,7 @@ from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.jobstates import JobState
 from vigil_common.spec import parse_spec
-from vigil_scheduler import audit, queries
+from vigil_scheduler import audit, idempotency, queries
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import actor
 from vigil_scheduler.gateway.params import Attempt, Cursor, JobId, JobIdFilter, Limit, Rank
@@ -44,12 +45,30 @@ class JobController(Controller):
         status_code=HTTP_201_CREATED,
         summary="Submit a job spec (JSON or YAML body)",
         operation_class=SubmitOperation,
-        responses=error_responses(401, 413, 422),
+        responses={
+            200: ResponseSpec(
+                data_container=JobOut,
+                description="the job an earlier submit with this Idempotency-Key and body made",
+                generate_examples=False,
+            ),
+            **error_responses(401, 409, 413, 422),
+        },
+        description=(
+            "With an `Idempotency-Key` header (1-255 printable ASCII characters, kept a day per token), a "
+            "submit sent again with the same key and body returns the job made the first time (200); the "
+            "same key with another body is a 409."
+        ),
     )
-    async def submit(self, request: Request, body: RawBody, scheduler: SchedulerDep) -> JobOut:
-        spec = await off_loop(request, parse_spec, body, content_type=request.headers.get("content-type"))
-        job = await scheduler.submit(spec, parent=dict(request.headers), actor=actor(request))
-        return JobOut.model_validate(queries.job_view(job))
+    async def submit(self, request: Request, body: RawBody, scheduler: SchedulerDep) -> Response[JobOut]:
+        key = idempotency.checked(request.headers.get(idempotency.HEADER))
+        content_type = request.headers.get("content-type")
+        spec = await off_loop(request, parse_spec, body, content_type=content_type)
+        once = None if key is None else (key, idempotency.body_digest(body, content_type))
+        job, made = await scheduler.submit(
+            spec, parent=dict(request.headers), actor=actor(request), idempotency=once
+        )
+        out = JobOut.model_validate(queries.job_view(job))
+        return Response(out, status_code=HTTP_201_CREATED if made else HTTP_200_OK)
 
     @get("/", summary="Jobs, newest first", responses=READ)
     async def list_jobs(

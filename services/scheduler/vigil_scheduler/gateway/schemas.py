@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from typing import get_args
 
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
+from litestar.openapi.spec import (
+    OpenAPIMediaType,
+    OpenAPIType,
+    Operation,
+    Parameter,
+    RequestBody,
+    Schema,
+)
 from pydantic import BaseModel
 
 from vigil.api import ErrorOut
@@ -16,7 +23,7 @@ from vigil_common.spec import Fault, JobSpec
 _ERRORS = {
     401: "no bearer token, or the wrong one",
     404: "no such job",
-    409: "the job's state forbids it",
+    409: "the job's state forbids it, or an Idempotency-Key was used for another body",
     413: "the body is larger than VIGIL_MAX_BODY_BYTES",
     422: "a bad spec, path or query parameter; `fields` names each",
 }
@@ -64,6 +71,18 @@ class SubmitOperation(Operation):
     """The submit endpoint reads its body itself (JSON or YAML), so its schema is declared here."""
 
     def __post_init__(self) -> None:
+        self.parameters = [
+            *(self.parameters or []),
+            Parameter(
+                name="Idempotency-Key",
+                param_in="header",
+                required=False,
+                description="sent again with the same body: the job made the first time (200); kept a day",
+                schema=Schema(
+                    type=OpenAPIType.STRING, min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$"
+                ),
+            ),
+        ]
         self.request_body = RequestBody(
             required=True,
             content={
