@@ -154,6 +154,8 @@ def main() -> None:
                       "train_loss": result.training_loss if math.isfinite(result.training_loss) else None,
                       "median_step_s": statistics.median(clock.step_s() or [math.nan]),
                       "step_s": [round(t, 6) for t in clock.step_s()]}))  # fmt: skip
+    if torch.distributed.is_initialized():  # gloo's threads, left running at exit, abort the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
