@@ -146,3 +146,4 @@ class ErrorOut(Out):
 class Health(Out):
     status: str
     checks: dict[str, str] = {}
+    role: str | None = None  # a scheduler's: "active" (holds the scheduling lock) or "standby"

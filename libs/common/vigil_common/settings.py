@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     )
     heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
+    scheduler_takeover_s: float = Field(
+        10.0, ge=1, le=300, description="a standby scheduler takes over this long after the active one ends"
+    )
     gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)
     worker_end_ranks_on_stop: bool = Field(
         False, description="a stopping worker ends its ranks (vigil up); false: they train on for its restart"

@@ -50,6 +50,7 @@ class Scheduler:
         self._placement_wanted = asyncio.Event()
         self._rng = random.Random()
         self.started_at: datetime | None = None
+        self.active = False  # this process holds the scheduling lock (`leadership`)
 
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[asyncpg.Connection]:

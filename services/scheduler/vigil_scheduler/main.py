@@ -1,5 +1,6 @@
-"""The scheduler service: bus consumers, the placement and node-lost loops, the outbox relay and the
-Litestar gateway, all in one TaskGroup until `stop` is set."""
+"""The scheduler service: the Litestar gateway, served by every scheduler process, and, in the one that
+holds the scheduling lock (`leadership`), the bus consumers, the placement and node-lost loops and the
+outbox relay; all until `stop` is set."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from vigil_common import subjects
-from vigil_common.bus import ConsumerSpec
+from vigil_common.bus import Bus, ConsumerSpec
 from vigil_common.errors import ConfigError
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
@@ -20,6 +21,7 @@ from vigil_common.token import ensure_token
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.app import Deps, create_app
 from vigil_scheduler.handlers import BUS_NAME, Handlers
+from vigil_scheduler.leadership import Lease
 from vigil_scheduler.outbox import Relay
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,6 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         relay = Relay(pool, bus, provider)
         scheduler = Scheduler(settings, pool, relay, provider)
         handlers = Handlers(scheduler)
-        await scheduler.start()
         deps = Deps(settings, pool, bus, scheduler, ensure_token(settings))
         app = create_app(deps)
         server = _Server(
@@ -67,17 +68,35 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 timeout_graceful_shutdown=3,
             )
         )
+        lease = Lease(settings.database_url or "", settings.scheduler_takeover_s)
+
+        async def active(until: asyncio.Event) -> None:
+            await _active(scheduler, relay, handlers, bus, until)
+
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(relay.run(stop))
-            tasks.create_task(scheduler.liveness_loop(stop))
-            tasks.create_task(scheduler.placement_loop(stop))
-            tasks.create_task(bus.consume_batches(HEARTBEATS, handlers.heartbeats, stop))
-            # a rank's start or exit counts only from the node its launch placed it on
-            tasks.create_task(bus.consume(STATUS, handlers.status, stop, admit=Origins(bus).admit))
-            tasks.create_task(bus.consume(COMMANDS, handlers.commands, stop))
-            tasks.create_task(bus.consume(INCIDENTS, handlers.incidents, stop))
-            tasks.create_task(_serve(server, deps.closing, stop))
+            tasks.create_task(lease.hold(active, stop))
+            tasks.create_task(_serve(server, deps.closing, stop))  # every scheduler answers
         log.info("scheduler stopped")
+
+
+async def _active(
+    scheduler: Scheduler, relay: Relay, handlers: Handlers, bus: Bus, until: asyncio.Event
+) -> None:
+    """What one scheduler at a time runs (`leadership`): the consumers, the loops, the outbox relay."""
+    await scheduler.start()  # nodes get a full lost-after window from the takeover
+    scheduler.active = True
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(relay.run(until))
+            tasks.create_task(scheduler.liveness_loop(until))
+            tasks.create_task(scheduler.placement_loop(until))
+            tasks.create_task(bus.consume_batches(HEARTBEATS, handlers.heartbeats, until))
+            # a rank's start or exit counts only from the node its launch placed it on
+            tasks.create_task(bus.consume(STATUS, handlers.status, until, admit=Origins(bus).admit))
+            tasks.create_task(bus.consume(COMMANDS, handlers.commands, until))
+            tasks.create_task(bus.consume(INCIDENTS, handlers.incidents, until))
+    finally:
+        scheduler.active = False
 
 
 async def _serve(server: uvicorn.Server, closing: asyncio.Event, stop: asyncio.Event) -> None:

@@ -211,7 +211,7 @@ class HealthController(Controller):
         return Health(status="ok")
 
     @get("/readyz", summary="Postgres and NATS answer (503 when not)")
-    async def readyz(self, pool: Pool, bus: BusDep) -> Response[Health]:
+    async def readyz(self, pool: Pool, bus: BusDep, scheduler: SchedulerDep) -> Response[Health]:
         checks = {"postgres": "ok", "nats": "ok" if bus.nc.is_connected else "disconnected"}
         try:
             await asyncio.wait_for(pool.fetchval("SELECT 1"), timeout=2)
@@ -219,6 +219,10 @@ class HealthController(Controller):
             checks["postgres"] = f"error: {exc}"
         ready = all(v == "ok" for v in checks.values())
         return Response(
-            Health(status="ready" if ready else "not ready", checks=checks),
+            Health(
+                status="ready" if ready else "not ready",
+                checks=checks,
+                role="active" if scheduler.active else "standby",
+            ),
             status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE,
         )

@@ -1,0 +1,104 @@
+"""Which scheduler is active: a Postgres advisory lock, held on a connection of its own.
+
+Any number of `vigil scheduler` processes may run with the same settings. Every one serves the gateway
+(submits and cancels are transactions, whoever takes them); one at a time, the holder of the lock, runs
+what must never run twice: the bus consumers (heartbeats, rank status, commands, incidents), the
+placement and node-lost loops and the outbox relay. The others stand by and try for the lock every
+`VIGIL_SCHEDULER_TAKEOVER_S / 4` seconds.
+
+The lock is a session lock: it goes with its connection. A killed process's connection is closed by
+its kernel at once; a host that vanishes is noticed by the server's TCP keepalives, which the lock's
+connection asks to be short (`_KEEPALIVE`, about `takeover_s`). The holder checks its connection
+every `takeover_s / 4` and stops its active work the moment it cannot (a server restart, a network
+cut), so two schedulers are never active at once for longer than that check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+
+from vigil_common.service import wait_any
+
+log = logging.getLogger(__name__)
+
+LOCK_KEY = 0x56494749_4C534348  # "VIGILSCH": one scheduler active per database
+
+
+class Lease:
+    """The active role's lock. `hold` runs `active(stop_active)` each time this process holds it."""
+
+    def __init__(self, database_url: str, takeover_s: float) -> None:
+        self.database_url = database_url
+        self.check_s = max(takeover_s / 4, 0.1)
+        idle = max(int(takeover_s / 2), 1)
+        # The server drops a silent peer after idle + interval * count seconds (about takeover_s).
+        self._keepalive = {
+            "tcp_keepalives_idle": str(idle),
+            "tcp_keepalives_interval": "1",
+            "tcp_keepalives_count": str(max(int(takeover_s - idle), 1)),
+            "application_name": "vigil-scheduler-lease",
+        }
+        self.active = False
+
+    async def hold(self, active: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event) -> None:
+        """Until `stop`: wait for the lock, run `active` while it is held (its event is set when the lock
+        is lost or `stop` is), stand by again."""
+        while not stop.is_set():
+            conn = await self._acquire(stop)
+            if conn is None:
+                return
+            self.active = True
+            log.info("scheduler: active (holds the scheduling lock)")
+            stop_active = asyncio.Event()
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self._keep(conn, stop, stop_active))
+                    tasks.create_task(active(stop_active))
+            finally:
+                self.active = False
+                await self._release(conn)
+            if not stop.is_set():
+                log.warning("scheduler: lost the scheduling lock; standing by")
+
+    async def _acquire(self, stop: asyncio.Event) -> asyncpg.Connection | None:
+        announced = False
+        while not stop.is_set():
+            conn: asyncpg.Connection | None = None
+            try:
+                conn = await asyncpg.connect(self.database_url, server_settings=self._keepalive, timeout=10)
+                if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
+                    return conn
+            except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
+                log.warning("scheduler: cannot try the scheduling lock: %s", exc)
+            if conn is not None:
+                await conn.close()
+            if not announced:
+                log.info("scheduler: standing by (another scheduler holds the scheduling lock)")
+                announced = True
+            await wait_any(stop, timeout_s=self.check_s)
+        return None
+
+    async def _keep(self, conn: asyncpg.Connection, stop: asyncio.Event, stop_active: asyncio.Event) -> None:
+        """Set `stop_active` on `stop`, or as soon as the lock's connection fails."""
+        try:
+            while not stop.is_set():
+                await wait_any(stop, timeout_s=self.check_s)
+                if stop.is_set():
+                    break
+                try:
+                    await asyncio.wait_for(conn.fetchval("SELECT 1"), self.check_s * 2)
+                except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
+                    log.error("scheduler: the scheduling lock's connection failed (%s): stopping", exc)
+                    break
+        finally:
+            stop_active.set()
+
+    async def _release(self, conn: asyncpg.Connection) -> None:
+        try:
+            await asyncio.wait_for(conn.close(), 5)
+        except (asyncpg.PostgresError, OSError, TimeoutError):
+            conn.terminate()
