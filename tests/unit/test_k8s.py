@@ -309,7 +309,7 @@ def test_services_and_policies_select_pods_and_volumes_exist(overlay: tuple[str,
 
 
 def test_two_schedulers_with_a_disruption_budget(overlay: tuple[str, list[Doc]]) -> None:
-    """One active, one standing by (vigil_scheduler.leadership); a drain never takes both."""
+    """One active, one standing by (vigil_common.lease); a drain never takes both."""
     _, docs = overlay
     (scheduler,) = _of(docs, "Deployment", "vigil-scheduler")
     assert scheduler["spec"]["replicas"] == 2 and scheduler["spec"]["strategy"]["type"] == "RollingUpdate"

@@ -63,8 +63,8 @@ class Settings(BaseSettings):
     )
     heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
-    scheduler_takeover_s: float = Field(
-        10.0, ge=1, le=300, description="a standby scheduler takes over this long after the active one ends"
+    takeover_s: float = Field(
+        10.0, ge=1, le=300, description="a standby scheduler or guardian takes over within this long"
     )
     gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)
     worker_end_ranks_on_stop: bool = Field(

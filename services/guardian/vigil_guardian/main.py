@@ -1,8 +1,11 @@
 """The guardian service: judges every job's launch, status and step events, and every GPU sample.
 
-Lifecycle: connect; restore (saved state, then a quiet replay of each active job's steps that the
-input has acknowledged); consume its two inputs, the job events and the GPU samples, with a hang
-check on a timer and the webhook notifier, until `stop`; drain and close.
+Several guardians may run: one at a time judges (the holder of the guardian's lock, `vigil_common.lease`);
+the others stand by, and the one that takes over restores as a restarted guardian does.
+
+Lifecycle: connect; wait for the lock; restore (saved state, then a quiet replay of each active
+job's steps that the input has acknowledged); consume its two inputs, the job events and the GPU
+samples, with a hang check on a timer and the webhook notifier, until `stop`; drain and close.
 
 One ordered input. The job events come through one durable consumer of VIGIL_JOBS (`INPUT`), in
 the order the server stored them, and are judged in that order: a job's launch before its steps,
@@ -48,6 +51,7 @@ from vigil_common.events import (
     utcnow,
 )
 from vigil_common.jobstates import TERMINAL_STATES
+from vigil_common.lease import Lease
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
@@ -297,21 +301,20 @@ async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int, origins:
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """Connect, restore, consume until `stop`, then drain and close."""
+    """Connect; while this process holds the guardian's lock (`vigil_common.lease`: one guardian judges
+    at a time, the others stand by and take over within VIGIL_TAKEOVER_S), restore and judge; drain
+    and close."""
     async with service_connect(settings, "guardian") as conn:
         bus, pool = conn.bus, conn.pool
         notifier = Notifier(settings.webhook_urls)
-        service = GuardianService(Guardian(), bus, pool, notifier)
-        jobs = await restore(service, bus, pool, settings.guardian_replay_s)
+
+        async def active(until: asyncio.Event) -> None:
+            await judge(settings, bus, pool, notifier, until)
+
         async with asyncio.TaskGroup() as tasks:
-            # a step or status event counts only from the node its launch placed it on
             tasks.create_task(
-                bus.consume_batches(
-                    jobs, lambda b: service.on_jobs(b, stop), stop, gather_s=0, admit=service.origins.admit
-                )
+                Lease("guardian", settings.database_url or "", settings.takeover_s).hold(active, stop)
             )
-            tasks.create_task(bus.consume_batches(GPU, lambda b: service.on_gpu(b, stop), stop, gather_s=0))
-            tasks.create_task(service.hang_loop(stop))
             tasks.create_task(notifier.run(stop))
         log.info(
             "guardian stopped (webhooks: %d delivered, %d failed, %d dropped)",
@@ -319,3 +322,20 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             notifier.failed,
             notifier.dropped,
         )
+
+
+async def judge(
+    settings: Settings, bus: Bus, pool: asyncpg.Pool, notifier: Notifier, until: asyncio.Event
+) -> None:
+    """Restore (saved state and cursor, as after a restart: a takeover is one); judge until `until`."""
+    service = GuardianService(Guardian(), bus, pool, notifier)
+    jobs = await restore(service, bus, pool, settings.guardian_replay_s)
+    async with asyncio.TaskGroup() as tasks:
+        # a step or status event counts only from the node its launch placed it on
+        tasks.create_task(
+            bus.consume_batches(
+                jobs, lambda b: service.on_jobs(b, until), until, gather_s=0, admit=service.origins.admit
+            )
+        )
+        tasks.create_task(bus.consume_batches(GPU, lambda b: service.on_gpu(b, until), until, gather_s=0))
+        tasks.create_task(service.hang_loop(until))

@@ -50,7 +50,7 @@ class Scheduler:
         self._placement_wanted = asyncio.Event()
         self._rng = random.Random()
         self.started_at: datetime | None = None
-        self.active = False  # this process holds the scheduling lock (`leadership`)
+        self.active = False  # this process holds the scheduling lock (`vigil_common.lease`)
 
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[asyncpg.Connection]:

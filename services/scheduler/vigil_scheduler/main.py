@@ -1,5 +1,5 @@
 """The scheduler service: the Litestar gateway, served by every scheduler process, and, in the one that
-holds the scheduling lock (`leadership`), the bus consumers, the placement and node-lost loops and the
+holds the scheduling lock (`vigil_common.lease`), the bus consumers, the placement and node-lost loops and the
 outbox relay; all until `stop` is set."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import uvicorn
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec
 from vigil_common.errors import ConfigError
+from vigil_common.lease import Lease
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
@@ -21,7 +22,6 @@ from vigil_common.token import ensure_token
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.app import Deps, create_app
 from vigil_scheduler.handlers import BUS_NAME, Handlers
-from vigil_scheduler.leadership import Lease
 from vigil_scheduler.outbox import Relay
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 timeout_graceful_shutdown=3,
             )
         )
-        lease = Lease(settings.database_url or "", settings.scheduler_takeover_s)
+        lease = Lease("scheduler", settings.database_url or "", settings.takeover_s)
 
         async def active(until: asyncio.Event) -> None:
             await _active(scheduler, relay, handlers, bus, until)
@@ -82,7 +82,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 async def _active(
     scheduler: Scheduler, relay: Relay, handlers: Handlers, bus: Bus, until: asyncio.Event
 ) -> None:
-    """What one scheduler at a time runs (`leadership`): the consumers, the loops, the outbox relay."""
+    """What one scheduler at a time runs (`vigil_common.lease`): consumers, loops, the outbox relay."""
     await scheduler.start()  # nodes get a full lost-after window from the takeover
     scheduler.active = True
     try:

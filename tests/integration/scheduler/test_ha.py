@@ -1,6 +1,6 @@
 """Two `vigil scheduler` processes on one database: both answer the gateway, one at a time schedules
-(`vigil_scheduler.leadership`). The active one is killed (SIGKILL) in a burst of submits and cancels:
-the other takes over within VIGIL_SCHEDULER_TAKEOVER_S, and every job ends in one final state, none
+(`vigil_common.lease`). The active one is killed (SIGKILL) in a burst of submits and cancels:
+the other takes over within VIGIL_TAKEOVER_S, and every job ends in one final state, none
 placed twice, every device free."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SchedulerProcess:
             VIGIL_API_TOKEN=TOKEN,
             VIGIL_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_S),
             VIGIL_NODE_LOST_AFTER="8",
-            VIGIL_SCHEDULER_TAKEOVER_S=str(TAKEOVER_S),
+            VIGIL_TAKEOVER_S=str(TAKEOVER_S),
         )
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(

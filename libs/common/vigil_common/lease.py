@@ -1,10 +1,10 @@
-"""Which scheduler is active: a Postgres advisory lock, held on a connection of its own.
+"""Which process of a role is active: a Postgres advisory lock, held on a connection of its own.
 
-Any number of `vigil scheduler` processes may run with the same settings. Every one serves the gateway
-(submits and cancels are transactions, whoever takes them); one at a time, the holder of the lock, runs
-what must never run twice: the bus consumers (heartbeats, rank status, commands, incidents), the
-placement and node-lost loops and the outbox relay. The others stand by and try for the lock every
-`VIGIL_SCHEDULER_TAKEOVER_S / 4` seconds.
+Any number of `vigil scheduler` (or `vigil guardian`) processes may run with the same settings. One at
+a time per role, the holder of the role's lock, runs what must never run twice: for the scheduler the
+bus consumers, the placement and node-lost loops and the outbox relay (every scheduler serves the
+gateway); for the guardian all of its judging. The others stand by and try for the lock every
+`VIGIL_TAKEOVER_S / 4` seconds.
 
 The lock is a session lock: it goes with its connection. A killed process's connection is closed by
 its kernel at once; a host that vanishes is noticed by the server's TCP keepalives, which the lock's
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 
 import asyncpg
@@ -25,13 +26,15 @@ from vigil_common.service import wait_any
 
 log = logging.getLogger(__name__)
 
-LOCK_KEY = 0x56494749_4C534348  # "VIGILSCH": one scheduler active per database
+# One lock per role and database.
+KEYS = {"scheduler": 0x56494749_4C534348, "guardian": 0x56494749_4C475244}  # "VIGILSCH", "VIGILGRD"
 
 
 class Lease:
-    """The active role's lock. `hold` runs `active(stop_active)` each time this process holds it."""
+    """A role's lock. `hold` runs `active(stop_active)` each time this process holds it."""
 
-    def __init__(self, database_url: str, takeover_s: float) -> None:
+    def __init__(self, role: str, database_url: str, takeover_s: float) -> None:
+        self.role, self.key = role, KEYS[role]
         self.database_url = database_url
         self.check_s = max(takeover_s / 4, 0.1)
         idle = max(int(takeover_s / 2), 1)
@@ -40,7 +43,7 @@ class Lease:
             "tcp_keepalives_idle": str(idle),
             "tcp_keepalives_interval": "1",
             "tcp_keepalives_count": str(max(int(takeover_s - idle), 1)),
-            "application_name": "vigil-scheduler-lease",
+            "application_name": f"vigil-{role}-lease-{os.getpid()}",  # who holds it, in pg_stat_activity
         }
         self.active = False
 
@@ -52,7 +55,7 @@ class Lease:
             if conn is None:
                 return
             self.active = True
-            log.info("scheduler: active (holds the scheduling lock)")
+            log.info("%s: active (holds the %s lock)", self.role, self.role)
             stop_active = asyncio.Event()
             try:
                 async with asyncio.TaskGroup() as tasks:
@@ -62,7 +65,7 @@ class Lease:
                 self.active = False
                 await self._release(conn)
             if not stop.is_set():
-                log.warning("scheduler: lost the scheduling lock; standing by")
+                log.warning("%s: lost the %s lock; standing by", self.role, self.role)
 
     async def _acquire(self, stop: asyncio.Event) -> asyncpg.Connection | None:
         announced = False
@@ -70,14 +73,14 @@ class Lease:
             conn: asyncpg.Connection | None = None
             try:
                 conn = await asyncpg.connect(self.database_url, server_settings=self._keepalive, timeout=10)
-                if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
+                if await conn.fetchval("SELECT pg_try_advisory_lock($1)", self.key):
                     return conn
             except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
-                log.warning("scheduler: cannot try the scheduling lock: %s", exc)
+                log.warning("%s: cannot try the %s lock: %s", self.role, self.role, exc)
             if conn is not None:
                 await conn.close()
             if not announced:
-                log.info("scheduler: standing by (another scheduler holds the scheduling lock)")
+                log.info("%s: standing by (another %s holds the lock)", self.role, self.role)
                 announced = True
             await wait_any(stop, timeout_s=self.check_s)
         return None
@@ -92,7 +95,7 @@ class Lease:
                 try:
                     await asyncio.wait_for(conn.fetchval("SELECT 1"), self.check_s * 2)
                 except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
-                    log.error("scheduler: the scheduling lock's connection failed (%s): stopping", exc)
+                    log.error("%s: the lock's connection failed (%s): stopping", self.role, exc)
                     break
         finally:
             stop_active.set()
