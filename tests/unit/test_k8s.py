@@ -308,14 +308,17 @@ def test_services_and_policies_select_pods_and_volumes_exist(overlay: tuple[str,
     assert ("DaemonSet", "vigil-worker") in reached  # ranks reach ranks
 
 
-def test_two_schedulers_with_a_disruption_budget(overlay: tuple[str, list[Doc]]) -> None:
+@pytest.mark.parametrize("name", ["vigil-scheduler", "vigil-guardian"])
+def test_two_schedulers_and_two_guardians_with_a_disruption_budget(
+    overlay: tuple[str, list[Doc]], name: str
+) -> None:
     """One active, one standing by (vigil_common.lease); a drain never takes both."""
     _, docs = overlay
-    (scheduler,) = _of(docs, "Deployment", "vigil-scheduler")
-    assert scheduler["spec"]["replicas"] == 2 and scheduler["spec"]["strategy"]["type"] == "RollingUpdate"
-    (budget,) = _of(docs, "PodDisruptionBudget", "vigil-scheduler")
+    (deployment,) = _of(docs, "Deployment", name)
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    (budget,) = _of(docs, "PodDisruptionBudget", name)
     assert budget["spec"]["minAvailable"] == 1
-    assert budget["spec"]["selector"]["matchLabels"] == scheduler["spec"]["selector"]["matchLabels"]
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
 def test_nats_is_three_clustered_jetstream_servers_on_their_own_volumes(
