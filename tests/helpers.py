@@ -1,11 +1,16 @@
-"""Test helpers shared by every suite: a service run in-process, and waiting on conditions (never on
-sleeps alone)."""
+"""Test helpers shared by every suite: a service run in-process or as its own `vigil` process, and
+waiting on conditions (never on sleeps alone)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from vigil_common import subjects
@@ -59,3 +64,33 @@ async def launch_on(bus: Any, job_id: str, nodes: Mapping[int, str], attempt: in
     )
     await bus.publish(subjects.launch(job_id), launch)
     return launch
+
+
+class ServiceProcess:
+    """`vigil <command>` as a process of its own, with `env` (VIGIL_*) on a clean environment and its
+    output in `log`: what a test kills with SIGKILL to see another process take over."""
+
+    def __init__(self, command: str, env: Mapping[str, str], log: Path) -> None:
+        self.log = log
+        full = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")} | dict(env)
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "vigil"), command],
+                env=full,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGINT (a clean stop), SIGKILL after 20 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

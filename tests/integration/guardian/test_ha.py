@@ -5,10 +5,6 @@ afterwards is judged by the other, within VIGIL_TAKEOVER_S: exactly one incident
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +14,7 @@ import asyncpg
 import nats.js.errors
 import pytest
 
-from tests.helpers import eventually, launch_on
+from tests.helpers import ServiceProcess, eventually, launch_on
 from tests.integration.scheduler.conftest import fresh_database
 from vigil_common import subjects
 from vigil_common.bus import Bus
@@ -31,32 +27,14 @@ TAKEOVER_S = 3.0
 NODE = "ha-n1"
 
 
-class GuardianProcess:
-    def __init__(self, database_url: str, nats_url: str, data_dir: Path, name: str) -> None:
-        self.log = data_dir / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")}
-        env.update(
-            VIGIL_DATABASE_URL=database_url,
-            VIGIL_NATS_URL=nats_url,
-            VIGIL_DATA_DIR=str(data_dir / name),
-            VIGIL_TAKEOVER_S=str(TAKEOVER_S),
-        )
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [str(Path(sys.executable).parent / "vigil"), "guardian"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_guardian(database_url: str, nats_url: str, data_dir: Path, name: str) -> ServiceProcess:
+    env = {
+        "VIGIL_DATABASE_URL": database_url,
+        "VIGIL_NATS_URL": nats_url,
+        "VIGIL_DATA_DIR": str(data_dir / name),
+        "VIGIL_TAKEOVER_S": str(TAKEOVER_S),
+    }
+    return ServiceProcess("guardian", env, data_dir / f"{name}.log")
 
 
 @pytest.fixture
@@ -65,8 +43,8 @@ async def db(database_url: str) -> str:
 
 
 @pytest.fixture
-async def guardians(db: str, nats_url: str, tmp_path: Path) -> AsyncIterator[list[GuardianProcess]]:
-    made: list[GuardianProcess] = []
+async def guardians(db: str, nats_url: str, tmp_path: Path) -> AsyncIterator[list[ServiceProcess]]:
+    made: list[ServiceProcess] = []
     yield made
     for g in made:
         g.stop()
@@ -102,12 +80,12 @@ async def settled(bus: Bus) -> bool:
 
 
 async def test_a_killed_guardians_job_is_judged_by_the_other_exactly_once(
-    db: str, nats_url: str, bus: Bus, guardians: list[GuardianProcess], tmp_path: Path
+    db: str, nats_url: str, bus: Bus, guardians: list[ServiceProcess], tmp_path: Path
 ) -> None:
-    first = GuardianProcess(db, nats_url, tmp_path, "first")
+    first = start_guardian(db, nats_url, tmp_path, "first")
     guardians.append(first)
     await eventually(lambda: _holds(db, first), timeout=60, what="the first guardian holding the lock")
-    second = GuardianProcess(db, nats_url, tmp_path, "second")
+    second = start_guardian(db, nats_url, tmp_path, "second")
     guardians.append(second)
 
     job_id = "j-ha-" + uuid.uuid4().hex[:8]
@@ -121,8 +99,7 @@ async def test_a_killed_guardians_job_is_judged_by_the_other_exactly_once(
     await eventually(lambda: settled(bus), timeout=30, what="the first guardian judging the clean steps")
 
     async with bus.watch(subjects.incident(job_id)) as incidents:
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait(10)
+        first.kill()
         killed = time.monotonic()
         await bus.publish(subjects.step(job_id, NODE), step(job_id, 6, 0, 2.9))
         await bus.publish(subjects.step(job_id, NODE), step(job_id, 6, 1, math.nan))
@@ -140,6 +117,6 @@ async def test_a_killed_guardians_job_is_judged_by_the_other_exactly_once(
         assert (cmds.state.subjects or {}).get(subjects.cmd(job_id)) == 1  # one rollback
 
 
-async def _holds(db: str, g: GuardianProcess) -> bool:
+async def _holds(db: str, g: ServiceProcess) -> bool:
     assert g.proc.poll() is None, g.log.read_text()[-3000:]
     return await lock_holder(db) == g.proc.pid

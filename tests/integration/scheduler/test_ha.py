@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import eventually
+from tests.helpers import ServiceProcess, eventually
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
@@ -34,29 +30,21 @@ TAKEOVER_S = 3.0
 JOBS = 20
 
 
-class SchedulerProcess:
+class SchedulerProcess(ServiceProcess):
     def __init__(self, database_url: str, nats_url: str, data_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = data_dir / f"scheduler-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")}
-        env.update(
-            VIGIL_DATABASE_URL=database_url,
-            VIGIL_NATS_URL=nats_url,
-            VIGIL_DATA_DIR=str(data_dir),
-            VIGIL_HTTP_PORT=str(self.port),
-            VIGIL_API_TOKEN=TOKEN,
-            VIGIL_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_S),
-            VIGIL_NODE_LOST_AFTER="8",
-            VIGIL_TAKEOVER_S=str(TAKEOVER_S),
-        )
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [str(Path(sys.executable).parent / "vigil"), "scheduler"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        env = {
+            "VIGIL_DATABASE_URL": database_url,
+            "VIGIL_NATS_URL": nats_url,
+            "VIGIL_DATA_DIR": str(data_dir),
+            "VIGIL_HTTP_PORT": str(self.port),
+            "VIGIL_API_TOKEN": TOKEN,
+            "VIGIL_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+            "VIGIL_NODE_LOST_AFTER": "8",
+            "VIGIL_TAKEOVER_S": str(TAKEOVER_S),
+        }
+        super().__init__("scheduler", env, data_dir / f"scheduler-{self.port}.log")
 
     async def role(self) -> str | None:
         async with httpx.AsyncClient(timeout=2) as http:
@@ -65,19 +53,6 @@ class SchedulerProcess:
             except httpx.HTTPError:
                 return None
         return r.json().get("role") if r.status_code == 200 else None
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture
