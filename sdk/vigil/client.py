@@ -104,9 +104,10 @@ class Client:
         """Submit a job spec: a path to a YAML or JSON file, YAML or JSON text, or a mapping.
 
         Safe to retry: the submit carries an `Idempotency-Key` (`idempotency_key`, else a new random
-        one), and a submit cut off before its answer (the gateway unreachable, or 502-504 while a
-        scheduler fails over) is sent again with the same key for up to `retry_for_s` seconds: the
-        gateway returns the job the first one made, never a second job."""
+        one), and a submit cut off before its answer (the connection lost after sending, or 502-504
+        while a scheduler fails over) is sent again with the same key for up to `retry_for_s`
+        seconds: the gateway returns the job the first one made, never a second job. A gateway that
+        refuses the first connection is an error at once."""
         if isinstance(spec, Path):
             kind = "application/json" if spec.suffix.lower() == ".json" else "application/yaml"
             body = spec.read_bytes()
@@ -115,12 +116,18 @@ class Client:
         else:  # YAML text (JSON is YAML too)
             kind, body = "application/yaml", spec.encode() if isinstance(spec, str) else spec
         headers = {"Content-Type": kind, "Idempotency-Key": idempotency_key or uuid.uuid4().hex}
-        deadline, wait_s = time.monotonic() + retry_for_s, 0.25
+        deadline, wait_s, sent = time.monotonic() + retry_for_s, 0.25, False
         while True:
             try:
                 answer = self._call("POST", "/api/v1/jobs", content=body, headers=headers)
             except VigilError as exc:
-                if exc.status not in (None, 502, 503, 504) or time.monotonic() + wait_s > deadline:
+                refused = isinstance(exc.__cause__, httpx.ConnectError)  # nothing was sent
+                sent = sent or not refused
+                if (
+                    exc.status not in (None, 502, 503, 504)
+                    or not sent  # no gateway there at all: say so now, do not wait
+                    or time.monotonic() + wait_s > deadline
+                ):
                     raise
                 time.sleep(wait_s)  # back-off before sending the same submit again
                 wait_s = min(wait_s * 2, 4.0)

@@ -6,8 +6,6 @@ every step is stored once."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
 import shutil
 import uuid
@@ -15,19 +13,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
-from tests.helpers import eventually
 from tests.integration.byo.ranks import EXAMPLES
-from tests.integration.guardian.test_e2e_ranks import TOKEN, Stack, fresh_database, train
+from tests.integration.guardian.test_e2e_ranks import Stack, train, whole_stack
 from vigil.manifest import MANIFEST
-from vigil_cli.stack import run_services
 from vigil_common import readmodel
-from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import free_port
 from vigil_common.events import (
     CheckpointSaved,
     IncidentRaised,
@@ -37,7 +29,6 @@ from vigil_common.events import (
     RollbackCompleted,
     StepCompleted,
 )
-from vigil_common.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.byo]
 
@@ -50,47 +41,9 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     code = tmp_path_factory.mktemp("code")
     shutil.copytree(EXAMPLES, code / "byo", ignore=shutil.ignore_patterns("*.yaml", "*.md", "out"))
-    db = await fresh_database(database_url)
-    node = "byo-" + uuid.uuid4().hex[:6]
-    port = free_port()
-    settings = Settings.load(
-        nats_url=nats_url,
-        database_url=db,
-        data_dir=tmp_path_factory.mktemp("byo"),
-        code_roots=[code],
-        http_port=port,
-        api_token=TOKEN,
-        node_name=node,
-        cpu_slots=2,
-        heartbeat_interval_s=0.5,
-        metrics_port=0,
-    )
-    stop = asyncio.Event()
-    services = asyncio.create_task(run_services(settings, stop))
-    bus = await Bus.connect(nats_url, "byo-test")
-    pool = await create_pool(db)
-    await migrate(pool)
-    http = httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}
-    )
-    try:
-
-        async def node_up() -> bool:
-            if services.done():
-                services.result()
-            with contextlib.suppress(httpx.HTTPError):
-                nodes = (await http.get("/api/v1/nodes")).json()["items"]
-                return any(n["name"] == node and n["alive"] for n in nodes)
-            return False
-
-        await eventually(node_up, timeout=90, what="the stack and its worker")
-        yield Stack(settings, http, bus, pool, node)
-    finally:
-        stop.set()
-        await asyncio.wait_for(services, 60)
-        await http.aclose()
-        await pool.close()
-        await bus.close()
+    data_dir = tmp_path_factory.mktemp("byo")
+    async with whole_stack(nats_url, database_url, data_dir, "byo", code_roots=[code]) as running:
+        yield running
 
 
 def example_spec(name: str) -> dict[str, Any]:

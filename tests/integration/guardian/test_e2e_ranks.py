@@ -77,27 +77,30 @@ async def fresh_database(server_url: str) -> str:
     return urlunsplit(urlsplit(server_url)._replace(path="/" + name))
 
 
-@pytest.fixture(scope="module")
-async def stack(
-    nats_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+@contextlib.asynccontextmanager
+async def whole_stack(
+    nats_url: str, database_url: str, data_dir: Path, prefix: str, **overrides: Any
 ) -> AsyncIterator[Stack]:
+    """Every service and a worker of two CPU slots in this process (`run_services`, as `vigil up`), on a
+    fresh database, until the stack's worker is alive; stopped on the way out."""
     db = await fresh_database(database_url)
-    node = "e2e-" + uuid.uuid4().hex[:6]
+    node = f"{prefix}-" + uuid.uuid4().hex[:6]
     port = free_port()
     settings = Settings.load(
         nats_url=nats_url,
         database_url=db,
-        data_dir=tmp_path_factory.mktemp("e2e"),
+        data_dir=data_dir,
         http_port=port,
         api_token=TOKEN,
         node_name=node,
         cpu_slots=2,
         heartbeat_interval_s=0.5,
         metrics_port=0,
+        **overrides,
     )
     stop = asyncio.Event()
     services = asyncio.create_task(run_services(settings, stop))
-    bus = await Bus.connect(nats_url, "e2e-test")
+    bus = await Bus.connect(nats_url, f"{prefix}-test")
     pool = await create_pool(db)
     await migrate(pool)
     http = httpx.AsyncClient(
@@ -121,6 +124,14 @@ async def stack(
         await http.aclose()
         await pool.close()
         await bus.close()
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    nats_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    async with whole_stack(nats_url, database_url, tmp_path_factory.mktemp("e2e"), "e2e") as running:
+        yield running
 
 
 async def train(stack: Stack, spec: dict[str, Any], timeout_s: float = 240) -> Run:

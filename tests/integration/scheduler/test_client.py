@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
@@ -67,9 +68,14 @@ async def test_errors_carry_the_status_and_name_the_field(scheduler) -> None:
     with client(scheduler, token="y" * 24) as wrong, pytest.raises(vigil.VigilError) as denied:
         await asyncio.to_thread(wrong.jobs)
     assert denied.value.status == 401
-    with vigil.Client("http://127.0.0.1:9", TOKEN) as nowhere, pytest.raises(vigil.VigilError) as down:
-        nowhere.jobs()
-    assert down.value.status is None and "cannot reach the gateway" in str(down.value)
+    with vigil.Client("http://127.0.0.1:9", TOKEN) as nowhere:
+        with pytest.raises(vigil.VigilError) as down:
+            nowhere.jobs()
+        assert down.value.status is None and "cannot reach the gateway" in str(down.value)
+        started = time.monotonic()
+        with pytest.raises(vigil.VigilError):  # no gateway at all: no retries
+            nowhere.submit({"name": "x"})
+        assert time.monotonic() - started < 5
 
 
 async def test_wait_follows_the_job_to_its_end_and_returns_at_once_for_an_ended_one(
