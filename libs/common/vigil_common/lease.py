@@ -45,7 +45,6 @@ class Lease:
             "tcp_keepalives_count": str(max(int(takeover_s - idle), 1)),
             "application_name": f"vigil-{role}-lease-{os.getpid()}",  # who holds it, in pg_stat_activity
         }
-        self.active = False
 
     async def hold(self, active: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event) -> None:
         """Until `stop`: wait for the lock, run `active` while it is held (its event is set when the lock
@@ -54,7 +53,6 @@ class Lease:
             conn = await self._acquire(stop)
             if conn is None:
                 return
-            self.active = True
             log.info("%s: active (holds the %s lock)", self.role, self.role)
             stop_active = asyncio.Event()
             try:
@@ -62,7 +60,6 @@ class Lease:
                     tasks.create_task(self._keep(conn, stop, stop_active))
                     tasks.create_task(active(stop_active))
             finally:
-                self.active = False
                 await self._release(conn)
             if not stop.is_set():
                 log.warning("%s: lost the %s lock; standing by", self.role, self.role)
