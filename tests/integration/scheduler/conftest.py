@@ -89,7 +89,8 @@ class Running:
 
 
 async def wait_ready(base_url: str, timeout_s: float = 30.0, task: asyncio.Task[None] | None = None) -> None:
-    """Poll /readyz until the gateway answers 200."""
+    """Poll /readyz until the gateway answers 200 as the active scheduler (the one consuming heartbeats
+    and placing jobs: the only one of a test's schedulers, once it holds the lock)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     async with httpx.AsyncClient(base_url=base_url, timeout=2) as http:
         while True:
@@ -97,7 +98,8 @@ async def wait_ready(base_url: str, timeout_s: float = 30.0, task: asyncio.Task[
                 task.result()
                 raise AssertionError("the scheduler exited before it was ready")
             with contextlib.suppress(httpx.HTTPError):
-                if (await http.get("/readyz")).status_code == 200:
+                r = await http.get("/readyz")
+                if r.status_code == 200 and r.json().get("role") == "active":
                     return
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{base_url} not ready in {timeout_s}s")
