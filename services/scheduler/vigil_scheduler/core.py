@@ -32,7 +32,9 @@ from vigil_scheduler.placement import Placement, PlacementRequest, plan
 log = logging.getLogger(__name__)
 
 _SCHEDULE_LOCK = 0x76736368  # "vsch": one placement pass at a time, across schedulers
-MASTER_PORTS = range(29500, 39500)
+# Rendezvous ports: below Linux's default ephemeral range (32768-60999), from which every outgoing
+# connection takes its local port: a port there may be taken by a connection when rank 0 binds it.
+MASTER_PORTS = range(29500, 32768)
 
 
 def new_job_id() -> str:
