@@ -79,6 +79,59 @@ async def settled(bus: Bus) -> bool:
     return info.num_pending == 0 and info.num_ack_pending == 0
 
 
+async def running_job(bus: Bus, steps: int = 6) -> str:
+    """A two-rank job on NODE, launched, started, with `steps` clean steps."""
+    job_id = "j-ha-" + uuid.uuid4().hex[:8]
+    await launch_on(bus, job_id, {0: NODE, 1: NODE})
+    for rank in (0, 1):
+        started = RankStarted(job_id=job_id, attempt=1, rank=rank, node=NODE, pid=100 + rank, log_path="-")
+        await bus.publish(subjects.status(job_id, NODE), started)
+    for k in range(steps):
+        for rank in (0, 1):
+            await bus.publish(subjects.step(job_id, NODE), step(job_id, k, rank, 3.0 - 0.01 * k))
+    return job_id
+
+
+async def stored(bus: Bus, stream: subjects.StreamSpec, subject: str) -> int:
+    info = await bus.js.stream_info(stream.name, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+async def test_guardians_restarted_one_after_the_other_judge_every_fault_once(
+    db: str, nats_url: str, bus: Bus, guardians: list[ServiceProcess], tmp_path: Path
+) -> None:
+    first = start_guardian(db, nats_url, tmp_path, "first")
+    guardians.append(first)
+    await eventually(lambda: _holds(db, first), timeout=60, what="the first guardian holding the lock")
+    second = start_guardian(db, nats_url, tmp_path, "second")
+    guardians.append(second)
+    a, b = await running_job(bus), await running_job(bus)
+    await eventually(lambda: settled(bus), timeout=30, what="the clean steps judged")
+
+    first.kill()  # fault on a, judged by the second
+    await bus.publish(subjects.step(a, NODE), step(a, 6, 0, 2.9))
+    await bus.publish(subjects.step(a, NODE), step(a, 6, 1, math.nan))
+    await eventually(lambda: _holds(db, second), timeout=TAKEOVER_S + 10, what="the second taking over")
+    await eventually(
+        lambda: stored(bus, subjects.INCIDENTS, subjects.incident(a)), timeout=30, what="a's NaN"
+    )
+    await eventually(lambda: settled(bus), timeout=30, what="the second judging all")
+
+    third = start_guardian(db, nats_url, tmp_path, "third")  # a replacement, standing by
+    guardians.append(third)
+    second.kill()  # fault on b, judged by the third, which must not judge a's NaN again
+    await bus.publish(subjects.step(b, NODE), step(b, 6, 0, 2.9))
+    await bus.publish(subjects.step(b, NODE), step(b, 6, 1, math.nan))
+    await eventually(lambda: _holds(db, third), timeout=60, what="the third taking over")
+    await eventually(
+        lambda: stored(bus, subjects.INCIDENTS, subjects.incident(b)), timeout=30, what="b's NaN"
+    )
+    await eventually(lambda: settled(bus), timeout=30, what="the third judging all")
+    for job in (a, b):
+        assert await stored(bus, subjects.INCIDENTS, subjects.incident(job)) == 1, job
+        assert await stored(bus, subjects.COMMANDS, subjects.cmd(job)) == 1, job
+
+
 async def test_a_killed_guardians_job_is_judged_by_the_other_exactly_once(
     db: str, nats_url: str, bus: Bus, guardians: list[ServiceProcess], tmp_path: Path
 ) -> None:
