@@ -1,4 +1,4 @@
-"""The gateway's clients: `submit [--follow]`, `jobs`, `job ID`, `cancel ID`, `nodes`, `gpus`; rich
+"""The gateway's clients: `submit [--follow]`, `jobs`, `job ID`, `cancel ID`, `nodes`, `gpus`, `status`; rich
 tables for people, `--json` for scripts.
 
 Built on the SDK's HTTP client (`vigil.Client`), which talks to the gateway at VIGIL_API_URL or
@@ -194,6 +194,26 @@ def register(group: click.Group) -> None:
                 str(sum(d["job_id"] is not None for d in devices)),
                 ", ".join(str(d["index"]) for d in devices if not d["healthy"]) or "-",
             )  # fmt: skip
+        Console().print(table)
+
+    @group.command("status")
+    @url_option
+    @json_option
+    def status(url: str | None, json_out: bool) -> None:
+        """The control plane: which scheduler and which guardian are active (each a process holding its
+        role's lock; others stand by and take over within VIGIL_TAKEOVER_S)."""
+        plane = connect(url).control_plane()
+        if json_out:
+            click.echo(as_json(plane))
+            return
+        table = Table("ROLE", "ACTIVE INSTANCE", "ADDRESS", "SINCE", box=None)
+        for role in ("scheduler", "guardian"):
+            held = [h for h in plane.active if h.role == role]
+            for h in held:
+                since = h.since.isoformat()[:19].replace("T", " ")
+                table.add_row(role, h.instance, h.address or "local", since)
+            if not held:
+                table.add_row(role, "[red]none[/]", "-", "-")
         Console().print(table)
 
     @group.command("gpus")

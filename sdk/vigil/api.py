@@ -143,6 +143,19 @@ class ErrorOut(Out):
     fields: list[FieldErrorOut]
 
 
+class HolderOut(Out):
+    role: str  # "scheduler" or "guardian"
+    instance: str  # pid@host of the process that holds the role's lock
+    address: str | None
+    since: datetime
+
+
+class ControlPlaneOut(Out):
+    """Which scheduler and which guardian are active (hold their role's lock); standbys are not listed."""
+
+    active: list[HolderOut]
+
+
 class Health(Out):
     status: str
     checks: dict[str, str] = {}

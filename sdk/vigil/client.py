@@ -26,7 +26,17 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from vigil.api import ErrorOut, FieldErrorOut, GpuPage, JobDetailOut, JobOut, JobPage, NodePage, Page
+from vigil.api import (
+    ControlPlaneOut,
+    ErrorOut,
+    FieldErrorOut,
+    GpuPage,
+    JobDetailOut,
+    JobOut,
+    JobPage,
+    NodePage,
+    Page,
+)
 from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.jobstates import TERMINAL_STATES
 
@@ -184,6 +194,10 @@ class Client:
     def gpus(self, *, limit: int = 1000, cursor: str | None = None) -> GpuPage:
         params = _params(limit=limit, cursor=cursor)
         return GpuPage.model_validate(self._call("GET", "/api/v1/gpus", params=params))
+
+    def control_plane(self) -> ControlPlaneOut:
+        """Which scheduler and which guardian are active now (pid@host of each lock's holder)."""
+        return ControlPlaneOut.model_validate(self._call("GET", "/api/v1/control-plane"))
 
     # --- live events --------------------------------------------------------------------------------
 

@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
 
 import asyncpg
 
@@ -28,6 +31,43 @@ log = logging.getLogger(__name__)
 
 # One lock per role and database.
 KEYS = {"scheduler": 0x56494749_4C534348, "guardian": 0x56494749_4C475244}  # "VIGILSCH", "VIGILGRD"
+
+
+_PREFIX = "vigil-lease-"
+
+
+def instance() -> str:
+    """This process, as `holders` names it: pid@host."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def application_name(role: str) -> str:
+    return f"{_PREFIX}{role}-{instance()}"[:63]  # Postgres keeps 63 bytes of it
+
+
+@dataclass(frozen=True)
+class Holder:
+    role: str
+    instance: str  # pid@host
+    address: str | None  # where its connection comes from, as the server sees it
+    since: datetime  # when its lock connection was made
+
+
+async def holders(conn: asyncpg.Connection | asyncpg.Pool) -> list[Holder]:
+    """Who holds each role's lock now (a standby holds no connection, so only the active ones)."""
+    rows = await conn.fetch(
+        """SELECT a.application_name AS name, host(a.client_addr) AS address, a.backend_start AS since
+           FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+           WHERE l.locktype = 'advisory' AND l.granted AND a.application_name LIKE $1
+           ORDER BY a.application_name""",
+        _PREFIX + "%",
+    )
+    found = []
+    for r in rows:
+        role, _, who = r["name"].removeprefix(_PREFIX).partition("-")
+        if role in KEYS:
+            found.append(Holder(role, who, r["address"], r["since"]))
+    return found
 
 
 class Lease:
@@ -43,7 +83,7 @@ class Lease:
             "tcp_keepalives_idle": str(idle),
             "tcp_keepalives_interval": "1",
             "tcp_keepalives_count": str(max(int(takeover_s - idle), 1)),
-            "application_name": f"vigil-{role}-lease-{os.getpid()}",  # who holds it, in pg_stat_activity
+            "application_name": application_name(role),  # who holds it, for `holders`
         }
 
     async def hold(self, active: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import ServiceProcess, eventually, launch_on
 from tests.integration.scheduler.conftest import fresh_database
-from vigil_common import subjects
+from vigil_common import lease, subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_guardian import main as guardian
@@ -51,16 +51,13 @@ async def guardians(db: str, nats_url: str, tmp_path: Path) -> AsyncIterator[lis
 
 
 async def lock_holder(db: str) -> int | None:
-    """The pid of the guardian that holds the lock (its lease connection's application_name)."""
+    """The pid of the guardian that holds the lock (`vigil_common.lease.holders`)."""
     conn = await asyncpg.connect(db)
     try:
-        name = await conn.fetchval(
-            """SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-               WHERE l.locktype = 'advisory' AND l.granted AND a.application_name LIKE 'vigil-guardian-lease-%'"""
-        )
+        found = [h for h in await lease.holders(conn) if h.role == "guardian"]
     finally:
         await conn.close()
-    return int(name.rsplit("-", 1)[1]) if name else None
+    return int(found[0].instance.split("@")[0]) if found else None
 
 
 def step(job_id: str, k: int, rank: int, loss: float) -> StepCompleted:

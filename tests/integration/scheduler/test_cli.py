@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,12 @@ async def _newest_job(scheduler) -> str:
         return items[0]["id"] if items else None
 
     return await eventually(newest, what="the submission to land")
+
+
+async def test_status_names_the_active_scheduler(scheduler) -> None:
+    r = await vigil(scheduler, "status", "--json")
+    assert r.exit_code == 0, r.output
+    active = json.loads(r.output)["active"]
+    assert [(h["role"], h["instance"].split("@")[0]) for h in active] == [("scheduler", str(os.getpid()))]
+    r = await vigil(scheduler, "status")
+    assert r.exit_code == 0 and "scheduler" in r.output and "guardian" in r.output and "none" in r.output

@@ -135,6 +135,10 @@ async def test_the_active_scheduler_killed_in_a_burst_loses_no_job_and_frees_eve
 
             assert handover is not None
             handover_s = await handover
+            plane = (await http.get(f"{standby.url}/api/v1/control-plane")).json()["active"]
+            assert [(h["role"], h["instance"].split("@")[0]) for h in plane] == [
+                ("scheduler", str(standby.proc.pid))
+            ], plane
             print(f"scheduler hand-over: {handover_s:.2f}s after SIGKILL (takeover setting {TAKEOVER_S}s)")
             assert handover_s <= TAKEOVER_S + 5
 

@@ -22,6 +22,7 @@ from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.controllers import (
     AuditController,
+    ControlPlaneController,
     EventsController,
     HealthController,
     InventoryController,
@@ -71,7 +72,13 @@ def create_app(deps: Deps) -> Litestar:
 
     api = Router(
         API_PREFIX,
-        route_handlers=[JobController, InventoryController, EventsController, AuditController],
+        route_handlers=[
+            JobController,
+            InventoryController,
+            ControlPlaneController,
+            EventsController,
+            AuditController,
+        ],
         guards=[bearer_guard],
         security=[{"bearer": []}],
     )

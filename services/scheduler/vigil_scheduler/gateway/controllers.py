@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -14,8 +15,18 @@ from litestar.params import FromQuery, QueryParameter, RawBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
 
-from vigil.api import GpuPage, Health, JobDetailOut, JobOut, JobPage, NodePage, Page
-from vigil_common import readmodel, subjects
+from vigil.api import (
+    ControlPlaneOut,
+    GpuPage,
+    Health,
+    HolderOut,
+    JobDetailOut,
+    JobOut,
+    JobPage,
+    NodePage,
+    Page,
+)
+from vigil_common import lease, readmodel, subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.jobstates import JobState
@@ -124,6 +135,15 @@ class JobController(Controller):
     ) -> Page:
         await queries.require_job(pool, job_id)
         return Page.model_validate(await readmodel.incidents(pool, job_id=job_id, limit=limit, cursor=cursor))
+
+
+class ControlPlaneController(Controller):
+    tags = ["control plane"]
+
+    @get("/control-plane", summary="The active scheduler and guardian", responses=READ)
+    async def control_plane(self, pool: Pool) -> ControlPlaneOut:
+        found = await lease.holders(pool)
+        return ControlPlaneOut(active=[HolderOut(**dataclasses.asdict(h)) for h in found])
 
 
 class InventoryController(Controller):
