@@ -50,14 +50,20 @@ async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 30
         await asyncio.sleep(0.05)  # polling interval of a condition wait
 
 
-async def launch_on(bus: Any, job_id: str, nodes: Mapping[int, str], attempt: int = 1) -> LaunchJob:
+async def launch_on(
+    bus: Any,
+    job_id: str,
+    nodes: Mapping[int, str],
+    attempt: int = 1,
+    guardian: Mapping[str, Any] | None = None,
+) -> LaunchJob:
     """Publish the launch that places the job's ranks (rank -> node): what the scheduler stores before
     any rank runs. Receivers count a step or status event only from its rank's node (`vigil_common.origin`),
     so a test that publishes them as workers would publishes this first."""
     launch = LaunchJob(
         job_id=job_id,
         attempt=attempt,
-        spec=JobSpec(name="synthetic"),
+        spec=JobSpec(name="synthetic", guardian=dict(guardian or {})),
         master_addr="127.0.0.1",
         master_port=29500,
         placement=[RankPlacement(rank=r, node=n, device=0, local_rank=0) for r, n in sorted(nodes.items())],

@@ -40,7 +40,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_guardian.main import INPUT
+from vigil_guardian.main import INPUTS
 
 SEED = 11
 STEPS = 400
@@ -289,8 +289,8 @@ async def _publish_steps(
 
 async def _backlog_below(bus: Bus, limit: int) -> None:
     while True:
-        info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
-        if info.num_pending + info.num_ack_pending <= limit:
+        infos = [await bus.js.consumer_info(spec.stream.name, spec.durable) for spec in INPUTS]
+        if sum(info.num_pending + info.num_ack_pending for info in infos) <= limit:
             return
         await asyncio.sleep(0.02)  # the guardian is working through its backlog
 

@@ -2,8 +2,9 @@
 
 Each service runs as its own process with its own NATS role (see `vigil_common.credentials`), on
 embedded NATS and Postgres: the scheduler, `VIGIL_BENCH_FLEET_TELEMETRY` telemetry replicas (one
-shared step consumer) and the guardian. Simulated nodes (no ranks: `VIGIL_BENCH_FLEET_SIMULATORS`
-processes, each publishing for its share of the nodes) heartbeat with 8 devices, sample every device
+shared step consumer) and `VIGIL_BENCH_FLEET_GUARDIANS` guardians (dividing the jobs' shares).
+Simulated nodes (no ranks: `VIGIL_BENCH_FLEET_SIMULATORS` processes, each publishing for its share of
+the nodes) heartbeat with 8 devices, sample every device
 every few seconds, and once the scheduler has placed a job on them (one 8-device job per node,
 submitted through the gateway) report its ranks started and publish one step event per rank at
 `VIGIL_BENCH_FLEET_STEP_HZ`, each node at its own phase of the step period
@@ -26,7 +27,8 @@ service is one core at most; the machine's cores), the generator's lateness, slo
 process's log (each process's stderr is kept in the run's data dir) and the guardian's own figures;
 `timeline` shows backlogs and CPU shares about every ten seconds.
 
-Defaults are the target: 256 nodes x 8 ranks at 1 step/s for 120 s; ratio <= 3 with no lag growing.
+Defaults are the target: 256 nodes x 8 ranks at 1 step/s for 120 s with 2 guardians; ratio <= 3 with no lag
+growing. `events_per_s_by_guardian` is what each guardian judged (its shares' consumers' deliveries).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import nats.js.errors
 from nats.js.api import ConsumerInfo
 
 from vigil_bench import percentile, result
-from vigil_common import credentials, subjects
+from vigil_common import credentials, lease, subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, free_port
@@ -87,6 +89,7 @@ class Plan:
     step_hz: float = 1.0
     seconds: float = 120.0
     telemetry: int = 1
+    guardians: int = 2
     simulators: int = 1
     # Each node steps at its own phase of the period, in this many groups (1: every rank of the fleet
     # at the same instant, a burst no real fleet of independent jobs sends).
@@ -100,6 +103,7 @@ class Plan:
             step_hz=float(env("VIGIL_BENCH_FLEET_STEP_HZ", cls.step_hz)),
             seconds=float(env("VIGIL_BENCH_FLEET_SECONDS", cls.seconds)),
             telemetry=int(env("VIGIL_BENCH_FLEET_TELEMETRY", cls.telemetry)),
+            guardians=int(env("VIGIL_BENCH_FLEET_GUARDIANS", cls.guardians)),
             simulators=int(env("VIGIL_BENCH_FLEET_SIMULATORS", cls.simulators)),
             phases=int(env("VIGIL_BENCH_FLEET_PHASES", cls.phases)),
         )
@@ -273,49 +277,68 @@ def _backlog(info: ConsumerInfo) -> int:
     return (info.num_pending or 0) + (info.num_ack_pending or 0)
 
 
-def _takes(info: ConsumerInfo, subject: str) -> bool:
-    """Whether the consumer's filter covers `subject` (on the stream that stores it)."""
-    if info.stream_name != subjects.stream_for(subject).name:
-        return False
-    filters = [info.config.filter_subject] if info.config.filter_subject else info.config.filter_subjects
-    return not filters or any(subjects.matches(f, subject) for f in filters)
-
-
 async def _guardian_idle(bus: Bus) -> bool:
-    """The guardian's durable consumers (whatever their number and streams) exist and are caught up."""
-    mine = [c for c in await _durables(bus) if c.name.startswith("guardian")]
-    return bool(mine) and not any(_backlog(c) for c in mine)
+    """Every share's consumer exists and is caught up."""
+    mine = {c.name: c for c in await _durables(bus, [subjects.SHARED.name])}
+    inputs = [credentials.guardian_input(k) for k in range(subjects.SHARES)]
+    return all(name in mine and not _backlog(mine[name]) for name in inputs)
 
 
-async def _guardian_has(bus: Bus, published: list[tuple[str, int]]) -> bool:
-    """Every guardian consumer taking one of the `(subject, stream sequence)` published has acknowledged
-    up to it."""
-    for c in await _durables(bus, {subjects.stream_for(subject).name for subject, _ in published}):
-        seqs = [seq for subject, seq in published if c.name.startswith("guardian") and _takes(c, subject)]
-        if seqs and (c.ack_floor.stream_seq if c.ack_floor else 0) < max(seqs):
-            return False
-    return True
+async def _guardians_divided(pool: Any, n: int) -> bool:
+    """`n` guardians hold all the shares, each its fair part."""
+    held = [h.shares for h in await lease.holders(pool) if h.role == "guardian"]
+    fair = math.ceil(subjects.SHARES / n)
+    return len(held) == n and sum(map(len, held)) == subjects.SHARES and all(len(s) <= fair for s in held)
+
+
+async def _guardian_has(bus: Bus, job: str, published: list[str]) -> bool:
+    """The consumer of the job's share has acknowledged every subject `published` (as the share holds it)."""
+    share = subjects.share_of(job)
+    seqs = []
+    for subject in published:
+        try:
+            msg = await bus.js.get_last_msg(
+                subjects.SHARED.name, f"{subjects.SHARE_PREFIX}.{share}.{subject}"
+            )
+        except nats.js.errors.NotFoundError:
+            return False  # not copied into the share yet
+        seqs.append(msg.seq or 0)
+    info = await bus.js.consumer_info(subjects.SHARED.name, credentials.guardian_input(share))
+    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= max(seqs)
+
+
+async def _judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
+    """Per guardian (pid@host), the messages its shares' consumers have had delivered and acknowledged."""
+    acked = {
+        c.name: c.ack_floor.consumer_seq if c.ack_floor else 0
+        for c in await _durables(bus, [subjects.SHARED.name])
+    }
+    return {
+        h.instance: sum(acked.get(credentials.guardian_input(k), 0) for k in h.shares)
+        for h in await lease.holders(pool)
+        if h.role == "guardian"
+    }
 
 
 async def _probe(bus: Bus, halts: _Halts, spec: JobSpec, timeout_s: float = 30.0) -> float | None:
     """Seconds from a probe job's NaN step to its HaltJob; None when none came within `timeout_s`."""
     job = "probe-" + uuid.uuid4().hex[:12]
     placement = [RankPlacement(rank=0, node="probe", device=0, local_rank=0)]
-    launched = await bus.publish(
+    await bus.publish(
         subjects.launch(job),
         LaunchJob(
             job_id=job, attempt=1, spec=spec, master_addr="127.0.0.1", master_port=29500, placement=placement
         ),
     )
-    saved = await bus.publish(
+    await bus.publish(
         subjects.status(job, "probe"),
         CheckpointSaved(job_id=job, attempt=1, step=0, path=f"/probe/{job}", bytes=1, manifest_sha256="x",
                         data_position=0),
     )  # fmt: skip
     # the guardian knows the job (its launch and checkpoint acknowledged) before its steps come
     deadline = time.monotonic() + timeout_s
-    known = [(subjects.launch(job), launched.seq), (subjects.status(job, "probe"), saved.seq)]
-    while not await _guardian_has(bus, known):
+    known = [subjects.launch(job), subjects.status(job, "probe")]
+    while not await _guardian_has(bus, job, known):
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.01)  # polling the guardian's consumers
@@ -508,11 +531,13 @@ def _holding_back(
     if probes_missed:
         found.append(f"guardian: {probes_missed} probes under load got no HaltJob within 30 s")
     if probe_ratio > 3:
-        guardian = {n: watch.consumer(n)["max"] for n in watch.names() if n.startswith("guardian")}
-        share = cpu_s.get("guardian", 0.0) / elapsed
+        backlog = max(
+            (watch.consumer(n)["max"] for n in watch.names() if n.startswith("guardian")), default=0
+        )
+        shares = {n: f"{v / elapsed:.0%}" for n, v in cpu_s.items() if n.startswith("guardian")}
         found.append(
             f"guardian: detect-to-command p99 {probe_ratio:.0f}x idle; "
-            f"its consumers' backlog max {guardian}, {share:.0%} of a core"
+            f"its share consumers' backlog max {backlog}; of a core each: {shares}"
         )
     return found
 
@@ -575,7 +600,10 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
                 await procs.start(
                     f"telemetry-{i}", _SERVICE, "vigil_telemetry.main", env=env(credentials.TELEMETRY)
                 )
-            await procs.start("guardian", _SERVICE, "vigil_guardian.main", env=env(credentials.GUARDIAN))
+            for i in range(plan.guardians):
+                await procs.start(
+                    f"guardian-{i}", _SERVICE, "vigil_guardian.main", env=env(credentials.GUARDIAN)
+                )
             http = httpx.AsyncClient(
                 base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
             )
@@ -586,7 +614,10 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
                 return False
 
             await _wait(ready, 120, "the scheduler ready")
-            await _wait(lambda: _guardian_idle(bus), 120, "the guardian consuming")
+            await _wait(
+                lambda: _guardians_divided(pool, plan.guardians), 120, "the guardians sharing the jobs"
+            )
+            await _wait(lambda: _guardian_idle(bus), 120, "the guardians consuming")
             await _wait(
                 lambda: _consumer_idle(bus, _steps_stream(), "telemetry-steps"), 120, "telemetry consuming"
             )
@@ -625,6 +656,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
             size0 = await pool.fetchval("SELECT pg_database_size(current_database())")
             rows0 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
             cpu0 = _cpu(procs, nats_server, pg)
+            judged0 = await _judged_by_guardian(pool, bus)
             start_load = _loadavg()
             t_start = time.monotonic()
             loaded: list[float | None] = []
@@ -639,6 +671,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
             load_load = _loadavg()
             cpu1 = _cpu(procs, nats_server, pg)
             elapsed = time.monotonic() - t_start
+            judged1 = await _judged_by_guardian(pool, bus)
             rows1 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
             await procs.stop(sims)
             sim_stats = []
@@ -685,6 +718,10 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         step_hz=plan.step_hz,
         seconds=round(elapsed, 1),
         telemetry_replicas=plan.telemetry,
+        guardians=plan.guardians,
+        events_per_s_by_guardian={
+            who: round((n - judged0.get(who, 0)) / elapsed, 1) for who, n in sorted(judged1.items())
+        },
         phases=plan.phases,
         target_step_events_per_s=rate,
         published_step_events=published,  # over the simulators' whole run (start-up and drain included)

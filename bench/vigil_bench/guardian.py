@@ -40,7 +40,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_guardian.main import INPUT
+from vigil_guardian.main import INPUTS
 
 ROUNDS = 5
 SAMPLES_PER_ROUND = 100
@@ -76,10 +76,10 @@ def echo_main(url: str, subject: str) -> None:
 async def _drained(bus: Bus) -> bool:
     """The guardian has judged everything published so far."""
     try:
-        info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
+        infos = [await bus.js.consumer_info(spec.stream.name, spec.durable) for spec in INPUTS]
     except Exception:
         return False
-    return not (info.num_pending or info.num_ack_pending)
+    return not any(info.num_pending or info.num_ack_pending for info in infos)
 
 
 async def _until(check, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]

@@ -200,18 +200,19 @@ def register(group: click.Group) -> None:
     @url_option
     @json_option
     def status(url: str | None, json_out: bool) -> None:
-        """The control plane: which scheduler and which guardian are active (each a process holding its
-        role's lock; others stand by and take over within VIGIL_TAKEOVER_S)."""
+        """The control plane: the active scheduler (others stand by and take over within VIGIL_TAKEOVER_S)
+        and each guardian with the shares of the jobs it judges (a gone one's are taken within it)."""
         plane = connect(url).control_plane()
         if json_out:
             click.echo(as_json(plane))
             return
-        table = Table("ROLE", "ACTIVE INSTANCE", "ADDRESS", "SINCE", box=None)
+        table = Table("ROLE", "ACTIVE INSTANCE", "ADDRESS", "SINCE", "SHARES", box=None)
         for role in ("scheduler", "guardian"):
             held = [h for h in plane.active if h.role == role]
             for h in held:
                 since = h.since.isoformat()[:19].replace("T", " ")
-                table.add_row(role, h.instance, h.address or "local", since)
+                shares = (_ranges(h.shares) or "none yet") if role == "guardian" else "-"
+                table.add_row(role, h.instance, h.address or "local", since, shares)
             if not held:
                 table.add_row(role, "[red]none[/]", "-", "-")
         Console().print(table)
@@ -279,3 +280,14 @@ def follow_job(client: Client, job_id: str, console: Console, json_out: bool) ->
         else:
             console.print(f"{_state(last.to_state)} (attempt {last.attempt}): {last.cause}")
     return str(final.state)
+
+
+def _ranges(values: list[int]) -> str:
+    """`[0, 1, 2, 5, 7, 8]` -> `0-2, 5, 7-8`."""
+    out: list[str] = []
+    for v in sorted(values):
+        if out and out[-1].split("-")[-1] == str(v - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)

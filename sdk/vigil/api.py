@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Out(BaseModel):
@@ -145,13 +145,14 @@ class ErrorOut(Out):
 
 class HolderOut(Out):
     role: str  # "scheduler" or "guardian"
-    instance: str  # pid@host of the process that holds the role's lock
+    instance: str  # pid@host of the process
     address: str | None
     since: datetime
+    shares: list[int] = Field(default_factory=list)  # a guardian's shares of the jobs (of SHARES)
 
 
 class ControlPlaneOut(Out):
-    """Which scheduler and which guardian are active (hold their role's lock); standbys are not listed."""
+    """The active scheduler (a standby is not listed) and every live guardian with the shares it judges."""
 
     active: list[HolderOut]
 

@@ -45,6 +45,8 @@ from nats.js.api import (
     PubAck,
     StorageType,
     StreamConfig,
+    StreamSource,
+    SubjectTransform,
 )
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -55,6 +57,7 @@ from vigil_common.errors import MalformedMessage, PermanentError, RetryableError
 from vigil_common.events import Message, MessageDeadLettered, decode
 from vigil_common.redact import redact_text, redact_url
 from vigil_common.subjects import StreamSpec
+from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +304,7 @@ class Bus:
             config = StreamConfig(
                 name=spec.name,
                 description=spec.description,
-                subjects=list(spec.subjects),
+                subjects=list(spec.subjects) or None,
                 storage=StorageType.FILE,
                 max_age=spec.max_age_s,
                 max_bytes=spec.max_bytes,
@@ -311,9 +314,13 @@ class Bus:
                 duplicate_window=spec.duplicate_window_s,
                 num_replicas=replicas,
             )
+            if spec.source is not None:
+                config.sources = [_source(spec.source)]
             try:
                 await self.js.add_stream(config)
             except nats.js.errors.BadRequestError:
+                if spec.source is not None:  # keeps copying from where it stands
+                    config.sources = (await self.js.stream_info(spec.name)).config.sources
                 await self.js.update_stream(config)  # exists with an older configuration
 
     # --- publish -------------------------------------------------------------------------------------
@@ -358,6 +365,50 @@ class Bus:
 
         return await self.nc.subscribe(subject, cb=on_msg)
 
+    # --- listen (core NATS: what is published from now on, nothing stored is read) --------------------
+
+    async def listen(
+        self,
+        subject: str,
+        handler: Callable[[list[Message]], Awaitable[None]],
+        stop: asyncio.Event,
+        *,
+        pending_limit: int = 65_536,
+        hearing: asyncio.Event | None = None,
+    ) -> None:
+        """Run `handler` on the messages published on `subject`, in batches of what arrived while the
+        last batch was handled, until `stop`. A core subscription: nothing stored is read back, and
+        what is published while this process is away (or too far behind: past `pending_limit`) is
+        not heard. For what is sent again and again, where every listener wants every message (each
+        guardian hears every GPU sample); malformed messages are logged and skipped. `hearing` is set
+        once the server has the subscription."""
+        buffer: list[Message] = []
+        arrived = asyncio.Event()
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                buffer.append(self._decode(msg))
+            except MalformedMessage as exc:
+                log.warning("listen %s: skipped %s: %s", subject, msg.subject, exc)
+                return
+            arrived.set()
+
+        sub = await self.nc.subscribe(subject, cb=on_msg, pending_msgs_limit=pending_limit)
+        await self.nc.flush()
+        if hearing is not None:
+            hearing.set()
+        try:
+            while not stop.is_set():
+                if not buffer:
+                    arrived.clear()
+                    await wait_any(arrived, stop)
+                    continue
+                batch, buffer[:] = list(buffer), []
+                await handler(batch)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
     # --- consume -------------------------------------------------------------------------------------
 
     def _decode(self, msg: Msg | Stored) -> Message:
@@ -381,7 +432,7 @@ class Bus:
     async def _admitted(self, msg: Msg, admit: Admit | None) -> Message:
         """The decoded message, if `admit` (when given) admits it; MalformedMessage if not."""
         event = self._decode(msg)
-        if admit is not None and (why := await admit(msg.subject, event)) is not None:
+        if admit is not None and (why := await admit(subjects.unshared(msg.subject), event)) is not None:
             log.warning("refused a forged %s on %s: %s", event.type, msg.subject, why)
             raise MalformedMessage(f"refused as forged: {why}")
         return event
@@ -776,6 +827,14 @@ class Bus:
                 raise RetryableError(f"consumer {config.name} on {stream}: {error.get('description')}")
             await asyncio.sleep(delay)  # back-off while another process's scan runs
             delay = min(delay * 2, 1.0)
+
+
+def _source(spec: subjects.SourceSpec) -> StreamSource:
+    return StreamSource(
+        name=spec.stream,
+        opt_start_time=datetime.fromtimestamp(time.time() - spec.backfill_s, tz=UTC),
+        subject_transforms=[SubjectTransform(src=spec.src, dest=spec.dest)],
+    )
 
 
 async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:

@@ -54,8 +54,19 @@ _ROLE = re.compile(r"^[A-Za-z0-9_-]+$")  # one subject token: a role names its i
 # What every role may ask JetStream: account and stream state (never a stream's change or deletion).
 _JS_READ = ("$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES")
 _STREAM_ADMIN = ("$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*")
-# The guardian's named pull consumer for reading back stored events at start (`Bus.scan`).
-GUARDIAN_SCAN = "guardian-scan"
+
+
+def guardian_input(share: int) -> str:
+    """The durable consumer of one guardian share (VIGIL_SHARES)."""
+    return f"guardian-{subjects.check_share(share)}"
+
+
+def guardian_scan(share: int) -> str:
+    """The named pull consumer a share's guardian reads stored events back with at start (`Bus.scan`)."""
+    return f"guardian-scan-{subjects.check_share(share)}"
+
+
+LEGACY_GUARDIAN = ((subjects.JOBS.name, "guardian"), (subjects.NODES.name, "guardian-gpu"))
 
 
 def worker_role(node: str) -> str:
@@ -83,7 +94,14 @@ def consumers(role: str) -> tuple[tuple[str, str], ...]:
             (incidents, "scheduler-incidents"),
         )
     if role == GUARDIAN:
-        return ((jobs, "guardian"), (nodes, "guardian-gpu"), (jobs, GUARDIAN_SCAN))
+        shared = subjects.SHARED.name
+        per_share = [
+            pair
+            for k in range(subjects.SHARES)
+            for pair in ((shared, guardian_input(k)), (shared, guardian_scan(k)), (jobs, guardian_scan(k)))
+        ]
+        # the consumers of the guardian before shares (one input, one GPU consumer): it deletes them
+        return (*per_share, *LEGACY_GUARDIAN)
     if role == TELEMETRY:
         return (
             (jobs, "telemetry-steps"),
@@ -96,6 +114,12 @@ def consumers(role: str) -> tuple[tuple[str, str], ...]:
         launches, commands = worker_consumers(role.removeprefix("worker-"))
         return ((jobs, launches), (cmds, commands))
     return ()
+
+
+def listened(role: str) -> tuple[str, ...]:
+    """The subjects `role` hears as they are published (`Bus.listen`, a core subscription, nothing
+    stored is read): every guardian hears every GPU sample."""
+    return (subjects.ALL_GPU,) if role == GUARDIAN else ()
 
 
 def watched(role: str) -> tuple[str, ...]:
@@ -171,7 +195,7 @@ def permissions(role: str) -> dict[str, object]:
     reads = [f"$JS.API.STREAM.MSG.GET.{name}" for name in sorted(streams)]
     return {
         "publish": {"allow": [*publish, *dead_letters, *_JS_READ, *reads, *owned]},
-        "subscribe": {"allow": [f"{inbox_prefix(role)}.>", *watches]},
+        "subscribe": {"allow": [f"{inbox_prefix(role)}.>", *watches, *listened(role)]},
     }
 
 

@@ -18,6 +18,7 @@ from vigil_common.confine import private_dir, private_umask
 from vigil_common.db import create_pool, migrate
 from vigil_common.errors import ConfigError
 from vigil_common.settings import Settings
+from vigil_common.waiting import wait_any as wait_any  # services import it from here
 
 ServiceMain = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
@@ -40,20 +41,6 @@ def install_stop_signals(stop: asyncio.Event) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-
-
-async def wait_any(*events: asyncio.Event, timeout_s: float | None = None) -> bool:
-    """Wait until any of `events` is set or `timeout_s` passes; True when one was set.
-
-    `await wait_any(stop, timeout_s=5)` is a sleep that ends early on stop."""
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
-    return any(e.is_set() for e in events)
 
 
 def run_service(main: ServiceMain, settings: Settings) -> None:

@@ -104,6 +104,50 @@ def node_incident(node: str) -> str:
     return f"{PREFIX}.incident.node_{node_token(node)}"
 
 
+# --- guardian shares ------------------------------------------------------------------------------------
+#
+# The guardians divide the jobs into SHARES shares by a hash of the job id. VIGIL_SHARES holds every
+# event of VIGIL_JOBS, copied by the NATS server itself (a stream source with a subject transform) onto
+# `vigil.share.<share>.job.<job>...`, so each share is one subject space with one durable consumer, in
+# VIGIL_JOBS's order. A guardian holds shares, not jobs (`vigil_guardian.shares`).
+
+SHARES = 16
+SHARE_PREFIX = f"{PREFIX}.share"
+
+
+def share_of(job_id: str) -> int:
+    """The share of a job: the NATS server's `partition(SHARES, <job>)` (FNV-1a, 32 bits, modulo SHARES),
+    so the guardian and the server's transform agree (tests/integration/common/test_shares.py)."""
+    h = 0x811C9DC5
+    for b in job_id.encode():
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    return h % SHARES
+
+
+def share_events(share: int) -> str:
+    """Every event of the jobs of one share (a wildcard, for that share's consumer)."""
+    return f"{SHARE_PREFIX}.{check_share(share)}.>"
+
+
+def share_job_steps(job_id: str) -> str:
+    """A job's steps, as its share holds them (a wildcard)."""
+    return f"{SHARE_PREFIX}.{share_of(job_id)}.{job_steps(job_id)}"
+
+
+def unshared(subject: str) -> str:
+    """A share's subject as VIGIL_JOBS stored it (`vigil.share.3.job.j1.step.n1` -> `vigil.job.j1.step.n1`);
+    any other subject as it is."""
+    if subject.startswith(SHARE_PREFIX + "."):
+        return subject.split(".", 3)[3]
+    return subject
+
+
+def check_share(share: int) -> int:
+    if not 0 <= share < SHARES:
+        raise ValueError(f"share {share} is outside 0..{SHARES - 1}")
+    return share
+
+
 def dead_letter(stream: str) -> str:
     return f"{PREFIX}.deadletter.{token(stream, 'stream name')}"
 
@@ -129,8 +173,8 @@ ALL_DEAD_LETTERS = f"{PREFIX}.deadletter.*"
 
 
 def kind_of(subject: str) -> str:
-    """The registry name of a concrete subject: `vigil.job.j1.step.n1` -> `step`."""
-    parts = subject.split(".")
+    """The registry name of a concrete subject (or a share's copy): `vigil.job.j1.step.n1` -> `step`."""
+    parts = unshared(subject).split(".")
     if len(parts) == 4 and parts[:2] == [PREFIX, "node"]:
         return parts[3]
     if len(parts) == 4 and parts[:2] == [PREFIX, "job"] and parts[3] in ("launch", "cmd"):
@@ -144,12 +188,12 @@ def kind_of(subject: str) -> str:
 
 def token_at(subject: str, index: int = 2) -> str:
     """The node or job token of a concrete subject (`vigil.job.<job>.step.<node>` -> `<job>`)."""
-    return subject.split(".")[index]
+    return unshared(subject).split(".")[index]
 
 
 def origin_of(subject: str) -> str:
     """Where a step or status event came from: its subject's node, or CONTROL."""
-    parts = subject.split(".")
+    parts = unshared(subject).split(".")
     if len(parts) != 5 or parts[3] not in ("step", "status"):
         raise ValueError(f"subject {subject!r} carries no origin")
     return parts[4]
@@ -171,7 +215,19 @@ CARRIES: dict[str, tuple[type[ev.Message], ...]] = {
 # --- streams --------------------------------------------------------------------------------------------
 
 _DAY = 86_400.0
+_HOUR = 3600.0
 _GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Another stream this one copies (the server does), each subject `src` rewritten to `dest`. A new
+    stream starts copying `backfill_s` back; an existing one keeps its position."""
+
+    stream: str
+    src: str
+    dest: str
+    backfill_s: float
 
 
 @dataclass(frozen=True)
@@ -179,7 +235,7 @@ class StreamSpec:
     """A JetStream stream with explicit limits. Created idempotently at start (`Bus.ensure_streams`)."""
 
     name: str
-    subjects: tuple[str, ...]
+    subjects: tuple[str, ...]  # what it listens on (none for a copy of another stream)
     max_age_s: float
     max_bytes: int
     max_msgs: int = -1
@@ -188,6 +244,12 @@ class StreamSpec:
     duplicate_window_s: float = 120.0
     description: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    source: SourceSpec | None = None
+    holds: tuple[str, ...] = ()  # what it stores besides `subjects`: the subjects `source` writes
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return self.subjects + self.holds
 
 
 NODES = StreamSpec(
@@ -219,6 +281,22 @@ COMMANDS = StreamSpec(
     discard_new=True,
     description="halt, rollback, resume and cancel commands",
 )
+# The guardians' input: VIGIL_JOBS, copied by the server onto share subjects (see `SHARES`). A share
+# consumer that stood still a week has lost nothing VIGIL_JOBS still holds within the replay it does.
+SHARED = StreamSpec(
+    name="VIGIL_SHARES",
+    subjects=(),
+    max_age_s=7 * _DAY,
+    max_bytes=10 * _GIB,
+    description="VIGIL_JOBS's events by guardian share (a copy the server makes)",
+    source=SourceSpec(
+        stream=JOBS.name,
+        src=f"{PREFIX}.job.*.>",
+        dest=f"{SHARE_PREFIX}.{{{{partition({SHARES},1)}}}}.{PREFIX}.job.{{{{wildcard(1)}}}}.>",
+        backfill_s=1 * _HOUR,
+    ),
+    holds=(f"{SHARE_PREFIX}.>",),
+)
 INCIDENTS = StreamSpec(
     name="VIGIL_INCIDENTS",
     subjects=(ALL_INCIDENTS,),
@@ -234,14 +312,14 @@ DEAD_LETTERS = StreamSpec(
     description="messages consumers terminated, with the reason",
 )
 
-STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, COMMANDS, INCIDENTS, DEAD_LETTERS)
+STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, SHARED, COMMANDS, INCIDENTS, DEAD_LETTERS)
 
 
 def stream_for(subject: str) -> StreamSpec:
     """The stream that stores a concrete subject."""
     kind = kind_of(subject)
     for spec in STREAMS:
-        for pattern in spec.subjects:
+        for pattern in spec.patterns:
             if _matches(pattern, subject):
                 return spec
     raise ValueError(f"no stream stores subject {subject!r} ({kind})")

@@ -24,8 +24,11 @@ KNOWN_MAX = 100_000
 class Guardian:
     """The decision core of the guardian service."""
 
-    def __init__(self, limits: GpuLimits | None = None) -> None:
+    def __init__(self, limits: GpuLimits | None = None, *, idle_devices: bool = True) -> None:
         self.limits = limits or GpuLimits()
+        # Judge a sick device that runs none of this core's jobs (a guardian's share 0 does; the others
+        # leave it to that one: the device may run a job of another share).
+        self.idle_devices = idle_devices
         self.jobs: dict[str, JobWatch] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
         self.devices: dict[tuple[str, int], DeviceHealth] = {}
@@ -102,6 +105,8 @@ class Guardian:
             last = [p[1] for p in watch.windows.progress.values() if p[1] is not None]
             anomaly = min(last) + 1 if last else None
             return [watch.decide(verdict, now, anomaly_step=anomaly, key=sample.event_id)]
+        if not self.idle_devices:
+            return []
         iid = incident_id(None, sample.node, sample.index, "gpu_health", sample.event_id)
         return [
             Policy().decide(verdict, iid=iid, job_id=None, attempt=0, checkpoints={}, rollbacks=0, now=now)

@@ -1,21 +1,26 @@
 """The guardian service: judges every job's launch, status and step events, and every GPU sample.
 
-Several guardians may run: one at a time judges (the holder of the guardian's lock, `vigil_common.lease`);
-the others stand by, and the one that takes over restores as a restarted guardian does.
+Guardians share the jobs. The jobs fall into `subjects.SHARES` shares by a hash of their id; VIGIL_SHARES
+holds each share's events on its own subjects, in VIGIL_JOBS's order (the NATS server copies them there).
+Each running guardian holds a fair part of the shares (`vigil_common.lease.Shares`: an advisory lock per
+share in Postgres, SHARES / live guardians each), and judges each share it holds as one guardian judged
+everything before: its own core, consumer, cursor and hang check. A share whose guardian is gone is taken
+by another within VIGIL_TAKEOVER_S; a share given up (a guardian joined) stops being judged before its
+lock is released, and the next holder restores it as a restarted guardian does.
 
-Lifecycle: connect; wait for the lock; restore (saved state, then a quiet replay of each active
-job's steps that the input has acknowledged); consume its two inputs, the job events and the GPU
-samples, with a hang check on a timer and the webhook notifier, until `stop`; drain and close.
+Lifecycle: connect; hear the GPU samples; hold shares, each: restore (saved state, then a quiet replay of
+each active job's steps that its input has acknowledged) and consume its input, with a hang check on a
+timer, until given up; the webhook notifier; drain and close on `stop`.
 
-One ordered input. The job events come through one durable consumer of VIGIL_JOBS (`INPUT`), in
-the order the server stored them, and are judged in that order: a job's launch before its steps,
-a rank's checkpoint before its next step, a rollback's completion before the steps that follow it.
+One ordered input per share. A share's job events come through one durable consumer of VIGIL_SHARES
+(`share_input`), in the order the server stored them, and are judged in that order: a job's launch before
+its steps, a rank's checkpoint before its next step, a rollback's completion before the steps after it.
 
-Judged once. Two sequences of that input say where the guardian stands: `judged` (every event up
-to it has had its effect) and `windowed` (every step up to it is in the detector windows). The
-judged sequence is saved with the job state it changed, in one transaction; after a restart an
-event up to it is not judged again (a step only goes back into the windows), and a redelivered
-event up to `windowed` is skipped.
+Judged once. Two sequences of that input say where a share stands: `judged` (every event up to it has
+had its effect) and `windowed` (every step up to it is in the detector windows). The judged sequence is
+saved with the job state it changed, in one transaction; after a restart or a hand-over an event up to it
+is not judged again (a step only goes back into the windows), and a redelivered event up to `windowed` is
+skipped.
 
 A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then its
 `IncidentRaised`; the state and incident are saved, and only then is the batch acknowledged. A
@@ -23,9 +28,12 @@ decision that cannot be published is retried in place, and nothing after it is j
 is out: the order holds. Ids are stable per fault, so a crash between publishing and saving
 republishes the same ids (JetStream drops them).
 
-First start. A guardian with no consumer and no saved state (a new deployment, or one started
-after its jobs) replays the last `guardian_replay_s` of job events, so it judges a running job from
-its start; jobs that ended within that window are not judged at all.
+GPU samples are heard (not consumed: every guardian hears all of them) and judged by each share held: a
+sick device running a job of that share is that share's decision; one running no job is share 0's.
+
+First start. A share with no consumer and no saved state (a new deployment, or one started after its
+jobs) replays the last `guardian_replay_s` of job events, so it judges a running job from its start;
+jobs that ended within that window are not judged at all.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from vigil_common.events import (
     utcnow,
 )
 from vigil_common.jobstates import TERMINAL_STATES
-from vigil_common.lease import Lease
+from vigil_common.lease import Shares
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
@@ -65,10 +73,29 @@ from vigil_guardian.watch import JobWatch
 
 log = logging.getLogger(__name__)
 
-INPUT = ConsumerSpec(stream=subjects.JOBS, durable="guardian", filter_subject=subjects.ALL_JOB_EVENTS)
-GPU = ConsumerSpec(
-    stream=subjects.NODES, durable="guardian-gpu", filter_subject=subjects.ALL_GPU, deliver_new=True
-)
+
+def share_input(share: int) -> ConsumerSpec:
+    """The durable consumer of one share's job events."""
+    return ConsumerSpec(
+        stream=subjects.SHARED,
+        durable=credentials.guardian_input(share),
+        filter_subject=subjects.share_events(share),
+    )
+
+
+INPUTS = tuple(share_input(k) for k in range(subjects.SHARES))
+
+
+def job_input(job_id: str) -> ConsumerSpec:
+    """The consumer that judges a job's events: its share's."""
+    return share_input(subjects.share_of(job_id))
+
+
+def cursor_key(share: int) -> str:
+    """Where a share's judged sequence is saved (`guardian_cursor.stream`)."""
+    return f"{subjects.SHARED.name}/{subjects.check_share(share)}"
+
+
 HANG_CHECK_S = 0.5
 REPLAY_HORIZON_S = 3600.0  # the windows hold the last few dozen steps per rank: an hour rebuilds them
 RETRY_MAX_S = 5.0
@@ -84,9 +111,12 @@ class GuardianService:
         pool: asyncpg.Pool,
         notifier: Notifier,
         *,
+        share: int = 0,
         publish_timeout_s: float = 10.0,
     ) -> None:
         self.core = core
+        self.share = share
+        self.input = share_input(share)
         self.bus = bus
         self.origins = Origins(bus)
         self.pool = pool
@@ -126,12 +156,20 @@ class GuardianService:
         if batch and batch[-1][1].num_pending == 0:
             self.caught_up.set()
 
-    async def on_gpu(self, batch: list[tuple[Message, Delivery]], stop: asyncio.Event | None = None) -> None:
-        for event, _ in batch:
-            self._owed += self.core.on_event(event, utcnow())
+    async def on_gpu(self, batch: list[Message], stop: asyncio.Event | None = None) -> None:
+        decided = []
+        for event in batch:
+            decided += self.core.on_event(event, utcnow())
+        for d in decided:
+            i = d.incident  # share 0's decision on a device that may run another share's job: theirs
+            idle = i.job_id is None and i.node is not None and i.device is not None
+            if idle and await store.device_busy(self.pool, i.node or "", i.device or 0):
+                continue
+            self._owed.append(d)
         if self._owed:
             await self._retrying(self.publish_owed, stop)
-        await self._retrying(lambda: self.persist(set(), devices=True), stop)
+        # share 0 keeps the device levels (every share sees the same samples)
+        await self._retrying(lambda: self.persist(set(), devices=self.share == 0), stop)
 
     async def handle(self, event: Message) -> None:
         """Judge one event outside the input (tests, tools): publish and save what it decides."""
@@ -200,7 +238,7 @@ class GuardianService:
                 jobs=rows,
                 incidents=incidents,
                 devices=levels,
-                cursor=(INPUT.stream.name, cursor) if cursor else None,
+                cursor=(cursor_key(self.share), cursor) if cursor else None,
             )
             del self._unsaved[: len(incidents)]
             for job_id, snap, terminal in rows:
@@ -215,7 +253,7 @@ class GuardianService:
         """Check for hangs on a timer, once the input has caught up (before that, the last steps
         known are old ones, not silences)."""
         while not stop.is_set():
-            if self.caught_up.is_set() or await _input_idle(self.bus):
+            if self.caught_up.is_set() or await _input_idle(self.bus, self.input):
                 self.caught_up.set()
                 self._owed += self.core.check_hangs(utcnow())
                 if self._owed:
@@ -227,9 +265,9 @@ class GuardianService:
             await wait_any(stop, timeout_s=HANG_CHECK_S)
 
 
-async def _input_idle(bus: Bus) -> bool:
+async def _input_idle(bus: Bus, spec: ConsumerSpec) -> bool:
     with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-        info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
+        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
         return info.num_pending == 0 and info.num_ack_pending == 0
     return False
 
@@ -238,9 +276,10 @@ async def _input_idle(bus: Bus) -> bool:
 
 
 async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay_s: float) -> ConsumerSpec:
-    """Load saved state and rebuild each active job's windows from the steps the input has
+    """Load the share's saved state and rebuild each active job's windows from the steps its input has
     acknowledged; returns the input's spec (a first start: a bounded replay)."""
-    saved = await store.load(pool, INPUT.stream.name)
+    share, spec = service.share, service.input
+    saved = await store.load(pool, cursor_key(share), share)
     core = service.core
     for job_id in saved.finished:
         core.finish(job_id)
@@ -253,67 +292,85 @@ async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay
         service._saved[job_id] = snap
     service.judged = saved.cursor or 0
     try:
-        info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
+        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
     except nats.js.errors.NotFoundError:
         if saved.jobs and saved.cursor is None:
-            # State saved by a guardian that read several consumers (before this input): it judged
-            # up to now, so this one starts at new events, as that one would have.
-            return dataclasses.replace(INPUT, deliver_new=True)
+            # State saved by a guardian before shares (one input for all jobs, its cursor in another
+            # stream): it judged up to now, so this share starts at new events, as that one would have.
+            return dataclasses.replace(spec, deliver_new=True)
         since = utcnow().timestamp() - replay_s
-        ended = await _ended_since(bus, since)
+        ended = await _ended_since(bus, since, share)
         for job_id in ended:
             if job_id not in core.jobs:
                 core.finish(job_id)
-        log.info("guardian: first start, replaying %.0fs of job events (%d jobs ended)", replay_s, len(ended))
-        return dataclasses.replace(INPUT, replay_s=replay_s)
+        log.info(
+            "guardian: share %d: first start, replaying %.0fs of job events (%d jobs ended)",
+            share,
+            replay_s,
+            len(ended),
+        )
+        return dataclasses.replace(spec, replay_s=replay_s)
     service.windowed = upto = info.ack_floor.stream_seq
     replayed = 0
     for watch in list(core.jobs.values()):
-        replayed += await _replay(bus, core, watch, upto, service.origins)
+        replayed += await _replay(bus, core, watch, upto, service.origins, share)
     if saved.jobs:
-        log.info("guardian: restored %d jobs, replayed %d step events", len(saved.jobs), replayed)
-    return INPUT
+        log.info("guardian: share %d: restored %d jobs, replayed %d steps", share, len(saved.jobs), replayed)
+    return spec
 
 
-async def _ended_since(bus: Bus, since: float) -> set[str]:
-    """Jobs whose last state change since `since` ended them."""
+async def _ended_since(bus: Bus, since: float, share: int) -> set[str]:
+    """The share's jobs whose last state change since `since` ended them."""
     last: dict[str, bool] = {}
     admit = Origins(bus).admit
-    async for event in bus.scan(credentials.GUARDIAN_SCAN, subjects.CONTROL_STATUS, since=since, admit=admit):
-        if isinstance(event, JobStateChanged) and event.job_id:
+    name = credentials.guardian_scan(share)
+    async for event in bus.scan(name, subjects.CONTROL_STATUS, since=since, admit=admit):
+        if isinstance(event, JobStateChanged) and event.job_id and subjects.share_of(event.job_id) == share:
             last[event.job_id] = event.to_state in TERMINAL_STATES
     return {job for job, ended in last.items() if ended}
 
 
-async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int, origins: Origins) -> int:
-    """Feed a job's step events (stream sequence <= `upto`) quietly: windows only, no decisions."""
+async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int, origins: Origins, share: int) -> int:
+    """Feed a job's step events (share input sequence <= `upto`) quietly: windows only, no decisions."""
     if upto <= 0:
         return 0
     since = max(watch.control.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S)
     fed = 0
-    steps = subjects.job_steps(watch.job_id)
-    async for event in bus.scan(
-        credentials.GUARDIAN_SCAN, steps, since=since, upto=upto, admit=origins.admit
-    ):
+    steps = subjects.share_job_steps(watch.job_id)
+    name = credentials.guardian_scan(share)
+    async for event in bus.scan(name, steps, since=since, upto=upto, admit=origins.admit):
         core.on_event(event, event.occurred_at, quiet=True)
         fed += 1
     return fed
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """Connect; while this process holds the guardian's lock (`vigil_common.lease`: one guardian judges
-    at a time, the others stand by and take over within VIGIL_TAKEOVER_S), restore and judge; drain
-    and close."""
+    """Connect; hear the GPU samples; judge the shares this guardian holds (`Shares`) until `stop`;
+    drain and close."""
     async with service_connect(settings, "guardian") as conn:
         bus, pool = conn.bus, conn.pool
         notifier = Notifier(settings.webhook_urls)
+        judging: dict[int, tuple[GuardianService, asyncio.Event]] = {}
 
-        async def active(until: asyncio.Event) -> None:
-            await judge(settings, bus, pool, notifier, until)
+        async def judge_share(share: int, until: asyncio.Event) -> None:
+            service = GuardianService(Guardian(idle_devices=share == 0), bus, pool, notifier, share=share)
+            judging[share] = (service, until)
+            try:
+                await judge(service, settings, until)
+            finally:
+                judging.pop(share, None)
 
+        async def on_gpu(batch: list[Message]) -> None:
+            for service, until in list(judging.values()):
+                await service.on_gpu(batch, until)
+
+        await _drop_legacy_consumers(bus)
+        hearing = asyncio.Event()
         async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(bus.listen(subjects.ALL_GPU, on_gpu, stop, hearing=hearing))
+            await hearing.wait()  # a share's consumer existing says its guardian hears the samples
             tasks.create_task(
-                Lease("guardian", settings.database_url or "", settings.takeover_s).hold(active, stop)
+                Shares(settings.database_url or "", settings.takeover_s).hold(judge_share, stop)
             )
             tasks.create_task(notifier.run(stop))
         log.info(
@@ -324,18 +381,25 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         )
 
 
-async def judge(
-    settings: Settings, bus: Bus, pool: asyncpg.Pool, notifier: Notifier, until: asyncio.Event
-) -> None:
-    """Restore (saved state and cursor, as after a restart: a takeover is one); judge until `until`."""
-    service = GuardianService(Guardian(), bus, pool, notifier)
-    jobs = await restore(service, bus, pool, settings.guardian_replay_s)
+async def judge(service: GuardianService, settings: Settings, until: asyncio.Event) -> None:
+    """Restore one share (saved state and cursor, as after a restart: a hand-over is one); judge its
+    input until `until`."""
+    bus = service.bus
+    spec = await restore(service, bus, service.pool, settings.guardian_replay_s)
     async with asyncio.TaskGroup() as tasks:
         # a step or status event counts only from the node its launch placed it on
         tasks.create_task(
             bus.consume_batches(
-                jobs, lambda b: service.on_jobs(b, until), until, gather_s=0, admit=service.origins.admit
+                spec, lambda b: service.on_jobs(b, until), until, gather_s=0, admit=service.origins.admit
             )
         )
-        tasks.create_task(bus.consume_batches(GPU, lambda b: service.on_gpu(b, until), until, gather_s=0))
         tasks.create_task(service.hang_loop(until))
+
+
+async def _drop_legacy_consumers(bus: Bus) -> None:
+    """Delete the consumers of the guardian before shares (one input for all jobs, one for GPU samples):
+    left alone, the server would keep VIGIL_JOBS's messages pending for them."""
+    for stream, name in credentials.LEGACY_GUARDIAN:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await bus.js.delete_consumer(stream, name)
+            log.info("guardian: deleted the consumer %s of %s (before shares)", name, stream)

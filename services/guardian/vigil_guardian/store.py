@@ -1,5 +1,6 @@
-"""The guardian's state in Postgres (migrations 0004, 0010): job control state, published incidents, sick
-devices, and how far in its input stream that state stands."""
+"""The guardian's state in Postgres (migrations 0004, 0010, 0012): job control state, published incidents,
+sick devices, and how far in its input each share's state stands. A guardian loads one share at a time:
+the jobs whose `subjects.share_of` is that share."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import asyncpg
 
+from vigil_common import subjects
 from vigil_common.events import IncidentRaised
 
 RECENT_INCIDENTS = 100_000
@@ -27,29 +29,50 @@ class Saved:
     cursor: int | None = None  # the last input-stream sequence whose effect is in this state
 
 
-async def load(pool: asyncpg.Pool, stream: str) -> Saved:
-    saved = Saved(cursor=await pool.fetchval("SELECT seq FROM guardian_cursor WHERE stream = $1", stream))
+async def load(pool: asyncpg.Pool, cursor: str, share: int) -> Saved:
+    """The saved state of `share`'s jobs, the device levels, and the share's input `cursor`."""
+    saved = Saved(cursor=await pool.fetchval("SELECT seq FROM guardian_cursor WHERE stream = $1", cursor))
     # A job silent for a week (no status, checkpoint or decision) is abandoned, not watched.
     active = """SELECT job_id, state FROM guardian_jobs
                 WHERE NOT terminal AND updated_at > now() - interval '7 days'"""
     for r in await pool.fetch(active):
-        saved.jobs[r["job_id"]] = json.loads(r["state"])
+        if subjects.share_of(r["job_id"]) == share:
+            saved.jobs[r["job_id"]] = json.loads(r["state"])
     saved.finished = [
         r["job_id"]
         for r in await pool.fetch(
             "SELECT job_id FROM guardian_jobs WHERE terminal ORDER BY updated_at DESC LIMIT $1",
             RECENT_FINISHED,
         )
+        if subjects.share_of(r["job_id"]) == share
     ][::-1]
     saved.incidents = [
         r["id"]
         for r in await pool.fetch(
-            "SELECT id FROM guardian_incidents ORDER BY created_at DESC LIMIT $1", RECENT_INCIDENTS
+            """SELECT id FROM guardian_incidents WHERE job_id = ANY($1::text[])
+               ORDER BY created_at DESC LIMIT $2""",
+            list(saved.jobs),
+            RECENT_INCIDENTS,
         )
     ][::-1]
     for r in await pool.fetch("SELECT node, index, level FROM guardian_devices"):
         saved.devices[(r["node"], r["index"])] = r["level"]
     return saved
+
+
+async def device_busy(pool: asyncpg.Pool, node: str, index: int) -> bool:
+    """True when a job not ended has a rank that has not exited on device `index` of `node`, as the
+    guardians (of any share) last saved it."""
+    return bool(
+        await pool.fetchval(
+            """SELECT EXISTS (
+                 SELECT 1 FROM guardian_jobs j, jsonb_each(j.state -> 'placement') p
+                 WHERE NOT j.terminal AND p.value ->> 0 = $1 AND (p.value ->> 1)::int = $2
+                   AND NOT coalesce(j.state -> 'exited', '[]'::jsonb) @> to_jsonb(p.key::int))""",
+            node,
+            index,
+        )
+    )
 
 
 async def save(

@@ -29,9 +29,20 @@ def test_a_small_fleet_runs_and_reports() -> None:
     assert res["bench"] == "fleet" and res["nodes"] == 3 and res["telemetry_replicas"] == 2
     assert res["probes_load"] > 0 and res["probes_load_missed"] == 0
     assert res["stored_step_events_per_s"] > 0 and res["simulators"][0]["jobs"] == 3
-    assert {"scheduler", "guardian", "telemetry-0", "telemetry-1", "postgres", "nats-server"} <= set(
-        res["cpu_s_under_load"]
-    )
+    assert {
+        "scheduler",
+        "guardian-0",
+        "guardian-1",
+        "telemetry-0",
+        "telemetry-1",
+        "postgres",
+        "nats-server",
+    } <= set(res["cpu_s_under_load"])
+    # two guardians (the default) divided the shares; each judged its jobs' events
+    assert res["guardians"] == 2 and len(res["events_per_s_by_guardian"]) == 2, res[
+        "events_per_s_by_guardian"
+    ]
+    assert all(rate > 0 for rate in res["events_per_s_by_guardian"].values()), res["events_per_s_by_guardian"]
     # what holds it back: every durable's backlog and every process's CPU through the run
     assert "telemetry-steps" in res["consumers"] and any(c.startswith("guardian") for c in res["consumers"])
     assert isinstance(res["holding_back"], list) and res["timeline"]

@@ -22,7 +22,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_guardian.main import GPU, INPUT, run
+from vigil_guardian.main import INPUTS, run
 
 pytestmark = pytest.mark.integration
 
@@ -118,8 +118,9 @@ async def take(events: AsyncIterator[Message], n: int, timeout: float = 15.0) ->
 
 
 async def ready(bus: Bus) -> bool:
-    """The guardian's durable consumers exist (events published from now on reach it)."""
-    for spec in (INPUT, GPU):
+    """Every share's durable consumer exists (events published from now on reach it; GPU samples are
+    heard from before the first share is judged)."""
+    for spec in INPUTS:
         try:
             await bus.js.consumer_info(spec.stream.name, spec.durable)
         except Exception:
@@ -242,5 +243,8 @@ async def test_a_guardian_restart_mid_run_misses_nothing(bus, pool, nats_url, mi
 
 
 async def _steps_acked(bus: Bus) -> bool:
-    info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
-    return info.num_ack_pending == 0 and info.num_pending == 0
+    for spec in INPUTS:
+        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+        if info.num_ack_pending or info.num_pending:
+            return False
+    return True

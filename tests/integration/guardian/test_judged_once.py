@@ -15,22 +15,32 @@ from tests.helpers import eventually, service
 from tests.integration.guardian.test_guardian import Job, cfg, ready, take
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_guardian.main import INPUT, run
+from vigil_guardian.main import INPUTS, cursor_key, run
 
 pytestmark = pytest.mark.integration
 
 
-async def _stored_seq(bus: Bus) -> int:
-    return (await bus.js.stream_info(subjects.JOBS.name)).state.last_seq
+async def _stored_seq(bus: Bus, job_id: str) -> int:
+    """Where the job's last step stands in its share's input."""
+    share = subjects.share_of(job_id)
+    last = 0
+    for node in ("node0", "node1"):
+        subject = f"{subjects.SHARE_PREFIX}.{share}.{subjects.step(job_id, node)}"
+        last = max(last, (await bus.js.get_last_msg(subjects.SHARED.name, subject)).seq or 0)
+    return last
 
 
-async def _cursor(pool) -> int:  # type: ignore[no-untyped-def]
-    return await pool.fetchval("SELECT seq FROM guardian_cursor WHERE stream = $1", INPUT.stream.name) or 0
+async def _cursor(pool, job_id: str) -> int:  # type: ignore[no-untyped-def]
+    key = cursor_key(subjects.share_of(job_id))
+    return await pool.fetchval("SELECT seq FROM guardian_cursor WHERE stream = $1", key) or 0
 
 
 async def _idle(bus: Bus) -> bool:
-    info = await bus.js.consumer_info(INPUT.stream.name, INPUT.durable)
-    return info.num_pending == 0 and info.num_ack_pending == 0
+    for spec in INPUTS:
+        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+        if info.num_pending or info.num_ack_pending:
+            return False
+    return True
 
 
 async def test_a_guardian_restarted_twice_mid_job_judges_each_fault_once(
@@ -69,7 +79,7 @@ async def test_a_guardian_restarted_twice_mid_job_judges_each_fault_once(
         ("spike", 28, 0),
     ]
     assert second.evidence["window"] >= 10  # the windows were rebuilt from the steps judged before
-    assert await _cursor(pool) >= 1
+    assert await _cursor(pool, job_id) >= 1
     await job.end()
 
 
@@ -78,8 +88,9 @@ async def test_a_guardian_started_after_the_job_judges_it_from_its_start_once(
 ):
     # A fresh deployment's guardian: no consumer yet, no saved state (its own database).
     await pool.execute("DELETE FROM guardian_jobs; DELETE FROM guardian_cursor")
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        await bus.js.delete_consumer(INPUT.stream.name, INPUT.durable)
+    for spec in INPUTS:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await bus.js.delete_consumer(spec.stream.name, spec.durable)
     quiet = {"spike": "alert", "hang_timeout_s": 600, "hang_step_multiple": 1000}
     ended = Job(bus, job_id + "e", spike_warmup=10, **quiet)
     await ended.launch()
@@ -93,13 +104,13 @@ async def test_a_guardian_started_after_the_job_judges_it_from_its_start_once(
     await job.step(12, 1, loss=80.0)  # before the guardian exists
     await job.step(12, 0)
     await job.steps(13, 20)
-    upto = await _stored_seq(bus)
+    upto = await _stored_seq(bus, job_id)
     settings = cfg(nats_url, migrated, tmp_path)
     async with bus.watch(subjects.incident(job_id), subjects.incident(job_id + "e")) as incidents:
         async with service(run, settings):
             (found,) = await take(incidents, 1, timeout=30)
             await eventually(lambda: _idle(bus), what="the guardian caught up")
-            await eventually(lambda: _cursor(pool), what="the saved cursor")
+            await eventually(lambda: _cursor(pool, job_id), what="the saved cursor")
         async with service(run, settings):  # restarted: the replayed events are not judged again
             await eventually(lambda: ready(bus), what="the guardian's consumers")
             await job.step(20, 0, loss=90.0)
@@ -110,5 +121,5 @@ async def test_a_guardian_started_after_the_job_judges_it_from_its_start_once(
     assert (found.job_id, found.kind, found.step, found.rank) == (job_id, "spike", 12, 1)
     assert found.evidence["window"] >= 10  # judged from the job's first step
     assert (later.job_id, later.step) == (job_id, 20)
-    assert await _cursor(pool) >= upto - 1
+    assert await _cursor(pool, job_id) >= upto
     await job.end()

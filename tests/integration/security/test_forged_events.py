@@ -93,8 +93,9 @@ async def guardian_running(
     server: EmbeddedNats, admin: Bus, migrated: str, tmp_path: Path
 ) -> AsyncIterator[None]:
     """The guardian service as its own NATS user, with a fresh durable consumer."""
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        await admin.js.delete_consumer(subjects.JOBS.name, guardian.INPUT.durable)
+    for made in guardian.INPUTS:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await admin.js.delete_consumer(made.stream.name, made.durable)
     settings = Settings.load(
         nats_url=server.url_for(credentials.GUARDIAN),
         database_url=migrated,
@@ -102,7 +103,8 @@ async def guardian_running(
         metrics_port=0,
     )
     async with service(guardian.run, settings):
-        await eventually(lambda: _consumer(admin, guardian.INPUT), what="the guardian's consumer")
+        for made in guardian.INPUTS:
+            await eventually(lambda made=made: _consumer(admin, made), what="the guardian's consumers")
         yield
 
 
@@ -114,8 +116,11 @@ async def _consumer(admin: Bus, spec):  # type: ignore[no-untyped-def]
 
 
 async def _settled(admin: Bus) -> bool:
-    info = await admin.js.consumer_info(subjects.JOBS.name, guardian.INPUT.durable)
-    return info.num_pending == 0 and info.num_ack_pending == 0
+    for made in guardian.INPUTS:
+        info = await admin.js.consumer_info(made.stream.name, made.durable)
+        if info.num_pending or info.num_ack_pending:
+            return False
+    return True
 
 
 async def test_a_forged_nan_step_from_another_node_is_dead_lettered_and_the_job_left_alone(
@@ -143,12 +148,14 @@ async def test_a_forged_nan_step_from_another_node_is_dead_lettered_and_the_job_
     for k in range(3):
         for rank in ON_N2:
             await n2.publish(subjects.step(job_id, "n2"), step(job_id, k, rank, "n2", 3.0 - 0.01 * k))
-    async with admin.watch(subjects.dead_letter(subjects.JOBS.name)) as letters:
+    async with admin.watch(subjects.dead_letter(subjects.SHARED.name)) as letters:
         # on its own node's subject (the only one its user may use), as itself and posing as n2
         await n1.publish(subjects.step(job_id, "n1"), step(job_id, 3, 0, "n1", math.nan))
         await n1.publish(subjects.step(job_id, "n1"), step(job_id, 3, 1, "n2", math.nan))
-        refused = await dead_letters(letters, guardian.INPUT.durable, 2)
-    assert all(d.subject == subjects.step(job_id, "n1") and "forged" in d.reason for d in refused), refused
+        refused = await dead_letters(letters, guardian.job_input(job_id).durable, 2)
+    assert all(
+        subjects.unshared(d.subject) == subjects.step(job_id, "n1") and "forged" in d.reason for d in refused
+    ), refused
     for rank in ON_N2:  # the run goes on, and its next steps are judged
         await n2.publish(subjects.step(job_id, "n2"), step(job_id, 3, rank, "n2", 2.9))
     await eventually(lambda: _settled(admin), what="every event judged")

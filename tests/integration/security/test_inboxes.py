@@ -14,7 +14,7 @@ from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.embedded import EmbeddedNats
 from vigil_common.events import GpuSampled, Message
-from vigil_guardian.main import GPU
+from vigil_telemetry.main import GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 
@@ -43,10 +43,10 @@ async def test_no_role_subscribes_to_every_inbox_or_to_anothers(server: Embedded
         await nc.close()
 
 
-async def test_a_worker_reads_nothing_the_guardians_consumer_delivers(
+async def test_a_worker_reads_nothing_a_services_consumer_delivers(
     server: EmbeddedNats, connect: Callable[[str], Awaitable[Bus]], admin: Bus
 ) -> None:
-    """The guardian consumes a GPU sample; a worker listening on every inbox it may name hears nothing."""
+    """Telemetry consumes a GPU sample; a worker listening on every inbox it may name hears nothing."""
     refusals = Refusals()
     spy = await raw(server, credentials.worker_role("n1"), refusals)
     overheard: list[Msg] = []
@@ -54,9 +54,9 @@ async def test_a_worker_reads_nothing_the_guardians_consumer_delivers(
     async def on_msg(msg: Msg) -> None:
         overheard.append(msg)
 
-    for inbox in ("_INBOX.>", f"{credentials.inbox_prefix(credentials.GUARDIAN)}.>"):
+    for inbox in ("_INBOX.>", f"{credentials.inbox_prefix(credentials.TELEMETRY)}.>"):
         await spy.subscribe(inbox, cb=on_msg)
-    guardian = await connect(credentials.GUARDIAN)
+    telemetry = await connect(credentials.TELEMETRY)
     worker = await connect(credentials.worker_role("n2"))
     spec = ConsumerSpec(stream=subjects.NODES, durable=GPU.durable, filter_subject=subjects.gpu("n2"))
     got: list[Message] = []
@@ -68,7 +68,7 @@ async def test_a_worker_reads_nothing_the_guardians_consumer_delivers(
 
     sample = GpuSampled(node="n2", index=0, device_kind="gpu", uuid="GPU-n2-0", utilization_pct=1.0)
     await worker.publish(subjects.gpu("n2"), sample)  # stored; the consumer delivers it from the start
-    consumer = asyncio.create_task(guardian.consume_batches(spec, handler, stop))
+    consumer = asyncio.create_task(telemetry.consume_batches(spec, handler, stop))
     try:
         await asyncio.wait_for(done.wait(), 15)
         await spy.flush()  # whatever the server sent the spy before now has arrived

@@ -39,7 +39,13 @@ def used_by(role: str) -> set[tuple[str, str]]:
         specs = specs_of(SERVICES[role])
     used = {(s.stream.name, s.durable) for s in specs}
     if role == credentials.GUARDIAN:
-        used.add((subjects.JOBS.name, credentials.GUARDIAN_SCAN))  # Bus.scan at restore
+        used |= {(s.stream.name, s.durable) for s in guardian_main.INPUTS}  # one per share
+        for k in range(subjects.SHARES):  # Bus.scan at a share's restore: its jobs' ends, their steps
+            used |= {
+                (subjects.JOBS.name, credentials.guardian_scan(k)),
+                (subjects.SHARED.name, credentials.guardian_scan(k)),
+            }
+        used |= set(credentials.LEGACY_GUARDIAN)  # deleted at start
     return used
 
 
@@ -108,7 +114,11 @@ def test_a_role_reads_only_its_own_inbox_and_what_it_watches(role: str) -> None:
     assert "allow_responses" not in granted
     prefix = credentials.inbox_prefix(role)
     assert prefix == f"_INBOX_{role}"
-    assert allowed(role, "subscribe") == [f"{prefix}.>", *credentials.watched(role)]
+    assert allowed(role, "subscribe") == [
+        f"{prefix}.>",
+        *credentials.watched(role),
+        *credentials.listened(role),
+    ]
     for subject in allowed(role, "publish"):
         assert not subject.startswith("_INBOX"), f"{role} publishes into an inbox: {subject}"
         assert not re.match(r"^(>|\$JS\.>|\$JS\.API\.>)", subject), subject
