@@ -51,6 +51,7 @@ from typing import Any
 
 import httpx
 import nats
+import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerInfo
 
@@ -320,7 +321,37 @@ async def _judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
     }
 
 
-async def _probe(bus: Bus, halts: _Halts, spec: JobSpec, timeout_s: float = 30.0) -> float | None:
+@dataclass
+class _Stages:
+    """Where a probe's time went, from the server's store times: the NaN step stored in VIGIL_JOBS ->
+    its copy stored in VIGIL_SHARES (`copy`) -> the guardian's HaltJob stored in VIGIL_COMMANDS (`judge`:
+    delivery, judging, publishing)."""
+
+    copy: list[float] = field(default_factory=list)
+    judge: list[float] = field(default_factory=list)
+
+    async def add(self, bus: Bus, job: str) -> None:
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+            step = subjects.step(job, "probe")
+            stored = await bus.js.get_last_msg(subjects.JOBS.name, step)
+            share = f"{subjects.SHARE_PREFIX}.{subjects.share_of(job)}.{step}"
+            copied = await bus.js.get_last_msg(subjects.SHARED.name, share)
+            halted = await bus.js.get_last_msg(subjects.COMMANDS.name, subjects.cmd(job))
+            if stored.time and copied.time and halted.time:
+                self.copy.append((copied.time - stored.time).total_seconds())
+                self.judge.append((halted.time - copied.time).total_seconds())
+
+    def summary(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for name, values in (("copy", self.copy), ("judge", self.judge)):
+            out[f"{name}_p50_ms"] = round(statistics.median(values) * 1e3, 2) if values else None
+            out[f"{name}_p99_ms"] = round(percentile(values, 0.99) * 1e3, 2) if values else None
+        return out
+
+
+async def _probe(
+    bus: Bus, halts: _Halts, spec: JobSpec, stages: _Stages, timeout_s: float = 30.0
+) -> float | None:
     """Seconds from a probe job's NaN step to its HaltJob; None when none came within `timeout_s`."""
     job = "probe-" + uuid.uuid4().hex[:12]
     placement = [RankPlacement(rank=0, node="probe", device=0, local_rank=0)]
@@ -353,6 +384,8 @@ async def _probe(bus: Bus, halts: _Halts, spec: JobSpec, timeout_s: float = 30.0
     t0 = time.perf_counter()
     await bus.publish(subjects.step(job, "probe"), step(1, math.nan))
     arrived = await halts.wait(job, timeout_s)
+    if arrived is not None:
+        await stages.add(bus, job)
     await bus.publish(
         subjects.status(job, subjects.CONTROL),
         JobStateChanged(job_id=job, attempt=1, from_state="HALTED", to_state="CANCELLED", cause="probe over"),
@@ -624,7 +657,10 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
 
             # idle: the floor
             idle_load = _loadavg()
-            idle = [await _probe(bus, halts, spec) for _ in range(IDLE_PROBES + 1)][1:]  # the first warms up
+            idle_stages, load_stages = _Stages(), _Stages()
+            idle = [await _probe(bus, halts, spec, idle_stages) for _ in range(IDLE_PROBES + 1)][
+                1:
+            ]  # 1st warms up
 
             # the fleet comes up: nodes heartbeat, one 8-device job per node is placed and launched
             per = math.ceil(plan.nodes / plan.simulators)
@@ -665,7 +701,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
             while time.monotonic() - t_start < plan.seconds:
                 watch.sample(await _durables(bus), _cpu(procs, nats_server, pg))
                 if time.monotonic() >= next_probe:
-                    loaded.append(await _probe(bus, halts, spec))
+                    loaded.append(await _probe(bus, halts, spec, load_stages))
                     next_probe += PROBE_EVERY_S
                 await asyncio.sleep(LAG_SAMPLE_S)  # the lag sampling period
             load_load = _loadavg()
@@ -733,6 +769,8 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         guardian_backlog_max=sum(watch.consumer(c)["max"] for c in watch.names() if c.startswith("guardian")),
         lag_growing=lag_growing,
         telemetry_drain_after_s=round(drain_s, 2),
+        stages_idle=idle_stages.summary(),
+        stages_load=load_stages.summary(),
         guardian_idle_p50_ms=round(statistics.median(ok_idle) * 1e3, 2) if ok_idle else None,
         guardian_load_p50_ms=round(statistics.median(ok_load) * 1e3, 2) if ok_load else None,
         probes_idle=len(idle),

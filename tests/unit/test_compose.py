@@ -457,3 +457,15 @@ def test_grafana_is_provisioned_with_prometheus_and_vigils_dashboards(
         assert uids == {source["uid"]}, path.name
         ids = [p["id"] for p in dashboard["panels"]]
         assert len(ids) == len(set(ids)), f"{path.name}: panel ids repeat"
+
+
+@pytest.mark.parametrize("service", ["guardian", "telemetry"])
+def test_a_service_that_shares_its_work_scales(services: dict[str, dict[str, Any]], service: str) -> None:
+    """`docker compose up --scale guardian=2` (guardians divide the jobs' shares; telemetry replicas share
+    queue groups): no fixed container name or host port, and no volume a replica would have to own alone
+    (only the shared checkpoints)."""
+    svc = services[service]
+    assert "container_name" not in svc
+    assert not [p for p in svc.get("ports", []) if ":" in str(p) or isinstance(p, dict)], svc.get("ports")
+    own = [v for v in svc.get("volumes", []) if not str(v).startswith("checkpoints:")]
+    assert own == [], own

@@ -64,7 +64,10 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
     takeover_s: float = Field(
-        10.0, ge=1, le=300, description="a standby scheduler or guardian takes over within this long"
+        10.0,
+        ge=1,
+        le=300,
+        description="a standby scheduler takes over (the guardians a gone one's shares) within this long",
     )
     gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)
     worker_end_ranks_on_stop: bool = Field(
