@@ -129,9 +129,19 @@ def share_events(share: int) -> str:
     return f"{SHARE_PREFIX}.{check_share(share)}.>"
 
 
+def job_events(job_id: str) -> str:
+    """Everything VIGIL_JOBS keeps of one job: launches, status and steps (a wildcard)."""
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.>"
+
+
+def shared(subject: str) -> str:
+    """A subject (or wildcard) of VIGIL_JOBS as its job's share holds it in VIGIL_SHARES."""
+    return f"{SHARE_PREFIX}.{share_of(token_at(subject))}.{subject}"
+
+
 def share_job_steps(job_id: str) -> str:
     """A job's steps, as its share holds them (a wildcard)."""
-    return f"{SHARE_PREFIX}.{share_of(job_id)}.{job_steps(job_id)}"
+    return shared(job_steps(job_id))
 
 
 def unshared(subject: str) -> str:

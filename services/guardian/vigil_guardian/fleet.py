@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Iterable
 from datetime import datetime
 
 from vigil_common.events import (
@@ -63,10 +64,16 @@ class Guardian:
             self.finish(event.job_id)
         return self._fresh(out)
 
-    def check_hangs(self, now: datetime) -> list[Decision]:
+    def hang_candidates(self, now: datetime) -> list[str]:
+        """The jobs `check_hangs` would decide about now (nothing changes)."""
+        return [job_id for job_id, watch in self.jobs.items() if watch.hang_verdict(now) is not None]
+
+    def check_hangs(self, now: datetime, job_ids: Iterable[str] | None = None) -> list[Decision]:
+        """Hang decisions for every job (or those of `job_ids`)."""
         out: list[Decision] = []
-        for watch in list(self.jobs.values()):
-            out += watch.check_hang(now)
+        for job_id in list(self.jobs) if job_ids is None else list(job_ids):
+            if (watch := self.jobs.get(job_id)) is not None:
+                out += watch.check_hang(now)
         return self._fresh(out)
 
     def finish(self, job_id: str) -> None:

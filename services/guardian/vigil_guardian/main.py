@@ -251,11 +251,14 @@ class GuardianService:
 
     async def hang_loop(self, stop: asyncio.Event) -> None:
         """Check for hangs on a timer, once the input has caught up (before that, the last steps
-        known are old ones, not silences)."""
+        known are old ones, not silences). A job that looks silent is judged only once its share holds
+        every step VIGIL_JOBS holds for it (`_copied`): a copy behind is no silence."""
         while not stop.is_set():
             if self.caught_up.is_set() or await _input_idle(self.bus, self.input):
                 self.caught_up.set()
-                self._owed += self.core.check_hangs(utcnow())
+                now = utcnow()
+                silent = [job for job in self.core.hang_candidates(now) if await self._copied(job)]
+                self._owed += self.core.check_hangs(now, silent)
                 if self._owed:
                     try:
                         await self.publish_owed()
@@ -263,6 +266,21 @@ class GuardianService:
                     except Exception as exc:  # owed still: the next tick tries again
                         log.warning("guardian: publishing decisions failed, will retry: %s", exc)
             await wait_any(stop, timeout_s=HANG_CHECK_S)
+
+    async def _copied(self, job_id: str) -> bool:
+        """Whether this share has judged the last event VIGIL_JOBS stored of the job: its copy (the copy
+        keeps each message's Nats-Msg-Id) is at or below the judged sequence."""
+        events = subjects.job_events(job_id)
+        try:
+            original = await self.bus.js.get_last_msg(subjects.JOBS.name, events)
+            copied = await self.bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(events))
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            return False
+        same = (original.headers or {}).get("Nats-Msg-Id") == (copied.headers or {}).get("Nats-Msg-Id")
+        if not same or (copied.seq or 0) > max(self.judged, self.windowed):  # windowed: acked
+            log.info("guardian: %s: its last event is not judged yet, so its silence is not either", job_id)
+            return False
+        return True
 
 
 async def _input_idle(bus: Bus, spec: ConsumerSpec) -> bool:
@@ -362,7 +380,10 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
         async def on_gpu(batch: list[Message]) -> None:
             for service, until in list(judging.values()):
-                await service.on_gpu(batch, until)
+                try:
+                    await service.on_gpu(batch, until)
+                except Exception as exc:  # a share being given up, Postgres away: the next samples come
+                    log.warning("guardian: share %d: GPU samples not judged: %s", service.share, exc)
 
         await _drop_legacy_consumers(bus)
         hearing = asyncio.Event()

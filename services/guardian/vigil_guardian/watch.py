@@ -200,11 +200,15 @@ class JobWatch:
                     self.buffer.append(e)
         return out
 
+    def hang_verdict(self, now: datetime) -> Verdict | None:
+        """The hang this job is in now, if one is not raised already (nothing changes)."""
+        if self.hang_raised:
+            return None
+        return job_hang(self.control, self.windows.progress, self.windows.median_step_s(), now.timestamp())
+
     def check_hang(self, now: datetime) -> list[Decision]:
         """A hang decision if some wait has lasted too long (called on a timer; see `hang.job_hang`)."""
-        if self.hang_raised:
-            return []
-        v = job_hang(self.control, self.windows.progress, self.windows.median_step_s(), now.timestamp())
+        v = self.hang_verdict(now)
         if v is None:
             return []
         self.hang_raised = True

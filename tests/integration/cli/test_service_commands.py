@@ -22,6 +22,7 @@ import pytest
 
 from tests.helpers import eventually
 from tests.integration.scheduler.conftest import fresh_database
+from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats, free_port
 
@@ -124,7 +125,7 @@ async def test_the_control_plane_runs_without_the_worker_dependencies(
             async def guardian_consumes() -> bool:
                 assert procs["guardian"].poll() is None, logs["guardian"].read_text()[-3000:]
                 try:
-                    await bus.js.consumer_info("VIGIL_JOBS", "guardian")
+                    await bus.js.consumer_info(subjects.SHARED.name, credentials.guardian_input(0))
                 except nats.js.errors.NotFoundError:
                     return False
                 return True

@@ -6,6 +6,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator
 
+import nats.js.errors
 import pytest
 
 from tests.helpers import eventually, service
@@ -22,7 +23,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_guardian.main import INPUTS, run
+from vigil_guardian.main import INPUTS, job_input, run
 
 pytestmark = pytest.mark.integration
 
@@ -118,14 +119,32 @@ async def take(events: AsyncIterator[Message], n: int, timeout: float = 15.0) ->
 
 
 async def ready(bus: Bus) -> bool:
-    """Every share's durable consumer exists (events published from now on reach it; GPU samples are
-    heard from before the first share is judged)."""
+    """A guardian consumes every share (its consumers are bound: events published from now on reach it;
+    GPU samples are heard from before the first share is judged)."""
     for spec in INPUTS:
         try:
-            await bus.js.consumer_info(spec.stream.name, spec.durable)
+            info = await bus.js.consumer_info(spec.stream.name, spec.durable)
         except Exception:
             return False
+        if not info.push_bound:
+            return False
     return True
+
+
+async def judged(bus: Bus, job_id: str) -> bool:
+    """The guardian has acknowledged the last event VIGIL_JOBS stored of the job (its copy in the job's
+    share, the same Nats-Msg-Id)."""
+    events = subjects.job_events(job_id)
+    original = await bus.js.get_last_msg(subjects.JOBS.name, events)
+    try:
+        copied = await bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(events))
+    except nats.js.errors.NotFoundError:
+        return False
+    if (original.headers or {}).get("Nats-Msg-Id") != (copied.headers or {}).get("Nats-Msg-Id"):
+        return False
+    spec = job_input(job_id)
+    info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= (copied.seq or 0)
 
 
 @pytest.fixture
@@ -220,7 +239,7 @@ async def test_a_guardian_restart_mid_run_misses_nothing(bus, pool, nats_url, mi
         await job.steps(10, 15)
         saved = f"SELECT state->'checkpoints' ? '10' FROM guardian_jobs WHERE job_id = '{job_id}'"
         await eventually(lambda: pool.fetchval(saved), what="the checkpoint in the saved state")
-        await eventually(lambda: _steps_acked(bus), what="steps judged")
+        await eventually(lambda: judged(bus, job_id), what="steps judged")
         task.cancel()  # killed, not stopped
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -240,11 +259,3 @@ async def test_a_guardian_restart_mid_run_misses_nothing(bus, pool, nats_url, mi
     assert incident.evidence["window"] >= 10
     assert rollback.step == 10 and rollback.skip_data == (18, 19)
     await job.end()
-
-
-async def _steps_acked(bus: Bus) -> bool:
-    for spec in INPUTS:
-        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
-        if info.num_ack_pending or info.num_pending:
-            return False
-    return True

@@ -12,7 +12,7 @@ import nats.js.errors
 import pytest
 
 from tests.helpers import eventually, service
-from tests.integration.guardian.test_guardian import Job, cfg, ready, take
+from tests.integration.guardian.test_guardian import Job, cfg, judged, ready, take
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_guardian.main import INPUTS, cursor_key, run
@@ -35,14 +35,6 @@ async def _cursor(pool, job_id: str) -> int:  # type: ignore[no-untyped-def]
     return await pool.fetchval("SELECT seq FROM guardian_cursor WHERE stream = $1", key) or 0
 
 
-async def _idle(bus: Bus) -> bool:
-    for spec in INPUTS:
-        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
-        if info.num_pending or info.num_ack_pending:
-            return False
-    return True
-
-
 async def test_a_guardian_restarted_twice_mid_job_judges_each_fault_once(
     bus, pool, nats_url, migrated, tmp_path, job_id
 ):
@@ -57,22 +49,22 @@ async def test_a_guardian_restarted_twice_mid_job_judges_each_fault_once(
             await job.step(12, 0, loss=80.0)  # fault 1, judged by the first guardian
             await job.step(12, 1)
             (first,) = await take(incidents, 1)
-            await eventually(lambda: _idle(bus), what="the first guardian idle")
+            await eventually(lambda: judged(bus, job_id), what="the first guardian idle")
         await job.steps(13, 20)  # while it is down
         await job.step(20, 1, loss=90.0)  # fault 2, published while no guardian runs
         await job.step(20, 0)
         async with service(run, settings):
             (second,) = await take(incidents, 1, timeout=30)
             await job.steps(21, 28)
-            await eventually(lambda: _idle(bus), what="the second guardian idle")
+            await eventually(lambda: judged(bus, job_id), what="the second guardian idle")
         async with service(run, settings):  # a third start with nothing new: nothing judged again
-            await eventually(lambda: _idle(bus), what="the third guardian idle")
+            await eventually(lambda: judged(bus, job_id), what="the third guardian idle")
             await job.step(28, 0, loss=95.0)  # fault 3, after the restart
             await job.step(28, 1)
             (third,) = await take(incidents, 1, timeout=30)
             with pytest.raises(TimeoutError):
                 await take(incidents, 1, timeout=1.0)
-            await eventually(lambda: _idle(bus), what="the third guardian idle")
+            await eventually(lambda: judged(bus, job_id), what="the third guardian idle")
     assert [(i.kind, i.step, i.rank) for i in (first, second, third)] == [
         ("spike", 12, 0),
         ("spike", 20, 1),
@@ -109,7 +101,7 @@ async def test_a_guardian_started_after_the_job_judges_it_from_its_start_once(
     async with bus.watch(subjects.incident(job_id), subjects.incident(job_id + "e")) as incidents:
         async with service(run, settings):
             (found,) = await take(incidents, 1, timeout=30)
-            await eventually(lambda: _idle(bus), what="the guardian caught up")
+            await eventually(lambda: judged(bus, job_id), what="the guardian caught up")
             await eventually(lambda: _cursor(pool, job_id), what="the saved cursor")
         async with service(run, settings):  # restarted: the replayed events are not judged again
             await eventually(lambda: ready(bus), what="the guardian's consumers")

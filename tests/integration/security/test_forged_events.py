@@ -18,6 +18,7 @@ import nats.js.errors
 import pytest
 
 from tests.helpers import eventually, launch_on, service
+from tests.integration.guardian.test_guardian import judged
 from tests.integration.scheduler.conftest import (
     TOKEN,
     FakeNode,
@@ -115,14 +116,6 @@ async def _consumer(admin: Bus, spec):  # type: ignore[no-untyped-def]
         return None
 
 
-async def _settled(admin: Bus) -> bool:
-    for made in guardian.INPUTS:
-        info = await admin.js.consumer_info(made.stream.name, made.durable)
-        if info.num_pending or info.num_ack_pending:
-            return False
-    return True
-
-
 async def test_a_forged_nan_step_from_another_node_is_dead_lettered_and_the_job_left_alone(
     connect: Callable[[str], Awaitable[Bus]], admin: Bus, guardian_running: None, job_id: str
 ) -> None:
@@ -158,7 +151,7 @@ async def test_a_forged_nan_step_from_another_node_is_dead_lettered_and_the_job_
     ), refused
     for rank in ON_N2:  # the run goes on, and its next steps are judged
         await n2.publish(subjects.step(job_id, "n2"), step(job_id, 3, rank, "n2", 2.9))
-    await eventually(lambda: _settled(admin), what="every event judged")
+    await eventually(lambda: judged(admin, job_id), what="every event judged")
     assert not await stored(admin, subjects.COMMANDS, subjects.cmd(job_id))  # no halt, no rollback
     assert not await stored(admin, subjects.INCIDENTS, subjects.incident(job_id))
     ended = JobStateChanged(
