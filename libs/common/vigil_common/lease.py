@@ -1,14 +1,13 @@
-"""Which process of a role is active: a Postgres advisory lock, held on a connection of its own.
+"""Who does what must never run twice: Postgres advisory locks, held on a connection of their own.
 
-Any number of `vigil scheduler` (or `vigil guardian`) processes may run with the same settings. One at
-a time per role, the holder of the role's lock, runs what must never run twice: for the scheduler the
-bus consumers, the placement and node-lost loops and the outbox relay (every scheduler serves the
-gateway); for the guardian all of its judging. The others stand by and try for the lock every
+Any number of `vigil scheduler` processes may run with the same settings. One at a time, the holder of
+the scheduler's lock (`Lease`) runs the bus consumers, the placement and node-lost loops and the outbox
+relay (every scheduler serves the gateway). The others stand by and try for the lock every
 `VIGIL_TAKEOVER_S / 4` seconds.
 
-The lock is a session lock: it goes with its connection. A killed process's connection is closed by
+A lock is a session lock: it goes with its connection. A killed process's connection is closed by
 its kernel at once; a host that vanishes is noticed by the server's TCP keepalives, which the lock's
-connection asks to be short (`_KEEPALIVE`, about `takeover_s`). The holder checks its connection
+connection asks to be short (`_connection_settings`, about `takeover_s`). The holder checks its connection
 every `takeover_s / 4` and stops its active work the moment it cannot (a server restart, a network
 cut), so two schedulers are never active at once for longer than that check.
 
