@@ -240,6 +240,15 @@ async def _wait_ready(http: httpx.AsyncClient, stop: asyncio.Event, services: as
     raise click.ClickException("the stack did not become ready within 60s")
 
 
+def _rollback_line(rb: dict[str, Any]) -> str:
+    """One rollback of the summary; the data it skipped only where it skipped some."""
+    line = f"  rollback from step {rb['from_step']} to {rb['checkpoint']} (step {rb['to_step']})"
+    if rb["data_skipped"]:
+        first, last = rb["data_skipped"]
+        line += f", data {first}..{last} skipped"
+    return line
+
+
 def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     ok = summary["ok"]
     console.rule("[bold green]rescued[/bold green]" if ok else "[bold red]not rescued[/bold red]")
@@ -253,10 +262,7 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
             f"fault to command {inc['fault_to_command_s']}s"
         )
     for rb in summary["rollbacks"]:
-        console.print(
-            f"  rollback from step {rb['from_step']} to {rb['checkpoint']} (step {rb['to_step']}), "
-            f"data skipped {rb['data_skipped']}"
-        )
+        console.print(_rollback_line(rb))
     for fault in summary["faults"]:
         mark = "[green]caught[/green]" if fault["caught"] else "[red]missed[/red]"
         console.print(f"  injected {fault['fault']} at step {fault['step']} rank {fault['rank']}: {mark}")
