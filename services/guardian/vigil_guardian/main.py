@@ -65,7 +65,7 @@ from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_guardian import store
-from vigil_guardian.fleet import Guardian
+from vigil_guardian.core import Guardian
 from vigil_guardian.notifier import Notifier
 from vigil_guardian.policy import Decision
 from vigil_guardian.state import Control

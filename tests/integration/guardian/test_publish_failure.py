@@ -18,7 +18,7 @@ from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats
 from vigil_common.errors import RetryableError
 from vigil_common.events import Message
-from vigil_guardian.fleet import Guardian
+from vigil_guardian.core import Guardian
 from vigil_guardian.main import GuardianService
 from vigil_guardian.notifier import Notifier
 

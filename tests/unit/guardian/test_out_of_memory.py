@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from vigil_common import events as ev
-from vigil_guardian.fleet import Guardian
+from vigil_guardian.core import Guardian
 
 
 def test_an_out_of_memory_report_is_recorded_as_an_oom_incident_once():

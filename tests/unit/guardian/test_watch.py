@@ -4,7 +4,7 @@ import math
 
 from tests.unit.guardian.helpers import JOB, at, gpu, launch, step
 from vigil_common.events import CheckpointSaved, JobStateChanged, RankExited, RankStarted, RollbackCompleted
-from vigil_guardian.fleet import Guardian
+from vigil_guardian.core import Guardian
 from vigil_guardian.state import Control
 from vigil_guardian.watch import JobWatch
 
