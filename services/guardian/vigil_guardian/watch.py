@@ -33,9 +33,9 @@ from vigil_common.events import (
     StepCompleted,
 )
 from vigil_common.jobstates import JobState
-from vigil_guardian.exits import rank_exit
 from vigil_guardian.hang import job_hang
 from vigil_guardian.policy import Decision, Policy, incident_id
+from vigil_guardian.rank_exit import rank_exit
 from vigil_guardian.state import Control, Recovering
 from vigil_guardian.verdict import Verdict
 from vigil_guardian.windows import Windows

@@ -1,7 +1,7 @@
 import pytest
 
 from vigil_common.events import RankExited
-from vigil_guardian.exits import rank_exit
+from vigil_guardian.rank_exit import rank_exit
 
 
 @pytest.mark.parametrize(
