@@ -19,6 +19,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -156,6 +157,13 @@ def main() -> None:
                       "step_s": [round(t, 6) for t in clock.step_s()]}))  # fmt: skip
     if torch.distributed.is_initialized():  # gloo's threads, left running at exit, abort the process
         torch.distributed.destroy_process_group()
+    # A C++ thread (gloo's, DeepSpeed's) still outlives the interpreter now and then: "terminate called
+    # without an active exception", exit -6, after all the work is done and saved. Send what Vigil has
+    # queued, then leave without the interpreter's teardown.
+    run.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
