@@ -74,6 +74,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
+from vigil_guardian.main import job_input, last_copied
 
 DEVICES = 8
 HEARTBEAT_S = 2.0
@@ -292,20 +293,14 @@ async def _guardians_divided(pool: Any, n: int) -> bool:
     return len(held) == n and sum(map(len, held)) == subjects.SHARES and all(len(s) <= fair for s in held)
 
 
-async def _guardian_has(bus: Bus, job: str, published: list[str]) -> bool:
-    """The consumer of the job's share has acknowledged every subject `published` (as the share holds it)."""
-    share = subjects.share_of(job)
-    seqs = []
-    for subject in published:
-        try:
-            msg = await bus.js.get_last_msg(
-                subjects.SHARED.name, f"{subjects.SHARE_PREFIX}.{share}.{subject}"
-            )
-        except nats.js.errors.NotFoundError:
-            return False  # not copied into the share yet
-        seqs.append(msg.seq or 0)
-    info = await bus.js.consumer_info(subjects.SHARED.name, credentials.guardian_input(share))
-    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= max(seqs)
+async def _guardian_has(bus: Bus, job: str) -> bool:
+    """The consumer of the job's share has acknowledged every event published of the job so far."""
+    seq = await last_copied(bus, job)
+    if seq is None:
+        return False  # not copied into the share yet
+    spec = job_input(job)
+    info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
 
 
 async def _judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
@@ -334,8 +329,7 @@ class _Stages:
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
             step = subjects.step(job, "probe")
             stored = await bus.js.get_last_msg(subjects.JOBS.name, step)
-            share = f"{subjects.SHARE_PREFIX}.{subjects.share_of(job)}.{step}"
-            copied = await bus.js.get_last_msg(subjects.SHARED.name, share)
+            copied = await bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(step))
             halted = await bus.js.get_last_msg(subjects.COMMANDS.name, subjects.cmd(job))
             if stored.time and copied.time and halted.time:
                 self.copy.append((copied.time - stored.time).total_seconds())
@@ -368,8 +362,7 @@ async def _probe(
     )  # fmt: skip
     # the guardian knows the job (its launch and checkpoint acknowledged) before its steps come
     deadline = time.monotonic() + timeout_s
-    known = [subjects.launch(job), subjects.status(job, "probe")]
-    while not await _guardian_has(bus, job, known):
+    while not await _guardian_has(bus, job):
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.01)  # polling the guardian's consumers

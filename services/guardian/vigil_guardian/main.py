@@ -270,17 +270,27 @@ class GuardianService:
     async def _copied(self, job_id: str) -> bool:
         """Whether this share has judged the last event VIGIL_JOBS stored of the job: its copy (the copy
         keeps each message's Nats-Msg-Id) is at or below the judged sequence."""
-        events = subjects.job_events(job_id)
         try:
-            original = await self.bus.js.get_last_msg(subjects.JOBS.name, events)
-            copied = await self.bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(events))
+            seq = await last_copied(self.bus, job_id)
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
             return False
-        same = (original.headers or {}).get("Nats-Msg-Id") == (copied.headers or {}).get("Nats-Msg-Id")
-        if not same or (copied.seq or 0) > max(self.judged, self.windowed):  # windowed: acked
+        if seq is None or seq > max(self.judged, self.windowed):  # windowed: acked
             log.info("guardian: %s: its last event is not judged yet, so its silence is not either", job_id)
             return False
         return True
+
+
+async def last_copied(bus: Bus, job_id: str) -> int | None:
+    """Where the last event VIGIL_JOBS stored of the job stands in its share's input: the sequence of its
+    copy (the copy keeps each message's Nats-Msg-Id); None while it is not copied (or there is none)."""
+    events = subjects.job_events(job_id)
+    try:
+        original = await bus.js.get_last_msg(subjects.JOBS.name, events)
+        copied = await bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(events))
+    except nats.js.errors.NotFoundError:
+        return None
+    same = (original.headers or {}).get("Nats-Msg-Id") == (copied.headers or {}).get("Nats-Msg-Id")
+    return (copied.seq or 0) if same else None
 
 
 async def _input_idle(bus: Bus, spec: ConsumerSpec) -> bool:

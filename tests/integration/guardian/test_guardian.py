@@ -6,7 +6,6 @@ import asyncio
 import math
 from collections.abc import AsyncIterator
 
-import nats.js.errors
 import pytest
 
 from tests.helpers import eventually, service
@@ -23,7 +22,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_guardian.main import INPUTS, job_input, run
+from vigil_guardian.main import INPUTS, job_input, last_copied, run
 
 pytestmark = pytest.mark.integration
 
@@ -134,17 +133,12 @@ async def ready(bus: Bus) -> bool:
 async def judged(bus: Bus, job_id: str) -> bool:
     """The guardian has acknowledged the last event VIGIL_JOBS stored of the job (its copy in the job's
     share, the same Nats-Msg-Id)."""
-    events = subjects.job_events(job_id)
-    original = await bus.js.get_last_msg(subjects.JOBS.name, events)
-    try:
-        copied = await bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(events))
-    except nats.js.errors.NotFoundError:
-        return False
-    if (original.headers or {}).get("Nats-Msg-Id") != (copied.headers or {}).get("Nats-Msg-Id"):
+    seq = await last_copied(bus, job_id)
+    if seq is None:
         return False
     spec = job_input(job_id)
     info = await bus.js.consumer_info(spec.stream.name, spec.durable)
-    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= (copied.seq or 0)
+    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
 
 
 @pytest.fixture

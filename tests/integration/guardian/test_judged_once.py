@@ -15,19 +15,14 @@ from tests.helpers import eventually, service
 from tests.integration.guardian.test_guardian import Job, cfg, judged, ready, take
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_guardian.main import INPUTS, cursor_key, run
+from vigil_guardian.main import INPUTS, cursor_key, last_copied, run
 
 pytestmark = pytest.mark.integration
 
 
-async def _stored_seq(bus: Bus, job_id: str) -> int:
-    """Where the job's last step stands in its share's input."""
-    share = subjects.share_of(job_id)
-    last = 0
-    for node in ("node0", "node1"):
-        subject = f"{subjects.SHARE_PREFIX}.{share}.{subjects.step(job_id, node)}"
-        last = max(last, (await bus.js.get_last_msg(subjects.SHARED.name, subject)).seq or 0)
-    return last
+async def _stored_seq(bus: Bus, job_id: str) -> int | None:
+    """Where the job's last event (its last step) stands in its share's input, once copied."""
+    return await last_copied(bus, job_id)
 
 
 async def _cursor(pool, job_id: str) -> int:  # type: ignore[no-untyped-def]
@@ -96,7 +91,7 @@ async def test_a_guardian_started_after_the_job_judges_it_from_its_start_once(
     await job.step(12, 1, loss=80.0)  # before the guardian exists
     await job.step(12, 0)
     await job.steps(13, 20)
-    upto = await _stored_seq(bus, job_id)
+    upto = await eventually(lambda: _stored_seq(bus, job_id), what="the last step copied")
     settings = cfg(nats_url, migrated, tmp_path)
     async with bus.watch(subjects.incident(job_id), subjects.incident(job_id + "e")) as incidents:
         async with service(run, settings):
