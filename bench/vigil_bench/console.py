@@ -1,11 +1,12 @@
 """`vigil bench console`: how fast the web console's job page loads with a long run stored.
 
-value: seconds to load the page of a job with 2 ranks x 10,000 stored steps as a browser does, the
-HTML page and then the downsampled curves it fetches (median of 10 loads through the real gateway);
-target under 1 s. floor: the same page of a job with no step stored (the page's fixed cost: template,
-job, checkpoints and incidents), measured in the same run. Details: the points and bytes the curves
-ship, the same load for 64 ranks x 10,000 steps, and, where Playwright and /usr/bin/chromium are
-installed, what a real Chromium takes from navigation to drawn curves.
+value: seconds to load the page of a job with 64 ranks x 10,000 stored steps as a browser does, the
+HTML page and then the one JSON document it fetches (header, downsampled curves, marks, incidents,
+checkpoints; median of 10 loads through the real gateway, min and max beside it); target under 0.5 s.
+floor: the same page of a job with no step stored (the page's fixed cost: template, job, checkpoints
+and incidents), measured in the same run. Details: the points and bytes the curves ship, the same load
+for 2 ranks x 10,000 steps, and, where Playwright and /usr/bin/chromium are installed, what a real
+Chromium takes from navigation to drawn curves.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from vigil_common.settings import Settings
 
 STEPS = 10_000
 LOADS = 10
-TARGET_S = 1.0
+TARGET_S = 0.5
 CHROMIUM = "/usr/bin/chromium"
+DATA = "/console/data/jobs/{job_id}/series"  # what the job page fetches
 _COLUMNS = [
     "event_id",
     "job_id",
@@ -106,26 +108,30 @@ async def _measure(settings: Settings) -> dict[str, Any]:
             login = await browser.post("/login", data={"token": token, "next": "/"})
             assert login.status_code == 303 and "vigil_console" in browser.cookies, login.text
             floor, _ = await _loads(browser, jobs["empty"])
-            value, shipped = await _loads(browser, jobs["two"])
+            two, two_shipped = await _loads(browser, jobs["two"])
             big, big_shipped = await _loads(browser, jobs["sixty-four"])
-        chromium = await _chromium_load(base, token, jobs["two"])
+        chromium = await _chromium_load(base, token, jobs["sixty-four"])
     finally:
         stop.set()
         await asyncio.wait_for(service, 30)
         await pool.close()
+    value = statistics.median(big)
     return result(
         "console",
         value=value,
-        floor=floor,
-        unit="s to load a job page with 2 ranks x 10,000 steps (HTML + curves, median of 10)",
+        floor=statistics.median(floor),
+        unit="s to load a job page with 64 ranks x 10,000 steps (HTML + its data, median of 10)",
         target=f"value < {TARGET_S} s",
         ok=value < TARGET_S,
-        points_per_curve=shipped["points"],
-        curves_bytes=shipped["bytes"],
-        rows_stored=2 * STEPS,
-        load_64_ranks_s=round(big, 4),
-        curves_bytes_64_ranks=big_shipped["bytes"],
-        rows_stored_64_ranks=64 * STEPS,
+        load_min_s=round(min(big), 4),
+        load_max_s=round(max(big), 4),
+        points_per_curve=big_shipped["points"],
+        data_bytes=big_shipped["bytes"],
+        rows_stored=64 * STEPS,
+        load_2_ranks_s=round(statistics.median(two), 4),
+        points_per_curve_2_ranks=two_shipped["points"],
+        data_bytes_2_ranks=two_shipped["bytes"],
+        rows_stored_2_ranks=2 * STEPS,
         chromium_load_s=chromium,
     )
 
@@ -145,18 +151,18 @@ async def _ready(api: httpx.AsyncClient, service: asyncio.Task[None]) -> None:
     raise TimeoutError("the scheduler's gateway did not become ready in 60 s")
 
 
-async def _loads(http: httpx.AsyncClient, job_id: str) -> tuple[float, dict[str, int]]:
-    """Median seconds of LOADS page loads (the page, then its curves), and what the curves shipped."""
+async def _loads(http: httpx.AsyncClient, job_id: str) -> tuple[list[float], dict[str, int]]:
+    """Seconds of each of LOADS page loads (the page, then its data), and what the curves shipped."""
     times = []
     shipped = {"points": 0, "bytes": 0}
     for _ in range(LOADS):
         t0 = time.perf_counter()
         (await http.get(f"/jobs/{job_id}", headers={"Accept": "text/html"})).raise_for_status()
-        series = await http.get(f"/console/data/jobs/{job_id}/series")
-        series.raise_for_status()
+        data = await http.get(DATA.format(job_id=job_id))
+        data.raise_for_status()
         times.append(time.perf_counter() - t0)
-        shipped = {"points": len(series.json()["x"]), "bytes": len(series.content)}
-    return statistics.median(times), shipped
+        shipped = {"points": len(data.json()["x"]), "bytes": len(data.content)}
+    return times, shipped
 
 
 async def _chromium_load(base: str, token: str, job_id: str) -> float | str:
@@ -172,7 +178,13 @@ async def _chromium_load(base: str, token: str, job_id: str) -> float | str:
     with tempfile.TemporaryDirectory(prefix="vigil-bench-chromium-") as profile:
         async with async_playwright() as p:
             context = await p.chromium.launch_persistent_context(
-                profile, executable_path=CHROMIUM, headless=True, args=args
+                # Playwright evaluates the wait_for_function predicate with eval, which the console's
+                # Content-Security-Policy forbids (as tests/browser does)
+                profile,
+                executable_path=CHROMIUM,
+                headless=True,
+                args=args,
+                bypass_csp=True,
             )
             try:
                 page = await context.new_page()
