@@ -18,7 +18,7 @@ import uuid
 
 import nats
 
-from vigil_bench import measure_on_servers, percentile, result
+from vigil_bench import measure_on_servers, percentile, request_reply, result
 from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
@@ -47,7 +47,7 @@ async def _measure(url: str) -> dict[str, object]:
     async def raw_echo(msg: nats.aio.msg.Msg) -> None:
         await msg.respond(msg.data)
 
-    served = await bus.serve(probe, echo)
+    served = await request_reply.serve(bus, probe, echo)
     raw_served = await raw.subscribe(raw_probe, cb=raw_echo)
 
     vigil_rr: list[float] = []
@@ -56,7 +56,7 @@ async def _measure(url: str) -> dict[str, object]:
     for _ in range(ROUNDS):
         for _ in range(RR_PER_ROUND):
             t = time.perf_counter()
-            await bus.request(probe, template)
+            await request_reply.request(bus, probe, template)
             vigil_rr.append(time.perf_counter() - t)
             t = time.perf_counter()
             await raw.request(raw_probe, payload, timeout=5)

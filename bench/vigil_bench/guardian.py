@@ -7,8 +7,8 @@ ranks do) and the clock stops when the first command it causes (HaltJob) arrives
 of the job's cmd subject, the way a rank's command thread watches it (an ordered JetStream
 consumer). A core-NATS subscriber's arrival time is reported too.
 
-The floor, measured in the same run and interleaved in rounds: the bus's core request/reply
-(`Bus.request` to a `Bus.serve` echo in another process): the least one can ask of another
+The floor, measured in the same run and interleaved in rounds: core NATS request/reply
+(`vigil_bench.request_reply`, to an echo in another process): the least one can ask of another
 process and hear back. `value` is the guardian's p99, `floor` the request/reply p99.
 Target: ratio <= 3.
 """
@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 
-from vigil_bench import measure_on_servers, percentile, result
+from vigil_bench import measure_on_servers, percentile, request_reply, result
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
@@ -64,7 +64,7 @@ def echo_main(url: str, subject: str) -> None:
         async def echo(message: Message) -> Message:
             return message
 
-        await bus.serve(subject, echo)
+        await request_reply.serve(bus, subject, echo)
         await bus.nc.flush()
         print("ready", flush=True)
         await stop.wait()
@@ -224,7 +224,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
                     core_latencies.append(c)
                 for _ in range(RR_PER_ROUND):
                     t = time.perf_counter()
-                    await bus.request(probe, ResumeJob(job_id="bench", reason="ping"))
+                    await request_reply.request(bus, probe, ResumeJob(job_id="bench", reason="ping"))
                     rr.append(time.perf_counter() - t)
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

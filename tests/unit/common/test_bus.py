@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from vigil_common import subjects
-from vigil_common.bus import Bus, ConsumerSpec, _cancel, _user, msg_id, not_delivered_by
+from vigil_common.bus import Bus, ConsumerSpec, msg_id, not_delivered_by
+from vigil_common.bus.client import _user
+from vigil_common.bus.watch import _cancel
 
 JOBS, COMMANDS = subjects.JOBS.name, subjects.COMMANDS.name
 V1 = f"$JS.ACK.{JOBS}.guardian.1.42.17.1700000000000000000.3"  # $JS.ACK.<stream>.<consumer>.<5 numbers>

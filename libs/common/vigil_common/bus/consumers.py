@@ -1,0 +1,279 @@
+"""Named durable push consumers: per message (`consume`) or in batches (`consume_batches`).
+
+Ack only after the handler's effect is done; nak with back-off on transient errors; term and
+dead-letter malformed messages, and go on. A message that its consumer did not deliver (its ack subject
+names another stream or consumer, or none) is dropped and logged, never acted on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry import trace
+
+from vigil_common import subjects
+from vigil_common.bus.client import BusClient
+from vigil_common.bus.decoding import Admit, admitted
+from vigil_common.bus.deliveries import (
+    BatchHandler,
+    ConsumerSpec,
+    Delivery,
+    Handler,
+    not_delivered_by,
+)
+from vigil_common.errors import PermanentError
+from vigil_common.events import Message, MessageDeadLettered
+
+log = logging.getLogger(__name__)
+
+
+class Consumers(BusClient):
+    async def consume(
+        self, spec: ConsumerSpec, handler: Handler, stop: asyncio.Event, *, admit: Admit | None = None
+    ) -> None:
+        """Run `handler` on each message, in order, until `stop` is set; ack after it returns. A message
+        `admit` refuses is dead-lettered as forged and never reaches the handler.
+
+        The server pushes (at most `max_ack_pending` unacknowledged) and the handler runs in the
+        subscription's own task as each message arrives: no fetch round trip, no hand-off in
+        between. On `stop` the message being handled finishes; messages received but not yet
+        handled are nak'd, back to the server at once.
+        """
+
+        async def on_msg(msg: Msg) -> None:
+            if self._foreign(spec, msg):
+                return
+            if stop.is_set():
+                await msg.nak()
+            else:
+                await self._handle_one(spec, msg, handler, admit)
+
+        sub = await self._push(spec, on_msg)
+        try:
+            await stop.wait()
+        finally:
+            # A handler stuck past ack_wait is left to the connection's close, which ends it.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sub.drain(), spec.ack_wait_s)
+
+    async def consume_batches(
+        self,
+        spec: ConsumerSpec,
+        handler: BatchHandler,
+        stop: asyncio.Event,
+        *,
+        max_batch: int = 500,
+        gather_s: float = 0.02,
+        admit: Admit | None = None,
+    ) -> None:
+        """Run `handler` on batches of up to `max_batch` messages; every message of a batch is
+        acked after the handler returns, or nak'd (dead-lettered past `max_deliver`) if it raises.
+        A message `admit` refuses is dead-lettered as forged and left out of its batch.
+
+        For volume (every rank's every step): the server pushes into a buffer (at most
+        `max_ack_pending` unacknowledged) while the previous batch is being handled, so
+        receiving and writing overlap. A batch that is not full waits `gather_s` for a burst.
+        """
+        buffer: list[Msg] = []
+        arrived = asyncio.Event()
+
+        async def on_msg(msg: Msg) -> None:
+            if not self._foreign(spec, msg):
+                buffer.append(msg)
+                arrived.set()
+
+        sub = await self._push(spec, on_msg)
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                if not buffer:
+                    arrived.clear()
+                    waiting = asyncio.ensure_future(arrived.wait())
+                    await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                    if stop.is_set():
+                        break
+                if len(buffer) < max_batch:
+                    await asyncio.sleep(gather_s)  # let a burst gather into one batch
+                batch, buffer[:] = buffer[:max_batch], buffer[max_batch:]
+                await self._handle_batch(spec, batch, handler, admit)
+        finally:
+            stopped.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+                for msg in buffer:  # received but not handled: back to the server at once
+                    await msg.nak()
+
+    async def dead_letter(self, spec: ConsumerSpec, delivery: Delivery, reason: str) -> None:
+        """Record a terminated message on the dead-letter stream (idempotent per stream sequence)."""
+        log.error(
+            "%s: dead-lettering %s #%d: %s", spec.durable, delivery.subject, delivery.stream_seq, reason
+        )
+        event = MessageDeadLettered(
+            event_id=f"dl-{spec.stream.name}-{spec.durable}-{delivery.stream_seq}",
+            stream=spec.stream.name,
+            consumer=spec.durable,
+            subject=delivery.subject,
+            reason=reason[:4000],
+            payload=delivery.msg.data.decode("utf-8", errors="replace")[:100_000],
+            num_delivered=delivery.num_delivered,
+        )
+        await self.publish(subjects.dead_letter(spec.stream.name), event)
+
+    # --- the subscription ------------------------------------------------------------------------------
+
+    async def _push(self, spec: ConsumerSpec, on_msg: Callable[[Msg], Awaitable[None]]) -> Any:
+        config = ConsumerConfig(
+            # Named: the name is in the create request's subject (`$JS.API.CONSUMER.CREATE.<stream>.
+            # <name>.<filter>`), where the roles' permissions allow each role its own names only.
+            name=spec.durable,
+            durable_name=spec.durable,
+            deliver_subject=self.nc.new_inbox(),
+            deliver_group=spec.durable if spec.shared else None,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=spec.ack_wait_s,
+            max_deliver=spec.max_deliver + 1,
+            max_ack_pending=spec.max_ack_pending,
+            filter_subject=spec.filter_subject,
+            deliver_policy=DeliverPolicy.NEW if spec.deliver_new else DeliverPolicy.ALL,
+        )
+        if spec.replay_s is not None:
+            config.deliver_policy = DeliverPolicy.BY_START_TIME
+            config.opt_start_time = datetime.fromtimestamp(time.time() - spec.replay_s, tz=UTC)
+        await self._replace_if_reshaped(spec, config)
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                return await self.js.subscribe(
+                    spec.filter_subject,
+                    durable=spec.durable,
+                    stream=spec.stream.name,
+                    queue=spec.durable if spec.shared else None,
+                    cb=on_msg,
+                    manual_ack=True,
+                    config=config,
+                    pending_msgs_limit=4 * spec.max_ack_pending,
+                )
+            except nats.js.errors.Error as exc:
+                # A previous subscriber (this service before a restart) is still bound until the
+                # server notices it has gone.
+                # Replicas sharing a durable that start together: the second's create loses the race
+                # ("consumer name already in use") and binds to the first's on the next try.
+                retry = "already bound" in str(exc) or (spec.shared and "already in use" in str(exc))
+                if not retry or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)  # back-off while the server drops the old binding
+
+    async def _replace_if_reshaped(self, spec: ConsumerSpec, config: ConsumerConfig) -> None:
+        """A durable created before it was shared (or with another max_ack_pending, or delivering
+        outside this connection's inboxes) cannot be bound as it is now: it is replaced by one that
+        starts after the old one's acknowledged messages."""
+        try:
+            info = await self.js.consumer_info(spec.stream.name, spec.durable)
+        except nats.js.errors.NotFoundError:
+            return
+        shared = bool(info.config.deliver_group)
+        # delivered into another prefix's inbox (`_INBOX.`, before each role had its own), which this
+        # connection may not read
+        inbox = (info.config.deliver_subject or "").startswith(f"{self.inbox_prefix}.")
+        if shared == spec.shared and info.config.max_ack_pending == spec.max_ack_pending and inbox:
+            return
+        start = info.ack_floor.stream_seq + 1 if info.ack_floor else 1
+        log.warning(
+            "%s: replacing the durable consumer (shared: %s -> %s, deliver subject %s), from #%d",
+            spec.durable,
+            shared,
+            spec.shared,
+            info.config.deliver_subject,
+            start,
+        )
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_consumer(spec.stream.name, spec.durable)
+        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+        config.opt_start_seq = start
+
+    def _foreign(self, spec: ConsumerSpec, msg: Msg) -> bool:
+        """True (and logged) when `msg` was not delivered by `spec`'s consumer: pushed into its inbox by
+        someone else, or delivered by another consumer (a forged or replayed delivery). Such a message
+        is never acted on, acknowledged or dead-lettered: it is not this consumer's to settle."""
+        why = not_delivered_by(msg, spec.stream.name, spec.durable)
+        if why is None and not subjects.matches(spec.filter_subject, msg.subject):
+            why = f"subject {msg.subject!r} is outside the consumer's filter {spec.filter_subject!r}"
+        if why is not None:
+            log.error(
+                "%s: dropped a message on %s not delivered by this consumer: %s",
+                spec.durable,
+                msg.subject,
+                why,
+            )
+            return True
+        return False
+
+    # --- handling: ack after the effect, nak or dead-letter on failure -----------------------------------
+
+    async def _handle_one(self, spec: ConsumerSpec, msg: Msg, handler: Handler, admit: Admit | None) -> None:
+        delivery = Delivery(msg)
+        try:
+            event = await admitted(msg, admit)
+        except Exception as exc:  # malformed or forged: dead-lettered; a failed check: retried
+            await self._fail(spec, delivery, exc)
+            return
+        with self._tracer.start_as_current_span(
+            f"consume {spec.durable}", context=delivery.trace_context, kind=trace.SpanKind.CONSUMER
+        ):
+            try:
+                await handler(event, delivery)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await self._fail(spec, delivery, exc)
+            else:
+                await msg.ack()
+
+    async def _handle_batch(
+        self, spec: ConsumerSpec, batch: list[Msg], handler: BatchHandler, admit: Admit | None
+    ) -> None:
+        good: list[tuple[Message, Delivery]] = []
+        for msg in batch:
+            delivery = Delivery(msg)
+            try:
+                good.append((await admitted(msg, admit), delivery))
+            except Exception as exc:  # malformed or forged: dead-lettered; a failed check: retried
+                await self._fail(spec, delivery, exc)
+        if not good:
+            return
+        try:
+            await handler(good)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            for _, delivery in good:
+                await self._fail(spec, delivery, exc)
+        else:
+            for _, delivery in good:
+                await delivery.msg.ack()
+
+    async def _fail(self, spec: ConsumerSpec, delivery: Delivery, exc: BaseException) -> None:
+        """Classify a handler failure: terminate permanent ones, nak transient ones with back-off."""
+        if isinstance(exc, PermanentError) or delivery.num_delivered >= spec.max_deliver:
+            await self.dead_letter(spec, delivery, f"{type(exc).__name__}: {exc}")
+            await delivery.msg.term()
+        else:
+            log.warning(
+                "%s: %s #%d failed (delivery %d), retrying: %s",
+                spec.durable,
+                delivery.subject,
+                delivery.stream_seq,
+                delivery.num_delivered,
+                exc,
+            )
+            await delivery.msg.nak(delay=spec.delay(delivery.num_delivered))

@@ -1,0 +1,50 @@
+"""From a received or stored message to an event: only the types its subject carries (the registry,
+`subjects.CARRIES`), only from the stream it belongs to, and only when its origin is admitted."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from nats.aio.msg import Msg
+
+from vigil_common import subjects
+from vigil_common.bus.streams import Stored
+from vigil_common.errors import MalformedMessage
+from vigil_common.events import Message, decode
+
+log = logging.getLogger(__name__)
+
+# Why an event on a subject is refused as forged, None when it is admitted (`vigil_common.origin`).
+Admit = Callable[[str, Message], Awaitable[str | None]]
+
+
+def decode_message(msg: Msg | Stored) -> Message:
+    """The event `msg` carries, if its subject is in the registry and carries that type; else
+    MalformedMessage."""
+    try:
+        carries = subjects.CARRIES[subjects.kind_of(msg.subject)]
+    except (KeyError, ValueError) as exc:
+        raise MalformedMessage(f"subject {msg.subject!r} is not in the registry") from exc
+    return decode(msg.data, carries)
+
+
+def decode_stored(filter_subjects: Sequence[str], msg: Stored) -> Message:
+    """Decode a stored message only if it was read from the stream that stores one of
+    `filter_subjects`, on a subject they match."""
+    wanted = [f for f in filter_subjects if subjects.matches(f, msg.subject)]
+    if not wanted or msg.stream != subjects.stream_for(wanted[0]).name:
+        raise MalformedMessage(
+            f"{msg.subject!r} was not read from the stream of {', '.join(filter_subjects)} "
+            f"(stream {msg.stream!r}): ignored"
+        )
+    return decode_message(msg)
+
+
+async def admitted(msg: Msg | Stored, admit: Admit | None) -> Message:
+    """The decoded message, if `admit` (when given) admits it; MalformedMessage if not."""
+    event = decode_message(msg)
+    if admit is not None and (why := await admit(subjects.unshared(msg.subject), event)) is not None:
+        log.warning("refused a forged %s on %s: %s", event.type, msg.subject, why)
+        raise MalformedMessage(f"refused as forged: {why}")
+    return event
