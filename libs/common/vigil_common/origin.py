@@ -18,11 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-import nats.errors
-import nats.js.errors
-
 from vigil_common import subjects
-from vigil_common.errors import MalformedMessage, RetryableError
+from vigil_common.errors import MalformedMessage
 from vigil_common.events import (
     CheckpointSaved,
     JobStateChanged,
@@ -153,22 +150,16 @@ class Origins:
 
     async def _launches(self, job_id: str) -> list[LaunchJob]:
         """Every LaunchJob stored for the job, oldest first."""
-        js = self.bus.js
         subject, seq, found = subjects.launch(job_id), 1, []
-        while True:
+        while (stored := await self.bus.next_stored(subjects.JOBS.name, subject, seq)) is not None:
+            seq = stored.seq + 1
             try:
-                raw = await js.get_msg(subjects.JOBS.name, seq=seq, subject=subject, next=True)
-            except nats.js.errors.NotFoundError:
-                return found
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError) as exc:
-                raise RetryableError(f"reading the launches of job {job_id!r}: {exc}") from exc
-            seq = (raw.seq or seq) + 1
-            try:
-                launch = decode(raw.data or b"", (LaunchJob,))
+                launch = decode(stored.data, (LaunchJob,))
             except MalformedMessage:
                 continue
             if isinstance(launch, LaunchJob) and launch.job_id == job_id:
                 found.append(launch)
+        return found
 
 
 def _has_origin(subject: str) -> bool:

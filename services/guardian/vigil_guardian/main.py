@@ -45,11 +45,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import asyncpg
-import nats.errors
-import nats.js.errors
 
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
+from vigil_common.errors import RetryableError
 from vigil_common.events import (
     GpuSampled,
     IncidentRaised,
@@ -272,7 +271,7 @@ class GuardianService:
         keeps each message's Nats-Msg-Id) is at or below the judged sequence."""
         try:
             seq = await last_copied(self.bus, job_id)
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+        except RetryableError:
             return False
         if seq is None or seq > max(self.judged, self.windowed):  # windowed: acked
             log.info("guardian: %s: its last event is not judged yet, so its silence is not either", job_id)
@@ -284,19 +283,17 @@ async def last_copied(bus: Bus, job_id: str) -> int | None:
     """Where the last event VIGIL_JOBS stored of the job stands in its share's input: the sequence of its
     copy (the copy keeps each message's Nats-Msg-Id); None while it is not copied (or there is none)."""
     events = subjects.job_events(job_id)
-    try:
-        original = await bus.js.get_last_msg(subjects.JOBS.name, events)
-        copied = await bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(events))
-    except nats.js.errors.NotFoundError:
+    original = await bus.last_stored(subjects.JOBS.name, events)
+    copied = await bus.last_stored(subjects.SHARED.name, subjects.shared(events))
+    if original is None or copied is None:
         return None
-    same = (original.headers or {}).get("Nats-Msg-Id") == (copied.headers or {}).get("Nats-Msg-Id")
-    return (copied.seq or 0) if same else None
+    return copied.seq if original.msg_id == copied.msg_id else None
 
 
 async def _input_idle(bus: Bus, spec: ConsumerSpec) -> bool:
-    with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
-        return info.num_pending == 0 and info.num_ack_pending == 0
+    with contextlib.suppress(RetryableError):
+        state = await bus.consumer_state(spec)
+        return state is not None and state.idle
     return False
 
 
@@ -319,9 +316,8 @@ async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay
         core.jobs[job_id] = JobWatch(job_id, Control.restore(snap))
         service._saved[job_id] = snap
     service.judged = saved.cursor or 0
-    try:
-        info = await bus.js.consumer_info(spec.stream.name, spec.durable)
-    except nats.js.errors.NotFoundError:
+    state = await bus.consumer_state(spec)
+    if state is None:
         if saved.jobs and saved.cursor is None:
             # State saved by a guardian before shares (one input for all jobs, its cursor in another
             # stream): it judged up to now, so this share starts at new events, as that one would have.
@@ -338,7 +334,7 @@ async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay
             len(ended),
         )
         return dataclasses.replace(spec, replay_s=replay_s)
-    service.windowed = upto = info.ack_floor.stream_seq
+    service.windowed = upto = state.acked
     replayed = 0
     for watch in list(core.jobs.values()):
         replayed += await _replay(bus, core, watch, upto, service.origins, share)
@@ -431,6 +427,5 @@ async def _drop_legacy_consumers(bus: Bus) -> None:
     """Delete the consumers of the guardian before shares (one input for all jobs, one for GPU samples):
     left alone, the server would keep VIGIL_JOBS's messages pending for them."""
     for stream, name in credentials.LEGACY_GUARDIAN:
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await bus.js.delete_consumer(stream, name)
+        if await bus.delete_consumer(stream, name):
             log.info("guardian: deleted the consumer %s of %s (before shares)", name, stream)

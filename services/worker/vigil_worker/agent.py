@@ -18,8 +18,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import nats.js.errors
-
 from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
 from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
 from vigil_common import credentials, subjects
@@ -382,11 +380,7 @@ async def consumers_ready(bus: Bus, specs: tuple[ConsumerSpec, ...], timeout_s: 
     """Return once every consumer in `specs` exists on the server; RetryableError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     for spec in specs:
-        while True:
-            try:
-                await bus.js.consumer_info(spec.stream.name, spec.durable)
-                break
-            except nats.js.errors.NotFoundError:
-                if time.monotonic() > deadline:
-                    raise RetryableError(f"consumer {spec.durable} not created within {timeout_s}s") from None
-                await asyncio.sleep(0.05)  # polling the server for the consumer to exist
+        while await bus.consumer_state(spec) is None:
+            if time.monotonic() > deadline:
+                raise RetryableError(f"consumer {spec.durable} not created within {timeout_s}s")
+            await asyncio.sleep(0.05)  # polling the server for the consumer to exist

@@ -32,3 +32,21 @@ def test_every_source_folder_is_a_package_the_install_finds():
             if "__pycache__" not in py.parts
         }
         assert folders <= packages, f"{where}: add __init__.py to {sorted(folders - packages)}"
+
+
+def test_services_call_the_bus_never_raw_jetstream():
+    """Outside the bus package no code under services/ or libs/common reaches past the bus's API into
+    nats-py's JetStream context (`bus.js`, `nc.jetstream()`)."""
+    import re
+
+    raw = re.compile(r"\.js\.(?!errors\b|api\b)|\.js\b(?!\.)|\.jetstream\(")
+    bus = ROOT / "libs" / "common" / "vigil_common" / "bus"
+    found = [
+        f"{py.relative_to(ROOT)}:{n}: {line.strip()}"
+        for top in (ROOT / "services", ROOT / "libs" / "common")
+        for py in top.rglob("*.py")
+        if bus not in py.parents
+        for n, line in enumerate(py.read_text().splitlines(), start=1)
+        if raw.search(line.split("#")[0]) and not line.lstrip().startswith(("import ", "from "))
+    ]
+    assert not found, "call the bus's API instead:\n" + "\n".join(found)

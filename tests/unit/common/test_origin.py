@@ -13,6 +13,7 @@ import pytest
 
 from tests.unit.common.samples import SAMPLES
 from vigil_common import subjects
+from vigil_common.bus import Bus
 from vigil_common.errors import RetryableError
 from vigil_common.events import (
     CheckpointSaved,
@@ -163,8 +164,15 @@ class FakeJetStream:
             raise self.fail
         for at, (stored_on, msg) in enumerate(self.stored, start=1):
             if at >= seq and stored_on == subject:
-                return SimpleNamespace(seq=at, subject=stored_on, data=msg.to_bytes())
+                return SimpleNamespace(seq=at, subject=stored_on, data=msg.to_bytes(), headers=None)
         raise nats.js.errors.NotFoundError
+
+
+def reading(js: FakeJetStream) -> Bus:
+    """A bus whose stream reads are `js`'s."""
+    bus = object.__new__(Bus)
+    bus.js = js  # type: ignore[assignment]
+    return bus
 
 
 async def test_origins_reads_each_attempts_placement_from_its_launch_once() -> None:
@@ -178,7 +186,7 @@ async def test_origins_reads_each_attempts_placement_from_its_launch_once() -> N
             (subjects.launch(JOB), stored_launch(2, {0: "n1", 1: "n2"})),
         ]
     )
-    origins = Origins(SimpleNamespace(js=js))  # type: ignore[arg-type]
+    origins = Origins(reading(js))
     assert await origins.admit(subjects.step(JOB, "n2"), nan_step("n2")) is None
     refused = await origins.admit(subjects.step(JOB, "n1"), nan_step("n1"))
     assert refused is not None and "runs on node 'n2'" in refused
@@ -196,7 +204,7 @@ async def test_origins_reads_each_attempts_placement_from_its_launch_once() -> N
 
 async def test_origins_reads_no_launch_for_a_control_plane_event() -> None:
     js = FakeJetStream([])
-    origins = Origins(SimpleNamespace(js=js))  # type: ignore[arg-type]
+    origins = Origins(reading(js))
     changed = event(JobStateChanged, from_state="RUNNING", to_state="FAILED")
     assert await origins.admit(subjects.status(JOB, subjects.CONTROL), changed) is None
     assert js.reads == 0
@@ -205,6 +213,6 @@ async def test_origins_reads_no_launch_for_a_control_plane_event() -> None:
 async def test_origins_that_cannot_read_the_launches_asks_for_a_retry() -> None:
     js = FakeJetStream([])
     js.fail = nats.errors.TimeoutError()
-    origins = Origins(SimpleNamespace(js=js))  # type: ignore[arg-type]
-    with pytest.raises(RetryableError, match="reading the launches of job 'j-a'"):
+    origins = Origins(reading(js))
+    with pytest.raises(RetryableError, match=r"reading vigil\.job\.j-a\.launch from VIGIL_JOBS"):
         await origins.admit(subjects.step(JOB, "n2"), nan_step("n2"))

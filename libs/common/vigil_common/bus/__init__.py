@@ -4,9 +4,10 @@
   duplicates inside the stream's window: the same event again on the same subject, never a message on
   another subject), waits for the publish ack, retries transient failures with the same id, and carries
   the W3C trace context in headers.
-- `streams`: the streams made to their declared shape; a stored message read by its sequence.
+- `streams`: the streams made to their declared shape; a stored message read by its sequence, or the
+  last one on a subject.
 - `consumers`: named durable push consumers (per message, or in batches), ack after the handler's
-  effect; `deliveries`: what they are given and whether they delivered it.
+  effect, where one stands, deleting one; `deliveries`: what they are given and whether they delivered it.
 - `watch`: the stored messages of some subjects, read from their stream one by one (no consumer), for
   the CLI, SSE and the ranks' commands; `scan`: stored messages since a time, through a named consumer;
   `listen`: what is published from now on (core NATS, nothing stored).
@@ -20,7 +21,14 @@ from __future__ import annotations
 from vigil_common.bus.client import SENDER_HEADER, msg_id
 from vigil_common.bus.consumers import Consumers
 from vigil_common.bus.decoding import Admit
-from vigil_common.bus.deliveries import BatchHandler, ConsumerSpec, Delivery, Handler, not_delivered_by
+from vigil_common.bus.deliveries import (
+    BatchHandler,
+    ConsumerSpec,
+    ConsumerState,
+    Delivery,
+    Handler,
+    not_delivered_by,
+)
 from vigil_common.bus.listen import Listening
 from vigil_common.bus.scan import Scanning
 from vigil_common.bus.streams import Stored
@@ -32,6 +40,7 @@ __all__ = [
     "BatchHandler",
     "Bus",
     "ConsumerSpec",
+    "ConsumerState",
     "Delivery",
     "EventStream",
     "Handler",

@@ -21,11 +21,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import trace
 
 from vigil_common import subjects
-from vigil_common.bus.client import BusClient
+from vigil_common.bus.client import BusClient, unanswered
 from vigil_common.bus.decoding import Admit, admitted
 from vigil_common.bus.deliveries import (
     BatchHandler,
     ConsumerSpec,
+    ConsumerState,
     Delivery,
     Handler,
     not_delivered_by,
@@ -112,6 +113,30 @@ class Consumers(BusClient):
                 await sub.unsubscribe()
                 for msg in buffer:  # received but not handled: back to the server at once
                     await msg.nak()
+
+    async def consumer_state(self, spec: ConsumerSpec) -> ConsumerState | None:
+        """Where `spec`'s durable consumer stands; None when it does not exist. RetryableError when the
+        server does not answer."""
+        with unanswered(f"the state of consumer {spec.durable}"):
+            try:
+                info = await self.js.consumer_info(spec.stream.name, spec.durable)
+            except nats.js.errors.NotFoundError:
+                return None
+        return ConsumerState(
+            pending=info.num_pending or 0,
+            ack_pending=info.num_ack_pending or 0,
+            acked=info.ack_floor.stream_seq if info.ack_floor else 0,
+        )
+
+    async def delete_consumer(self, stream: str, name: str) -> bool:
+        """Delete the consumer `name` of `stream`; False when there is none. RetryableError when the
+        server does not answer."""
+        with unanswered(f"deleting consumer {name} of {stream}"):
+            try:
+                await self.js.delete_consumer(stream, name)
+            except nats.js.errors.NotFoundError:
+                return False
+        return True
 
     async def dead_letter(self, spec: ConsumerSpec, delivery: Delivery, reason: str) -> None:
         """Record a terminated message on the dead-letter stream (idempotent per stream sequence)."""

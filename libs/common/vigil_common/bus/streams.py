@@ -76,6 +76,16 @@ class Streams(BusClient):
                 return None
         return _stored(stream, raw)
 
+    async def last_stored(self, stream: str, subject: str) -> Stored | None:
+        """The last message `stream` stores on `subject` (a wildcard too); None when there is none.
+        RetryableError when the server does not answer."""
+        with unanswered(f"reading the last of {subject} from {stream}"):
+            try:
+                raw = await self.js.get_last_msg(stream, subject)
+            except nats.js.errors.NotFoundError:
+                return None
+        return _stored(stream, raw)
+
 
 def _stored(stream: str, raw: RawStreamMsg) -> Stored | None:
     if raw.seq is None or raw.subject is None:
