@@ -25,7 +25,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationErro
 from vigil_common.errors import MalformedMessage
 from vigil_common.jobstates import TERMINAL_STATES as TERMINAL_STATES  # re-exported for older importers
 from vigil_common.jobstates import JobState
-from vigil_common.spec import Action, JobSpec
+from vigil_common.spec import JobSpec
 
 IncidentKind = Literal[
     "nan",
@@ -38,7 +38,11 @@ IncidentKind = Literal[
     "rank_exit",
     "node_lost",
     "oom",
+    "sdc",
 ]
+# What an incident did: a spec action, or the ranks' own recovery of a held step ("replay": the replay
+# was clean, a transient fault; "skip": the data reproduced it and its window was skipped).
+IncidentAction = Literal["alert", "halt", "rollback", "fail", "replay", "skip"]
 DeviceKind = Literal["gpu", "cpu"]
 # Why a rank ended, in the spirit of determined's FailureType.
 # "preempted": the rank wrote the emergency checkpoint on a preemption notice and exited (not a failure
@@ -215,6 +219,41 @@ class StepCompleted(_StepFields):
     )
 
 
+# How a StepCompleted is stored, in one place: the columns of `telemetry_steps` (migrations 0003, 0008,
+# 0009) with their Postgres types. The telemetry writer COPYs exactly these, the read model and the
+# benches take their column lists from here, and a test checks the table's columns against it. Every
+# field of the event is stored but STEP_NOT_STORED.
+STEP_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("event_id", "text"),
+    ("job_id", "text"),
+    ("attempt", "int"),
+    ("step", "int"),
+    ("rank", "int"),
+    ("node", "text"),
+    ("loss", "float8"),
+    ("grad_norm", "float8"),
+    ("lr", "float8"),
+    ("tokens", "int8"),
+    ("tokens_per_s", "float8"),
+    ("data_time_s", "float8"),
+    ("forward_time_s", "float8"),
+    ("backward_time_s", "float8"),
+    ("comm_time_s", "float8"),
+    ("optimizer_time_s", "float8"),
+    ("step_time_s", "float8"),
+    ("mem_allocated_bytes", "int8"),
+    ("mem_peak_bytes", "int8"),
+    ("skipped", "bool"),
+    ("data_position", "int8"),
+    ("occurred_at", "timestamptz"),
+    ("flops_per_token", "float8"),
+    ("mfu", "float8"),
+    ("micro_batch", "int"),
+)
+STEP_FIELDS: tuple[str, ...] = tuple(name for name, _ in STEP_COLUMNS)
+STEP_NOT_STORED = frozenset({"type", "schema_version", "local_finite"})  # the envelope's tag, and a v2 flag
+
+
 # --- job: status ---------------------------------------------------------------------------------------
 
 
@@ -301,6 +340,36 @@ class OutOfMemoryHalted(Message):
     message: str
 
 
+class RankValue(BaseModel):
+    """One rank's number at a held step: its first execution's and its replay's."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(ge=0)
+    first: float | None = Field(description="the first execution's loss (null: not finite)")
+    replay: float | None = Field(description="the replay's loss (null: not finite)")
+
+
+class StepReplayed(Message):
+    """The ranks held a step they judged bad at the step boundary (`kind`: a non-finite loss or a spike of
+    the spec's rule), did not apply it, and ran it again in place from the same parameters and data.
+    `outcome` "transient": the replay was clean and its result was applied (the `culprits`' devices get
+    a strike); "reproduced": the data window `skip_data` was skipped and the step runs on the next data,
+    no checkpoint loaded. Rank 0 reports it; the guardian records it as an incident."""
+
+    type: Literal["ranks.step_replayed"] = "ranks.step_replayed"
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0)
+    node: str = Field(description="rank 0's node (the reporter)")
+    kind: Literal["nan", "spike"]
+    outcome: Literal["transient", "reproduced"]
+    culprits: list[int] = Field(description="the ranks whose loss was bad in the first execution")
+    values: list[RankValue] = Field(description="the culprits' losses, first execution and replay")
+    data_position: int = Field(ge=0)
+    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data positions skipped")
+    held_s: float = Field(ge=0, description="seconds the held execution and its replay took")
+    evidence: dict[str, Any] = Field(default_factory=dict, description="the spike rule's numbers")
+
+
 class JobStateChanged(Message):
     type: Literal["job.state_changed"] = "job.state_changed"
     schema_version: Literal[1] = 1
@@ -365,6 +434,9 @@ class RestartJob(Command):
     skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
     reason: str
     incident_id: str | None = None
+    unhealthy: list[tuple[str, int]] = Field(
+        default_factory=list, description="(node, device) to mark unhealthy before the relaunch"
+    )
 
 
 class ResumeJob(Command):
@@ -386,7 +458,7 @@ class IncidentRaised(Message):
     type: Literal["incident.raised"] = "incident.raised"
     schema_version: Literal[1] = 1
     kind: IncidentKind
-    action: Action
+    action: IncidentAction
     step: int | None = None
     rank: int | None = None
     node: str | None = None
@@ -426,6 +498,7 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     RollbackCompleted,
     RestartRequested,
     OutOfMemoryHalted,
+    StepReplayed,
     JobStateChanged,
     HaltJob,
     RollbackJob,
@@ -450,6 +523,7 @@ STATUS_EVENTS: tuple[type[Message], ...] = (
     RollbackCompleted,
     RestartRequested,
     OutOfMemoryHalted,
+    StepReplayed,
     JobStateChanged,
 )
 JOB_COMMANDS: tuple[type[Message], ...] = (

@@ -46,7 +46,8 @@ FromRanks = Annotated[
     | ev.RanksHalted
     | ev.RollbackCompleted
     | ev.RestartRequested
-    | ev.OutOfMemoryHalted,
+    | ev.OutOfMemoryHalted
+    | ev.StepReplayed,
     Field(discriminator="type"),
 ]
 ToAgent = Annotated[ev.LaunchJob | ev.CancelJob, Field(discriminator="type")]
@@ -59,6 +60,7 @@ FROM_RANKS: tuple[type[ev.Message], ...] = (
     ev.RollbackCompleted,
     ev.RestartRequested,
     ev.OutOfMemoryHalted,
+    ev.StepReplayed,
 )
 TO_AGENT: tuple[type[ev.Message], ...] = (ev.LaunchJob, ev.CancelJob)
 

@@ -288,7 +288,18 @@ class GuardianSpec(StrictModel):
     spike_zscore: float = Field(6.0, gt=0, le=1e6, description="robust z-score over the rolling median/MAD")
     spike_window: int = Field(50, ge=5, le=10_000)
     spike_warmup: int = Field(10, ge=1, le=10_000_000, description="steps seen before spikes are judged")
-    spike_skip_steps: int = Field(1, ge=0, le=10_000, description="data window skipped after a spike")
+    spike_skip_steps: int = Field(
+        1, ge=0, le=10_000, description="data window skipped after a spike or NaN the data reproduces"
+    )
+    replay: bool = Field(
+        True,
+        description="the built-in trainer holds a NaN or spike step whose action is rollback and replays "
+        "it once in place: clean, a transient fault (the device gets a strike); reproduced, the data "
+        "window is skipped; bad again right after a skip, a rollback",
+    )
+    sdc: Action = Field("rollback", description="a device with sdc_strikes strikes: relaunch without it")
+    sdc_strikes: int = Field(2, ge=1, le=1000, description="transient faults that mark a device unhealthy")
+    sdc_window: int = Field(10_000, ge=1, le=100_000_000, description="steps over which strikes count")
     divergence_window: int = Field(50, ge=5, le=100_000)
     divergence_tolerance: float = Field(
         0.1,
@@ -306,13 +317,35 @@ class _Fault(StrictModel):
     repeat: bool = Field(False, description="fire every time the step is reached, not only once per job")
 
 
-class NanFault(_Fault):
+class _DataFault(_Fault):
+    """A fault in the data: it fires whenever `step` reads its data position again (a replay
+    reproduces it; skipping the data window cures it)."""
+
+    data_position: int | None = Field(
+        None,
+        ge=0,
+        le=10_000_000_000,
+        description="its data position; null: the one `step` first reads",
+    )
+
+
+class NanFault(_DataFault):
     kind: Literal["nan"]
 
 
-class SpikeFault(_Fault):
+class SpikeFault(_DataFault):
     kind: Literal["spike"]
     factor: float = Field(50.0, gt=1.0, le=1e6, description="the loss is multiplied by this")
+
+
+class SdcFault(_Fault):
+    """Silent data corruption: one rank's result of `step` is corrupted on its first execution only, as a
+    flipped bit in a GPU would (a replay of the step is clean)."""
+
+    kind: Literal["sdc"]
+    factor: float | None = Field(
+        None, gt=1.0, le=1e6, description="the loss (and so the gradient) is multiplied by this; null: NaN"
+    )
 
 
 class SlowRankFault(_Fault):
@@ -336,7 +369,8 @@ class OomFault(_Fault):
 
 
 Fault = Annotated[
-    NanFault | SpikeFault | SlowRankFault | CrashFault | HangFault | OomFault, Field(discriminator="kind")
+    NanFault | SpikeFault | SdcFault | SlowRankFault | CrashFault | HangFault | OomFault,
+    Field(discriminator="kind"),
 ]
 
 

@@ -13,17 +13,9 @@ import statistics
 from collections.abc import Sequence
 
 from vigil_common.events import StepCompleted
+from vigil_common.spike_rule import ABS_SCALE_FLOOR, MAD_TO_SIGMA, SpikeScore, spike_score
 from vigil_guardian.verdict import Verdict
 
-# 1.4826 * MAD estimates the standard deviation of normally distributed values.
-MAD_TO_SIGMA = 1.4826
-# A floor under the spread, relative to the median: on a very smooth series a tiny MAD would
-# turn noise of a few percent into huge z-scores. With z = 6 a spike must be >= 12 % above the median.
-REL_SCALE_FLOOR = 0.02
-ABS_SCALE_FLOOR = 1e-8
-# A spike is sudden: the value must also stand out (by half the threshold) from the median of the
-# rank's last few values, so a loss that climbs a few percent a step is left to the divergence test.
-SUDDEN_OVER = 3
 # The gradient norm wanders by 2-3x in healthy training; an explosion is this many times its median
 # (and a robust outlier in log space, whose spread is floored at GRAD_LOG_SCALE_FLOOR).
 GRAD_SPIKE_RATIO = 8.0
@@ -59,27 +51,6 @@ def non_finite(event: StepCompleted) -> Verdict | None:
     )
 
 
-def robust_z(history: Sequence[float], value: float, floor: float = 0.0) -> tuple[float, float, float]:
-    """(z, median, mad) of `value` against `history`: (value - median) / (1.4826 * MAD), floored
-    (relative to the median, and by `floor`)."""
-    median = statistics.median(history)
-    mad = statistics.median([abs(x - median) for x in history])
-    return (value - median) / _scale(median, mad, floor), median, mad
-
-
-def _scale(median: float, mad: float, floor: float = 0.0) -> float:
-    return max(MAD_TO_SIGMA * mad, REL_SCALE_FLOOR * abs(median), ABS_SCALE_FLOOR, floor)
-
-
-def relative_spread(history: Sequence[float]) -> float | None:
-    """The robust spread of `history` relative to its median (1.4826 * MAD / median)."""
-    if not history:
-        return None
-    median = statistics.median(history)
-    mad = statistics.median([abs(x - median) for x in history])
-    return MAD_TO_SIGMA * mad / max(abs(median), ABS_SCALE_FLOOR)
-
-
 def spike(
     history: Sequence[float],
     loss: float,
@@ -101,16 +72,17 @@ def spike(
         peer_spread: the other ranks' relative spread (`relative_spread`): a floor under this rank's
             own, which a short window can badly underestimate (the ranks see the same noise).
     """
-    if len(history) < warmup or not history or not math.isfinite(loss):
+    found = spike_score(history, loss, zscore=zscore, warmup=warmup, peer_spread=peer_spread)
+    return spike_verdict(found, loss, zscore, step, rank, node)
+
+
+def spike_verdict(
+    found: SpikeScore | None, loss: float, zscore: float, step: int, rank: int, node: str | None
+) -> Verdict | None:
+    """The verdict on a loss the spike rule (`vigil_common.spike_rule`) scored, or None."""
+    if found is None:
         return None
-    floor = peer_spread * abs(statistics.median(history)) if peer_spread else 0.0
-    z, median, mad = robust_z(history, loss, floor)
-    if z <= zscore:
-        return None
-    recent = statistics.median(history[-SUDDEN_OVER:])
-    jump = (loss - recent) / _scale(median, mad, floor)
-    if jump <= zscore / 2:
-        return None  # a climb, not a jump: divergence's business
+    z, median, mad, window = found
     return Verdict(
         kind="spike",
         step=step,
@@ -123,7 +95,7 @@ def spike(
             "mad": mad,
             "zscore": z,
             "threshold": zscore,
-            "window": len(history),
+            "window": window,
         },
     )
 

@@ -4,9 +4,11 @@
 - `halt`: the incident and `HaltJob`.
 - `rollback`: for numeric faults (nan, spike, divergence) `HaltJob` then an in-place `RollbackJob`
   to the newest valid checkpoint with step <= the anomaly step (a checkpoint with step s holds the
-  state after s updates, so it precedes the anomalous update), skipping the spike's data window;
-  for faults a rollback in place cannot cure (a hang, a sick GPU, a straggler) a
-  `RestartJob`, relaunching the ranks. After `max_rollbacks` rollbacks the next one
+  state after s updates, so it precedes the anomalous update), skipping the data window of the spike
+  or NaN (a fault in the data comes back with it);
+  for faults a rollback in place cannot cure (a hang, a sick GPU, a straggler, a device with too
+  many silent data corruptions: `sdc`, whose device the relaunch leaves out) a `RestartJob`,
+  relaunching the ranks. After `max_rollbacks` rollbacks the next one
   becomes `fail`; with no checkpoint to go back to, it becomes `halt`.
 - `fail`: the incident alone (action "fail"); the scheduler turns it into FAILED and cancels the ranks.
 
@@ -122,21 +124,16 @@ class Policy:
             step, path = target
             in_place = verdict.kind in IN_PLACE
             skip = None
-            if verdict.kind == "spike" and spec.spike_skip_steps and data_position is not None:
+            if verdict.kind in ("spike", "nan") and spec.spike_skip_steps and data_position is not None:
                 skip = (data_position, data_position + spec.spike_skip_steps)
             if in_place:
                 commands.append(HaltJob(event_id=f"{iid}-halt", reason=reason, **common))
-            recovery = RollbackJob if in_place else RestartJob
-            commands.append(
-                recovery(
-                    event_id=f"{iid}-rollback",
-                    checkpoint=path,
-                    step=step,
-                    skip_data=skip,
-                    reason=reason,
-                    **common,
-                )
-            )
+            fields = {"checkpoint": path, "step": step, "skip_data": skip, "reason": reason, **common}
+            if in_place:
+                commands.append(RollbackJob(event_id=f"{iid}-rollback", **fields))
+            else:  # a device found to corrupt results is relaunched without (marked unhealthy first)
+                sick = [(verdict.node, verdict.device)] if verdict.kind == "sdc" and verdict.node else []
+                commands.append(RestartJob(event_id=f"{iid}-rollback", unhealthy=sick, **fields))
             evidence.update(
                 checkpoint=path,
                 checkpoint_step=step,

@@ -49,6 +49,7 @@ class Control:
     exited: Ranks = field(default_factory=set)
     running_since: float | None = None
     last_rollback_completed: str | None = None
+    strikes: dict[str, list[int]] = field(default_factory=dict)  # "node:device" -> steps of transient faults
 
     @property
     def terminal(self) -> bool:

@@ -31,11 +31,13 @@ from vigil_common.events import (
     RollbackCompleted,
     RollbackJob,
     StepCompleted,
+    StepReplayed,
 )
 from vigil_common.jobstates import JobState
 from vigil_guardian.hang import job_hang
 from vigil_guardian.policy import Decision, Policy, incident_id
 from vigil_guardian.rank_exit import rank_exit
+from vigil_guardian.replays import replay_incident, strike
 from vigil_guardian.state import Control, Recovering
 from vigil_guardian.verdict import Verdict
 from vigil_guardian.windows import Windows
@@ -152,9 +154,26 @@ class JobWatch:
             c.state = JobState.HALTED
         elif isinstance(event, OutOfMemoryHalted):
             return [out_of_memory(event)]
+        elif isinstance(event, StepReplayed):
+            return self._on_replayed(event, now)
         elif isinstance(event, RollbackCompleted):
             return self._on_rollback_completed(event, now)
         return []
+
+    def _on_replayed(self, event: StepReplayed, now: datetime) -> list[Decision]:
+        """The ranks held a step and replayed it: the incident, and for a transient fault a strike on each
+        culprit's device; a device at `sdc_strikes` strikes is excluded (the job relaunched without it)."""
+        c = self.control
+        out = [replay_incident(event, c.placement)]
+        if event.outcome != "transient":
+            return out
+        for rank in event.culprits:
+            if (where := c.placement.get(rank)) is None:
+                continue
+            verdict = strike(c, where, rank, event)
+            if verdict is not None and c.recovering is None:
+                out.append(self.decide(verdict, now, anomaly_step=event.step, key=event.event_id))
+        return out
 
     def _on_state(self, event: JobStateChanged, now: datetime) -> list[Decision]:
         c = self.control

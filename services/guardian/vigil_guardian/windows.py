@@ -21,6 +21,7 @@ from collections import deque
 
 from vigil_common.events import StepCompleted
 from vigil_common.spec import GuardianSpec
+from vigil_common.spike_rule import LossWindows
 from vigil_guardian import numeric
 from vigil_guardian.collective import ImbalanceTracker, StragglerScores
 from vigil_guardian.verdict import Verdict
@@ -30,10 +31,9 @@ PENDING_MAX = 64  # incomplete steps kept for the detectors judging a whole step
 
 class Windows:
     def __init__(self, spec: GuardianSpec) -> None:
-        self.losses: dict[int, deque[tuple[int, float]]] = {}  # rank -> (step, loss), oldest first
+        self.losses = LossWindows(spec.spike_window, spec.spike_warmup)  # per rank: the spike rule's window
         self.pending: dict[int, dict[int, StepCompleted]] = {}  # step -> rank -> event
         self.step_times: deque[float] = deque(maxlen=101)
-        self.spreads: dict[int, float] = {}  # rank -> relative spread of its loss window
         self.progress: dict[int, tuple[float, int | None]] = {}  # rank -> (time of its last step, step)
         self.step_losses: deque[tuple[int, float]] = deque()  # (step, cross-rank median loss)
         self.grad_norms: deque[tuple[int, float]] = deque()  # (step, global gradient norm)
@@ -42,8 +42,7 @@ class Windows:
     def resize(self, spec: GuardianSpec) -> None:
         """Apply a (new) policy's window sizes and thresholds, keeping what has been seen."""
         self.spec = spec
-        self.keep = spec.spike_window
-        self.losses = {r: deque(s, maxlen=self.keep) for r, s in self.losses.items()}
+        self.losses.resize(spec.spike_window, spec.spike_warmup)
         keep_job = numeric.LONG_WINDOWS * spec.divergence_window
         self.step_losses = deque(self.step_losses, maxlen=keep_job)
         self.grad_norms = deque(self.grad_norms, maxlen=spec.spike_window)
@@ -68,22 +67,9 @@ class Windows:
                 verdicts.append(verdict)  # its own loss, or nobody to ask: this rank
             # else a witness of another rank's NaN: judged with its whole step (`_whole_step`)
         else:
-            series = self.losses.setdefault(rank, deque(maxlen=self.keep))
-            history = [x for _, x in series]
-            peers = [v for r, v in self.spreads.items() if r != rank]
-            verdict = numeric.spike(
-                history,
-                event.loss,
-                zscore=spec.spike_zscore,
-                warmup=spec.spike_warmup,
-                step=step,
-                rank=rank,
-                node=event.node,
-                peer_spread=statistics.median(peers) if peers else 0.0,
-            )
-            series.append((step, event.loss))
-            if len(series) >= spec.spike_warmup:
-                self.spreads[rank] = numeric.relative_spread([x for _, x in series]) or 0.0
+            found = self.losses.judge(rank, event.loss, spec.spike_zscore)
+            self.losses.add(rank, step, event.loss)
+            verdict = numeric.spike_verdict(found, event.loss, spec.spike_zscore, step, rank, event.node)
             if verdict is not None:
                 verdicts.append(verdict)
 
@@ -170,8 +156,7 @@ class Windows:
 
     def rewind(self, to_step: int, at: float, ranks: list[int]) -> None:
         """A rollback to checkpoint `to_step` at time `at`: forget the steps from `to_step` on."""
-        for rank, series in self.losses.items():
-            self.losses[rank] = deque(((s, x) for s, x in series if s < to_step), maxlen=self.keep)
+        self.losses.rewind(to_step)
         self.step_losses = deque(
             ((s, x) for s, x in self.step_losses if s < to_step), maxlen=self.step_losses.maxlen
         )

@@ -264,6 +264,9 @@ class Handlers:
         """The next attempt, from the checkpoint: the ranks of this one are ended by the new launch."""
         if event.event_id in job.completed_commands:
             return
+        for node, index in event.unhealthy:  # marked first: the relaunch's placement leaves them out
+            if await inventory.mark_unhealthy(conn, node, index, event.reason):
+                log.warning("device %s:%d marked unhealthy: %s", node, index, event.reason)
         await self._relaunch(conn, job, event.step, event.checkpoint, event.skip_data, event.reason)
 
     async def _relaunch(
@@ -319,7 +322,7 @@ class Handlers:
     async def incidents(self, event: Message, delivery: Delivery) -> None:
         if not isinstance(event, IncidentRaised):
             return
-        if event.kind == "gpu_health" and event.node is not None and event.device is not None:
+        if event.kind in ("gpu_health", "sdc") and event.node is not None and event.device is not None:
             async with self.s.tx() as conn:
                 if await inventory.mark_unhealthy(conn, event.node, event.device, event.message):
                     log.warning("device %s:%d marked unhealthy: %s", event.node, event.device, event.message)

@@ -132,7 +132,13 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         incident_id="i2",
     ),
     ev.RestartJob: ev.RestartJob(
-        **JOB, checkpoint="/ckpt/j/step_00000010", step=10, skip_data=None, reason="hang", incident_id="i3"
+        **JOB,
+        checkpoint="/ckpt/j/step_00000010",
+        step=10,
+        skip_data=None,
+        reason="hang",
+        incident_id="i3",
+        unhealthy=[("n1", 1)],
     ),
     ev.RestartRequested: ev.RestartRequested(
         **JOB, checkpoint="/ckpt/j/step_00000010", step=10, skip_data=(12, 13), command_id="c2", node="n1"
@@ -146,6 +152,18 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         grad_accum=2,
         checkpoint_step=12,
         message="rank 1 ran out of memory at step 12 with micro-batch 4",
+    ),
+    ev.StepReplayed: ev.StepReplayed(
+        **JOB,
+        step=12,
+        node="n1",
+        kind="spike",
+        outcome="transient",
+        culprits=[1],
+        values=[ev.RankValue(rank=1, first=120.5, replay=2.41)],
+        data_position=12,
+        held_s=0.25,
+        evidence={"threshold": 6.0},
     ),
     ev.ResumeJob: ev.ResumeJob(**JOB, reason="operator"),
     ev.CancelJob: ev.CancelJob(**JOB, reason="user"),

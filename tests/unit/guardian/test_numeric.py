@@ -3,6 +3,7 @@ import math
 import pytest
 
 from tests.unit.guardian.helpers import step
+from vigil_common import spike_rule
 from vigil_guardian import numeric
 
 
@@ -31,7 +32,7 @@ def test_nan_evidence_is_json_safe():
 
 def test_robust_z_known_answer():
     # median 2.0, absolute deviations [0.1, 0, 0.1, 0.2, 0.2] -> MAD 0.1 -> scale 0.14826
-    z, median, mad = numeric.robust_z([1.9, 2.0, 2.1, 1.8, 2.2], 2.0 + 0.14826 * 7)
+    z, median, mad = spike_rule.robust_z([1.9, 2.0, 2.1, 1.8, 2.2], 2.0 + 0.14826 * 7)
     assert median == 2.0 and mad == pytest.approx(0.1)
     assert z == pytest.approx(7.0)
 

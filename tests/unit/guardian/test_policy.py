@@ -28,12 +28,13 @@ def test_rollback_target_is_newest_at_or_before_the_anomaly():
     assert rollback_target({}, 4) is None
 
 
-def test_nan_rollback_halts_then_rolls_back_in_place():
+def test_nan_rollback_halts_then_rolls_back_in_place_past_its_data():
     d = run("nan", 7)
     assert d.action == "rollback"
     halt, rollback = d.commands
     assert halt.type == "job.halt" and rollback.type == "job.rollback"
-    assert (rollback.checkpoint, rollback.step, rollback.skip_data) == (CKPTS[5], 5, None)
+    # a NaN in the data comes back with it: its window is skipped, as a spike's is
+    assert (rollback.checkpoint, rollback.step, rollback.skip_data) == (CKPTS[5], 5, (42, 43))
     assert rollback.attempt == 2 and rollback.incident_id == d.incident.event_id
     assert [s for s, _ in d.messages()] == [subjects.cmd(JOB), subjects.cmd(JOB), subjects.incident(JOB)]
     assert d.incident.evidence["checkpoint_step"] == 5

@@ -3,7 +3,15 @@
 import math
 
 from tests.unit.guardian.helpers import JOB, at, gpu, launch, step
-from vigil_common.events import CheckpointSaved, JobStateChanged, RankExited, RankStarted, RollbackCompleted
+from vigil_common.events import (
+    CheckpointSaved,
+    JobStateChanged,
+    RankExited,
+    RankStarted,
+    RankValue,
+    RollbackCompleted,
+    StepReplayed,
+)
 from vigil_guardian.core import Guardian
 from vigil_guardian.state import Control
 from vigil_guardian.watch import JobWatch
@@ -268,3 +276,59 @@ def test_a_rollback_that_never_completes_is_a_hang_after_the_timeout():
     d = out[0]
     assert d.incident.kind == "hang" and "rollback to step 5 has not completed" in d.incident.message
     assert d.commands[0].type == "job.restart" and d.commands[0].step == 5
+
+
+def replayed(s, outcome="transient", rank=1, t=0.0, kind="nan"):
+    return StepReplayed(
+        job_id=JOB,
+        attempt=1,
+        step=s,
+        node="n0",
+        kind=kind,
+        outcome=outcome,
+        culprits=[rank],
+        values=[RankValue(rank=rank, first=None, replay=2.5)],
+        data_position=s,
+        skip_data=(s, s + 1) if outcome == "reproduced" else None,
+        held_s=0.2,
+        occurred_at=at(t),
+    )
+
+
+def test_a_held_step_is_an_incident_naming_the_device_and_what_the_replay_showed():
+    g = started()
+    feed(g, normal_steps(0, 8))
+    (d,) = feed(g, [replayed(8, t=0.9)])
+    inc = d.incident
+    assert (inc.kind, inc.action, inc.step, inc.rank, inc.node, inc.device) == (
+        "nan",
+        "replay",
+        8,
+        1,
+        "n1",
+        0,
+    )
+    assert "transient on rank 1, GPU 0 of node n1: replay clean" in inc.message and d.commands == ()
+    skipped = replayed(9, "reproduced", t=1.0, kind="spike")
+    (d,) = feed(g, [skipped])
+    assert (d.incident.kind, d.incident.action) == ("spike", "skip") and d.commands == ()
+    assert "reproduced on rank 1, GPU 0 of node n1: data 9..9 skipped" in d.incident.message
+    assert feed(g, [skipped]) == []  # redelivered: published once
+
+
+def test_a_second_transient_fault_on_one_device_relaunches_the_job_without_it():
+    g = started(sdc_strikes=2)
+    feed(g, normal_steps(0, 12))
+    assert [d.action for d in feed(g, [replayed(6, t=0.7)])] == ["replay"]
+    assert [d.action for d in feed(g, [replayed(7, rank=0, t=0.8)])] == ["replay"]  # another device
+    replay, excluded = feed(g, [replayed(11, t=1.2)])
+    assert replay.action == "replay" and excluded.incident.kind == "sdc" and excluded.action == "rollback"
+    (restart,) = excluded.commands
+    assert restart.type == "job.restart" and restart.unhealthy == [("n1", 0)] and restart.step == 5
+    assert excluded.incident.evidence["strikes"] == [6, 11] and excluded.incident.device == 0
+
+
+def test_strikes_outside_the_window_do_not_add_up():
+    g = started(sdc_strikes=2, sdc_window=3)
+    feed(g, normal_steps(0, 12))
+    assert [d.action for d in feed(g, [replayed(6, t=0.7), replayed(10, t=1.1)])] == ["replay", "replay"]

@@ -9,12 +9,12 @@ import torch
 
 from vigil.link import NullLink
 from vigil.run import Identity, Run
+from vigil_common.events import StepCompleted, StepReplayed
 from vigil_common.spec import ModelSpec, parse_spec
-from vigil_worker.trainer import guard
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.loop import train
-from vigil_worker.trainer.model import GPT
+from vigil_worker.trainer.model import GPT, GuardedAdamW
 from vigil_worker.trainer.observer import RollbackTiming
 
 
@@ -59,7 +59,9 @@ class Recorder:
         self.rollbacks.append(timing)
 
 
-def context(tmp_path: Path, steps: int, faults: list[dict] | None = None) -> tuple[RankContext, Recorder]:
+def context(
+    tmp_path: Path, steps: int, faults: list[dict] | None = None, guardian: dict | None = None
+) -> tuple[RankContext, Recorder]:
     spec = parse_spec(
         {
             "name": "loop",
@@ -67,6 +69,7 @@ def context(tmp_path: Path, steps: int, faults: list[dict] | None = None) -> tup
             "model": {"preset": "tiny", "n_layer": 1, "seq_len": 16},
             "train": {"steps": steps, "micro_batch": 2, "zero_stage": 0, "precision": "fp32"},
             "checkpoint": {"every": 1_000_000},
+            "guardian": guardian or {},
             "faults": faults or [],
         }
     )
@@ -80,7 +83,7 @@ def context(tmp_path: Path, steps: int, faults: list[dict] | None = None) -> tup
         node="here",
         spec=spec,
         engine=FakeEngine(GPT(spec.model.resolved())),
-        tokens=np.arange(4096, dtype=np.uint16) % 256,
+        tokens=np.random.default_rng(0).integers(0, 256, 4096).astype(np.uint16),  # a steady loss
         checkpoint_root=tmp_path,
         zero_stage=0,
         precision="fp32",
@@ -102,7 +105,9 @@ def test_the_observer_hears_one_step_end_per_step_in_order(tmp_path):
 
 
 def test_a_non_finite_step_leaves_the_weights_alone_and_training_goes_on(tmp_path):
-    ctx, observer = context(tmp_path, steps=3, faults=[{"kind": "nan", "step": 1}])
+    ctx, observer = context(
+        tmp_path, steps=3, faults=[{"kind": "nan", "step": 1}], guardian={"replay": False}
+    )
     model = ctx.engine.module
     seen: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -121,7 +126,7 @@ def test_a_non_finite_step_leaves_the_weights_alone_and_training_goes_on(tmp_pat
 def test_configure_optimizers_decays_matrices_and_not_norms_each_parameter_once():
     model = GPT(ModelSpec(preset="tiny", n_layer=2).resolved())
     opt = model.configure_optimizers(0.1, 3e-4, betas=(0.9, 0.95))
-    assert isinstance(opt, guard.GuardedAdamW)
+    assert isinstance(opt, GuardedAdamW)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(g["lr"] == 3e-4 and g["betas"] == (0.9, 0.95) for g in opt.param_groups)
@@ -133,3 +138,64 @@ def test_configure_optimizers_decays_matrices_and_not_norms_each_parameter_once(
     grouped = [id(p) for g in opt.param_groups for p in g["params"]]
     assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # every parameter, once
     assert id(model.embed.weight) in {id(p) for p in decay["params"]}  # the tied embedding decays
+
+
+class Emitted(NullLink):
+    """A link that keeps what the rank emits."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def emit(self, event) -> None:  # type: ignore[no-untyped-def]
+        self.events.append(event)
+
+
+def emitting(ctx: RankContext) -> Emitted:
+    link = Emitted()
+    ctx.run = Run(Identity("loop", 1, 0, 1, 0, "here"), link, checkpoint_root=ctx.checkpoint_root)
+    return link
+
+
+def losses(link: Emitted) -> dict[int, float]:
+    return {e.step: e.loss for e in link.events if isinstance(e, StepCompleted)}
+
+
+def test_a_transient_nan_is_replayed_in_place_and_the_run_equals_a_fault_free_one(tmp_path):
+    clean, _ = context(tmp_path / "clean", steps=6)
+    clean_link = emitting(clean)
+    train(clean, TrainState())
+    ctx, _ = context(tmp_path / "sdc", steps=6, faults=[{"kind": "sdc", "step": 3}])
+    link = emitting(ctx)
+    st = train(ctx, TrainState())
+    assert st.step == 6 and st.skip_windows == []
+    assert losses(link) == losses(clean_link)  # bit for bit: the held update was never applied
+    (replayed,) = [e for e in link.events if isinstance(e, StepReplayed)]
+    assert (replayed.step, replayed.kind, replayed.outcome, replayed.culprits) == (3, "nan", "transient", [0])
+    assert replayed.values[0].first is None and replayed.values[0].replay == losses(link)[3]
+    assert not any(e.skipped for e in link.events if isinstance(e, StepCompleted))
+
+
+def test_a_spike_in_the_data_is_held_and_its_window_skipped_without_a_rollback(tmp_path):
+    spec = {"spike_warmup": 5, "spike_skip_steps": 2}
+    ctx, _ = context(tmp_path, steps=10, faults=[{"kind": "spike", "step": 7, "factor": 20}], guardian=spec)
+    link = emitting(ctx)
+    model = ctx.engine.module
+    st = train(ctx, TrainState())
+    assert st.skip_windows == [(7, 9)] and st.step == 10
+    (replayed,) = [e for e in link.events if isinstance(e, StepReplayed)]
+    assert (replayed.kind, replayed.outcome, replayed.skip_data) == ("spike", "reproduced", (7, 9))
+    assert replayed.values[0].first == replayed.values[0].replay  # the same data, the same spike
+    steps = {e.step: e for e in link.events if isinstance(e, StepCompleted)}
+    assert steps[7].data_position == 9 and steps[7].loss < replayed.values[0].first / 5
+    assert sorted(steps) == list(range(10)) and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_spike_is_only_reported_where_the_spec_says_alert(tmp_path):
+    guardian = {"spike_warmup": 5, "spike": "alert"}
+    ctx, _ = context(
+        tmp_path, steps=9, faults=[{"kind": "spike", "step": 7, "factor": 20}], guardian=guardian
+    )
+    link = emitting(ctx)
+    train(ctx, TrainState())
+    assert not any(isinstance(e, StepReplayed) for e in link.events)
+    assert losses(link)[7] > 5 * losses(link)[6]

@@ -74,6 +74,7 @@ def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob, seq: int) ->
         st.skip_windows.append(tuple(cmd.skip_data))  # type: ignore[arg-type]
         st.data_position = first_position(st.data_position, st.skip_windows)
     ctx.faults.clear_transient()
+    ctx.judge.rewind(st.step)
     st.halted = False
     duration = time.perf_counter() - t0
     log.warning("rolled back from step %d to %d (%s) in %.3fs", from_step, st.step, m.path, duration)

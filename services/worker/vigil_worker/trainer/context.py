@@ -17,6 +17,7 @@ from vigil_worker.trainer.comm import CommTimer
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.mfu import Peak
 from vigil_worker.trainer.observer import NullObserver, Observer
+from vigil_worker.trainer.step_judge import StepJudge
 
 
 @dataclass
@@ -43,6 +44,10 @@ class RankContext:
     notice: PreemptionNotice = field(default_factory=PreemptionNotice)  # listens once installed
     flops_per_token: float | None = None  # model FLOPs per token, for MFU
     peak: Peak | None = None  # the device's peak FLOP/s at this precision; None: no MFU
+    judge: StepJudge = field(init=False)  # the spike rule's windows over every rank's losses
+
+    def __post_init__(self) -> None:
+        self.judge = StepJudge(self.spec.guardian)
 
 
 @dataclass

@@ -1,9 +1,14 @@
 """Fault injection from the job spec, for tests and demos.
 
-A fault fires once per job, like a transient hardware fault, so that a rollback past it succeeds;
-`repeat: true` makes it fire every time its step is reached. "Once per job" survives a rollback and a
-restart of the ranks: a fired fault leaves a marker file under the job's checkpoint directory
-(`<root>/<job>/.vigil/faults/<index>.fired`, created with O_EXCL, so no two processes race).
+A fault fires once per job, like a transient hardware fault (`sdc`, `crash`, `hang`, `oom`, ...), so
+that a replay or a rollback past it succeeds; `repeat: true` makes it fire every time its step is
+reached. "Once per job" survives a rollback and a restart of the ranks: a fired fault leaves a marker
+file under the job's checkpoint directory (`<root>/<job>/.vigil/faults/<index>.fired`, created with
+O_EXCL, so no two processes race).
+
+`nan` and `spike` are faults in the data: they fire whenever their step reads their data position (the
+one the step first read, noted in the marker, or the spec's `data_position`), so a replay of the step
+reproduces them and skipping that data cures them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vigil.exits import write_exit_file
-from vigil_common.spec import CrashFault, Fault, HangFault, NanFault, OomFault, SlowRankFault, SpikeFault
+from vigil_common.spec import (
+    CrashFault,
+    Fault,
+    HangFault,
+    NanFault,
+    OomFault,
+    SdcFault,
+    SlowRankFault,
+    SpikeFault,
+)
 
 if TYPE_CHECKING:
     from vigil.run import Run
@@ -43,13 +57,34 @@ class FaultInjector:
             fh.write(f"{fault.kind} step={fault.step} rank={self.rank} at={time.time():.3f}\n")
         return True
 
-    def loss_factor(self, step: int) -> float:
-        """What this rank's loss is multiplied by at `step` before backward: NaN, a spike factor, or 1."""
+    def loss_factor(self, step: int, position: int) -> float:
+        """What this rank's loss is multiplied by at `step` reading data `position` before backward: NaN,
+        a spike factor, or 1."""
         factor = 1.0
         for i, f in self._mine:
-            if f.step == step and isinstance(f, NanFault | SpikeFault) and self._fire(i, f):
+            if f.step != step:
+                continue
+            if isinstance(f, NanFault | SpikeFault) and self._in_data(i, f, position):
                 factor *= float("nan") if isinstance(f, NanFault) else f.factor
+            elif isinstance(f, SdcFault) and self._fire(i, f):
+                factor *= float("nan") if f.factor is None else f.factor
         return factor
+
+    def _in_data(self, index: int, fault: NanFault | SpikeFault, position: int) -> bool:
+        """Is the data fault in `position`? Its spec's position, else the one its step first read."""
+        if fault.repeat:
+            return True
+        if fault.data_position is not None:
+            return position == fault.data_position
+        marker = self.marker_dir / f"{index}.fired"
+        if self._fire(index, fault):
+            with marker.open("a") as fh:
+                fh.write(f"position={position}\n")
+            return True
+        for line in marker.read_text().splitlines():
+            if line.startswith("position="):
+                return int(line.removeprefix("position=")) == position
+        return False
 
     def delay_s(self, step: int) -> float:
         """Extra seconds this rank sleeps at `step` (slow_rank: from its step on, once it has fired)."""

@@ -8,13 +8,13 @@ tied input/output embeddings, no biases.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vigil_common.spec import ModelDims
-from vigil_worker.trainer.guard import GuardedAdamW
 
 MOE_AUX_WEIGHT = 0.01  # weight of the router's load-balancing loss
 
@@ -25,6 +25,19 @@ def ffn_hidden(dims: ModelDims) -> int:
         return dims.ffn_hidden
     hidden = int(2 * (4 * dims.d_model) / 3)
     return 256 * math.ceil(hidden / 256)
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that skips its step while `overflow` is set (DeepSpeed reads the same flag after the step).
+    Where DeepSpeed steps it directly (fp32 without ZeRO), the step boundary sets it (`guard`, `hold`)."""
+
+    overflow = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.overflow:
+            return None
+        return super().step(closure)
 
 
 class RMSNorm(nn.Module):

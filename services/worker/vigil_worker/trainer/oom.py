@@ -19,11 +19,21 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from vigil_common import events as ev
+from vigil_worker.trainer.checkpoint_collective import save_emergency_checkpoint
+from vigil_worker.trainer.commands import halt
+
+if TYPE_CHECKING:
+    from vigil_worker.trainer.context import RankContext, TrainState
+    from vigil_worker.trainer.guard import Boundary
+
 log = logging.getLogger("vigil.rank")
+M = TypeVar("M")
 
 MAX_SPLIT = 2  # retry once, with half the micro-batch
 
@@ -50,3 +60,56 @@ def apply_split(engine: Any, micro_batch: int, grad_accum: int, world_size: int,
     """Tell DeepSpeed: micro-batches of micro_batch / split, split x the accumulation, same global batch."""
     engine.set_train_micro_batch_size(micro_batch // split)
     engine.set_train_batch_size(micro_batch * grad_accum * world_size)
+
+
+def with_retry(
+    ctx: RankContext, st: TrainState, step: int, execute: Callable[[], tuple[M, Boundary]]
+) -> tuple[M, Boundary]:
+    """Run the step's micro-steps and boundary (`execute`); where a rank ran out of memory, skip the
+    poisoned update and run them again split in two. The boundary's `oom_rank` is still set when the
+    split run ran out of memory too (the caller halts: `halt_out_of_memory`)."""
+    B, accum = ctx.spec.train.micro_batch, ctx.spec.train.grad_accum
+    while True:
+        m, agreed = execute()
+        if agreed.oom_rank is None:
+            return m, agreed
+        ctx.engine.step()  # the accumulation boundary: DeepSpeed skips a non-finite update
+        free_memory(ctx.device)
+        if not can_split(B, st.split):
+            return m, agreed
+        st.split *= 2
+        apply_split(ctx.engine, B, accum, ctx.world_size, st.split)
+        log.warning(
+            "step %d: rank %d ran out of memory; retrying with micro-batch %d x %d accumulation",
+            step,
+            agreed.oom_rank,
+            B // st.split,
+            accum * st.split,
+        )
+
+
+def halt_out_of_memory(ctx: RankContext, st: TrainState, step: int, oom_rank: int) -> None:
+    """The retry ran out of memory too: every rank writes the emergency checkpoint and halts; rank 0
+    reports it (`OutOfMemoryHalted`), which the guardian records as the `oom` incident."""
+    save_emergency_checkpoint(ctx, st, "out of memory")
+    incident_id = f"oom-{ctx.job_id}-{ctx.attempt}-{step}"
+    reason = (
+        f"rank {oom_rank} ran out of memory at step {step} with micro-batch "
+        f"{ctx.spec.train.micro_batch // st.split}; halted after the emergency checkpoint of step {st.step}"
+    )
+    if ctx.rank == 0:
+        ctx.run.emit(
+            ev.OutOfMemoryHalted(
+                event_id=incident_id,
+                job_id=ctx.job_id,
+                attempt=ctx.attempt,
+                step=step,
+                rank=oom_rank,
+                node=ctx.node,
+                micro_batch=ctx.spec.train.micro_batch // st.split,
+                grad_accum=ctx.spec.train.grad_accum * st.split,
+                checkpoint_step=st.step,
+                message=reason,
+            )
+        )
+    halt(ctx, st, reason, incident_id)

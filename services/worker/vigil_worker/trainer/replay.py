@@ -1,0 +1,99 @@
+"""A held step, replayed once in place to tell a sick device from bad data.
+
+The ranks judged the step bad at its boundary (`step_judge`) and hold it: its update is not applied
+(`hold`). They run it again, on the same ranks, from the same parameters and the same data (the data is
+a pure function of the position):
+
+- the replay is clean: a transient fault (a flipped bit, a sick GPU). Its result goes on as the step's;
+  the guardian gives the device of the rank that produced the bad value a strike;
+- the replay reproduces it: the data (or the model state) is the cause. The data window is skipped and
+  the step runs on the next data, from the same parameters, with no checkpoint loaded;
+- that step is bad again: the parameters are. It is not held: it goes on as a bad step, and the
+  guardian rolls back to the last good checkpoint as it always has.
+
+Rank 0 reports the outcome (`StepReplayed`); the guardian records it as an incident.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from vigil_common import events as ev
+from vigil_worker.trainer.context import RankContext, TrainState
+from vigil_worker.trainer.data import first_position
+from vigil_worker.trainer.guard import Boundary
+from vigil_worker.trainer.hold import hold_next_step
+from vigil_worker.trainer.micro import MicroSteps, execute
+from vigil_worker.trainer.step_judge import Bad
+
+log = logging.getLogger("vigil.rank")
+
+
+def settle(
+    ctx: RankContext, st: TrainState, step: int, bad: Bad, held: Boundary
+) -> tuple[MicroSteps, Boundary]:
+    """Hold the step the boundary `held` judged `bad`, replay it, and return the execution that goes on
+    (the replay, or the step on the next data after a skip)."""
+    t0, pos = time.perf_counter(), st.data_position
+    drop(ctx)
+    log.warning("step %d: held (%s on ranks %s); replaying it", step, bad.kind, bad.culprits or "unknown")
+    m, agreed = execute(ctx, st, step)
+    if agreed.oom_rank is not None:
+        return m, agreed  # the caller halts
+    if ctx.judge.judge(agreed.losses, agreed.all_finite) is None:
+        log.warning("step %d: the replay is clean: a transient fault", step)
+        report(ctx, step, bad, "transient", held, agreed, pos, None, time.perf_counter() - t0)
+        return m, agreed
+    drop(ctx)
+    window = (pos, pos + max(1, ctx.spec.guardian.spike_skip_steps))
+    st.skip_windows.append(window)
+    st.data_position = first_position(pos, st.skip_windows)
+    log.warning("step %d: the replay reproduces it: data %d..%d skipped", step, window[0], window[1] - 1)
+    report(ctx, step, bad, "reproduced", held, agreed, pos, window, time.perf_counter() - t0)
+    return execute(ctx, st, step)
+
+
+def drop(ctx: RankContext) -> None:
+    """The accumulation boundary, with the update not applied (its gradients cleared)."""
+    hold_next_step(ctx.engine)
+    ctx.engine.step()
+
+
+def report(
+    ctx: RankContext,
+    step: int,
+    bad: Bad,
+    outcome: str,
+    first: Boundary,
+    replay: Boundary,
+    pos: int,
+    skip: tuple[int, int] | None,
+    held_s: float,
+) -> None:
+    if ctx.rank != 0:
+        return
+    ctx.run.emit(
+        ev.StepReplayed(
+            job_id=ctx.job_id,
+            attempt=ctx.attempt,
+            step=step,
+            node=ctx.node,
+            kind=bad.kind,
+            outcome=outcome,  # type: ignore[arg-type]
+            culprits=bad.culprits,
+            values=[
+                ev.RankValue(rank=r, first=_finite(first.losses[r]), replay=_finite(replay.losses[r]))
+                for r in bad.culprits
+            ],
+            data_position=pos,
+            skip_data=skip,
+            held_s=held_s,
+            evidence=bad.evidence,
+        )
+    )
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
