@@ -218,8 +218,9 @@ OWN_SECRET = ["default", "cpu", "gpu", "external"]
 
 @pytest.mark.parametrize("name", OWN_SECRET, **IDS)
 def test_the_checks_of_test_k8s_pass(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Real commands and settings, each container its own NATS user, probes, selectors and volumes, and
-    (with three NATS servers) a NATS cluster config that nats-server accepts."""
+    """Real commands and settings, each container its own NATS user, probes, selectors and volumes,
+    network policies that let each pod reach NATS, and (with three NATS servers) a NATS cluster config
+    that nats-server accepts."""
     docs = render(name)
     images = {c["image"].partition(":")[0] for d in docs for c in k8s._containers(d)} - {"nats"}
     monkeypatch.setattr(k8s, "VIGIL_IMAGES", tuple(images))  # the values' own repositories
@@ -228,6 +229,7 @@ def test_the_checks_of_test_k8s_pass(name: str, monkeypatch: pytest.MonkeyPatch,
     k8s.test_each_container_connects_as_its_own_nats_user(overlay)
     k8s.test_probes_ask_what_each_service_serves(overlay)
     k8s.test_services_and_policies_select_pods_and_volumes_exist(overlay)
+    k8s.test_network_policies_let_vigils_pods_reach_what_they_connect_to(overlay)
     k8s.test_nats_is_three_clustered_jetstream_servers_on_their_own_volumes(overlay, tmp_path)
 
 

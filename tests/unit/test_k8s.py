@@ -2,8 +2,9 @@
 subset of kustomize the manifests use: resources, namespace, labels, images, strategic-merge patches),
 every object validated against the Kubernetes schemas (kubernetes-validate, strict), and checked like
 compose.yaml: every Vigil container runs a real `vigil` command with real settings, probes that its
-service serves, secrets and volumes that exist, selectors that select, a NATS config that nats-server
-accepts, with one user per role (credentials.py's) and each container connecting as its own."""
+service serves, secrets and volumes that exist, selectors that select, network policies that let each pod
+reach what it connects to, a NATS config that nats-server accepts, with one user per role
+(credentials.py's) and each container connecting as its own."""
 
 from __future__ import annotations
 
@@ -74,13 +75,36 @@ def render(folder: Path) -> list[Doc]:
         if "namespace" in kustomization and doc["kind"] not in CLUSTER_SCOPED:
             doc["metadata"]["namespace"] = kustomization["namespace"]
         for label_set in kustomization.get("labels", []):
-            doc["metadata"].setdefault("labels", {}).update(label_set["pairs"])
+            assert set(label_set) <= {"pairs", "includeTemplates"}, f"{folder}: this renderer: {label_set}"
+            targets = [doc, *(_templates(doc) if label_set.get("includeTemplates") else [])]
+            for target in targets:  # never the selectors: that is includeSelectors
+                target.setdefault("metadata", {}).setdefault("labels", {}).update(label_set["pairs"])
         for image in kustomization.get("images", []):
             for container in _containers(doc):
                 name, _, tag = container["image"].partition(":")
                 if name == image["name"]:
                     container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
     return docs
+
+
+def _templates(doc: Doc) -> list[Doc]:
+    """The templates whose metadata.labels kustomize's `labels` with includeTemplates also labels (its
+    metadataLabelsFieldSpecs, created where missing): the pod templates of the workloads, the job template
+    of a CronJob, and a StatefulSet's volume claim templates."""
+    if doc["kind"] in {
+        "Deployment",
+        "ReplicaSet",
+        "DaemonSet",
+        "StatefulSet",
+        "Job",
+        "ReplicationController",
+    }:
+        spec = doc.setdefault("spec", {})
+        return [spec.setdefault("template", {}), *spec.get("volumeClaimTemplates", [])]
+    if doc["kind"] == "CronJob":
+        job = doc.setdefault("spec", {}).setdefault("jobTemplate", {})
+        return [job, job.setdefault("spec", {}).setdefault("template", {})]
+    return []
 
 
 def _key(doc: Doc) -> tuple[str, str]:
@@ -150,6 +174,29 @@ def test_strategic_merge_merges_named_items_and_replaces_other_lists() -> None:
         ],
         "n": 1,
     }
+
+
+def test_labels_with_include_templates_label_the_templates_but_not_the_selectors(tmp_path: Path) -> None:
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d"},
+        "spec": {"selector": {"matchLabels": {"x": "y"}}, "template": {"metadata": {"labels": {"x": "y"}}}},
+    }
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": {"template": {}}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump_all([deployment, job]))
+    pairs = {"part-of": "v"}
+    for include, pod_labels in ((False, {"x": "y"}), (True, {"x": "y", **pairs})):
+        (tmp_path / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {"labels": [{"pairs": pairs, "includeTemplates": include}], "resources": ["r.yaml"]}
+            )
+        )
+        d, j = render(tmp_path)
+        assert d["metadata"]["labels"] == j["metadata"]["labels"] == pairs
+        assert d["spec"]["selector"] == {"matchLabels": {"x": "y"}}
+        assert d["spec"]["template"]["metadata"]["labels"] == pod_labels
+        assert j["spec"]["template"].get("metadata", {}).get("labels") == (pairs if include else None)
 
 
 # --- the manifests -----------------------------------------------------------------------------------
@@ -306,6 +353,88 @@ def test_services_and_policies_select_pods_and_volumes_exist(overlay: tuple[str,
         ("Deployment", "vigil-telemetry"),
     }
     assert ("DaemonSet", "vigil-worker") in reached  # ranks reach ranks
+
+
+def _selects(selector: Doc, labels: dict[str, str]) -> bool:
+    assert not selector.get("matchExpressions"), "this check knows matchLabels only"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _pod_labels(workload: Doc) -> dict[str, str]:
+    return workload["spec"]["template"].get("metadata", {}).get("labels", {})
+
+
+def _admits(docs: list[Doc], source: Doc, target: Doc, port: int | str) -> bool:
+    """Whether the render's NetworkPolicies let source's pods reach target's pods on port (a container
+    port's number or name), as a cluster enforcing them would: pods no policy selects take anything; the
+    others what some rule of a policy selecting them lets in (its peers, its ports; a peer with an
+    ipBlock is taken to be no pod)."""
+    ports = {p["containerPort"]: p.get("name") for c in _containers(target) for p in c.get("ports", [])}
+    number = port if isinstance(port, int) else next((n for n, name in ports.items() if name == port), None)
+    namespace = {"kubernetes.io/metadata.name": source["metadata"].get("namespace", "")}
+    policies = [
+        p for p in _of(docs, "NetworkPolicy") if _selects(p["spec"]["podSelector"], _pod_labels(target))
+    ]
+    if not any("Ingress" in p["spec"].get("policyTypes", ["Ingress"]) for p in policies):
+        return True
+
+    def peer_admits(peer: Doc) -> bool:
+        return (
+            "ipBlock" not in peer
+            and _selects(peer.get("podSelector", {}), _pod_labels(source))
+            and _selects(peer.get("namespaceSelector", {}), namespace)
+        )
+
+    def port_admits(rule_port: Doc) -> bool:
+        if "port" not in rule_port:
+            return True
+        want = rule_port["port"]
+        if isinstance(want, str):
+            return want == port or (number is not None and ports.get(number) == want)
+        return number is not None and want <= number <= rule_port.get("endPort", want)
+
+    return any(
+        (not rule.get("from") or any(peer_admits(peer) for peer in rule["from"]))
+        and (not rule.get("ports") or any(port_admits(p) for p in rule["ports"]))
+        for policy in policies
+        for rule in policy["spec"].get("ingress", [])
+    )
+
+
+def test_network_policies_let_vigils_pods_reach_what_they_connect_to(overlay: tuple[str, list[Doc]]) -> None:
+    """Under the default deny, every policy rule's pod selector selects some pod of the render, and each
+    workload that connects to NATS (VIGIL_NATS_URL) is let in on the port its Service sends the URL's port
+    to: by the `nats` policy's client rule; NATS servers reach each other's routes, ranks reach ranks."""
+    _, docs = overlay
+    workloads = [d for d in docs if d["kind"] in WORKLOADS]
+    for policy in _of(docs, "NetworkPolicy"):
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if "podSelector" in peer:
+                    assert any(_selects(peer["podSelector"], _pod_labels(w)) for w in workloads), (
+                        f"NetworkPolicy {policy['metadata']['name']}: {peer['podSelector']} selects no pod"
+                    )
+    (nats_policy,) = _of(docs, "NetworkPolicy", "nats")
+    (client_rule,) = [r for r in nats_policy["spec"]["ingress"] if {"port": 4222} in r.get("ports", [])]
+    clients = set()
+    for doc, container in _vigil_containers(docs):
+        url = urlsplit(_env(docs, doc, container)["VIGIL_NATS_URL"])
+        (service,) = _of(docs, "Service", url.hostname)
+        (service_port,) = [p for p in service["spec"]["ports"] if p["port"] == url.port]
+        (server,) = [
+            w for w in workloads if _selects({"matchLabels": service["spec"]["selector"]}, _pod_labels(w))
+        ]
+        target_port = service_port.get("targetPort", service_port["port"])
+        assert _admits(docs, doc, server, target_port), f"{_key(doc)} cannot reach {url.hostname}:{url.port}"
+        assert any(_selects(peer["podSelector"], _pod_labels(doc)) for peer in client_rule["from"]), _key(doc)
+        clients.add(_key(doc))
+    assert {k[1] for k in clients} == {"vigil-scheduler", "vigil-telemetry", "vigil-guardian", "vigil-worker"}
+    (nats,) = _of(docs, "StatefulSet", "nats")
+    assert _admits(docs, nats, nats, "cluster")
+    (worker,) = _of(docs, "DaemonSet", "vigil-worker")
+    assert _admits(docs, worker, worker, 29500)  # the rendezvous's port, and any other
+    (scheduler,) = _of(docs, "Deployment", "vigil-scheduler")
+    assert not _admits(docs, scheduler, worker, 29500), "workers only: the policies check something"
 
 
 @pytest.mark.parametrize("name", ["vigil-scheduler", "vigil-guardian"])
