@@ -31,7 +31,8 @@ from vigil_common.token import token_path
 
 
 def demo_spec(steps: int) -> JobSpec:
-    """Two CPU/GPU ranks of the tiny preset; a NaN on rank 1 and a 50x loss spike on rank 0."""
+    """Two CPU/GPU ranks of the tiny preset; a silent data corruption (a NaN) on rank 1, which a replay of
+    the step does not reproduce, and a 50x loss spike in rank 0's data, which it does."""
     nan_at, spike_at = max(8, steps * 2 // 5), max(16, steps * 7 // 10)
     return JobSpec.model_validate(
         {
@@ -42,7 +43,7 @@ def demo_spec(steps: int) -> JobSpec:
             "checkpoint": {"every": 5, "keep": 4},
             "guardian": {"nan": "rollback", "spike": "rollback", "spike_warmup": 5, "hang_timeout_s": 60},
             "faults": [
-                {"kind": "nan", "step": nan_at, "rank": 1},
+                {"kind": "sdc", "step": nan_at, "rank": 1},
                 {"kind": "spike", "step": spike_at, "rank": 0, "factor": 50},
             ],
         }
@@ -261,6 +262,8 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
             f"  incident {inc['kind']} at step {inc['step']} rank {inc['rank']}: {inc['action']}, "
             f"fault to command {inc['fault_to_command_s']}s"
         )
+    for held in summary["held_steps"]:
+        console.print(f"  held step {held['step']} ({held['kind']}): {held['attribution']}")
     for rb in summary["rollbacks"]:
         console.print(_rollback_line(rb))
     for fault in summary["faults"]:

@@ -19,7 +19,10 @@ CATCHES: dict[str, tuple[str, ...]] = {
     "slow_rank": ("imbalance", "straggler"),
     "hang": ("hang",),
     "crash": ("rank_exit",),
+    "sdc": ("nan", "spike"),
 }
+# Incident actions that are the ranks' own recovery of a held step (no rollback needed).
+HELD = ("replay", "skip")
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Recording:
     incidents: list[ev.IncidentRaised] = field(default_factory=list)
     commands: list[ev.Message] = field(default_factory=list)
     rollbacks: list[ev.RollbackCompleted] = field(default_factory=list)
+    replays: list[ev.StepReplayed] = field(default_factory=list)
     states: list[ev.JobStateChanged] = field(default_factory=list)
 
     def add(self, event: ev.Message) -> None:
@@ -45,6 +49,8 @@ class Recording:
                 self.commands.append(event)
             case ev.RollbackCompleted():
                 self.rollbacks.append(event)
+            case ev.StepReplayed():
+                self.replays.append(event)
             case ev.JobStateChanged():
                 self.states.append(event)
 
@@ -103,12 +109,28 @@ def summarise(rec: Recording, spec: JobSpec, *, wall_s: float, paths: dict[str, 
     ]
     detection = sum(i["fault_to_command_s"] or 0.0 for i in incidents if i["action"] in ("rollback", "halt"))
     redo = sum((r.from_step - r.to_step) * median_step + r.duration_s for r in rec.rollbacks)
+    held = sum(r.held_s for r in rec.replays)
+    held_steps = [
+        {
+            "step": i["step"],
+            "kind": i["kind"],
+            "action": i["action"],
+            "rank": i["rank"],
+            "attribution": i["message"].split(": ", 1)[-1],
+        }
+        for i in incidents
+        if i["action"] in HELD
+    ]
 
     caught = []
     for fault in spec.faults:
         kinds = CATCHES[fault.kind]
         found = any(i["kind"] in kinds and (i["step"] is None or i["step"] >= fault.step) for i in incidents)
-        rolled = fault.kind not in ("nan", "spike") or any(r.from_step >= fault.step for r in rec.rollbacks)
+        rolled = (
+            fault.kind not in ("nan", "spike", "sdc")
+            or any(r.from_step >= fault.step for r in rec.rollbacks)
+            or any(i["action"] in HELD and i["step"] == fault.step for i in incidents)
+        )
         caught.append(
             {"fault": fault.kind, "step": fault.step, "rank": fault.rank, "caught": found and rolled}
         )
@@ -127,8 +149,9 @@ def summarise(rec: Recording, spec: JobSpec, *, wall_s: float, paths: dict[str, 
         "final_loss": finite[-1] if finite else None,
         "faults": caught,
         "incidents": incidents,
+        "held_steps": held_steps,
         "rollbacks": rollbacks,
-        "time_lost_s": round(detection + redo, 3),
+        "time_lost_s": round(detection + redo + held, 3),
         "median_step_s": round(median_step, 4),
         "median_mfu": round(mfus[len(mfus) // 2], 4) if mfus else None,  # per rank, against its peak
         "flops_per_token": rank0[-1].flops_per_token if rank0 else None,

@@ -29,7 +29,7 @@ JOB = {
     "model": {"preset": "tiny", "seq_len": 64},
     "train": {"steps": 40, "micro_batch": 8, "lr": 1e-3, "seed": 0},
     "checkpoint": {"every": 5, "keep": 4},
-    "guardian": {"nan": "rollback", "hang_timeout_s": 120},
+    "guardian": {"nan": "rollback", "replay": False, "hang_timeout_s": 120},  # the rollback path
     "faults": [{"kind": "nan", "step": NAN_STEP, "rank": 1}],
 }
 

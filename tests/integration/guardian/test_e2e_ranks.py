@@ -79,10 +79,10 @@ async def fresh_database(server_url: str) -> str:
 
 @contextlib.asynccontextmanager
 async def whole_stack(
-    nats_url: str, database_url: str, data_dir: Path, prefix: str, **overrides: Any
+    nats_url: str, database_url: str, data_dir: Path, prefix: str, cpu_slots: int = 2, **overrides: Any
 ) -> AsyncIterator[Stack]:
-    """Every service and a worker of two CPU slots in this process (`run_services`, as `vigil up`), on a
-    fresh database, until the stack's worker is alive; stopped on the way out."""
+    """Every service and a worker of `cpu_slots` CPU slots in this process (`run_services`, as `vigil up`),
+    on a fresh database, until the stack's worker is alive; stopped on the way out."""
     db = await fresh_database(database_url)
     node = f"{prefix}-" + uuid.uuid4().hex[:6]
     port = free_port()
@@ -93,7 +93,7 @@ async def whole_stack(
         http_port=port,
         api_token=TOKEN,
         node_name=node,
-        cpu_slots=2,
+        cpu_slots=cpu_slots,
         heartbeat_interval_s=0.5,
         metrics_port=0,
         **overrides,
@@ -198,7 +198,7 @@ async def test_nan_is_rolled_back_before_two_more_steps_and_a_slow_rank_is_named
             "model": TINY,
             "train": {**TRAIN, "steps": 14},
             "checkpoint": {"every": 3, "keep": 10},
-            "guardian": {"nan": "rollback", "imbalance_steps": 3},
+            "guardian": {"nan": "rollback", "replay": False, "imbalance_steps": 3},  # the rollback path
             "faults": [
                 {"kind": "nan", "step": k, "rank": 1},
                 {"kind": "slow_rank", "step": 0, "rank": 0, "delay_s": 0.3},
