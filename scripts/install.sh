@@ -38,6 +38,7 @@ ensure_apt() {  # ensure_apt PROGRAM PACKAGE...: install the packages unless PRO
 ensure_apt slurmd slurmctld slurmd slurm-client munge
 ensure_apt munged munge
 ensure_apt prometheus prometheus
+ensure_apt ip iproute2  # network namespaces as hosts (tests/integration/multihost)
 
 PIP=(.venv/bin/python -m pip --quiet)
 "${PIP[@]}" install --upgrade "pip>=24" "setuptools>=69" wheel

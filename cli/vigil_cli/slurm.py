@@ -23,8 +23,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,54 @@ class _Terminated(Exception):
     """SIGTERM reached `vigil slurm run` (scancel, or the allocation's time limit)."""
 
 
+class StepEnded(click.ClickException):
+    """The workers' srun step ended while their Vigil job still ran: a worker died (srun ends the step when
+    a task fails, `--kill-on-bad-exit`), or the step was ended from outside."""
+
+    def __init__(self, code: int, job_id: str) -> None:
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        super().__init__(
+            f"the workers' srun step ended ({how}) before Vigil job {job_id} did: a worker of this "
+            "allocation died or was stopped (its output is in this Slurm job's); the Vigil job was cancelled"
+        )
+        self.code = code
+
+
+def follow_while_step_runs(
+    follow: Callable[[], str], step: subprocess.Popen[bytes], job_id: str, on_step_end: Callable[[], None]
+) -> str:
+    """`follow()` (which returns the job's final state) as long as the workers' step runs; the final state.
+
+    The step ending first calls `on_step_end` (which cancels the job) and raises StepEnded. Signals still
+    reach this (the main) thread: `follow` and the wait on the step run in threads of their own."""
+    outcome: dict[str, Any] = {}
+    ended = threading.Event()
+
+    def following() -> None:
+        try:
+            outcome["state"] = follow()
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+        finally:
+            ended.set()
+
+    def watching() -> None:
+        step.wait()
+        ended.set()
+
+    threading.Thread(target=following, name="follow-job", daemon=True).start()
+    threading.Thread(target=watching, name="watch-step", daemon=True).start()
+    # woken now and then: a signal's handler runs in this thread even when the signal went to another
+    while not ended.wait(1.0):
+        pass
+    if "state" in outcome:
+        return str(outcome["state"])
+    if "error" in outcome:
+        raise outcome["error"]
+    on_step_end()
+    raise StepEnded(step.returncode, job_id)
+
+
 def register(group: click.Group) -> None:
     @group.group("slurm")
     def slurm() -> None:
@@ -231,7 +280,8 @@ def register(group: click.Group) -> None:
     @url_option
     def run(spec: Path, register_timeout: float, url: str | None) -> None:
         """Workers on this allocation's nodes, then SPEC submitted and followed; exits when it ends
-        (0 if it SUCCEEDED), ending the step. SIGTERM (scancel) cancels the Vigil job."""
+        (0 if it SUCCEEDED), ending the step. SIGTERM (scancel) cancels the Vigil job; so does the workers'
+        step ending first (a worker died), and the command then fails saying so."""
         alloc = Allocation.from_env(os.environ)
         client = connect(url)
         console = Console()
@@ -247,7 +297,15 @@ def register(group: click.Group) -> None:
             job = client.submit(spec)
             job_id = job.id
             console.print(f"submitted {job_id} ({job.name}) from Slurm job {alloc.job_id}")
-            final = follow_job(client, job_id, console, json_out=False)
+            submitted = job_id
+
+            def cancel() -> None:
+                with contextlib.suppress(VigilError):
+                    client.cancel(submitted)
+
+            final = follow_while_step_runs(
+                lambda: follow_job(client, submitted, console, json_out=False), step, submitted, cancel
+            )
         except _Terminated:
             final = JobState.CANCELLED
             if job_id is not None:

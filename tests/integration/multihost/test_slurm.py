@@ -1,0 +1,278 @@
+"""Slurm over two hosts: a slurmd in each (network namespaces hosta and hostb, each under its own host name),
+one slurmctld and munged in the test's namespace. The example `deploy/slurm/vigil-job.sbatch` runs a 2-node
+job: `vigil slurm run` (the batch step, on hosta) starts a worker on each host, which advertises the
+address its Slurm node name resolves to, and the job's two ranks rendezvous across the hosts; Slurm reports
+COMPLETED. A worker that dies while the job runs ends the workers' step: `vigil slurm run` sees it, cancels
+the Vigil job, fails saying why, and Slurm reports the allocation FAILED."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helpers import eventually
+from tests.integration.scheduler.conftest import launched, next_event, wait_state
+from tests.integration.slurm.conftest import BINARIES, SlurmCluster
+from vigil_cli.slurm import worker_name
+from vigil_common import subjects
+from vigil_common.embedded import free_port
+from vigil_common.events import RankStarted, StepCompleted
+
+from .conftest import TOKEN, Plane
+from .netns import Host, Network
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slurm, pytest.mark.multihost]
+
+ROOT = Path(__file__).resolve().parents[3]
+SBATCH_SCRIPT = ROOT / "deploy" / "slurm" / "vigil-job.sbatch"
+TINY = {"preset": "tiny", "n_layer": 2, "seq_len": 32}
+TRAIN = {"micro_batch": 4, "lr": 3e-3, "warmup_steps": 1, "zero_stage": 1}
+
+
+def slurm_conf(root: Path, network: Network) -> str:
+    """One CPU per node: a 2-rank job needs both nodes (and `vigil slurm worker` gives each one slot)."""
+    nodes = "\n".join(
+        f"NodeName={h.hostname} NodeAddr={h.address} CPUs=1 State=UNKNOWN" for h in network.hosts
+    )
+    return f"""\
+ClusterName=vigilmh
+SlurmctldHost={os.uname().nodename}({network.gateway})
+SlurmctldPort={free_port(network.gateway)}
+SlurmdPort=6818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge/munge.socket
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+SwitchType=switch/none
+ReturnToService=2
+SlurmdParameters=config_overrides
+MinJobAge=600
+KillWait=5
+{nodes}
+PartitionName=vigil Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
+    """munged and slurmctld here, a slurmd in each host; `node` is the first host's."""
+    missing = [b for b in BINARIES if not shutil.which(b)]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)}): bash scripts/install.sh installs it")
+    root = Path(tempfile.mkdtemp(prefix="vigil-mh-slurm-"))
+    for sub in ("munge", "state", "spool", "log", *(f"spool/{h.hostname}" for h in network.hosts)):
+        (root / sub).mkdir(mode=0o700)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    conf = root / "slurm.conf"
+    conf.write_text(slurm_conf(root, network))
+    cluster = SlurmCluster(root, conf, network.hosts[0].hostname)
+    logs = (root / "log" / "daemons.out").open("ab")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        munge = root / "munge"
+        procs.append(
+            subprocess.Popen(
+                ["munged", "--foreground", "--force", f"--key-file={key}",
+                 f"--socket={munge / 'munge.socket'}", f"--pid-file={munge / 'munged.pid'}",
+                 f"--seed-file={munge / 'seed'}", f"--log-file={root / 'log' / 'munged.log'}"],
+                stdout=logs, stderr=subprocess.STDOUT,
+            )
+        )  # fmt: skip
+        deadline = time.monotonic() + 15
+        while not (munge / "munge.socket").exists():
+            assert procs[0].poll() is None and time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.05)  # polling for the socket munged creates
+        procs.append(
+            subprocess.Popen(
+                ["slurmctld", "-D", "-c", "-f", str(conf)],
+                env=cluster.env,
+                stdout=logs,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        for host in network.hosts:
+            procs.append(
+                host.popen(
+                    ["slurmd", "-D", "-N", host.hostname, "-f", str(conf)],
+                    env=cluster.env,
+                    stdout=logs,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        names = ",".join(h.hostname for h in network.hosts)
+        deadline = time.monotonic() + 60
+        while True:
+            states = subprocess.run(
+                ["sinfo", "--noheader", "--Node", "--format=%T", "--nodes", names],
+                env=cluster.env, capture_output=True, text=True, timeout=30,
+            ).stdout.split()  # fmt: skip
+            if states == ["idle"] * len(network.hosts):
+                break
+            dead = [p.args for p in procs if p.poll() is not None]
+            assert not dead and time.monotonic() < deadline, (
+                f"nodes {states}, exited {dead}\n{cluster.logs()}"
+            )
+            time.sleep(0.2)  # polling sinfo until both nodes register idle
+        yield cluster
+    finally:
+        if len(procs) == 2 + len(network.hosts):  # end what still runs, so no slurmstepd outlives its slurmd
+            subprocess.run(["scancel", "--partition=vigil"], env=cluster.env, capture_output=True, timeout=30)
+        for proc in reversed(procs):
+            stop(proc)
+        logs.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def sbatch(cluster: SlurmCluster, plane: Plane, work: Path, spec: dict[str, Any]) -> str:
+    """Submit the example batch script (2 nodes, as it says) with `spec`; the Slurm job id."""
+    spec_file = work / f"{spec['name']}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in cluster.env.items() if not k.startswith("VIGIL_")}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        VIGIL_NATS_URL=plane.nats_url,
+        VIGIL_API_URL=plane.url,
+        VIGIL_API_TOKEN=TOKEN,
+        VIGIL_DATA_DIR=str(work / "vigil"),  # storage the hosts share
+        VIGIL_HEARTBEAT_INTERVAL_S="0.5",
+        OMP_NUM_THREADS="1",
+    )
+    argv = ["sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out"]
+    done = subprocess.run(
+        [*argv, str(SBATCH_SCRIPT), str(spec_file)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def output(cluster: SlurmCluster, work: Path, slurm_id: str) -> str:
+    out = work / f"slurm-{slurm_id}.out"
+    return f"{out.read_text() if out.exists() else 'no output'}\n{cluster.logs()}"
+
+
+async def vigil_job(plane: Plane, name: str, cluster: SlurmCluster, work: Path, slurm_id: str) -> str:
+    async def submitted() -> str | None:
+        items = (await plane.http.get("/api/v1/jobs", params={"limit": 100})).json()["items"]
+        return next((j["id"] for j in items if j["name"] == name), None)
+
+    try:
+        return await eventually(submitted, timeout=120, what=f"the Vigil job of Slurm job {slurm_id}")
+    except AssertionError:
+        raise AssertionError(output(cluster, work, slurm_id)) from None
+
+
+async def allocation_ended(cluster: SlurmCluster, slurm_id: str) -> str:
+    async def ended() -> str | None:
+        state = cluster.job_state(slurm_id)
+        return state if state not in (None, "PENDING", "RUNNING", "COMPLETING") else None
+
+    return await eventually(ended, timeout=90, what=f"Slurm job {slurm_id} to end")
+
+
+def spec(name: str, steps: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "resources": {"nodes": 2, "gpus_per_node": 1},
+        "model": TINY,
+        "train": {"steps": steps, **TRAIN},
+        "checkpoint": {"every": 4},
+    }
+
+
+def workers_in(host: Host) -> list[int]:
+    """The `vigil slurm worker` processes running in `host`."""
+    found = []
+    for pid in host.pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"slurm" in argv and b"worker" in argv:
+            found.append(pid)
+    return found
+
+
+async def test_a_two_node_sbatch_job_runs_a_rank_on_each_host_and_completes(
+    plane: Plane, slurm_hosts: SlurmCluster, network: Network, tmp_path: Path
+) -> None:
+    a, b = network.hosts
+    name = "mh-slurm-ok-" + uuid.uuid4().hex[:6]
+    slurm_id = sbatch(slurm_hosts, plane, tmp_path, spec(name, steps=6))
+    job_id = await vigil_job(plane, name, slurm_hosts, tmp_path, slurm_id)
+    launch = await launched(plane.bus, job_id, timeout_s=60)
+    nodes = [worker_name(h.hostname, slurm_id) for h in (a, b)]
+    assert [(p.rank, p.node) for p in launch.placement] == [(0, nodes[0]), (1, nodes[1])]
+    assert launch.master_addr == a.address  # hosta's Slurm node name, resolved on hosta
+    try:
+        await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
+    except TimeoutError:
+        raise AssertionError(output(slurm_hosts, tmp_path, slurm_id)) from None
+    assert await allocation_ended(slurm_hosts, slurm_id) == "COMPLETED", output(
+        slurm_hosts, tmp_path, slurm_id
+    )
+    assert slurm_hosts.steps(slurm_id) == []
+    assert not workers_in(a) and not workers_in(b)
+
+
+async def test_a_worker_that_dies_fails_vigil_slurm_run_and_its_allocation(
+    plane: Plane, slurm_hosts: SlurmCluster, network: Network, tmp_path: Path
+) -> None:
+    a, b = network.hosts
+    name = "mh-slurm-dies-" + uuid.uuid4().hex[:6]
+    slurm_id = sbatch(slurm_hosts, plane, tmp_path, spec(name, steps=5000))
+    job_id = await vigil_job(plane, name, slurm_hosts, tmp_path, slurm_id)
+    await next_event(
+        plane.bus, subjects.job_status(job_id), lambda e: isinstance(e, RankStarted), timeout_s=120
+    )
+    await next_event(
+        plane.bus, subjects.job_steps(job_id), lambda e: isinstance(e, StepCompleted), timeout_s=120
+    )
+
+    (victim,) = workers_in(b)
+    os.kill(victim, signal.SIGKILL)  # hostb's worker dies
+
+    assert await allocation_ended(slurm_hosts, slurm_id) == "FAILED", output(slurm_hosts, tmp_path, slurm_id)
+    out = (tmp_path / f"slurm-{slurm_id}.out").read_text()
+    assert f"before Vigil job {job_id} did: a worker of this allocation died" in out, out
+    await wait_state(plane.bus, job_id, "CANCELLED", timeout_s=30)
+    assert slurm_hosts.steps(slurm_id) == []
+    assert not workers_in(a) and not workers_in(b)
