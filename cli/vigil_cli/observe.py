@@ -24,6 +24,7 @@ from vigil_common.events import (
 )
 from vigil_common.service import install_stop_signals, require_urls, setup_logging
 from vigil_common.settings import Settings
+from vigil_common.waiting import STOPPED, unless_stopped
 
 
 def register(group: click.Group) -> None:
@@ -69,19 +70,8 @@ async def watch_events(  # type: ignore[no-untyped-def]
             if ready is not None:
                 ready.set()
             stream = aiter(events)
-            stopped = asyncio.ensure_future(stop.wait())
-            try:
-                while True:
-                    nxt = asyncio.ensure_future(anext(stream))
-                    await asyncio.wait({nxt, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                    if not nxt.done():
-                        nxt.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                            await nxt
-                        break
-                    emit(nxt.result())
-            finally:
-                stopped.cancel()
+            while (event := await unless_stopped(anext(stream), stop)) is not STOPPED:
+                emit(event)
     finally:
         await bus.close()
 

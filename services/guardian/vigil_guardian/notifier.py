@@ -8,13 +8,13 @@ the incident is dropped for that URL, counted and logged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
 import httpx
 
 from vigil_common.events import IncidentRaised
+from vigil_common.waiting import STOPPED, unless_stopped, wait_any
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ class Notifier:
     async def _deliver(self, client: httpx.AsyncClient, url: str, stop: asyncio.Event) -> None:
         queue = self.queues[url]
         while not stop.is_set():
-            incident = await _until(queue.get(), stop)
-            if incident is None:
+            incident = await unless_stopped(queue.get(), stop)
+            if incident is STOPPED:
                 break
             await self._post(client, url, incident, stop)
         if queue.qsize():
@@ -81,8 +81,8 @@ class Notifier:
         headers = {"Content-Type": "application/json", "Idempotency-Key": incident.event_id}
         for attempt in range(1, self.attempts + 1):
             try:
-                response = await _until(client.post(url, content=body, headers=headers), stop)
-                if response is None:
+                response = await unless_stopped(client.post(url, content=body, headers=headers), stop)
+                if response is STOPPED:
                     break  # stopping: a slow hook does not hold up the shutdown
                 if response.status_code < 300:
                     self.delivered += 1
@@ -103,25 +103,9 @@ class Notifier:
                 break
             delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
             log.warning("webhook %s: %s; retry %d in %.1fs", url, problem, attempt, delay)
-            if await _until(asyncio.sleep(delay, result=True), stop) is None:  # back-off, cut short by stop
+            if await wait_any(stop, timeout_s=delay):  # back-off, cut short by stop
                 break
         self.failed += 1
         log.error(
             "webhook %s: incident %s not delivered after %d attempts", url, incident.event_id, self.attempts
         )
-
-
-async def _until(awaitable, stop: asyncio.Event):  # type: ignore[no-untyped-def]
-    """The awaitable's result, or None if `stop` is set first."""
-    task = asyncio.ensure_future(awaitable)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None

@@ -19,6 +19,7 @@ from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
+from vigil_common.waiting import unless_stopped
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.app import Deps, create_app
 from vigil_scheduler.handlers import BUS_NAME, Handlers
@@ -103,9 +104,8 @@ async def _serve(server: uvicorn.Server, closing: asyncio.Event, stop: asyncio.E
     """Serve HTTP until `stop`; a server that cannot start stops the whole service."""
     serving = asyncio.create_task(server.serve())
     try:
-        waiter = asyncio.create_task(stop.wait())
-        await asyncio.wait({serving, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+        # waits on the server without cancelling it: on stop it shuts down gracefully, below
+        await unless_stopped(asyncio.wait({serving}), stop)
         if serving.done() and not stop.is_set():
             stop.set()
             serving.result()

@@ -33,6 +33,7 @@ from vigil_common.bus.deliveries import (
 )
 from vigil_common.errors import PermanentError
 from vigil_common.events import Message, MessageDeadLettered
+from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)
 
@@ -93,22 +94,17 @@ class Consumers(BusClient):
                 arrived.set()
 
         sub = await self._push(spec, on_msg)
-        stopped = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 if not buffer:
                     arrived.clear()
-                    waiting = asyncio.ensure_future(arrived.wait())
-                    await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                    waiting.cancel()
-                    if stop.is_set():
-                        break
+                    await wait_any(arrived, stop)
+                    continue
                 if len(buffer) < max_batch:
                     await asyncio.sleep(gather_s)  # let a burst gather into one batch
                 batch, buffer[:] = buffer[:max_batch], buffer[max_batch:]
                 await self._handle_batch(spec, batch, handler, admit)
         finally:
-            stopped.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
                 for msg in buffer:  # received but not handled: back to the server at once

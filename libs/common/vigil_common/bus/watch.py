@@ -17,6 +17,7 @@ from vigil_common.bus.decoding import decode_stored
 from vigil_common.bus.streams import Stored, Streams
 from vigil_common.errors import MalformedMessage, RetryableError
 from vigil_common.events import Message
+from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,9 @@ class Watching(Streams):
             if woken.is_set():
                 continue
             if delays:
-                await _wait(woken, delays.pop(0))
+                await wait_any(woken, timeout_s=delays.pop(0))
                 continue
-            if await _wait(woken, WATCH_RECHECK_S):
+            if await wait_any(woken, timeout_s=WATCH_RECHECK_S):
                 delays = list(_STORE_WAIT_S)
 
     async def _read_stored(self, stream: str, subject: str, seq: int, out: asyncio.Queue[Stored]) -> int:
@@ -146,10 +147,3 @@ async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:
     for task in tasks:
         if not task.cancelled() and task.exception() is not None:
             log.debug("watch %s ended with %r", task.get_name(), task.exception())
-
-
-async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait for `event` at most `timeout_s`; True when it is set."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout_s)
-    return event.is_set()

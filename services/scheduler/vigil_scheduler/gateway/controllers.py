@@ -31,6 +31,7 @@ from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.jobstates import JobState
 from vigil_common.spec import parse_spec
+from vigil_common.waiting import STOPPED, unless_stopped
 from vigil_scheduler import audit, idempotency, queries
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import actor
@@ -184,28 +185,19 @@ async def _live_events(
     """JobStateChanged and IncidentRaised as they are published, with a keep-alive comment when idle."""
     async with bus.watch(subjects.ALL_STATUS, subjects.ALL_INCIDENTS) as events:
         stream = aiter(events)
-        pending = asyncio.ensure_future(anext(stream))
-        stopping = asyncio.ensure_future(closing.wait())
-        try:
-            yield ServerSentEventMessage(comment="connected")
-            while True:
-                done, _ = await asyncio.wait(
-                    {pending, stopping}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
+        yield ServerSentEventMessage(comment="connected")
+        while True:
+            try:
+                event = await unless_stopped(anext(stream), closing, timeout_s=KEEPALIVE_S)
+            except TimeoutError:
+                yield ServerSentEventMessage(comment="keep-alive")
+                continue
+            if event is STOPPED:
+                return
+            if isinstance(event, JobStateChanged | IncidentRaised) and job in (None, event.job_id):
+                yield ServerSentEventMessage(
+                    data=event.model_dump_json(), event=event.type, id=event.event_id
                 )
-                if stopping in done:
-                    return
-                if pending not in done:
-                    yield ServerSentEventMessage(comment="keep-alive")
-                    continue
-                event = pending.result()
-                pending = asyncio.ensure_future(anext(stream))
-                if isinstance(event, JobStateChanged | IncidentRaised) and job in (None, event.job_id):
-                    yield ServerSentEventMessage(
-                        data=event.model_dump_json(), event=event.type, id=event.event_id
-                    )
-        finally:
-            pending.cancel()
-            stopping.cancel()
 
 
 class AuditController(Controller):
