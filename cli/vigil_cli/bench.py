@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "scaling": "vigil_bench.scaling",
     "console": "vigil_bench.console",
     "sdk": "vigil_bench.sdk",
+    "goodput": "vigil_bench.goodput",
 }
 
 

@@ -1,0 +1,205 @@
+"""`vigil bench goodput`: the share of wall time a job keeps for useful training under a mixed set of
+faults.
+
+The whole stack runs in this process (scheduler and gateway, telemetry, guardian, a worker of two CPU
+slots, as `vigil up`) on the user's servers or embedded ones. The same two-rank DeepSpeed job (tiny GPT,
+ZeRO-1) runs twice, one after the other (after a short warm-up job): fault-free (the floor), then with
+five faults, one of each
+kind: a silent data corruption (held, replayed clean), a NaN and a loss spike in the data (held,
+reproduced, their data skipped), a crashed rank and a hung one (both relaunched from the last
+checkpoint). Both runs do the same useful steps; goodput = fault-free wall time / faulted wall time,
+each from submission to SUCCEEDED. Target >= 0.97 (ByteRobust's effective training time at scale).
+
+Per fault, the time it cost, from the job's own events: a held step's time beyond the median step; a
+relaunch's time from the last step done before it to the same progress after it, less one step (it is
+detection, the new ranks' start and load, and the steps redone since the checkpoint). The held-step
+kinds alone give `goodput_held`: what the rest of the table would be without a relaunch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vigil_bench import measure_on_servers, result
+from vigil_cli.stack import run_services
+from vigil_common import events as ev
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.embedded import free_port
+from vigil_common.settings import Settings
+
+STEPS = 300
+RELAUNCHED_BY = ("rank_exit", "hang", "node_lost", "gpu_health", "sdc")
+TOKEN = "bench-goodput-" + uuid.uuid4().hex
+FAULTS = [
+    {"kind": "sdc", "step": 40, "rank": 1},
+    {"kind": "nan", "step": 80, "rank": 0},
+    {"kind": "spike", "step": 120, "rank": 1, "factor": 50},
+    {"kind": "crash", "step": 165, "rank": 1},
+    {"kind": "hang", "step": 235, "rank": 0},
+]
+
+
+def spec(faults: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": "bench-goodput",
+        "resources": {"nodes": 1, "gpus_per_node": 2},
+        "model": {"preset": "tiny", "n_layer": 2, "seq_len": 64},
+        "train": {"steps": STEPS, "micro_batch": 4, "lr": 1e-3, "warmup_steps": 2, "zero_stage": 1},
+        "checkpoint": {"every": 25, "keep": 3},
+        "guardian": {"hang_step_multiple": 10, "hang_timeout_s": 60, "spike_warmup": 10},
+        "faults": faults,
+    }
+
+
+@dataclass
+class Run:
+    job_id: str = ""
+    wall_s: float = 0.0
+    events: list[ev.Message] = field(default_factory=list)
+
+    def of(self, cls: type[ev.Message]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, cls)]
+
+
+async def train(http: httpx.AsyncClient, bus: Bus, body: dict[str, Any], timeout_s: float) -> Run:
+    run, ended = Run(), asyncio.Event()
+    watched = (subjects.ALL_LAUNCHES, subjects.ALL_STEPS, subjects.ALL_STATUS, subjects.ALL_CMDS)
+    async with bus.watch(*watched, subjects.ALL_INCIDENTS) as events:
+
+        async def collect() -> None:
+            async for e in events:
+                if e.job_id == run.job_id:
+                    run.events.append(e)
+                    if isinstance(e, ev.JobStateChanged) and e.to_state in ev.TERMINAL_STATES:
+                        ended.set()
+
+        collector = asyncio.create_task(collect())
+        t0 = time.perf_counter()
+        response = await http.post("/api/v1/jobs", json=body)
+        response.raise_for_status()
+        run.job_id = response.json()["id"]
+        try:
+            await asyncio.wait_for(ended.wait(), timeout_s)
+        finally:
+            run.wall_s = time.perf_counter() - t0
+            collector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collector
+    state = run.of(ev.JobStateChanged)[-1].to_state
+    if state != "SUCCEEDED":
+        raise RuntimeError(f"bench job {run.job_id} ended {state}")
+    return run
+
+
+def time_lost(run: Run) -> list[dict[str, Any]]:
+    """What each fault cost (see the module's docstring)."""
+    rank0 = [e for e in run.of(ev.StepCompleted) if e.rank == 0]
+    median = statistics.median(e.step_time_s for e in rank0)
+    rows = []
+    for held in run.of(ev.StepReplayed):
+        step = next(e for e in rank0 if e.step == held.step and e.attempt == held.attempt)
+        rows.append(
+            {
+                "fault": "sdc" if held.outcome == "transient" else held.kind,
+                "step": held.step,
+                "recovery": "replayed (transient)" if held.outcome == "transient" else "data skipped",
+                "lost_s": round(step.step_time_s - median, 3),
+            }
+        )
+    for launch in run.of(ev.LaunchJob):
+        if launch.attempt == 1:
+            continue
+        old = launch.attempt - 1
+        before = [e for e in rank0 if e.attempt == old]
+        last = max(before, key=lambda e: e.step)
+        again = min(
+            (e for e in rank0 if e.attempt >= launch.attempt and e.step == last.step + 1),
+            key=lambda e: e.occurred_at,
+        )
+        why = next(
+            (i.kind for i in run.of(ev.IncidentRaised) if i.attempt == old and i.kind in RELAUNCHED_BY), "?"
+        )
+        lost = (again.occurred_at - last.occurred_at).total_seconds() - median
+        resumed = int(Path(launch.resume_from).name.removeprefix("step_")) if launch.resume_from else 0
+        rows.append(
+            {
+                "fault": {"rank_exit": "crash"}.get(why, why),
+                "step": last.step + 1,
+                "recovery": f"relaunched from step {resumed} ({last.step + 1 - resumed} redone)",
+                "lost_s": round(lost, 3),
+            }
+        )
+    return sorted(rows, key=lambda r: r["step"])
+
+
+async def _measure(settings: Settings) -> dict[str, Any]:
+    port = free_port()
+    settings = settings.model_copy(
+        update={
+            "http_port": port,
+            "api_token": TOKEN,
+            "node_name": "bench-goodput-" + uuid.uuid4().hex[:6],
+            "cpu_slots": 2,
+            "heartbeat_interval_s": 0.5,
+        }
+    )
+    stop = asyncio.Event()
+    services = asyncio.create_task(run_services(settings, stop))
+    bus = await Bus.connect(settings.nats_url, "bench-goodput")
+    http = httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the gateway answers and the worker registered (polled while the stack starts)
+            if services.done():
+                services.result()
+            with contextlib.suppress(httpx.HTTPError):
+                nodes = (await http.get("/api/v1/nodes")).json().get("items", [])
+                if any(n["alive"] for n in nodes):
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the stack did not come up within 120s")
+            await asyncio.sleep(0.2)
+        warm = {**spec([]), "train": {**spec([])["train"], "steps": 5}}
+        await train(http, bus, warm, timeout_s=300)  # first-run costs (page cache, imports) go here
+        clean = await train(http, bus, spec([]), timeout_s=900)
+        faulted = await train(http, bus, spec(FAULTS), timeout_s=900)
+    finally:
+        stop.set()
+        await asyncio.wait_for(services, 60)
+        await http.aclose()
+        await bus.close()
+
+    rows = time_lost(faulted)
+    held = sum(r["lost_s"] for r in rows if r["fault"] in ("sdc", "nan", "spike"))
+    goodput = clean.wall_s / faulted.wall_s
+    return result(
+        "goodput",
+        faulted.wall_s,
+        clean.wall_s,
+        unit="s of wall time for the same useful steps (faulted, fault-free)",
+        target="goodput = floor / value >= 0.97",
+        goodput=round(goodput, 4),
+        goodput_held=round(clean.wall_s / (clean.wall_s + held), 4),
+        steps=STEPS,
+        median_step_s=round(statistics.median(e.step_time_s for e in clean.of(ev.StepCompleted)), 4),
+        faults=rows,
+        unexplained_s=round(faulted.wall_s - clean.wall_s - sum(r["lost_s"] for r in rows), 3),
+        rollbacks=len(faulted.of(ev.RollbackCompleted)),
+        ok=goodput >= 0.97,
+    )
+
+
+async def run(settings: Settings) -> dict[str, Any]:
+    return await measure_on_servers(_measure, settings)
