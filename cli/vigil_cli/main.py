@@ -13,19 +13,7 @@ import click
 
 from vigil.client import VigilError as ApiError
 from vigil_cli import bench, checkpoint, demo, jobs, observe, services, slurm, up
-from vigil_common.errors import VigilError
-
-
-def first_error(exc: BaseException) -> VigilError | ApiError | None:
-    """The first VigilError in `exc`, looking inside exception groups (a service's TaskGroup wraps its
-    failures in them); None when there is none."""
-    if isinstance(exc, VigilError | ApiError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            if (found := first_error(inner)) is not None:
-                return found
-    return None
+from vigil_common.errors import VigilError, first_error
 
 
 class VigilGroup(click.Group):
@@ -33,7 +21,7 @@ class VigilGroup(click.Group):
         try:
             return super().invoke(ctx)
         except (VigilError, ApiError, BaseExceptionGroup) as exc:
-            if (error := first_error(exc)) is None:
+            if (error := first_error(exc, (VigilError, ApiError))) is None:
                 raise
             raise click.ClickException(str(error)) from exc
 

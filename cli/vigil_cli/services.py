@@ -1,9 +1,11 @@
-"""`vigil scheduler`, `vigil telemetry`, `vigil guardian`, `vigil worker`: run one service alone.
+"""The services, and running one: `vigil scheduler`, `vigil telemetry`, `vigil guardian`, `vigil worker`
+each run one alone; `vigil up` runs them all in one process (`vigil_cli.stack`).
 
-All four take the same path: settings from VIGIL_* (flags override), the NATS and Postgres URLs from
-the environment or else from a `vigil up` running on the same data dir, then the service's
-`run(settings, stop)` until SIGINT/SIGTERM. A bad setting or an unreachable server ends the command
-with one line naming it (see `vigil_cli.main`).
+Both take one path: settings from VIGIL_* (flags override), and each service connects to NATS as its own
+user (`nats_user`), whose URL comes from the environment, from a `vigil up` running on the same data dir
+(alone), or from the NATS server `vigil up` started (together); then the service's `run(settings, stop)`
+until SIGINT/SIGTERM. A bad setting or an unreachable server ends the command with one line naming it
+(see `vigil_cli.main`), never a traceback.
 """
 
 from __future__ import annotations
@@ -14,22 +16,36 @@ from typing import Any
 
 import click
 
-from vigil_cli.stack import SERVICE_ROLES
 from vigil_common import credentials
 from vigil_common.embedded import resolve_urls
 from vigil_common.service import run_service
 from vigil_common.settings import Settings
 
+# Every service `vigil up` runs, in start order, with its NATS user; each module exposes
+# `run(settings, stop)`. A worker's user is its node's (`nats_user`).
+WORKER = "worker"
+SERVICE_ROLES = {
+    "vigil_scheduler.main": credentials.SCHEDULER,
+    "vigil_telemetry.main": credentials.TELEMETRY,
+    "vigil_guardian.main": credentials.GUARDIAN,
+    "vigil_worker.main": WORKER,
+}
+SERVICES: tuple[str, ...] = tuple(SERVICE_ROLES)
+
+
+def nats_user(service: str, node_name: str) -> str:
+    """The NATS user `service` connects as where each service has its own (`vigil up`, the deployments):
+    its role's; a worker, its node's."""
+    role = SERVICE_ROLES[service]
+    return credentials.worker_role(node_name) if role == WORKER else role
+
 
 def serve(module: str, **overrides: Any) -> None:
     """Run `module.run(settings, stop)`; the service module is imported only now (the worker's pulls in
     its own dependencies, which the other services do without). URLs found from a `vigil up` carry the
-    service's own NATS credential (the worker's: its node's)."""
+    service's own NATS credential."""
     settings = Settings.load(**overrides)
-    role = SERVICE_ROLES[module]
-    if role == "worker":
-        role = credentials.worker_role(settings.node_name)
-    settings = resolve_urls(settings, role)
+    settings = resolve_urls(settings, nats_user(module, settings.node_name))
     run_service(importlib.import_module(module).run, settings)
 
 

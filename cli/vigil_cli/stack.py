@@ -16,30 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from vigil_cli.services import SERVICES, nats_user
 from vigil_common import credentials
 from vigil_common.bus import Bus
 from vigil_common.confine import private_dir
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, write_endpoints
-from vigil_common.errors import ConfigError
+from vigil_common.errors import ConfigError, first_error
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
 
 log = logging.getLogger("vigil.stack")
-
-# Every service `vigil up` runs, in start order; each module exposes `run(settings, stop)`.
-SERVICES: tuple[str, ...] = (
-    "vigil_scheduler.main",
-    "vigil_telemetry.main",
-    "vigil_guardian.main",
-    "vigil_worker.main",
-)
-SERVICE_ROLES = {
-    "vigil_scheduler.main": credentials.SCHEDULER,
-    "vigil_telemetry.main": credentials.TELEMETRY,
-    "vigil_guardian.main": credentials.GUARDIAN,
-    "vigil_worker.main": "worker",
-}
 
 
 @dataclass
@@ -53,14 +40,12 @@ class Infra:
     role_urls: dict[str, str] = field(default_factory=dict)
 
     def settings_for(self, service: str) -> Settings:
-        """The settings a service runs with: its own NATS credential where there are roles."""
-        role = SERVICE_ROLES.get(service)
-        if not self.role_urls or role is None:
+        """The settings a service runs with: its own NATS user's URL where there are users
+        (`vigil_cli.services.nats_user`, as when it runs alone)."""
+        if not self.role_urls:
             return self.settings
-        if role == "worker":
-            role = credentials.worker_role(self.settings.node_name)
-            return self.settings.model_copy(update={"nats_url": self.role_urls[role]})
-        return self.settings.model_copy(update={"nats_url": self.role_urls[role]})
+        user = nats_user(service, self.settings.node_name)
+        return self.settings.model_copy(update={"nats_url": self.role_urls[user]})
 
 
 def _lock_data_dir(data_dir: Path) -> IO[str]:
@@ -129,20 +114,27 @@ async def infrastructure(settings: Settings) -> AsyncIterator[Infra]:
 async def run_services(
     settings: Settings | Infra, stop: asyncio.Event, services: Sequence[str] = SERVICES
 ) -> None:
-    """Run every service until `stop` is set; if one fails, the others are stopped too.
+    """Run every service until `stop` is set. If one fails, `stop` is set: the others stop as on Ctrl-C
+    (cleanly, not cancelled), and then its failure is raised (in an ExceptionGroup, as a TaskGroup would).
 
     Given the `Infra`, each service connects to NATS with its own role's credential."""
     infra = settings if isinstance(settings, Infra) else Infra(settings=settings)
     mains = [importlib.import_module(name).run for name in services]
+    failed: list[Exception] = []
 
     async def guarded(name: str, main: object) -> None:
         try:
             await main(infra.settings_for(name), stop)  # type: ignore[operator]
-        except Exception:
-            log.exception("service %s failed; stopping the stack", name)
+        except Exception as exc:
+            if (error := first_error(exc)) is not None:  # a setting, a server: one line, no traceback
+                log.error("service %s failed; stopping the stack: %s", name, error)
+            else:  # a bug: its traceback
+                log.exception("service %s failed; stopping the stack", name)
+            failed.append(exc)
             stop.set()
-            raise
 
     async with asyncio.TaskGroup() as group:
         for name, main in zip(services, mains, strict=True):
             group.create_task(guarded(name, main), name=name)
+    if failed:
+        raise ExceptionGroup("a service failed", failed)

@@ -85,10 +85,8 @@ def assert_connects_as(url: str, role: str, password: str) -> None:
 
 def service_role(command: str, node_name: str | None) -> str:
     """The NATS user `vigil COMMAND` connects as, as `vigil up` runs it (a worker: its node's)."""
-    from vigil_cli.stack import SERVICE_ROLES
+    from vigil_cli.services import nats_user
 
-    role = SERVICE_ROLES[f"vigil_{command}.main"]
-    if role == "worker":
+    if command == "worker":
         assert node_name, "a worker needs VIGIL_NODE_NAME: its NATS user is named after it"
-        return credentials.worker_role(node_name)
-    return role
+    return nats_user(f"vigil_{command}.main", node_name or "")

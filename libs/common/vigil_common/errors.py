@@ -12,6 +12,20 @@ class VigilError(Exception):
     """The root of every error Vigil raises on purpose."""
 
 
+def first_error(
+    exc: BaseException, kinds: tuple[type[BaseException], ...] = (VigilError,)
+) -> BaseException | None:
+    """The first of `kinds` (a VigilError) in `exc`, looking inside exception groups (a service's
+    TaskGroup wraps its failures in them); None when there is none: then `exc` is a bug."""
+    if isinstance(exc, kinds):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := first_error(inner, kinds)) is not None:
+                return found
+    return None
+
+
 class RetryableError(VigilError):
     """A transient failure: the same input may succeed later (a lost connection, a busy database)."""
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Iterator
 
 import uvicorn
@@ -102,21 +104,33 @@ async def _active(
 
 async def _serve(server: uvicorn.Server, closing: asyncio.Event, stop: asyncio.Event) -> None:
     """Serve HTTP until `stop`; a server that cannot start stops the whole service."""
-    serving = asyncio.create_task(server.serve())
+    host, port = server.config.host, server.config.port
+    try:
+        # bound here, not by uvicorn: uvicorn ends the process (sys.exit) when the port is taken
+        listening = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        )
+    except OSError as exc:
+        stop.set()
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConfigError(
+            f"the gateway cannot listen on {host}:{port} ({why}): set VIGIL_HTTP_PORT to a free port, "
+            "or VIGIL_HTTP_HOST to an address of this machine"
+        ) from exc
+    serving = asyncio.create_task(server.serve(sockets=[listening]))
     try:
         # waits on the server without cancelling it: on stop it shuts down gracefully, below
         await unless_stopped(asyncio.wait({serving}), stop)
         if serving.done() and not stop.is_set():
             stop.set()
             serving.result()
-            raise ConfigError(
-                f"the gateway stopped: could not serve on {server.config.host}:{server.config.port}"
-            )
-    except SystemExit as exc:  # uvicorn exits when it cannot bind
+            raise ConfigError(f"the gateway stopped: could not serve on {host}:{port}")
+    except SystemExit as exc:  # uvicorn exits when it cannot start
         stop.set()
-        raise ConfigError(f"the gateway cannot listen on {server.config.host}:{server.config.port}") from exc
+        raise ConfigError(f"the gateway cannot serve on {host}:{port}") from exc
     finally:
         closing.set()  # ends open event streams, so the graceful shutdown is quick
         server.should_exit = True
         with contextlib.suppress(SystemExit):
             await serving
+        listening.close()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -142,3 +143,46 @@ async def test_the_control_plane_runs_without_the_worker_dependencies(
         text = log.read_text()
         assert codes[name] == 0, f"{name} exited {codes[name]}: {text[-3000:]}"
         assert "slim install: refused" not in text and "Traceback" not in text, text[-3000:]
+
+
+def _a_backend_that_finds_no_gpu() -> str | None:
+    """A VIGIL_GPU_BACKEND this machine's worker refuses (no GPU through it), or None."""
+    from vigil_common.errors import ConfigError
+    from vigil_worker.inventory import Inventory
+
+    for backend in ("nvml", "amdsmi"):
+        try:
+            Inventory.discover(1, "probe", backend)
+        except ConfigError:
+            return backend
+    return None
+
+
+@pytest.mark.parametrize("setting", ["VIGIL_HTTP_PORT", "VIGIL_GPU_BACKEND"])
+def test_vigil_up_with_a_service_that_cannot_start_is_one_line_naming_the_setting(
+    setting: str, tmp_path: Path
+) -> None:
+    """`vigil up` runs the services in one process: a setting one of them cannot start with (the
+    scheduler's port taken, the worker's GPU backend finding no GPU) stops the others cleanly and ends
+    the command with one `Error:` line naming it, exit 1, and no traceback (theirs neither)."""
+    env = clean_env(VIGIL_HTTP_PORT=str(free_port()), VIGIL_METRICS_PORT="0")
+    with contextlib.ExitStack() as stack:
+        if setting == "VIGIL_HTTP_PORT":
+            taken = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+            env[setting] = str(taken.getsockname()[1])
+        elif (backend := _a_backend_that_finds_no_gpu()) is None:
+            pytest.skip("every GPU backend finds a GPU here")
+        else:
+            env[setting] = backend
+        proc = subprocess.run(
+            [sys.executable, "-c", "from vigil_cli.main import main; main()", "up", "--data-dir", "d"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and setting in errors[0], proc.stderr[-3000:]
