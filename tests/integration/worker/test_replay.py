@@ -31,11 +31,14 @@ def losses(rec, rank: int) -> dict[int, float]:
     return {e.step: e.loss for e in rec.of(ev.StepCompleted, rank=rank)}
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    ("zero_stage", "precision"),
+    [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (2, "bf16")],
+)
 async def test_transient_faults_are_replayed_and_the_loss_curve_is_the_fault_free_one(
-    ready_cluster, bus, job_id, zero_stage
+    ready_cluster, bus, job_id, zero_stage, precision
 ):
-    common = {"steps": STEPS, "zero_stage": zero_stage, "checkpoint": {"every": 100, "keep": 2}}
+    common = {"steps": STEPS, "zero_stage": zero_stage, "precision": precision, "checkpoint": {"every": 100}}
     clean = tiny_spec(**common)
     faulty = tiny_spec(
         **common,

@@ -13,6 +13,8 @@ real one.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,20 +24,35 @@ from vigil_worker.trainer.model import GuardedAdamW
 _INVALID = float("inf")
 
 
-def hold_next_step(engine: Any) -> None:
-    """Make `engine`'s next optimizer step a skipped one (its gradients dropped, nothing applied)."""
+def drop_step(engine: Any) -> None:
+    """The accumulation boundary's `engine.step()`, skipped: its gradients dropped, nothing applied."""
+    with _held(engine):
+        engine.step()
+
+
+@contextlib.contextmanager
+def _held(engine: Any) -> Iterator[None]:
+    """While inside, `engine`'s optimizer sees an invalid gradient norm (an optimizer that finds the
+    gradients non-finite by itself never asks: the shadow is removed on the way out all the same)."""
     opt = engine.optimizer
     if isinstance(opt, GuardedAdamW):
         opt.overflow = True
+        yield
         return
-    for method, invalid in _NORM_METHODS:
-        if hasattr(opt, method):
-            _once(opt, method, invalid)
-            return
-    # Any other optimizer reads the parameters' gradients at its step: make them non-finite.
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            p.grad.fill_(float("nan"))
+    method = next((m for m in _NORM_METHODS if hasattr(opt, m[0])), None)
+    if method is None:
+        # Any other optimizer reads the parameters' gradients at its step: make them non-finite.
+        for p in engine.module.parameters():
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+        yield
+        return
+    name, invalid = method
+    opt.__dict__[name] = lambda *args, **kwargs: invalid(opt)
+    try:
+        yield
+    finally:
+        opt.__dict__.pop(name, None)
 
 
 def _norm_tensor(opt: Any) -> torch.Tensor:
@@ -49,13 +66,3 @@ _NORM_METHODS: tuple[tuple[str, Any], ...] = (
     ("_get_norm_groups", lambda opt: [_norm_tensor(opt)]),  # ZeRO 3 (stage3.py)
     ("get_grads_for_norm", lambda opt: ([_norm_tensor(opt)], [])),  # BF16_Optimizer (ZeRO 0, bf16)
 )
-
-
-def _once(opt: Any, method: str, invalid: Any) -> None:
-    """Shadow `opt.method` for one call with one that returns an invalid norm, then remove the shadow."""
-
-    def shadow(*args: Any, **kwargs: Any) -> Any:
-        del opt.__dict__[method]
-        return invalid(opt)
-
-    opt.__dict__[method] = shadow

@@ -24,7 +24,7 @@ from vigil_common import events as ev
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position
 from vigil_worker.trainer.guard import Boundary
-from vigil_worker.trainer.hold import hold_next_step
+from vigil_worker.trainer.hold import drop_step
 from vigil_worker.trainer.micro import MicroSteps, execute
 from vigil_worker.trainer.step_judge import Bad
 
@@ -37,7 +37,7 @@ def settle(
     """Hold the step the boundary `held` judged `bad`, replay it, and return the execution that goes on
     (the replay, or the step on the next data after a skip)."""
     t0, pos = time.perf_counter(), st.data_position
-    drop(ctx)
+    drop_step(ctx.engine)
     log.warning("step %d: held (%s on ranks %s); replaying it", step, bad.kind, bad.culprits or "unknown")
     m, agreed = execute(ctx, st, step)
     if agreed.oom_rank is not None:
@@ -46,19 +46,13 @@ def settle(
         log.warning("step %d: the replay is clean: a transient fault", step)
         report(ctx, step, bad, "transient", held, agreed, pos, None, time.perf_counter() - t0)
         return m, agreed
-    drop(ctx)
+    drop_step(ctx.engine)
     window = (pos, pos + max(1, ctx.spec.guardian.spike_skip_steps))
     st.skip_windows.append(window)
     st.data_position = first_position(pos, st.skip_windows)
     log.warning("step %d: the replay reproduces it: data %d..%d skipped", step, window[0], window[1] - 1)
     report(ctx, step, bad, "reproduced", held, agreed, pos, window, time.perf_counter() - t0)
     return execute(ctx, st, step)
-
-
-def drop(ctx: RankContext) -> None:
-    """The accumulation boundary, with the update not applied (its gradients cleared)."""
-    hold_next_step(ctx.engine)
-    ctx.engine.step()
 
 
 def report(
