@@ -1,4 +1,4 @@
-"""The read side of telemetry's tables (migrations 0003, 0009), for the gateway.
+"""The read side of telemetry's tables (migrations 0003, 0009, 0013), for the gateway.
 
 Every list is a page (`vigil_common.pages.Page`): `{"items": [...], "next": cursor | None}`,
 in a stable key order, so a cursor never skips or repeats an item.
@@ -7,15 +7,15 @@ in a stable key order, so a cursor never skips or repeats an item.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
 
+from vigil_common.events import STEP_FIELDS
 from vigil_common.pages import Page, check_limit, decode_cursor, page
 
-_STEP_FIELDS = """step, rank, attempt, node, loss, grad_norm, lr, tokens, tokens_per_s, step_time_s,
-    data_time_s, forward_time_s, backward_time_s, comm_time_s, optimizer_time_s, mem_allocated_bytes,
-    mem_peak_bytes, skipped, data_position, occurred_at, flops_per_token, mfu, micro_batch"""
+_STEP_FIELDS = ", ".join(f for f in STEP_FIELDS if f not in ("event_id", "job_id"))  # a job's page of steps
 
 
 async def steps(
@@ -167,14 +167,78 @@ async def job_progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s")
 
+# Downsampled curves kept as steps arrive (`telemetry_step_buckets`, migration 0013; the telemetry writer
+# adds each batch): per job, rank and width, one row per `width` consecutive steps (bucket = step //
+# width) with, per metric, the sum and count of its finite values, their min and max, and how many were
+# not finite. Sums and counts merge, so a shown bucket of k stored ones is one GROUP BY. The widths are
+# fixed: one added later would hold only the steps stored after it (a migration must fill it).
+BUCKET_WIDTHS = (4, 16, 64, 256, 1024, 4096, 16384, 65536)
+BUCKET_PARTS = (("sum", "float8"), ("n", "int"), ("lo", "float8"), ("hi", "float8"), ("bad", "int"))
+BUCKET_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("job_id", "text"),
+    ("width", "int"),
+    ("rank", "int"),
+    ("bucket", "int"),
+    ("first_step", "int"),
+    ("last_step", "int"),
+    *((f"{m}_{part}", t) for m in SERIES_METRICS for part, t in BUCKET_PARTS),
+)
 
-async def step_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[dict[str, Any]]:
+
+def shown_width(wanted: int) -> int:
+    """The bucket width to show for at most `wanted` steps a point: the smallest at least `wanted` that
+    the stored buckets serve cheaply, i.e. a stored width, or two of the widest stored width not over
+    `wanted` (so never under half the points asked for, and never more than 2 stored rows a point); 1
+    and 2 come from the raw rows."""
+    if wanted <= 2:
+        return max(wanted, 1)
+    w = max((b for b in BUCKET_WIDTHS if b <= wanted), default=1)
+    if wanted == w:
+        return w
+    if wanted <= 2 * w:
+        return 2 * w
+    if 4 * w in BUCKET_WIDTHS:
+        return 4 * w
+    return w * -(-wanted // w)  # past the widest: a multiple of it
+
+
+def _stored_width(bucket: int) -> int | None:
+    """The widest stored width that divides `bucket` (None: read the raw rows)."""
+    return max((w for w in BUCKET_WIDTHS if bucket % w == 0), default=None)
+
+
+async def step_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[Mapping[str, Any]]:
     """A job's step metrics downsampled on the server: one row per (rank, `bucket` consecutive steps)
     over every stored event (re-runs after a rollback included, so a NaN or spike that was rolled back
     still shows), with the first and last step, and per metric the mean, min and max of the finite
-    values and how many were not finite (`<metric>_bad`). One pass over the job's rows."""
+    values and how many were not finite (`<metric>_bad`).
+
+    A `bucket` that a stored width divides (`shown_width` gives one) merges the stored buckets:
+    about two rows a point, however many steps the job has; any other is one pass over the raw rows.
+    """
     if bucket < 1:
         raise ValueError(f"bucket must be >= 1, got {bucket}")
+    stored = _stored_width(bucket)
+    if stored is None:
+        return await _raw_buckets(pool, job_id, bucket)
+    merged = ", ".join(
+        f"sum({m}_sum) / NULLIF(sum({m}_n), 0) AS {m}, min({m}_lo) AS {m}_lo, max({m}_hi) AS {m}_hi, "
+        f"sum({m}_bad)::int AS {m}_bad"
+        for m in SERIES_METRICS
+    )
+    rows = await pool.fetch(
+        f"""SELECT rank, bucket / $3 AS bucket, min(first_step) AS first_step, max(last_step) AS last_step,
+                   {merged}
+            FROM telemetry_step_buckets WHERE job_id = $1 AND width = $2
+            GROUP BY rank, bucket / $3 ORDER BY rank, 2""",  # in the key's order: no sort
+        job_id,
+        stored,
+        bucket // stored,
+    )
+    return rows  # records (a mapping each): 32,000 of them for 64 ranks, not copied into dicts
+
+
+async def _raw_buckets(pool: asyncpg.Pool, job_id: str, bucket: int) -> list[Mapping[str, Any]]:
     nonfinite = "('NaN', 'Infinity', '-Infinity')"
     # non-finite values become NULL once (aggregates skip NULLs), and are counted apart
     cleaned = ", ".join(
@@ -193,7 +257,7 @@ async def step_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[
         job_id,
         bucket,
     )
-    return [dict(r) for r in rows]
+    return rows
 
 
 async def step_phases(
@@ -217,7 +281,8 @@ async def step_phases(
 
 async def step_marks(pool: asyncpg.Pool, job_id: str) -> dict[str, list[dict[str, Any]]]:
     """What to mark on a job's curves besides incidents: halts (step), rollbacks (from, to, the skipped
-    data window) from the stored status events, and where each attempt's steps began."""
+    data window) from the stored status events, and where each attempt's steps began (its first step,
+    and when the last rank finished that step)."""
     events = await pool.fetch(
         """SELECT type, attempt, payload, occurred_at FROM telemetry_status_events
            WHERE job_id = $1 AND type IN ('ranks.halted', 'rollback.completed') ORDER BY seq""",
@@ -240,11 +305,11 @@ async def step_marks(pool: asyncpg.Pool, job_id: str) -> dict[str, list[dict[str
                     "occurred_at": r["occurred_at"],
                 }
             )
-    attempts = [
+    attempts = [  # from the per-step aggregates: a row per step, not per rank-step
         dict(r)
         for r in await pool.fetch(
-            """SELECT attempt, min(step) AS first_step, min(occurred_at) AS started_at FROM telemetry_steps
-               WHERE job_id = $1 GROUP BY attempt ORDER BY attempt""",
+            """SELECT attempt, min(step) AS first_step, min(occurred_at) AS started_at
+               FROM telemetry_step_aggregates WHERE job_id = $1 GROUP BY attempt ORDER BY attempt""",
             job_id,
         )
     ]
@@ -259,3 +324,23 @@ async def incident_counts(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, i
         list(job_ids),
     )
     return {r["job_id"]: r["n"] for r in rows}
+
+
+async def job_version(pool: asyncpg.Pool, job_id: str) -> str | None:
+    """What a job's console page shows, as one string that changes whenever any of it does (None: no
+    such job): the job's row (the scheduler sets `updated_at` on every change), its steps (the progress
+    row's `revision`, which the telemetry writer bumps with every batch of the job's steps, buckets and
+    aggregates written in the same transaction), its status events (halts, rollbacks, checkpoints) and
+    its incidents. Index lookups only: cheap enough to ask every second."""
+    row = await pool.fetchrow(
+        """SELECT j.updated_at, p.revision,
+                  (SELECT max(seq) FROM telemetry_status_events WHERE job_id = $1) AS status_seq,
+                  (SELECT max(seq) FROM telemetry_incidents WHERE job_id = $1) AS incident_seq
+           FROM jobs j LEFT JOIN telemetry_job_progress p ON p.job_id = j.id WHERE j.id = $1""",
+        job_id,
+    )
+    if row is None:
+        return None
+    return "{}.{}.{}.{}".format(
+        row["updated_at"].timestamp(), row["revision"] or 0, row["status_seq"] or 0, row["incident_seq"] or 0
+    )

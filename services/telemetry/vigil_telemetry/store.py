@@ -1,7 +1,9 @@
-"""Writes batches of events to telemetry's tables (migrations 0003, 0009), one row per event_id.
+"""Writes batches of events to telemetry's tables (migrations 0003, 0009, 0013), one row per event_id.
 
 Steps go to the time-partitioned `telemetry_steps` (see `partitions`); a trigger there keeps the
-per-step aggregates across ranks (`telemetry_step_aggregates`), which outlive the raw rows.
+per-step aggregates across ranks (`telemetry_step_aggregates`), which outlive the raw rows, and the
+writer adds each batch's new steps to the console's downsampled curves (`telemetry_step_buckets`).
+The step columns are `vigil_common.events.STEP_COLUMNS` (re-exported here).
 
 Each writer takes a connection inside the caller's transaction and inserts a whole batch at once
 (steps: COPY; the others: one `INSERT ... SELECT FROM unnest(...)`), and an event already stored
@@ -19,6 +21,8 @@ from typing import Any
 import asyncpg
 
 from vigil_common.events import (
+    STEP_COLUMNS,
+    STEP_FIELDS,
     CheckpointSaved,
     GpuSampled,
     IncidentRaised,
@@ -26,36 +30,9 @@ from vigil_common.events import (
     RollbackCompleted,
     StepCompleted,
 )
+from vigil_common.readmodel import BUCKET_COLUMNS, BUCKET_WIDTHS, SERIES_METRICS
 
-STEP_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("event_id", "text"),
-    ("job_id", "text"),
-    ("attempt", "int"),
-    ("step", "int"),
-    ("rank", "int"),
-    ("node", "text"),
-    ("loss", "float8"),
-    ("grad_norm", "float8"),
-    ("lr", "float8"),
-    ("tokens", "int8"),
-    ("tokens_per_s", "float8"),
-    ("data_time_s", "float8"),
-    ("forward_time_s", "float8"),
-    ("backward_time_s", "float8"),
-    ("comm_time_s", "float8"),
-    ("optimizer_time_s", "float8"),
-    ("step_time_s", "float8"),
-    ("mem_allocated_bytes", "int8"),
-    ("mem_peak_bytes", "int8"),
-    ("skipped", "bool"),
-    ("data_position", "int8"),
-    ("occurred_at", "timestamptz"),
-    ("flops_per_token", "float8"),
-    ("mfu", "float8"),
-    ("micro_batch", "int"),
-)
-STEP_FIELDS = tuple(name for name, _ in STEP_COLUMNS)
-
+__all__ = ["STEP_COLUMNS", "STEP_FIELDS"]  # and the writers below
 
 _STEP_NAMES = ", ".join(STEP_FIELDS)
 # A per-session staging table: COPY the batch in (the fastest way into Postgres), then move it
@@ -67,8 +44,53 @@ CREATE_STAGE = (
 )
 MOVE_STAGE = (
     f"INSERT INTO telemetry_steps ({_STEP_NAMES}) SELECT {_STEP_NAMES} FROM stage_steps "
-    "ON CONFLICT (event_id, occurred_at) DO NOTHING"
+    "ON CONFLICT (event_id, occurred_at) DO NOTHING RETURNING event_id"
 )
+
+_NONFINITE = "('NaN', 'Infinity', '-Infinity')"
+_CLEANED = ", ".join(  # a non-finite value becomes NULL (aggregates skip it) and is counted apart
+    f"CASE WHEN {m} IN {_NONFINITE} THEN NULL ELSE {m} END AS {m}, "
+    f"COALESCE({m} IN {_NONFINITE}, false) AS {m}_bad"
+    for m in SERIES_METRICS
+)
+_GROUPED = ", ".join(
+    f"COALESCE(sum({m}), 0), count({m})::int, min({m}), max({m}), count(*) FILTER (WHERE {m}_bad)::int"
+    for m in SERIES_METRICS
+)
+_MERGED = ", ".join(
+    f"{m}_sum = b.{m}_sum + EXCLUDED.{m}_sum, {m}_n = b.{m}_n + EXCLUDED.{m}_n, "
+    f"{m}_lo = LEAST(b.{m}_lo, EXCLUDED.{m}_lo), {m}_hi = GREATEST(b.{m}_hi, EXCLUDED.{m}_hi), "
+    f"{m}_bad = b.{m}_bad + EXCLUDED.{m}_bad"
+    for m in SERIES_METRICS
+)
+_METRIC_ARRAYS = ", ".join(f"${i}::float8[]" for i, _ in enumerate(SERIES_METRICS, start=4))
+# Each new step into its bucket at every stored width: the batch grouped by (job, width, rank, bucket),
+# then merged into the stored row (sums and counts add, min and max widen). Rows go in key order, so
+# two writers of the same buckets lock them in the same order.
+ADD_TO_BUCKETS = f"""
+    INSERT INTO telemetry_step_buckets AS b ({", ".join(name for name, _ in BUCKET_COLUMNS)})
+    SELECT job_id, width, rank, step / width, min(step), max(step), {_GROUPED}
+    FROM (SELECT job_id, rank, step, {_CLEANED}
+          FROM unnest($1::text[], $2::int[], $3::int[], {_METRIC_ARRAYS})
+               AS u(job_id, rank, step, {", ".join(SERIES_METRICS)})) s
+    CROSS JOIN unnest(${4 + len(SERIES_METRICS)}::int[]) AS w(width)
+    GROUP BY job_id, width, rank, step / width
+    ORDER BY 1, 2, 3, 4
+    ON CONFLICT (job_id, width, rank, bucket) DO UPDATE SET
+        first_step = LEAST(b.first_step, EXCLUDED.first_step),
+        last_step = GREATEST(b.last_step, EXCLUDED.last_step), {_MERGED}"""
+
+_PROGRESS = ("attempt", "last_step", "loss", "occurred_at", "mfu", "tokens_per_s")
+_NEWER = ", ".join(
+    f"{c} = CASE WHEN EXCLUDED.occurred_at >= p.occurred_at THEN EXCLUDED.{c} ELSE p.{c} END"
+    for c in _PROGRESS
+)
+# The newest step per job (an older event leaves it as it is), and a revision every batch bumps.
+UPDATE_PROGRESS = f"""
+    INSERT INTO telemetry_job_progress AS p (job_id, {", ".join(_PROGRESS)}, revision)
+    SELECT *, 1 FROM unnest($1::text[], $2::int[], $3::int[], $4::float8[], $5::timestamptz[],
+                            $6::float8[], $7::float8[])
+    ON CONFLICT (job_id) DO UPDATE SET revision = p.revision + 1, {_NEWER}"""
 
 
 _step_row = operator.itemgetter(*STEP_FIELDS)
@@ -85,32 +107,29 @@ async def write_steps(conn: asyncpg.Connection, events: Sequence[StepCompleted])
     The batch is COPYed straight into the table under a savepoint: the common case, no event seen
     before, costs no more than a raw COPY. When the batch holds an event already stored (a
     redelivery after a crash), the savepoint is rolled back and the batch goes through the staging
-    table and `ON CONFLICT DO NOTHING` instead.
+    table and `ON CONFLICT DO NOTHING` instead. The steps stored now (never one stored before) go into
+    the downsampled buckets; each job's progress row keeps its newest step.
     """
     if not events:
         return
     rows = step_rows(events)
+    new: Sequence[StepCompleted] = events
     try:
         async with conn.transaction():
             await conn.copy_records_to_table("telemetry_steps", records=rows, columns=STEP_FIELDS)
     except asyncpg.UniqueViolationError:
         await conn.execute(CREATE_STAGE)
         await conn.copy_records_to_table("stage_steps", records=rows, columns=STEP_FIELDS)
-        await conn.execute(MOVE_STAGE)
+        stored = {r["event_id"] for r in await conn.fetch(MOVE_STAGE)}
+        new = [e for e in events if e.event_id in stored]
+    await add_to_buckets(conn, new)
     newest: dict[str, StepCompleted] = {}
     for e in events:
         if e.job_id and (e.job_id not in newest or e.occurred_at >= newest[e.job_id].occurred_at):
             newest[e.job_id] = e
-    latest = list(newest.values())
+    latest = [newest[job] for job in sorted(newest)]  # in key order, like the buckets
     await conn.execute(
-        """INSERT INTO telemetry_job_progress
-               (job_id, attempt, last_step, loss, occurred_at, mfu, tokens_per_s)
-           SELECT * FROM unnest($1::text[], $2::int[], $3::int[], $4::float8[], $5::timestamptz[],
-                                $6::float8[], $7::float8[])
-           ON CONFLICT (job_id) DO UPDATE SET attempt = EXCLUDED.attempt, last_step = EXCLUDED.last_step,
-               loss = EXCLUDED.loss, occurred_at = EXCLUDED.occurred_at, mfu = EXCLUDED.mfu,
-               tokens_per_s = EXCLUDED.tokens_per_s
-           WHERE EXCLUDED.occurred_at >= telemetry_job_progress.occurred_at""",
+        UPDATE_PROGRESS,
         [e.job_id for e in latest],
         [e.attempt for e in latest],
         [e.step for e in latest],
@@ -118,6 +137,22 @@ async def write_steps(conn: asyncpg.Connection, events: Sequence[StepCompleted])
         [e.occurred_at for e in latest],
         [e.mfu for e in latest],
         [e.tokens_per_s for e in latest],
+    )
+
+
+async def add_to_buckets(conn: asyncpg.Connection, events: Sequence[StepCompleted]) -> None:
+    """Add steps to their jobs' downsampled buckets at every stored width. Each step once: the caller
+    passes only steps it has just stored."""
+    events = [e for e in events if e.job_id]
+    if not events:
+        return
+    await conn.execute(
+        ADD_TO_BUCKETS,
+        [e.job_id for e in events],
+        [e.rank for e in events],
+        [e.step for e in events],
+        *([getattr(e, m) for e in events] for m in SERIES_METRICS),
+        list(BUCKET_WIDTHS),
     )
 
 

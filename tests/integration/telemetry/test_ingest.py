@@ -14,6 +14,7 @@ from tests.helpers import eventually, launch_on, service
 from vigil_common import readmodel, subjects
 from vigil_common.embedded import free_port
 from vigil_common.events import (
+    STEP_COLUMNS,
     CheckpointSaved,
     GpuSampled,
     IncidentRaised,
@@ -169,12 +170,25 @@ async def test_every_kind_of_event_is_stored_once_and_read_back(
         latest = await readmodel.latest_gpu_samples(pool)
         assert latest[(node, 0)]["temperature_c"] == 62.0
         assert [(c["step"], c["bytes"]) for c in checkpoints] == [(0, 100), (2, 102), (4, 104)]
+        # the downsampled buckets kept as the steps came read as the raw rows do, the NaN counted apart
+        for width in (4, 8, 16):
+            kept = sorted(map(dict, await readmodel.step_buckets(pool, job_id, bucket=width)), key=_key)
+            raw = sorted(map(dict, await readmodel._raw_buckets(pool, job_id, width)), key=_key)
+            assert len(kept) == len(raw) and all(
+                k == pytest.approx(r) for k, r in zip(kept, raw, strict=True)
+            )
+        assert [(r["rank"], r["loss_bad"]) for r in kept] == [(0, 1), (1, 0)]
+        assert kept[0]["loss_hi"] == pytest.approx(2.0) and kept[0]["loss_lo"] == pytest.approx(1.5)
 
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
         assert f'vigil_step_loss{{job="{job_id}",rank="1"}} 1.7' in text
         assert f'vigil_gpu_temperature_celsius{{index="0",kind="gpu",node="{node}"}} 62' in text
         assert 'vigil_incidents_total{action="rollback",kind="nan"}' in text
+
+
+def _key(row):
+    return row["rank"], row["bucket"]
 
 
 async def _equals(value, expected):
@@ -243,3 +257,30 @@ async def test_killed_mid_stream_and_restarted_stores_exactly_one_row_per_event(
         for r in await pool.fetch("SELECT event_id FROM telemetry_steps WHERE job_id = $1", job_id)
     }
     assert ids == {e.event_id for e in events}
+    # every event went into the buckets once (the batch in flight at the kill and the duplicates too)
+    for width in readmodel.BUCKET_WIDTHS:
+        added = await pool.fetchval(
+            "SELECT sum(loss_n + loss_bad) FROM telemetry_step_buckets WHERE job_id = $1 AND width = $2",
+            job_id,
+            width,
+        )
+        assert added == n, width
+
+
+async def test_the_tables_have_the_columns_the_writer_and_reader_name(pool, migrated):
+    """events.STEP_COLUMNS and readmodel.BUCKET_COLUMNS against a migrated Postgres, types included."""
+    udt = {"text": "text", "int4": "int", "int8": "int8", "float8": "float8", "bool": "bool"}
+    udt["timestamptz"] = "timestamptz"
+
+    async def columns(table: str) -> dict[str, str]:
+        rows = await pool.fetch(
+            """SELECT column_name, udt_name FROM information_schema.columns
+               WHERE table_schema = current_schema() AND table_name = $1""",
+            table,
+        )
+        return {r["column_name"]: udt[r["udt_name"]] for r in rows}
+
+    steps = await columns("telemetry_steps")
+    assert steps.pop("seq") == "int8"
+    assert steps == dict(STEP_COLUMNS)
+    assert await columns("telemetry_step_buckets") == dict(readmodel.BUCKET_COLUMNS)
