@@ -17,7 +17,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vigil_cli.demo_report import Recording, plot, summarise
+from vigil_cli.demo_report import HELD, Recording, plot, summarise
 from vigil_cli.stack import SERVICES, infrastructure, run_services
 from vigil_common import events as ev
 from vigil_common import subjects
@@ -258,12 +258,18 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
         f"(loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}), {summary['wall_s']}s wall"
     )
     for inc in summary["incidents"]:
+        if inc["action"] in HELD:
+            continue  # the ranks' own recovery: below, with its attribution
+        latency = (
+            "" if inc["fault_to_command_s"] is None else f", fault to command {inc['fault_to_command_s']}s"
+        )
         console.print(
-            f"  incident {inc['kind']} at step {inc['step']} rank {inc['rank']}: {inc['action']}, "
-            f"fault to command {inc['fault_to_command_s']}s"
+            f"  incident {inc['kind']} at step {inc['step']} rank {inc['rank']}: {inc['action']}{latency}"
         )
     for held in summary["held_steps"]:
-        console.print(f"  held step {held['step']} ({held['kind']}): {held['attribution']}")
+        console.print(
+            f"  held step {held['step']} ({held['kind']}, {held['held_s']}s): {held['attribution']}"
+        )
     for rb in summary["rollbacks"]:
         console.print(_rollback_line(rb))
     for fault in summary["faults"]:

@@ -110,12 +110,14 @@ def summarise(rec: Recording, spec: JobSpec, *, wall_s: float, paths: dict[str, 
     detection = sum(i["fault_to_command_s"] or 0.0 for i in incidents if i["action"] in ("rollback", "halt"))
     redo = sum((r.from_step - r.to_step) * median_step + r.duration_s for r in rec.rollbacks)
     held = sum(r.held_s for r in rec.replays)
+    held_s = {(r.step, r.kind): r.held_s for r in rec.replays}
     held_steps = [
         {
             "step": i["step"],
             "kind": i["kind"],
             "action": i["action"],
             "rank": i["rank"],
+            "held_s": round(held_s.get((i["step"], i["kind"]), 0.0), 3),
             "attribution": i["message"].split(": ", 1)[-1],
         }
         for i in incidents
