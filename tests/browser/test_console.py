@@ -1,7 +1,7 @@
 """The web console in a real Chromium against the real stack, with one real two-rank job (a NaN injected
-on rank 1) shared by the tests in file order: log in, watch the curve grow live, see the NaN incident on
-it, open the step trace (stored and from the spans), read the cluster page with a GPU node's NVLink
-graph. Screenshots go to ./.vigil/screenshots."""
+on rank 1) shared by the tests in file order: log in, watch the curve grow live and the NaN incident and
+the checkpoints appear under it without a reload, open the step trace (stored and from the spans), read
+the cluster page with a GPU node's NVLink graph. Screenshots go to ./.vigil/screenshots."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tests.helpers import eventually
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.events import Device, GpuSampled, NodeHeartbeat
+from vigil_common.jobstates import JobState
 
 from .conftest import Stack
 
@@ -53,7 +54,7 @@ async def page(browser: Any) -> Any:
 
 async def test_no_page_or_data_without_the_token_then_login(stack: Stack, job: str, page: Any, browser: Any):
     async with httpx.AsyncClient(base_url=stack.base_url) as anon:
-        assert (await anon.get(f"/console/data/jobs/{job}/series")).status_code == 401
+        assert (await anon.get(f"/console/data/jobs/{job}")).status_code == 401
         assert (await anon.get("/console/events")).status_code == 401
         assert (await anon.get("/api/v1/jobs")).status_code == 401
     await page.goto(f"{stack.base_url}/jobs/{job}")
@@ -73,30 +74,38 @@ async def test_no_page_or_data_without_the_token_then_login(stack: Stack, job: s
         assert (await c.get("/api/v1/jobs")).status_code == 401  # the cookie opens the console only
 
 
-async def test_the_curve_grows_live_and_the_nan_incident_appears_on_it(
+async def test_the_curve_grows_live_and_the_nan_incident_and_checkpoints_appear_without_a_reload(
     stack: Stack, job: str, page: Any, screenshots: Path
 ):
     await page.goto(f"{stack.base_url}/jobs/{job}")
+    await page.evaluate("window.vigilSamePage = true")  # a reload would lose it
     last_step = "Number(document.querySelector('#chart-loss').dataset.lastStep || -1)"
     await page.wait_for_function(f"{last_step} >= 2", timeout=120_000)
     first = await page.evaluate(last_step)
     refreshes = await page.evaluate("Vigil.state.refreshes")
-    # no reload: the page refetches its curves on the server's `progress` events
+    # no reload: the page refetches its one document on the server's `changed` events
     await page.wait_for_function(f"{last_step} > {first}", timeout=60_000)
     assert await page.evaluate("Vigil.state.refreshes") > refreshes
-    assert await page.evaluate("Vigil.state.data.x.length") > first  # every step a point (40 < 1000)
+    assert await page.evaluate("Vigil.state.data.series.x.length") > first  # every step a point (40 < 1000)
     mark = page.locator("#marks li.incident-nan")
     await mark.wait_for(timeout=120_000)
     assert await mark.get_attribute("data-step") == str(NAN_STEP)
     # the chart draws the same marks, and the NaN value itself is flagged at its step
-    drawn = await page.evaluate(
-        "Vigil.state.data.marks.incidents.filter(i => i.kind === 'nan').map(i => i.step)"
-    )
+    drawn = await page.evaluate("Vigil.state.data.incidents.filter(i => i.kind === 'nan').map(i => i.step)")
     assert drawn == [NAN_STEP]
     assert NAN_STEP in await page.evaluate(
-        "Vigil.state.data.metrics.loss.bad.concat(Vigil.state.data.metrics.grad_norm.bad)"
+        "Vigil.state.data.series.metrics.loss.bad.concat(Vigil.state.data.series.metrics.grad_norm.bad)"
     )
     await page.locator("#marks li.rollback").first.wait_for(timeout=60_000)
+    # what is under the curves comes from the same document, so it is as live as they are
+    incident = page.locator("#incidents tbody tr.incident.nan")
+    await incident.wait_for()
+    assert f"{NAN_STEP}" in await incident.locator("td").nth(2).inner_text()
+    assert "rollback" in await incident.inner_text()
+    await page.locator("#checkpoints tbody tr.valid").first.wait_for()
+    assert await page.locator("#job-loss").inner_text() != "-"
+    assert await page.locator("#job-state").inner_text() in {s.value for s in JobState}
+    assert await page.evaluate("window.vigilSamePage") is True
     await page.locator("#chart-loss canvas").first.wait_for()
     await page.screenshot(path=str(screenshots / "job.png"), full_page=True)
     await page.goto(f"{stack.base_url}/incidents")

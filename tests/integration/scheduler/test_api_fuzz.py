@@ -64,6 +64,7 @@ CONSOLE_SCHEMA: dict[str, Any] = {
             "post": {"requestBody": _form(token=_string(), next=_string()), "responses": ANY},
         },
         "/logout": {"post": {"requestBody": _form(csrf=_string()), "responses": ANY}},
+        "/console/states.css": {"get": {"responses": ANY}},
         "/": {"get": {"parameters": [_param("state", "query", _string())], "responses": ANY}},
         "/jobs": {"post": {"requestBody": _form(spec=_string(), csrf=_string()), "responses": ANY}},
         "/jobs/{job_id}": {"get": {"parameters": [JOB], "responses": ANY}},
@@ -83,7 +84,7 @@ CONSOLE_SCHEMA: dict[str, Any] = {
         "/cluster": {"get": {"parameters": [_param("color", "query", _string())], "responses": ANY}},
         "/cluster/{node}/{index}": {"get": {"parameters": [NODE, INDEX], "responses": ANY}},
         "/incidents": {"get": {"responses": ANY}},
-        "/console/data/jobs/{job_id}/series": {
+        "/console/data/jobs/{job_id}": {
             "get": {"parameters": [JOB, _param("points", "query", {"type": "integer"})], "responses": ANY}
         },
         "/console/data/gpus/{node}/{index}": {"get": {"parameters": [NODE, INDEX], "responses": ANY}},

@@ -108,7 +108,7 @@ async def test_every_console_answer_carries_the_security_headers(scheduler: Runn
         answers = [
             await anon.get("/login"),
             await anon.get("/"),  # a redirect to the login
-            await anon.get("/console/data/jobs/j-x/series"),  # 401
+            await anon.get("/console/data/jobs/j-x"),  # 401
             await anon.get("/console/static/console.js"),
             await browser.get("/"),
             await browser.get("/cluster"),
@@ -154,7 +154,7 @@ async def test_the_login_expires_and_logout_revokes_it(scheduler: Running, brows
         assert r.status_code in (302, 303) and r.headers["location"].startswith("/login"), r.text
         r = await replay.post("/jobs", data={"spec": SPEC, "csrf": csrf})
         assert r.status_code in (302, 303), r.text
-        assert (await replay.get("/console/data/jobs/j-x/series")).status_code == 401
+        assert (await replay.get("/console/data/jobs/j-x")).status_code == 401
     assert (await scheduler.http.get("/api/v1/jobs")).json()["items"] == []
 
 
@@ -256,8 +256,8 @@ async def test_parallel_megabyte_console_submits_do_not_stall_health(gateway_2mi
         ("/cluster/a%00b/0", "node"),
         ("/console/data/gpus/n1/99999999999999999999", "index"),
         ("/console/data/gpus/a%00b/0", "node"),
-        ("/console/data/jobs/a%00b/series", "job_id"),
-        ("/console/data/jobs/j-x/series?points=0", "points"),
+        ("/console/data/jobs/a%00b", "job_id"),
+        ("/console/data/jobs/j-x?points=0", "points"),
         ("/console/events?job=a%00b", "job"),
     ],
 )

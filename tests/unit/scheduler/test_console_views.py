@@ -4,13 +4,18 @@ and the step trace read back from real span JSON lines (written by telemetry's o
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from vigil_common.events import StepCompleted
+from vigil_common.jobstates import JobState
 from vigil_common.readmodel import SERIES_METRICS
 from vigil_common.tracing import setup_tracing
 from vigil_scheduler.console import spans, views
 from vigil_telemetry.traces import StepTraces
+
+CONSOLE = Path(views.__file__).parent
 
 
 def bucket_row(rank: int, bucket: int, width: int, loss: float, bad: int = 0, lo=None, hi=None) -> dict:
@@ -28,10 +33,55 @@ def bucket_row(rank: int, bucket: int, width: int, loss: float, bad: int = 0, lo
 
 def test_bucket_width_caps_the_points_and_shares_them_among_many_ranks():
     assert views.bucket_width(200) == 1
-    assert views.bucket_width(10_000) == 10  # 1,000 points
-    assert views.bucket_width(10_000, points=50_000) == 5  # never more than MAX_POINTS
-    assert views.bucket_width(10_000, ranks=64) == 20  # 500 points per rank
+    assert views.bucket_width(1000, points=500) == 2  # from the raw rows
+    # widths the stored buckets serve: at most the points asked for, at least half as many
+    assert views.bucket_width(10_000) == 16  # 625 of the 1,000 points asked for: stored width 16
+    assert views.bucket_width(10_000, points=50_000) == 8  # never more than MAX_POINTS (2 x width 4)
+    assert views.bucket_width(10_000, ranks=64) == 32  # 313 of the 500 points per rank (2 x width 16)
     assert views.bucket_width(0) == 1
+
+
+def test_every_job_state_has_a_colour_and_nothing_else_spells_one():
+    assert set(views.STATE_COLOURS) == set(JobState)
+    css = views.states_css()
+    assert all(f".state.{s.value} {{ background: {views.STATE_COLOURS[s]}; }}" in css for s in JobState)
+    # the templates take JobState and FINISHED; the stylesheet, script and Python spell no state
+    spelled = re.compile("|".join(rf"\b{s.value}\b" for s in JobState))
+    for path in [*CONSOLE.glob("templates/*.html"), *CONSOLE.glob("static/*.*"), *CONSOLE.glob("*.py")]:
+        if path.name == "views.py":
+            continue  # STATE_COLOURS names the members (JobState.RUNNING, ...)
+        assert not spelled.search(path.read_text()), path
+
+
+def test_the_job_header_and_tables_are_shaped_for_the_page():
+    job = {
+        "id": "j-1",
+        "state": "RUNNING",
+        "attempt": 2,
+        "priority": 0,
+        "last_step": 11,
+        "loss": math.nan,
+        "reason": None,
+        "spec": {"train": {"steps": 40}},
+        "attempts": [
+            {"attempt": 1, "launched_at": None, "placement": [{"rank": 0, "node": "n1"}],
+             "resume_from": None, "ended": "rank 1 exited"},
+            {"attempt": 2, "launched_at": None, "placement": [{"rank": 0, "node": "n2"}, {"rank": 1, "node": "n2"}],
+             "resume_from": "/c/step_5", "ended": None},
+        ],
+    }  # fmt: skip
+    header = views.job_header(job)
+    assert header["finished"] is False and header["loss"] == "nan" and header["steps"] == 40
+    assert views.job_header(job | {"state": "SUCCEEDED", "loss": 2.31234})["loss"] == "2.3123"
+    assert views.job_header(job | {"state": JobState.CANCELLED, "loss": None})["finished"] is True
+    rows = views.attempt_rows(job)
+    assert [r["ended"] for r in rows] == ["rank 1 exited", "running"]
+    assert rows[1]["placement"] == "rank 0@n2, rank 1@n2" and rows[0]["resume_from"] == "start"
+    assert views.attempt_rows(job | {"state": "FAILED"})[1]["ended"] == ""
+    (c,) = views.checkpoint_rows(
+        [{"step": 5, "valid": False, "bytes": 3 << 20, "attempt": 1, "path": "/c", "created_at": None}]
+    )
+    assert c["size"] == "3.0 MiB" and c["valid"] is False
 
 
 def test_series_aligns_ranks_on_one_x_with_mean_band_and_non_finite_buckets():

@@ -3,8 +3,9 @@ API's token (a login page exchanges it for a cookie), with uPlot (vendored under
 the curves and server-sent events for live updates. Reads go through the read model; nothing here
 writes but submit and cancel, which call the scheduler like the API does.
 
-Pages: `/` jobs (filter, submit, cancel), `/jobs/{id}` curves with incidents, halts, rollbacks and
-attempts marked, `/jobs/{id}/trace?step=` the step trace, `/cluster` nodes, GPU grid and NVLink
+Pages: `/` jobs (filter, submit, cancel), `/jobs/{id}` a job live from one document (header, curves
+with incidents, halts, rollbacks and attempts marked, attempts, checkpoints, incidents; `console.jobpage`
+and `console.live`), `/jobs/{id}/trace?step=` the step trace, `/cluster` nodes, GPU grid and NVLink
 topology, `/cluster/{node}/{index}` one GPU's history, `/incidents` a live feed.
 
 Every console answer carries a strict Content-Security-Policy (scripts, styles and connections from
@@ -25,6 +26,7 @@ from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.settings import Settings
 
 try:
@@ -74,8 +76,16 @@ def security_headers(app: ASGIApp) -> ASGIApp:
     return middleware
 
 
+def _template_globals(engine: JinjaTemplateEngine) -> None:
+    """The job states' vocabulary for every template: `JobState` (its members, in order) and `FINISHED`
+    (the states no transition leaves), so no template spells a state."""
+    engine.engine.globals.update(JobState=JobState, FINISHED=TERMINAL_STATES)
+
+
 def template_config() -> TemplateConfig:
-    return TemplateConfig(directory=HERE / "templates", engine=JinjaTemplateEngine)
+    return TemplateConfig(
+        directory=HERE / "templates", engine=JinjaTemplateEngine, engine_callback=_template_globals
+    )
 
 
 def console_routes(settings: Settings) -> list[Router]:

@@ -1,5 +1,6 @@
 """The console's pages and their data: thin handlers that read through `vigil_scheduler.queries` and
-`vigil_common.readmodel`, shape with `views`, and render a template."""
+`vigil_common.readmodel`, shape with `views`, and render a template. A job's page is a frame whose
+content comes from one document (`jobpage`), refetched when `live.job_changes` says it changed."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from litestar.response import Redirect, ServerSentEvent, Template
 from vigil_common import readmodel
 from vigil_common.bus import Bus
 from vigil_common.errors import Conflict, SpecError
+from vigil_common.jobstates import JobState
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
 from vigil_scheduler import queries
-from vigil_scheduler.console import spans, views
+from vigil_scheduler.console import jobpage, spans, views
 from vigil_scheduler.console.auth import COOKIE, ConsoleAuth, LoginRefused, check_origin, read_form, safe_next
-from vigil_scheduler.console.live import console_events
+from vigil_scheduler.console.live import console_events, job_changes
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import actor
 from vigil_scheduler.gateway.params import JOB_ID, Attempt, DeviceIndex, JobId, NodeName, Step
@@ -35,7 +37,6 @@ AuthDep = NamedDependency[ConsoleAuth]
 Points = Annotated[int, QueryParameter(ge=1, le=views.MAX_POINTS, description="points per curve")]
 JobFilter = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's events")]
 ALL = 1000  # one page of the inventory is enough for a console view
-STATES = ("PENDING", "SCHEDULED", "RUNNING", "HALTED", "ROLLING_BACK", "SUCCEEDED", "FAILED", "CANCELLED")
 EXAMPLE_SPEC = """name: tiny-gpt
 resources: {nodes: 1, gpus_per_node: 2}
 model: {preset: tiny}
@@ -44,7 +45,7 @@ train: {steps: 200}
 
 
 class LoginController(Controller):
-    """The only console routes without a login."""
+    """The only console routes without a login (and the state colours' stylesheet the login page skips)."""
 
     @get("/login", include_in_schema=False)
     async def login_page(self, next_path: Annotated[str, QueryParameter(name="next")] = "/") -> Template:
@@ -66,6 +67,10 @@ class LoginController(Controller):
             COOKIE, cookie, max_age=auth.session_s, httponly=True, samesite="strict", path="/"
         )
         return response
+
+    @get("/console/states.css", include_in_schema=False)
+    async def states_css(self) -> Response[str]:
+        return Response(views.states_css(), media_type="text/css")
 
 
 class ConsoleController(Controller):
@@ -103,14 +108,14 @@ class ConsoleController(Controller):
         try:
             await scheduler.cancel(job_id, actor=actor(request))
         except Conflict as exc:
-            context = await _job_context(pool, job_id)
-            context["error"] = str(exc)
+            context = {"job": await queries.job_detail(pool, job_id), "error": str(exc)}
             return Template("job.html", context=context, status_code=409)
         return Redirect(f"/jobs/{job_id}", status_code=303)
 
     @get("/jobs/{job_id:str}")
     async def job(self, pool: Pool, job_id: JobId) -> Template:
-        return Template("job.html", context=await _job_context(pool, job_id))
+        """The frame (title, forms, empty tables): the page fills it from `job_data`."""
+        return Template("job.html", context={"job": await queries.job_detail(pool, job_id), "error": None})
 
     @get("/jobs/{job_id:str}/trace")
     async def trace(
@@ -176,29 +181,12 @@ class ConsoleDataController(Controller):
     path = "/console"
     include_in_schema = False
 
-    @get("/data/jobs/{job_id:str}/series")
-    async def series(
+    @get("/data/jobs/{job_id:str}")
+    async def job_data(
         self, pool: Pool, job_id: JobId, points: Points = views.DEFAULT_POINTS
     ) -> dict[str, Any]:
-        job = await queries.job_detail(pool, job_id)
-        resources = job["spec"]["resources"]
-        ranks = int(resources["nodes"]) * int(resources["gpus_per_node"])
-        bucket = views.bucket_width(int(job["spec"]["train"]["steps"]), points, ranks)
-        rows, marks, incidents = await asyncio.gather(
-            readmodel.step_buckets(pool, job_id, bucket=bucket),
-            readmodel.step_marks(pool, job_id),
-            readmodel.incidents(pool, job_id=job_id, limit=1000),
-        )
-        out = views.series(rows, bucket)
-        out["state"] = job["state"]
-        out["marks"] = {
-            **marks,
-            "incidents": [
-                {k: i[k] for k in ("id", "kind", "action", "step", "rank", "message")}
-                for i in incidents["items"]
-            ],
-        }
-        return out
+        """Everything the job page shows, in one document (`jobpage.job_document`)."""
+        return await jobpage.job_document(pool, job_id, points)
 
     @get("/data/gpus/{node:str}/{index:int}")
     async def gpu_history(self, pool: Pool, node: NodeName, index: DeviceIndex) -> dict[str, Any]:
@@ -213,12 +201,18 @@ class ConsoleDataController(Controller):
         }
 
     @get("/events")
-    async def events(self, request: Request, bus: BusDep, job: JobFilter = None) -> ServerSentEvent:
-        return ServerSentEvent(console_events(bus, request.app.state.closing, job))
+    async def events(
+        self, request: Request, bus: BusDep, pool: Pool, job: JobFilter = None
+    ) -> ServerSentEvent:
+        """With `job`: that job page's `changed` events; without: state changes and incidents as they come."""
+        closing = request.app.state.closing
+        if job is not None:
+            return ServerSentEvent(job_changes(pool, closing, job))
+        return ServerSentEvent(console_events(bus, closing))
 
 
 async def _jobs_context(pool: asyncpg.Pool, state: str | None) -> dict[str, Any]:
-    state = state if state in STATES else None
+    state = state if state in set(JobState) else None
     page = await queries.list_jobs(pool, state=state, limit=200, cursor=None)
     counts = await readmodel.incident_counts(pool, [j["id"] for j in page["items"]])
     for j in page["items"]:
@@ -227,23 +221,8 @@ async def _jobs_context(pool: asyncpg.Pool, state: str | None) -> dict[str, Any]
     return {
         "jobs": page["items"],
         "state": state,
-        "states": STATES,
         "spec_text": EXAMPLE_SPEC,
         "spec_errors": [],
-    }
-
-
-async def _job_context(pool: asyncpg.Pool, job_id: str) -> dict[str, Any]:
-    job = await queries.job_detail(pool, job_id)
-    checkpoints, incidents = await asyncio.gather(
-        readmodel.checkpoints(pool, job_id, limit=1000), readmodel.incidents(pool, job_id=job_id, limit=1000)
-    )
-    return {
-        "job": job,
-        "steps": job["spec"]["train"]["steps"],
-        "checkpoints": checkpoints["items"],
-        "incidents": incidents["items"],
-        "error": None,
     }
 
 

@@ -1,16 +1,97 @@
-"""Pure shaping for the console's pages: downsampled curves, the step trace's bars, the GPU grid's
-colours and the NVLink graph's layout. No I/O: the pages feed them rows from the read model."""
+"""Pure shaping for the console's pages: the job page's header and tables, downsampled curves, the step
+trace's bars, the GPU grid's colours, the NVLink graph's layout and the job states' colours. No I/O:
+the pages feed them rows from the read model."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from vigil_common.readmodel import SERIES_METRICS
+from vigil_common.jobstates import TERMINAL_STATES, JobState
+from vigil_common.readmodel import SERIES_METRICS, shown_width
 
 DEFAULT_POINTS = 1000
 MAX_POINTS = 2000
+
+# Each job state's badge colour: the stylesheet's `.state.<STATE>` rules are made from this (one per
+# JobState member; a test checks that every state has one), so no template or CSS file spells a state.
+STATE_COLOURS: dict[JobState, str] = {
+    JobState.PENDING: "#777",
+    JobState.SCHEDULED: "#5d6d7e",
+    JobState.RUNNING: "#2471a3",
+    JobState.HALTED: "#d68910",
+    JobState.ROLLING_BACK: "#d68910",
+    JobState.SUCCEEDED: "#1e8449",
+    JobState.FAILED: "#c0392b",
+    JobState.CANCELLED: "#566573",
+}
+
+
+def states_css() -> str:
+    """The job states' badge rules (served as /console/states.css)."""
+    return "".join(f".state.{state.value} {{ background: {STATE_COLOURS[state]}; }}\n" for state in JobState)
+
+
+def job_header(job: dict[str, Any]) -> dict[str, Any]:
+    """What the job page's header shows, as text, from `queries.job_detail`; `finished` (a state no
+    transition leaves) hides the cancel button."""
+    steps = job["spec"]["train"]["steps"]
+    last = job["last_step"]
+    return {
+        "id": job["id"],
+        "state": job["state"],
+        "finished": job["state"] in TERMINAL_STATES,
+        "attempt": job["attempt"],
+        "priority": job["priority"],
+        "last_step": last,
+        "steps": steps,
+        "loss": _number(job["loss"], "{:.4f}"),
+        "reason": job["reason"] or "",
+    }
+
+
+def attempt_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The attempts table: when each attempt was launched, where its ranks ran, what it resumed from and
+    what ended it (the current one of a job still going: "running")."""
+    running = job["state"] not in TERMINAL_STATES
+    return [
+        {
+            "attempt": a["attempt"],
+            "launched_at": a["launched_at"],
+            "placement": ", ".join(f"rank {p['rank']}@{p['node']}" for p in a["placement"]),
+            "resume_from": a["resume_from"] or "start",
+            "ended": a["ended"] or ("running" if running and a["attempt"] == job["attempt"] else ""),
+        }
+        for a in job["attempts"]
+    ]
+
+
+def checkpoint_rows(checkpoints: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "step": c["step"],
+            "valid": c["valid"],
+            "size": f"{c['bytes'] / 1048576:.1f} MiB",
+            "attempt": c["attempt"],
+            "path": c["path"],
+            "created_at": c["created_at"],
+        }
+        for c in checkpoints
+    ]
+
+
+def incident_rows(incidents: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    keep = ("id", "occurred_at", "kind", "action", "step", "rank", "node", "message", "evidence")
+    return [{k: i[k] for k in keep} for i in incidents]
+
+
+def _number(value: float | None, fmt: str) -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value) if math.isfinite(value) else str(value)  # nan, inf
+
+
 PHASES = (  # (name, stored column): the trainer's phases in the order a step runs them
     ("data", "data_time_s"),
     ("forward", "forward_time_s"),
@@ -24,20 +105,21 @@ RANK_POINTS_BUDGET = 32_000  # points per metric over every rank's curve: 64 ran
 
 
 def bucket_width(total_steps: int, points: int = DEFAULT_POINTS, ranks: int = 1) -> int:
-    """Steps per bucket so that a curve of `total_steps` has at most `points` points, fewer for a job
-    with many ranks (each rank's curve is shipped)."""
+    """Steps per bucket so that a curve of `total_steps` has at most `points` points (and at least half
+    as many), fewer for a job with many ranks (each rank's curve is shipped): a width the stored
+    buckets serve (`readmodel.shown_width`)."""
     points = max(1, min(points, MAX_POINTS, max(100, RANK_POINTS_BUDGET // max(ranks, 1))))
-    return max(1, math.ceil(max(total_steps, 1) / points))
+    return shown_width(max(1, math.ceil(max(total_steps, 1) / points)))
 
 
-def series(rows: Iterable[dict[str, Any]], bucket: int) -> dict[str, Any]:
+def series(rows: Iterable[Mapping[str, Any]], bucket: int) -> dict[str, Any]:
     """uPlot-ready columns from `readmodel.step_buckets` rows.
 
     `x` holds each bucket's first step; per metric, `ranks` has one column per rank (the rank's mean
     over the bucket, None where it has none), `mean` the mean over ranks (the sum for tokens/s),
     `lo`/`hi` the min and max of every finite value in the bucket over all ranks (the band that keeps
     a spike visible however many steps a point stands for), and `bad` the steps of buckets that held
-    a NaN or Inf.
+    a NaN or Inf. (64 ranks x 500 points are 32,000 rows: one pass per metric, no call per row.)
     """
     rows = list(rows)
     buckets = sorted({r["bucket"] for r in rows})
@@ -45,36 +127,39 @@ def series(rows: Iterable[dict[str, Any]], bucket: int) -> dict[str, Any]:
     at = {b: i for i, b in enumerate(buckets)}
     col = {rank: i for i, rank in enumerate(ranks)}
     n = len(buckets)
-    x = [0] * n
-    for r in rows:
-        x[at[r["bucket"]]] = r["bucket"] * bucket if bucket > 1 else r["first_step"]
+    x = [b * bucket for b in buckets]  # a bucket's first step (width 1: the step itself)
+    where = [(col[r["rank"]], at[r["bucket"]]) for r in rows]
     metrics: dict[str, Any] = {}
     for m in SERIES_METRICS:
         per_rank: list[list[float | None]] = [[None] * n for _ in ranks]
         lo: list[float | None] = [None] * n
         hi: list[float | None] = [None] * n
         bad: set[int] = set()
-        for r in rows:
-            i = at[r["bucket"]]
-            per_rank[col[r["rank"]]][i] = r[m]
-            if r[f"{m}_lo"] is not None:
-                lo[i] = r[f"{m}_lo"] if lo[i] is None else min(lo[i], r[f"{m}_lo"])
-                hi[i] = r[f"{m}_hi"] if hi[i] is None else max(hi[i], r[f"{m}_hi"])
-            if r[f"{m}_bad"]:
+        m_lo, m_hi, m_bad = f"{m}_lo", f"{m}_hi", f"{m}_bad"
+        for (c, i), r in zip(where, rows, strict=True):
+            per_rank[c][i] = r[m]
+            low = r[m_lo]
+            if low is not None:
+                if lo[i] is None or low < lo[i]:  # type: ignore[operator]
+                    lo[i] = low
+                high = r[m_hi]
+                if hi[i] is None or high > hi[i]:  # type: ignore[operator]
+                    hi[i] = high
+            if r[m_bad]:
                 bad.add(x[i])
         combine = _sum if m == "tokens_per_s" else _mean  # a job's throughput is its ranks' sum
-        mean = [combine([c[i] for c in per_rank]) for i in range(n)]
+        mean = [combine(values) for values in zip(*per_rank, strict=True)]
         metrics[m] = {"ranks": per_rank, "mean": mean, "lo": lo, "hi": hi, "bad": sorted(bad)}
     last = max((r["last_step"] for r in rows), default=None)
     return {"bucket": bucket, "x": x, "ranks": ranks, "last_step": last, "metrics": metrics}
 
 
-def _sum(values: list[float | None]) -> float | None:
+def _sum(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) if present else None
 
 
-def _mean(values: list[float | None]) -> float | None:
+def _mean(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
 

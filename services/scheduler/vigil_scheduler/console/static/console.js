@@ -1,5 +1,7 @@
 // The console's client side: uPlot charts fed by the server's downsampled series, refreshed on
 // server-sent events (coalesced: at most one request in flight per page). No build step.
+// A job's page draws everything (header, curves, marks, attempts, checkpoints, incidents) from one
+// document, /console/data/jobs/{id}, refetched when /console/events?job={id} says `changed`.
 // The pages hold no inline script or style (the Content-Security-Policy forbids them): each names
 // itself in `#vigil-page` (data-page and its arguments), and `boot` starts what it needs.
 "use strict";
@@ -24,10 +26,14 @@ const Vigil = (() => {
     return String(s).replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"})[c]);
   }
 
+  function time(iso) {
+    return new Date(iso).toTimeString().slice(0, 8);
+  }
+
   // Every mark of the job as {type, step, label, ...}: drawn on each chart and listed under them.
   function marks(d) {
     const out = [];
-    for (const i of d.marks.incidents) {
+    for (const i of d.incidents) {
       if (i.step === null) continue;
       out.push({type: "incident", kind: i.kind, step: i.step,
                 label: `incident ${i.kind} at step ${i.step}` + (i.rank !== null ? ` rank ${i.rank}` : "") + ` → ${i.action}`});
@@ -68,7 +74,7 @@ const Vigil = (() => {
     }
     ctx.setLineDash([]);
     ctx.fillStyle = "#e74c3c";
-    for (const step of d.metrics[metric].bad) {  // NaN/Inf values: a red dot on the top edge
+    for (const step of d.series.metrics[metric].bad) {  // NaN/Inf values: a red dot on the top edge
       const x = u.valToPos(step, "x", true);
       ctx.beginPath(); ctx.arc(x, top + 4, 4 * devicePixelRatio, 0, 2 * Math.PI); ctx.fill();
     }
@@ -81,12 +87,12 @@ const Vigil = (() => {
     return a !== 0 && (a < 1e-2 || a >= 1e5) ? v.toExponential(1) : String(+v.toPrecision(3));
   }
 
-  function chartData(d, metric) {
-    const m = d.metrics[metric];
-    return [d.x, m.mean, m.lo, m.hi, ...m.ranks];
+  function chartData(s, metric) {
+    const m = s.metrics[metric];
+    return [s.x, m.mean, m.lo, m.hi, ...m.ranks];
   }
 
-  function makeChart(el, d, metric, jobId) {
+  function makeChart(el, s, metric, jobId) {
     const band = metric !== "tokens_per_s";
     const opts = {
       title: el.dataset.title,
@@ -99,17 +105,17 @@ const Vigil = (() => {
         {label: metric === "tokens_per_s" ? "sum" : "mean", stroke: "#222", width: 2},
         {label: "min", stroke: band ? "rgba(31,119,180,0.25)" : "transparent", show: band},
         {label: "max", stroke: band ? "rgba(31,119,180,0.25)" : "transparent", show: band},
-        ...d.ranks.map((r, i) => ({label: `rank ${r}`, stroke: PALETTE[i % PALETTE.length], width: 1})),
+        ...s.ranks.map((r, i) => ({label: `rank ${r}`, stroke: PALETTE[i % PALETTE.length], width: 1})),
       ],
       bands: band ? [{series: [3, 2], fill: "rgba(31,119,180,0.12)"}] : [],
       hooks: {draw: [(u) => drawMarks(u, metric)]},
     };
-    const u = new uPlot(opts, chartData(d, metric), el);
+    const u = new uPlot(opts, chartData(s, metric), el);
     u.over.addEventListener("click", () => {
       const i = u.cursor.idx;
-      if (i !== null && i !== undefined) location.href = `/jobs/${jobId}/trace?step=${state.data.x[i]}`;
+      if (i !== null && i !== undefined) location.href = `/jobs/${jobId}/trace?step=${state.data.series.x[i]}`;
     });
-    u.vigilRanks = d.ranks.length;
+    u.vigilRanks = s.ranks.length;
     return u;
   }
 
@@ -117,43 +123,94 @@ const Vigil = (() => {
     const list = document.getElementById("marks");
     const items = marks(d).map((m) =>
       `<li class="mark ${m.type}${m.kind ? " " + m.type + "-" + m.kind : ""}" data-step="${m.step}">${esc(m.label)}</li>`);
-    for (const step of d.metrics.loss.bad) items.push(`<li class="mark bad" data-step="${step}">non-finite loss near step ${step}</li>`);
+    for (const step of d.series.metrics.loss.bad) items.push(`<li class="mark bad" data-step="${step}">non-finite loss near step ${step}</li>`);
     list.innerHTML = items.join("") || "<li>none</li>";
+  }
+
+  function text(id, value) {
+    document.getElementById(id).textContent = value;
+  }
+
+  function renderHeader(job) {
+    const badge = document.getElementById("job-state");
+    badge.textContent = job.state;
+    badge.className = "state " + job.state;
+    text("job-attempt", job.attempt);
+    text("job-priority", job.priority);
+    text("last-step", job.last_step === null ? "-" : job.last_step);
+    text("job-steps", job.steps);
+    text("job-loss", job.loss);
+    text("job-reason", job.reason ? " · " + job.reason : "");
+    document.getElementById("cancel-form").hidden = job.finished;
+    const trace = document.querySelector("#trace-form input[name=step]");
+    if (!trace.dataset.edited && job.last_step !== null) trace.value = job.last_step;
+  }
+
+  // A table's rows, redrawn only when they changed (an open "evidence" stays open while a job trains).
+  const TABLES = {
+    attempts: {empty: "not launched yet", row: (a) => [a.attempt, time(a.launched_at), esc(a.placement),
+      esc(a.resume_from), esc(a.ended)]},
+    checkpoints: {empty: "none yet", row: (c) => [c.step, c.valid ? "yes" : "no (rolled back past)", esc(c.size),
+      c.attempt, `<code>${esc(c.path)}</code>`], cls: (c) => (c.valid ? "valid" : "invalid")},
+    incidents: {empty: "none", row: (i, jobId) => [time(i.occurred_at), esc(i.kind),
+      i.step === null ? "" : `<a href="/jobs/${encodeURIComponent(jobId)}/trace?step=${i.step}">${i.step}</a>`,
+      i.rank ?? "", esc(i.action), esc(i.message),
+      `<details><summary>evidence</summary><pre>${esc(JSON.stringify(i.evidence, null, 2))}</pre></details>`],
+      cls: (i) => "incident " + i.kind},
+  };
+
+  function renderTable(name, rows, jobId) {
+    const table = document.getElementById(name), spec = TABLES[name];
+    const key = JSON.stringify(rows);
+    if (table.dataset.rendered === key) return;
+    const cols = table.querySelectorAll("thead th").length;
+    table.tBodies[0].innerHTML = rows.length
+      ? rows.map((r) => `<tr class="${spec.cls ? esc(spec.cls(r)) : ""}">` +
+                        spec.row(r, jobId).map((c) => `<td>${c}</td>`).join("") + "</tr>").join("")
+      : `<tr><td colspan="${cols}">${spec.empty}</td></tr>`;
+    table.dataset.rendered = key;
+    table.dataset.rows = rows.length;
+  }
+
+  function render(d, jobId) {
+    const s = d.series;
+    for (const el of document.querySelectorAll(".chart[data-metric]")) {
+      const metric = el.dataset.metric;
+      let u = state.charts[metric];
+      if (u && u.vigilRanks !== s.ranks.length) { u.destroy(); u = null; }
+      if (u) u.setData(chartData(s, metric)); else state.charts[metric] = makeChart(el, s, metric, jobId);
+      el.dataset.lastStep = s.last_step === null ? "" : s.last_step;
+      el.dataset.points = s.x.length;
+    }
+    renderHeader(d.job);
+    renderMarks(d);
+    text("bucket", s.bucket);
+    for (const name of Object.keys(TABLES)) renderTable(name, d[name], jobId);
   }
 
   function jobPage(jobId) {
     let inFlight = false, again = false;
+    const trace = document.querySelector("#trace-form input[name=step]");
+    trace.addEventListener("input", () => { trace.dataset.edited = "1"; });
     async function refresh() {
       if (inFlight) { again = true; return; }
       inFlight = true;
       try {
-        const resp = await fetch(`/console/data/jobs/${encodeURIComponent(jobId)}/series`, {credentials: "same-origin"});
+        const resp = await fetch(`/console/data/jobs/${encodeURIComponent(jobId)}`, {credentials: "same-origin"});
         if (resp.status === 401) { location.href = "/login?next=" + encodeURIComponent(location.pathname); return; }
         const d = await resp.json();
         state.data = d;
         state.refreshes += 1;
-        for (const el of document.querySelectorAll(".chart[data-metric]")) {
-          const metric = el.dataset.metric;
-          let u = state.charts[metric];
-          if (u && u.vigilRanks !== d.ranks.length) { u.destroy(); u = null; }
-          if (u) u.setData(chartData(d, metric)); else state.charts[metric] = makeChart(el, d, metric, jobId);
-          el.dataset.lastStep = d.last_step === null ? "" : d.last_step;
-          el.dataset.points = d.x.length;
-        }
-        renderMarks(d);
-        document.getElementById("bucket").textContent = d.bucket;
-        document.getElementById("last-step").textContent = d.last_step === null ? "-" : d.last_step;
-        document.getElementById("job-state").textContent = d.state;
-        document.getElementById("job-state").className = "state " + d.state;
+        render(d, jobId);
       } finally {
         inFlight = false;
         if (again) { again = false; refresh(); }
       }
     }
-    const es = events(jobId);
-    for (const name of ["progress", "incident.raised", "ranks.halted", "rollback.completed", "job.state_changed"]) {
-      es.addEventListener(name, refresh);
-    }
+    // the stream says `changed` with the version the database is at; a document at it is up to date
+    events(jobId).addEventListener("changed", (e) => {
+      if (!state.data || state.data.version !== e.data) refresh();
+    });
     refresh();
   }
 
