@@ -10,13 +10,16 @@ Two shapes, one worker per node in both (an `srun` step of one task per node):
 
 Inside the step, `vigil slurm worker` reads the allocation from Slurm's environment (`SLURMD_NODENAME`,
 `SLURM_JOB_ID`, `SLURM_CPUS_ON_NODE`, ...): the node's name and slots, and its address for the ranks'
-rendezvous. The scheduler then places ranks on those workers like on any other; their processes are
-children of the worker, so they live and die inside the Slurm step.
+rendezvous (what the node's name resolves to, or where that is a loopback address, as Debian's /etc/hosts
+makes a machine's own name, the address the node reaches NATS from). The scheduler then places ranks on
+those workers like on any other; their processes are children of the worker, so they live and die inside
+the Slurm step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import signal
@@ -29,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 from rich.console import Console
@@ -140,7 +144,10 @@ def worker_overrides(alloc: Allocation, env: Mapping[str, str]) -> dict[str, Any
     if "VIGIL_CPU_SLOTS" not in env:
         overrides["cpu_slots"] = max(1, alloc.cpus_on_node)
     if "VIGIL_NODE_ADDRESS" not in env:
-        overrides["node_address"] = node_address(alloc.node)
+        address = node_address(alloc.node)
+        if ipaddress.ip_address(address).is_loopback:  # Debian's /etc/hosts: the own name is 127.0.1.1
+            address = source_address(env.get("VIGIL_NATS_URL")) or address
+        overrides["node_address"] = address
     return overrides
 
 
@@ -152,6 +159,20 @@ def node_address(node: str) -> str:
         raise ConfigError(
             f"cannot resolve Slurm node {node!r} ({exc}); set VIGIL_NODE_ADDRESS for the worker"
         ) from exc
+
+
+def source_address(nats_url: str | None) -> str | None:
+    """The address this node reaches the NATS server from (the control plane's network, which the other
+    nodes share); None without a URL or a route to its host. A UDP socket's connect sends nothing."""
+    parts = urlsplit(nats_url or "")
+    if not parts.hostname:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(parts.hostname), parts.port or 4222))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
 
 
 def worker_step_argv(alloc: Allocation, vigil: str) -> list[str]:

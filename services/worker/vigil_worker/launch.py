@@ -10,14 +10,24 @@ torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
 MASTER_PORT), what the SDK needs to reach this agent (`vigil_common.protocol`'s names, among them the
 token the agent minted for this rank), the job's `entrypoint.env`, and of the worker's own environment
 only the names in `VIGIL_RANK_ENV_ALLOW` (never a credential: a rank holds no bus or database secret).
+
+Where this node's address (`VIGIL_NODE_ADDRESS`, what the worker advertises and rank 0's node offers as
+MASTER_ADDR) is an interface's IPv4 address, GLOO_SOCKET_IFNAME names that interface unless the job or the
+worker's environment already does: gloo's ranks then listen where the other nodes reach this one. Left to
+itself gloo takes the address the host name resolves to, on Debian's default /etc/hosts 127.0.1.1, which
+no other node reaches (every cross-node connection is refused and the job fails).
 """
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import hashlib
+import ipaddress
 import os
 import secrets
+import socket
+import struct
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -30,6 +40,8 @@ from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
 
 PYTHON_NAMES = ("python", "python3")  # an entrypoint's argv[0] that means the worker's own interpreter
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+_SIOCGIFADDR = 0x8915  # Linux: an interface's (first) IPv4 address
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,8 @@ def rank_env(
     if launch.spec.entrypoint is not None:
         env.update(launch.spec.entrypoint.env)
     nodes = list(dict.fromkeys(p.node for p in sorted(launch.placement, key=lambda p: p.rank)))
+    if GLOO_IFNAME not in env and (ifname := interface_of(settings.node_address)):
+        env[GLOO_IFNAME] = ifname
     env.update(
         RANK=str(placement.rank),
         WORLD_SIZE=str(launch.world_size),
@@ -176,3 +190,27 @@ def rank_env(
         # share this node's cores among its slots instead of every rank claiming all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.cpu_slots)))
     return env
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface whose IPv4 address `address` is; None for a loopback or unspecified address,
+    a host name or IPv6 address, one no interface has, or where interfaces cannot be asked (not Linux)."""
+    try:
+        ip = ipaddress.IPv4Address(address)
+    except ValueError:
+        return None
+    if ip.is_loopback or ip.is_unspecified:
+        return None
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for name in names:
+            try:
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address, or not Linux
+                continue
+            if socket.inet_ntoa(answer[20:24]) == str(ip):
+                return name
+    return None

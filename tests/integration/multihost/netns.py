@@ -5,13 +5,14 @@ of a private 10.x.y.0/24 that no route here uses yet, and per host a network nam
 loopback and an `eth0` (a veth whose other end is on the bridge) holding the next address. The hosts reach
 each other and the root namespace over the bridge, and nothing else. A process started with `Host.argv`
 runs in its host's network namespace and, through UTS and mount namespaces of its own, under its host's
-name, with an /etc/hosts (`/etc/netns/<ns>/hosts`, bound over it) where every host's name resolves to its
-address.
+name, with an /etc/hosts (`/etc/netns/<ns>/hosts`, bound over it) where the other hosts' names resolve to
+their addresses and its own, as on Debian, to 127.0.1.1.
 
 Everything is named `vmh<pid>...` after the process that made it: `Network.destroy()` (idempotent; also
-run at exit and on SIGTERM/SIGHUP) ends every process left in the namespaces and removes them, the veths,
-the bridge and the hosts files; `remove_leftovers()` removes what a run that died (SIGKILL) left behind,
-that is everything named after a process that no longer exists.
+run at exit, and on a second SIGTERM/SIGHUP: the first interrupts the run as Ctrl-C does, so that every
+teardown runs in order) ends every process left in the namespaces and removes them, the veths, the bridge
+and the hosts files; `remove_leftovers()` removes what a run that died (SIGKILL) left behind, that is
+everything named after a process that no longer exists.
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ def ip(*args: str, check: bool = True) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (one no parent reaped is gone all the same). Not
+    `kill(pid, 0)`: that also answers for a thread of another process whose id is `pid`."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+        )
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return status.get("Tgid", "").strip() == str(pid) and not status.get("State", "").strip().startswith("Z")
 
 
 def _kill_all(netns: str) -> None:
@@ -179,6 +182,7 @@ class Network:
     hosts: list[Host] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _destroyed: bool = field(default=False, repr=False)
+    _interrupted: bool = field(default=False, repr=False)
     _handlers: dict[int, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -222,11 +226,13 @@ class Network:
         return host
 
     def _write_hosts_files(self) -> None:
-        """Each host's /etc/hosts: localhost, every host of the network and the root namespace's name."""
+        """Each host's /etc/hosts as Debian writes it, its own name on 127.0.1.1 (what trips up software
+        that takes the address its host name resolves to for one the others reach), and the other hosts'
+        names and the root namespace's on their addresses."""
         root = os.uname().nodename
-        lines = ["127.0.0.1 localhost", f"{self.gateway} {root}"]
-        lines += [f"{h.address} {h.hostname}" for h in self.hosts]
         for h in self.hosts:
+            lines = ["127.0.0.1 localhost", f"127.0.1.1 {h.hostname}", f"{self.gateway} {root}"]
+            lines += [f"{o.address} {o.hostname}" for o in self.hosts if o is not h]
             h.hosts_file.parent.mkdir(parents=True, exist_ok=True)
             h.hosts_file.write_text("\n".join(lines) + "\n")
 
@@ -243,12 +249,20 @@ class Network:
             self._handlers[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """Clean up, then do what the signal did before (by default: end the process)."""
+        """Where the signal would have ended the process: the first one raises KeyboardInterrupt, as
+        Ctrl-C does, so that pytest tears every fixture down in order (the control plane and the Slurm
+        daemons while the hosts still reach them, the hosts last) and exits; a second one (teardown
+        stuck, or no patience) removes the hosts at once and ends the process. Where another handler
+        was in place, the hosts are removed and that handler runs."""
         previous = self._handlers.get(signum, signal.SIG_DFL)
-        self.destroy()
         if callable(previous):
+            self.destroy()
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
+            if not self._interrupted:
+                self._interrupted = True
+                raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+            self.destroy()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

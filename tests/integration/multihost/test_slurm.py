@@ -1,5 +1,5 @@
 """Slurm over two hosts: a slurmd in each (network namespaces hosta and hostb, each under its own host name),
-one slurmctld and munged in the test's namespace. The example `deploy/slurm/vigil-job.sbatch` runs a 2-node
+one slurmctld and munged on the first. The example `deploy/slurm/vigil-job.sbatch` runs a 2-node
 job: `vigil slurm run` (the batch step, on hosta) starts a worker on each host, which advertises the
 address its Slurm node name resolves to, and the job's two ranks rendezvous across the hosts; Slurm reports
 COMPLETED. A worker that dies while the job runs ends the workers' step: `vigil slurm run` sees it, cancels
@@ -7,6 +7,7 @@ the Vigil job, fails saying why, and Slurm reports the allocation FAILED."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -27,7 +28,6 @@ from tests.integration.scheduler.conftest import launched, next_event, wait_stat
 from tests.integration.slurm.conftest import BINARIES, SlurmCluster
 from vigil_cli.slurm import worker_name
 from vigil_common import subjects
-from vigil_common.embedded import free_port
 from vigil_common.events import RankStarted, StepCompleted
 
 from .conftest import TOKEN, Plane
@@ -42,14 +42,16 @@ TRAIN = {"micro_batch": 4, "lr": 3e-3, "warmup_steps": 1, "zero_stage": 1}
 
 
 def slurm_conf(root: Path, network: Network) -> str:
-    """One CPU per node: a 2-rank job needs both nodes (and `vigil slurm worker` gives each one slot)."""
+    """The controller on the first host; one CPU per node: a 2-rank job needs both nodes (and `vigil slurm
+    worker` gives each one slot). A host is a machine of its own: Slurm's default ports."""
+    head = network.hosts[0]
     nodes = "\n".join(
         f"NodeName={h.hostname} NodeAddr={h.address} CPUs=1 State=UNKNOWN" for h in network.hosts
     )
     return f"""\
 ClusterName=vigilmh
-SlurmctldHost={os.uname().nodename}({network.gateway})
-SlurmctldPort={free_port(network.gateway)}
+SlurmctldHost={head.hostname}({head.address})
+SlurmctldPort=6817
 SlurmdPort=6818
 SlurmUser=root
 SlurmdUser=root
@@ -92,7 +94,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
-    """munged and slurmctld here, a slurmd in each host; `node` is the first host's."""
+    """munged and slurmctld on the first host, a slurmd on each; the Slurm commands run here (the test's
+    namespace) reach the controller over the bridge. `node` is the first host's. Every daemon runs in a
+    host, so whatever ends the hosts (`Network.destroy`) ends them too."""
     missing = [b for b in BINARIES if not shutil.which(b)]
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)}): bash scripts/install.sh installs it")
@@ -108,9 +112,9 @@ def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
     logs = (root / "log" / "daemons.out").open("ab")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        munge = root / "munge"
+        munge, head = root / "munge", network.hosts[0]
         procs.append(
-            subprocess.Popen(
+            head.popen(
                 ["munged", "--foreground", "--force", f"--key-file={key}",
                  f"--socket={munge / 'munge.socket'}", f"--pid-file={munge / 'munged.pid'}",
                  f"--seed-file={munge / 'seed'}", f"--log-file={root / 'log' / 'munged.log'}"],
@@ -122,7 +126,7 @@ def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
             assert procs[0].poll() is None and time.monotonic() < deadline, cluster.logs()
             time.sleep(0.05)  # polling for the socket munged creates
         procs.append(
-            subprocess.Popen(
+            head.popen(
                 ["slurmctld", "-D", "-c", "-f", str(conf)],
                 env=cluster.env,
                 stdout=logs,
@@ -155,7 +159,10 @@ def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         if len(procs) == 2 + len(network.hosts):  # end what still runs, so no slurmstepd outlives its slurmd
-            subprocess.run(["scancel", "--partition=vigil"], env=cluster.env, capture_output=True, timeout=30)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(
+                    ["scancel", "--partition=vigil"], env=cluster.env, capture_output=True, timeout=10
+                )
         for proc in reversed(procs):
             stop(proc)
         logs.close()
