@@ -50,9 +50,10 @@ def _cannot_make_hosts() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def network() -> Iterator[Network]:
-    """hosta and hostb; removed after the session, at exit, or on SIGTERM/SIGHUP, whatever happens."""
+    """hosta and hostb for one test module (making them takes a tenth of a second); removed after it, at
+    exit, or on SIGTERM/SIGHUP, whatever happens."""
     if reason := _cannot_make_hosts():
         pytest.skip(reason)
     remove_leftovers()
@@ -63,7 +64,7 @@ def network() -> Iterator[Network]:
         net.destroy()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def host_nats(network: Network) -> Iterator[str]:
     """A NATS (JetStream) listening on the bridge's address: reachable from this namespace and the hosts."""
     folder = Path(tempfile.mkdtemp(prefix="vigil-mh-nats-"))
