@@ -179,7 +179,7 @@ async def test_a_host_cut_off_is_a_lost_node_and_the_job_finishes_on_the_other(
 
     async def final_steps_stored() -> list[tuple[int, int, int, str]] | None:
         rows = await stored_steps(plane, job_id)
-        return rows if sum(1 for attempt, *_ in rows if attempt == 2) == 2 * (12 - resumed) else None
+        return rows if sum(1 for attempt, *_ in rows if attempt == 2) >= 2 * (12 - resumed) else None
 
     rows = await eventually(final_steps_stored, timeout=30, what="attempt 2's steps in telemetry")
     keys = [(attempt, step, rank) for attempt, step, rank, _ in rows]
