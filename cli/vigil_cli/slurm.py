@@ -32,7 +32,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 from rich.console import Console
@@ -40,6 +39,7 @@ from rich.console import Console
 from vigil.client import Client, VigilError
 from vigil_cli.jobs import connect, follow_job, url_option
 from vigil_cli.services import serve
+from vigil_common.addresses import source_address
 from vigil_common.errors import ConfigError
 from vigil_common.jobstates import JobState
 
@@ -159,20 +159,6 @@ def node_address(node: str) -> str:
         raise ConfigError(
             f"cannot resolve Slurm node {node!r} ({exc}); set VIGIL_NODE_ADDRESS for the worker"
         ) from exc
-
-
-def source_address(nats_url: str | None) -> str | None:
-    """The address this node reaches the NATS server from (the control plane's network, which the other
-    nodes share); None without a URL or a route to its host. A UDP socket's connect sends nothing."""
-    parts = urlsplit(nats_url or "")
-    if not parts.hostname:
-        return None
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(parts.hostname), parts.port or 4222))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return None
 
 
 def worker_step_argv(alloc: Allocation, vigil: str) -> list[str]:

@@ -56,7 +56,9 @@ class Settings(BaseSettings):
         12 * 3600, ge=60, le=30 * 86_400, description="a console login lasts this long (seconds)"
     )
     node_name: str = Field(default_factory=default_node_name)
-    node_address: str = Field("127.0.0.1", description="where this node's ranks are reachable")
+    node_address: str | None = Field(
+        None, description="where this node's ranks are reachable; unset: the address it reaches NATS from"
+    )
     cpu_slots: int = Field(2, ge=1, le=1024, description="slots on a node without GPUs")
     gpu_backend: Literal["auto", "nvml", "amdsmi", "cpu"] = Field(
         "auto", description="a worker's devices: auto (NVML, else amdsmi, else CPU slots) or one forced"

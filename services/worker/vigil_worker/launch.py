@@ -158,7 +158,7 @@ def rank_env(
     if launch.spec.entrypoint is not None:
         env.update(launch.spec.entrypoint.env)
     nodes = list(dict.fromkeys(p.node for p in sorted(launch.placement, key=lambda p: p.rank)))
-    if GLOO_IFNAME not in env and (ifname := interface_of(settings.node_address)):
+    if GLOO_IFNAME not in env and settings.node_address and (ifname := interface_of(settings.node_address)):
         env[GLOO_IFNAME] = ifname
     env.update(
         RANK=str(placement.rank),

@@ -17,6 +17,7 @@ import logging
 import signal
 from contextlib import AsyncExitStack
 
+from vigil_common.addresses import advertised_address
 from vigil_common.bus import Bus
 from vigil_common.service import require_urls
 from vigil_common.settings import Settings
@@ -29,6 +30,9 @@ log = logging.getLogger("vigil.worker")
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     require_urls(settings, "worker", database=False)
     assert settings.nats_url
+    # where the other nodes' ranks reach this one's: the rendezvous address and gloo's interface
+    address = advertised_address(settings.node_address, settings.nats_url)
+    settings = settings.model_copy(update={"node_address": address})
     inventory = Inventory.discover(settings.cpu_slots, settings.node_name, settings.gpu_backend)
     async with AsyncExitStack() as stack:
         # --- connect --------------------------------------------------------------------------------------
