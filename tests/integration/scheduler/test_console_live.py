@@ -181,3 +181,4 @@ async def test_the_job_page_is_a_frame_and_its_stream_starts_with_the_version(sc
         await stream.aclose()
     assert doc["job"]["state"] == "PENDING" and doc["attempts"] == []
     assert (await scheduler.http.get("/console/data/jobs/j-missing")).status_code == 404
+    assert (await scheduler.http.get("/console/events", params={"job": "j-missing"})).status_code == 404

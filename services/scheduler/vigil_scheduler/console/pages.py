@@ -16,7 +16,7 @@ from litestar.response import Redirect, ServerSentEvent, Template
 
 from vigil_common import readmodel
 from vigil_common.bus import Bus
-from vigil_common.errors import Conflict, SpecError
+from vigil_common.errors import Conflict, NotFound, SpecError
 from vigil_common.jobstates import JobState
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
@@ -207,6 +207,8 @@ class ConsoleDataController(Controller):
         """With `job`: that job page's `changed` events; without: state changes and incidents as they come."""
         closing = request.app.state.closing
         if job is not None:
+            if await readmodel.job_version(pool, job) is None:
+                raise NotFound(f"no job {job!r}")  # a 404, not a stream that never says anything
             return ServerSentEvent(job_changes(pool, closing, job))
         return ServerSentEvent(console_events(bus, closing))
 
