@@ -117,6 +117,9 @@ async def _serve(server: uvicorn.Server, closing: asyncio.Event, stop: asyncio.E
             f"the gateway cannot listen on {host}:{port} ({why}): set VIGIL_HTTP_PORT to a free port, "
             "or VIGIL_HTTP_HOST to an address of this machine"
         ) from exc
+    # asyncio sets TCP_NODELAY only on sockets it made itself: without it every response waits ~40 ms for
+    # the client's delayed ACK (Nagle). Accepted connections inherit it on Linux.
+    listening.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     serving = asyncio.create_task(server.serve(sockets=[listening]))
     try:
         # waits on the server without cancelling it: on stop it shuts down gracefully, below
