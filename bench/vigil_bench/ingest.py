@@ -32,8 +32,9 @@ from vigil_bench import measure_on_servers, result
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
-from vigil_common.events import StepCompleted, utcnow
+from vigil_common.events import LaunchJob, RankPlacement, StepCompleted, utcnow
 from vigil_common.settings import Settings
+from vigil_common.spec import JobSpec
 from vigil_telemetry import main as telemetry
 from vigil_telemetry import store
 
@@ -69,6 +70,20 @@ def _events(job: str) -> list[StepCompleted]:
         )
         for i in range(N)
     ]
+
+
+def _launch(job: str) -> LaunchJob:
+    """The launch that places the events' ranks on their nodes (four ranks a node)."""
+    return LaunchJob(
+        job_id=job,
+        attempt=1,
+        spec=JobSpec(name="bench-ingest", resources={"nodes": RANKS // 4, "gpus_per_node": 4}),
+        placement=[
+            RankPlacement(rank=r, node=f"n{r // 4}", device=r % 4, local_rank=r % 4) for r in range(RANKS)
+        ],
+        master_addr="127.0.0.1",
+        master_port=29500,
+    )
 
 
 async def _copy_floor(pool: asyncpg.Pool, events: list[StepCompleted]) -> float:
@@ -176,6 +191,8 @@ async def _measure(settings: Settings) -> dict[str, object]:
         await bus.ensure_streams()
         job = "bench-" + uuid.uuid4().hex[:10]
         events = _events(job)
+        # the job's launch, stored first: telemetry admits a step only from a node that runs its rank
+        await bus.publish(subjects.launch(job), _launch(job))
         for i in range(0, N, 1000):
             await asyncio.gather(*(bus.publish(subjects.step(job, e.node), e) for e in events[i : i + 1000]))
         copy_s = await _copy_floor(pool, events)
@@ -188,6 +205,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         await pool.execute("DELETE FROM telemetry_steps WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_job_progress WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_step_aggregates WHERE job_id = $1", job)
+        await pool.execute("DELETE FROM telemetry_step_buckets WHERE job_id = $1", job)
         await bus.js.purge_stream(subjects.JOBS.name, subject=subjects.job_steps(job))
     finally:
         await bus.close()
