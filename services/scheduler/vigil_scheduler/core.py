@@ -4,6 +4,7 @@ transaction helper every change goes through (commit, then wake the outbox relay
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import random
 import time
@@ -30,6 +31,10 @@ from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, PlacementRequest, plan
 
 log = logging.getLogger(__name__)
+# A placement pass asked for inside `Scheduler.tx` waits for the commit (the list records the ask).
+_PLACEMENT_ASKED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "placement_asked", default=None
+)
 
 _SCHEDULE_LOCK = 0x76736368  # "vsch": one placement pass at a time, across schedulers
 # Rendezvous ports: below Linux's default ephemeral range (32768-60999), from which every outgoing
@@ -56,13 +61,25 @@ class Scheduler:
 
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[asyncpg.Connection]:
-        """One transaction; after it commits, the outbox relay is woken to publish what it added."""
-        async with self.pool.acquire() as conn, conn.transaction():
-            yield conn
+        """One transaction; after it commits, the outbox relay is woken to publish what it added, and a
+        placement pass asked for inside it runs (before the commit, the pass would not see the change)."""
+        asked: list[bool] = []
+        token = _PLACEMENT_ASKED.set(asked)
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                yield conn
+        finally:
+            _PLACEMENT_ASKED.reset(token)
         self.relay.wake()
+        if asked:
+            self._placement_wanted.set()
 
     def want_placement(self) -> None:
-        self._placement_wanted.set()
+        """Ask for a placement pass: now, or inside a transaction (`tx`), once it has committed."""
+        if (asked := _PLACEMENT_ASKED.get()) is not None:
+            asked.append(True)
+        else:
+            self._placement_wanted.set()
 
     # --- the API's operations ----------------------------------------------------------------------
 
