@@ -3,6 +3,8 @@
     PENDING -> SCHEDULED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
     RUNNING -> HALTED -> ROLLING_BACK -> RUNNING
     ROLLING_BACK -> SCHEDULED            (a restart: the new attempt is placed and launched)
+    ROLLING_BACK -> ROLLING_BACK         (a restart asked for during an in-place rollback: its program
+                                          cannot load in place; the next attempt, from the checkpoint)
     SCHEDULED | RUNNING | HALTED | ROLLING_BACK -> PENDING   (requeued with attempt + 1)
 
 Every non-terminal state may also go to FAILED or CANCELLED. The states themselves, which are
@@ -27,8 +29,11 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         {JobState.HALTED, JobState.ROLLING_BACK, JobState.PENDING, JobState.SUCCEEDED} | _ENDS
     ),
     JobState.HALTED: frozenset({JobState.ROLLING_BACK, JobState.RUNNING, JobState.PENDING} | _ENDS),
+    # ROLLING_BACK again: the ranks of an in-place rollback answered that their program cannot load in
+    # place (RestartRequested) before their halt was reported; the restart is the next attempt.
     JobState.ROLLING_BACK: frozenset(
-        {JobState.RUNNING, JobState.SCHEDULED, JobState.HALTED, JobState.PENDING} | _ENDS
+        {JobState.RUNNING, JobState.SCHEDULED, JobState.HALTED, JobState.PENDING, JobState.ROLLING_BACK}
+        | _ENDS
     ),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),

@@ -10,7 +10,7 @@ from vigil_cli.jobs import STATE_STYLE
 from vigil_common.db import load_migrations
 from vigil_common.events import JobStateChanged
 from vigil_common.jobstates import DEVICE_STATES, TERMINAL_STATES, JobState
-from vigil_scheduler.states import TRANSITIONS
+from vigil_scheduler.states import TRANSITIONS, allowed
 
 _STATE_CHECK = re.compile(r"CHECK \((\w*state) IN \(([^)]*)\)\)")
 
@@ -50,3 +50,10 @@ def test_the_wire_carries_plain_strings() -> None:
     assert raw["from_state"] == "PENDING" and raw["to_state"] == "SCHEDULED"
     schema = JobStateChanged.model_json_schema()
     assert set(schema["$defs"]["JobState"]["enum"]) == {s.value for s in JobState}
+
+
+def test_a_restart_may_come_during_an_in_place_rollback():
+    """Ranks whose program cannot load in place answer a rollback with RestartRequested; the scheduler
+    may still be ROLLING_BACK (their halt not reported yet): the next attempt starts from there."""
+    assert allowed(JobState.ROLLING_BACK, JobState.ROLLING_BACK)
+    assert not allowed(JobState.RUNNING, JobState.RUNNING)
