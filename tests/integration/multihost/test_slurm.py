@@ -25,7 +25,7 @@ import yaml
 
 from tests.helpers import eventually
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
-from tests.integration.slurm.conftest import BINARIES, SlurmCluster
+from tests.integration.slurm.conftest import BINARIES, COMMON_CONF, SlurmCluster, stop_daemon
 from vigil_cli.slurm import worker_name
 from vigil_common import subjects
 from vigil_common.events import RankStarted, StepCompleted
@@ -53,10 +53,6 @@ ClusterName=vigilmh
 SlurmctldHost={head.hostname}({head.address})
 SlurmctldPort=6817
 SlurmdPort=6818
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
 AuthInfo=socket={root}/munge/munge.socket
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
@@ -64,32 +60,10 @@ SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-MpiDefault=none
-SwitchType=switch/none
-ReturnToService=2
-SlurmdParameters=config_overrides
-MinJobAge=600
-KillWait=5
+{COMMON_CONF}KillWait=5
 {nodes}
 PartitionName=vigil Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +138,7 @@ def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
                     ["scancel", "--partition=vigil"], env=cluster.env, capture_output=True, timeout=10
                 )
         for proc in reversed(procs):
-            stop(proc)
+            stop_daemon(proc)
         logs.close()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -68,23 +68,13 @@ class SlurmCluster:
         )
 
 
-def _slurm_conf(root: Path, node: str) -> str:
-    return f"""\
-ClusterName=vigiltest
-SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+# What every test cluster's slurm.conf says besides its hosts, ports, files and nodes (here and in
+# tests/integration/multihost).
+COMMON_CONF = """\
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -97,13 +87,29 @@ SwitchType=switch/none
 ReturnToService=2
 SlurmdParameters=config_overrides
 MinJobAge=600
-KillWait=10
+"""
+
+
+def _slurm_conf(root: Path, node: str) -> str:
+    return f"""\
+ClusterName=vigiltest
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+AuthInfo=socket={root}/munge/munge.socket
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+{COMMON_CONF}KillWait=10
 NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} State=UNKNOWN
 PartitionName=vigil Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -170,6 +176,6 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         if len(procs) == 3:  # end what still runs, so no slurmstepd outlives its slurmd
             subprocess.run(["scancel", "--partition=vigil"], env=cluster.env, capture_output=True, timeout=30)
         for proc in reversed(procs):
-            _stop(proc)
+            stop_daemon(proc)
         logs.close()
         shutil.rmtree(root, ignore_errors=True)
