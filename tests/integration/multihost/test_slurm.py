@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -21,11 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.helpers import eventually
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
-from tests.integration.slurm.conftest import BINARIES, COMMON_CONF, SlurmCluster, stop_daemon
+from tests.integration.slurm.conftest import BINARIES, COMMON_CONF, SlurmCluster, start_munged, stop_daemon
 from vigil_cli.slurm import worker_name
 from vigil_common import subjects
 from vigil_common.events import RankStarted, StepCompleted
@@ -35,8 +32,6 @@ from .netns import Host, Network
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slurm, pytest.mark.multihost]
 
-ROOT = Path(__file__).resolve().parents[3]
-SBATCH_SCRIPT = ROOT / "deploy" / "slurm" / "vigil-job.sbatch"
 TINY = {"preset": "tiny", "n_layer": 2, "seq_len": 32}
 TRAIN = {"micro_batch": 4, "lr": 3e-3, "warmup_steps": 1, "zero_stage": 1}
 
@@ -86,19 +81,8 @@ def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
     logs = (root / "log" / "daemons.out").open("ab")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        munge, head = root / "munge", network.hosts[0]
-        procs.append(
-            head.popen(
-                ["munged", "--foreground", "--force", f"--key-file={key}",
-                 f"--socket={munge / 'munge.socket'}", f"--pid-file={munge / 'munged.pid'}",
-                 f"--seed-file={munge / 'seed'}", f"--log-file={root / 'log' / 'munged.log'}"],
-                stdout=logs, stderr=subprocess.STDOUT,
-            )
-        )  # fmt: skip
-        deadline = time.monotonic() + 15
-        while not (munge / "munge.socket").exists():
-            assert procs[0].poll() is None and time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.05)  # polling for the socket munged creates
+        head = network.hosts[0]
+        procs.append(start_munged(head.popen, cluster, key, logs))
         procs.append(
             head.popen(
                 ["slurmctld", "-D", "-c", "-f", str(conf)],
@@ -144,49 +128,8 @@ def slurm_hosts(network: Network) -> Iterator[SlurmCluster]:
 
 
 def sbatch(cluster: SlurmCluster, plane: Plane, work: Path, spec: dict[str, Any]) -> str:
-    """Submit the example batch script (2 nodes, as it says) with `spec`; the Slurm job id."""
-    spec_file = work / f"{spec['name']}.yaml"
-    spec_file.write_text(yaml.safe_dump(spec))
-    env = {k: v for k, v in cluster.env.items() if not k.startswith("VIGIL_")}
-    env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        VIGIL_NATS_URL=plane.nats_url,
-        VIGIL_API_URL=plane.url,
-        VIGIL_API_TOKEN=TOKEN,
-        VIGIL_DATA_DIR=str(work / "vigil"),  # storage the hosts share
-        VIGIL_HEARTBEAT_INTERVAL_S="0.5",
-        OMP_NUM_THREADS="1",
-    )
-    argv = ["sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out"]
-    done = subprocess.run(
-        [*argv, str(SBATCH_SCRIPT), str(spec_file)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip().split(";")[0]
-
-
-def output(cluster: SlurmCluster, work: Path, slurm_id: str) -> str:
-    out = work / f"slurm-{slurm_id}.out"
-    return f"{out.read_text() if out.exists() else 'no output'}\n{cluster.logs()}"
-
-
-async def vigil_job(plane: Plane, name: str, cluster: SlurmCluster, work: Path, slurm_id: str) -> str:
-    async def submitted() -> str | None:
-        items = (await plane.http.get("/api/v1/jobs", params={"limit": 100})).json()["items"]
-        return next((j["id"] for j in items if j["name"] == name), None)
-
-    try:
-        return await eventually(submitted, timeout=120, what=f"the Vigil job of Slurm job {slurm_id}")
-    except AssertionError:
-        raise AssertionError(output(cluster, work, slurm_id)) from None
-
-
-async def allocation_ended(cluster: SlurmCluster, slurm_id: str) -> str:
-    async def ended() -> str | None:
-        state = cluster.job_state(slurm_id)
-        return state if state not in (None, "PENDING", "RUNNING", "COMPLETING") else None
-
-    return await eventually(ended, timeout=90, what=f"Slurm job {slurm_id} to end")
+    """The example batch script (2 nodes, as it says), against this module's control plane."""
+    return cluster.sbatch(work, spec, nats_url=plane.nats_url, api_url=plane.url, token=TOKEN)
 
 
 def spec(name: str, steps: int) -> dict[str, Any]:
@@ -218,7 +161,7 @@ async def test_a_two_node_sbatch_job_runs_a_rank_on_each_host_and_completes(
     a, b = network.hosts
     name = "mh-slurm-ok-" + uuid.uuid4().hex[:6]
     slurm_id = sbatch(slurm_hosts, plane, tmp_path, spec(name, steps=6))
-    job_id = await vigil_job(plane, name, slurm_hosts, tmp_path, slurm_id)
+    job_id = await slurm_hosts.vigil_job(plane.http, name, tmp_path, slurm_id)
     launch = await launched(plane.bus, job_id, timeout_s=60)
     nodes = [worker_name(h.hostname, slurm_id) for h in (a, b)]
     assert [(p.rank, p.node) for p in launch.placement] == [(0, nodes[0]), (1, nodes[1])]
@@ -226,10 +169,8 @@ async def test_a_two_node_sbatch_job_runs_a_rank_on_each_host_and_completes(
     try:
         await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
     except TimeoutError:
-        raise AssertionError(output(slurm_hosts, tmp_path, slurm_id)) from None
-    assert await allocation_ended(slurm_hosts, slurm_id) == "COMPLETED", output(
-        slurm_hosts, tmp_path, slurm_id
-    )
+        raise AssertionError(slurm_hosts.output(tmp_path, slurm_id)) from None
+    assert await slurm_hosts.ended(slurm_id) == "COMPLETED", slurm_hosts.output(tmp_path, slurm_id)
     assert slurm_hosts.steps(slurm_id) == []
     assert not workers_in(a) and not workers_in(b)
 
@@ -240,7 +181,7 @@ async def test_a_worker_that_dies_fails_vigil_slurm_run_and_its_allocation(
     a, b = network.hosts
     name = "mh-slurm-dies-" + uuid.uuid4().hex[:6]
     slurm_id = sbatch(slurm_hosts, plane, tmp_path, spec(name, steps=5000))
-    job_id = await vigil_job(plane, name, slurm_hosts, tmp_path, slurm_id)
+    job_id = await slurm_hosts.vigil_job(plane.http, name, tmp_path, slurm_id)
     await next_event(
         plane.bus, subjects.job_status(job_id), lambda e: isinstance(e, RankStarted), timeout_s=120
     )
@@ -251,7 +192,7 @@ async def test_a_worker_that_dies_fails_vigil_slurm_run_and_its_allocation(
     (victim,) = workers_in(b)
     os.kill(victim, signal.SIGKILL)  # hostb's worker dies
 
-    assert await allocation_ended(slurm_hosts, slurm_id) == "FAILED", output(slurm_hosts, tmp_path, slurm_id)
+    assert await slurm_hosts.ended(slurm_id) == "FAILED", slurm_hosts.output(tmp_path, slurm_id)
     out = (tmp_path / f"slurm-{slurm_id}.out").read_text()
     assert f"before Vigil job {job_id} did: a worker of this allocation died" in out, out
     await wait_state(plane.bus, job_id, "CANCELLED", timeout_s=30)

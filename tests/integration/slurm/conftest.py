@@ -13,17 +13,23 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
+import httpx
 import pytest
+import yaml
 
+from tests.helpers import eventually
 from vigil_common.embedded import free_port
 
 CPUS = 4
+SBATCH_SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "slurm" / "vigil-job.sbatch"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol")
 
 
@@ -66,6 +72,86 @@ class SlurmCluster:
         return "\n".join(
             f"== {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in sorted(self.root.glob("log/*"))
         )
+
+    def output(self, work: Path, slurm_id: str) -> str:
+        """The batch job's output (written under `work`) and the daemons' logs: what a failure shows."""
+        out = work / f"slurm-{slurm_id}.out"
+        return f"{out.read_text() if out.exists() else 'no output'}\n{self.logs()}"
+
+    def sbatch(
+        self,
+        work: Path,
+        spec: dict[str, Any],
+        *,
+        nats_url: str,
+        api_url: str,
+        token: str,
+        args: tuple[str, ...] = (),
+    ) -> str:
+        """Submit the example batch script (`deploy/slurm/vigil-job.sbatch`) with `spec` and sbatch's
+        `args`, against the control plane at `api_url`; the Slurm job id."""
+        spec_file = work / f"{spec['name']}.yaml"
+        spec_file.write_text(yaml.safe_dump(spec))
+        env = {k: v for k, v in self.env.items() if not k.startswith("VIGIL_")}
+        env.update(
+            PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+            VIGIL_NATS_URL=nats_url,
+            VIGIL_API_URL=api_url,
+            VIGIL_API_TOKEN=token,
+            VIGIL_DATA_DIR=str(work / "vigil"),  # storage the nodes share
+            VIGIL_HEARTBEAT_INTERVAL_S="0.5",
+            OMP_NUM_THREADS="1",
+        )
+        argv = ["sbatch", "--parsable", *args, f"--chdir={work}", f"--output={work}/slurm-%j.out"]
+        done = subprocess.run(
+            [*argv, str(SBATCH_SCRIPT), str(spec_file)], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().split(";")[0]
+
+    async def vigil_job(self, http: httpx.AsyncClient, name: str, work: Path, slurm_id: str) -> str:
+        """The id of the Vigil job named `name` that Slurm job `slurm_id` submitted, once it is there."""
+
+        async def submitted() -> str | None:
+            items = (await http.get("/api/v1/jobs", params={"limit": 100})).json()["items"]
+            return next((j["id"] for j in items if j["name"] == name), None)
+
+        try:
+            return await eventually(submitted, timeout=120, what=f"the Vigil job of Slurm job {slurm_id}")
+        except AssertionError:
+            raise AssertionError(self.output(work, slurm_id)) from None
+
+    async def ended(self, slurm_id: str) -> str:
+        """The Slurm job's state once it has ended."""
+
+        async def state() -> str | None:
+            found = self.job_state(slurm_id)
+            return found if found not in (None, "PENDING", "RUNNING", "COMPLETING") else None
+
+        return await eventually(state, timeout=90, what=f"Slurm job {slurm_id} to end")
+
+
+def start_munged(
+    popen: Callable[..., subprocess.Popen[bytes]], cluster: SlurmCluster, key: Path, logs: IO[bytes]
+) -> subprocess.Popen[bytes]:
+    """munged for `cluster` (started by `popen`: here, or in a host), once its socket is there."""
+    root = cluster.root
+    munge = root / "munge"
+    proc = popen(
+        ["munged", "--foreground", "--force", f"--key-file={key}",
+         f"--socket={munge / 'munge.socket'}", f"--pid-file={munge / 'munged.pid'}",
+         f"--seed-file={munge / 'seed'}", f"--log-file={root / 'log' / 'munged.log'}"],
+        stdout=logs, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 15
+        while not (munge / "munge.socket").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.05)  # polling for the socket munged creates
+    except BaseException:
+        stop_daemon(proc)
+        raise
+    return proc
 
 
 # What every test cluster's slurm.conf says besides its hosts, ports, files and nodes (here and in
@@ -139,19 +225,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     logs = (root / "log" / "daemons.out").open("ab")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        munge = root / "munge"
-        procs.append(
-            subprocess.Popen(
-                ["munged", "--foreground", "--force", f"--key-file={key}",
-                 f"--socket={munge / 'munge.socket'}", f"--pid-file={munge / 'munged.pid'}",
-                 f"--seed-file={munge / 'seed'}", f"--log-file={root / 'log' / 'munged.log'}"],
-                stdout=logs, stderr=subprocess.STDOUT,
-            )
-        )  # fmt: skip
-        deadline = time.monotonic() + 15
-        while not (munge / "munge.socket").exists():
-            assert procs[0].poll() is None and time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.05)  # polling for the socket munged creates
+        procs.append(start_munged(subprocess.Popen, cluster, key, logs))
         for daemon in (["slurmctld", "-D", "-c"], ["slurmd", "-D", "-N", node]):
             procs.append(
                 subprocess.Popen(

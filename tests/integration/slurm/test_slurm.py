@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from tests.helpers import eventually
 from tests.integration.scheduler.conftest import fresh_database, next_event, wait_state
@@ -33,8 +29,6 @@ from .conftest import SlurmCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slurm]
 
-ROOT = Path(__file__).resolve().parents[3]
-SBATCH_SCRIPT = ROOT / "deploy" / "slurm" / "vigil-job.sbatch"
 TOKEN = "slurm-token-0123456789abcdef"
 TINY = {"preset": "tiny", "n_layer": 2, "seq_len": 32}
 TRAIN = {"micro_batch": 4, "lr": 3e-3, "warmup_steps": 1, "zero_stage": 0}
@@ -87,47 +81,10 @@ async def plane(
 
 
 def sbatch(cluster: SlurmCluster, plane: Plane, work: Path, spec: dict[str, Any]) -> str:
-    """Submit the example batch script with `spec`; the Slurm job id."""
-    spec_file = work / f"{spec['name']}.yaml"
-    spec_file.write_text(yaml.safe_dump(spec))
-    env = {k: v for k, v in cluster.env.items() if not k.startswith("VIGIL_")}
-    env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        VIGIL_NATS_URL=plane.nats_url,
-        VIGIL_API_URL=plane.url,
-        VIGIL_API_TOKEN=TOKEN,
-        VIGIL_DATA_DIR=str(work / "vigil"),
-        VIGIL_HEARTBEAT_INTERVAL_S="0.5",
-        OMP_NUM_THREADS="1",
+    """The example batch script on one node, against this module's control plane."""
+    return cluster.sbatch(
+        work, spec, nats_url=plane.nats_url, api_url=plane.url, token=TOKEN, args=("--nodes=1",)
     )
-    argv = ["sbatch", "--parsable", "--nodes=1", f"--chdir={work}", f"--output={work}/slurm-%j.out"]
-    done = subprocess.run(
-        [*argv, str(SBATCH_SCRIPT), str(spec_file)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip().split(";")[0]
-
-
-async def vigil_job(plane: Plane, name: str, cluster: SlurmCluster, work: Path, slurm_id: str) -> str:
-    async def submitted() -> str | None:
-        items = (await plane.http.get("/api/v1/jobs", params={"limit": 100})).json()["items"]
-        return next((j["id"] for j in items if j["name"] == name), None)
-
-    try:
-        return await eventually(submitted, timeout=120, what=f"the Vigil job of Slurm job {slurm_id}")
-    except AssertionError:
-        out = work / f"slurm-{slurm_id}.out"
-        raise AssertionError(
-            f"{out.read_text() if out.exists() else 'no output'}\n{cluster.logs()}"
-        ) from None
-
-
-async def allocation_ended(cluster: SlurmCluster, slurm_id: str) -> str:
-    async def ended() -> str | None:
-        state = cluster.job_state(slurm_id)
-        return state if state not in (None, "PENDING", "RUNNING", "COMPLETING") else None
-
-    return await eventually(ended, timeout=90, what=f"Slurm job {slurm_id} to end")
 
 
 def proc_environ(pid: int) -> list[bytes]:
@@ -158,7 +115,7 @@ async def test_a_two_rank_job_per_sbatch_succeeds_and_ends_its_allocation(
         "checkpoint": {"every": 3},
     }
     slurm_id = sbatch(slurm_cluster, plane, tmp_path, spec)
-    job_id = await vigil_job(plane, name, slurm_cluster, tmp_path, slurm_id)
+    job_id = await slurm_cluster.vigil_job(plane.http, name, tmp_path, slurm_id)
     await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
 
     job = (await plane.http.get(f"/api/v1/jobs/{job_id}")).json()
@@ -166,7 +123,7 @@ async def test_a_two_rank_job_per_sbatch_succeeds_and_ends_its_allocation(
         (worker_name(slurm_cluster.node, slurm_id), 0),
         (worker_name(slurm_cluster.node, slurm_id), 1),
     ]
-    assert await allocation_ended(slurm_cluster, slurm_id) == "COMPLETED"  # `vigil slurm run` exited 0
+    assert await slurm_cluster.ended(slurm_id) == "COMPLETED"  # `vigil slurm run` exited 0
     assert slurm_cluster.steps(slurm_id) == []
 
 
@@ -182,7 +139,7 @@ async def test_cancelling_the_vigil_job_frees_the_slurm_step(
         "checkpoint": {"every": 1000},
     }
     slurm_id = sbatch(slurm_cluster, plane, tmp_path, spec)
-    job_id = await vigil_job(plane, name, slurm_cluster, tmp_path, slurm_id)
+    job_id = await slurm_cluster.vigil_job(plane.http, name, tmp_path, slurm_id)
     started = await next_event(
         plane.bus, subjects.job_status(job_id), lambda e: isinstance(e, RankStarted), timeout_s=120
     )
@@ -199,6 +156,6 @@ async def test_cancelling_the_vigil_job_frees_the_slurm_step(
 
     assert (await plane.http.post(f"/api/v1/jobs/{job_id}/cancel")).status_code < 300
     await wait_state(plane.bus, job_id, "CANCELLED", timeout_s=60)
-    assert await allocation_ended(slurm_cluster, slurm_id) == "FAILED"  # `vigil slurm run` exits 1
+    assert await slurm_cluster.ended(slurm_id) == "FAILED"  # `vigil slurm run` exits 1
     assert slurm_cluster.steps(slurm_id) == []
     assert not is_rank(started.pid)
