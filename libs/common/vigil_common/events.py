@@ -43,6 +43,8 @@ IncidentKind = Literal[
 # What an incident did: a spec action, or the ranks' own recovery of a held step ("replay": the replay
 # was clean, a transient fault; "skip": the data reproduced it and its window was skipped).
 IncidentAction = Literal["alert", "halt", "rollback", "fail", "replay", "skip"]
+# What the replay of a held step showed (`StepReplayed`).
+ReplayOutcome = Literal["transient", "reproduced"]
 DeviceKind = Literal["gpu", "cpu"]
 # Why a rank ended, in the spirit of determined's FailureType.
 # "preempted": the rank wrote the emergency checkpoint on a preemption notice and exited (not a failure
@@ -361,7 +363,7 @@ class StepReplayed(Message):
     step: int = Field(ge=0)
     node: str = Field(description="rank 0's node (the reporter)")
     kind: Literal["nan", "spike"]
-    outcome: Literal["transient", "reproduced"]
+    outcome: ReplayOutcome
     culprits: list[int] = Field(description="the ranks whose loss was bad in the first execution")
     values: list[RankValue] = Field(description="the culprits' losses, first execution and replay")
     data_position: int = Field(ge=0)

@@ -1,9 +1,12 @@
 """The rank program: a GPT decoder trained by DeepSpeed, instrumented for Vigil.
 
 A reading order: `rank` (the program: setup, then the loop), `loop` (one step, section by section), and
-what the loop calls: `guard` (the finiteness guard and command boundary, `GuardedAdamW`),
-`checkpoint_collective` (all ranks saving and loading together) over `checkpoint` (files and
-manifests), `commands` (halt, rollback, resume). Beside them: `model`, `data`, `ds_config`, `context`
-(`RankContext`, `TrainState`), `telemetry` (the event sink), `observer` (timing hooks, no-op by
-default), `comm` (time in collectives), `memory`, `faults` (injected for tests), `exits`.
+what the loop calls: `micro` (the micro-steps and the boundary, `execute`), `guard` (the finiteness
+guard and command boundary, every rank's loss), `step_judge` (is the step one to hold?), `replay` (hold
+it, replay it, skip its data) over `hold` (DeepSpeed's skip of one update), `oom` (the out-of-memory
+retry), `report` (the step event), `checkpoint_collective` (all ranks saving and loading together) over
+`checkpoint` (files and manifests), `commands` (halt, rollback, resume). Beside them: `model` (with
+`GuardedAdamW`), `data`, `ds_config`, `context` (`RankContext`, `TrainState`), `observer` (timing
+hooks, no-op by default), `comm` (time in collectives), `clock`, `mfu`, `memory`, `faults` (injected
+for tests).
 """

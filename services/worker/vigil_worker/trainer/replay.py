@@ -59,7 +59,7 @@ def report(
     ctx: RankContext,
     step: int,
     bad: Bad,
-    outcome: str,
+    outcome: ev.ReplayOutcome,
     first: Boundary,
     replay: Boundary,
     pos: int,
@@ -75,7 +75,7 @@ def report(
             step=step,
             node=ctx.node,
             kind=bad.kind,
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome,
             culprits=bad.culprits,
             values=[
                 ev.RankValue(rank=r, first=_finite(first.losses[r]), replay=_finite(replay.losses[r]))
