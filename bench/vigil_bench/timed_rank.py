@@ -5,7 +5,8 @@ trainer's own rank (`vigil_worker.trainer.rank.main`) with an observer that appe
 time and each in-place rollback's timing to FILE as JSON lines (every rank to the same file, each line
 naming its rank). With `--plain`, the overhead bench's baseline: the same engine, model and data, built
 by the trainer's own setup functions, stepped by a plain DeepSpeed loop with nothing of Vigil's (no
-guard, section timers, comm timer, events, commands or checkpoints).
+guard, section timers, comm timer, events, commands or checkpoints). With `--ceiling`, the mfu bench's
+ceiling (`vigil_bench.ceiling`): the same model and data in a plain PyTorch loop, no DeepSpeed at all.
 """
 
 from __future__ import annotations
@@ -100,11 +101,17 @@ def main(argv: list[str] | None = None) -> int:
         allow_abbrev=False,
     )
     p.add_argument("--timings", type=Path, required=True, help="append JSON lines here")
-    p.add_argument("--plain", action="store_true", help="a plain DeepSpeed loop: the overhead baseline")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--plain", action="store_true", help="a plain DeepSpeed loop: the overhead baseline")
+    how.add_argument("--ceiling", action="store_true", help="a plain PyTorch loop: the mfu bench's ceiling")
     ours, trainer_args = p.parse_known_args(argv)
     observer = JsonLinesObserver(ours.timings, int(os.environ.get("RANK", "0")))
     if ours.plain:
         return plain(trainer_args, observer)
+    if ours.ceiling:
+        from vigil_bench.ceiling import ceiling
+
+        return ceiling(trainer_args, observer)
     return rank.main(trainer_args, observer=observer)
 
 

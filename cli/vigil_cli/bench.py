@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "console": "vigil_bench.console",
     "sdk": "vigil_bench.sdk",
     "goodput": "vigil_bench.goodput",
+    "mfu": "vigil_bench.mfu",
 }
 
 

@@ -173,6 +173,9 @@ class TrainSpec(StrictModel):
     zero_stage: ZeroStage = "auto"
     offload: bool = Field(False, description="ZeRO CPU offload of optimizer state (stages 2 and 3)")
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="0 disables clipping")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the model: true, false, or auto (on for a GPU, off for CPU)"
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1)
     comm: CommSpec = CommSpec()
 

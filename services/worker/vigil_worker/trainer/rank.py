@@ -178,6 +178,7 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     import torch
 
     from vigil_worker.trainer import checkpoint as ckpt
+    from vigil_worker.trainer.compile import compile_engine
     from vigil_worker.trainer.ds_config import Hardware, build_config
     from vigil_worker.trainer.model import GPT
 
@@ -192,6 +193,7 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     plan = build_config(spec.train, world_size=env.world, n_params=model.num_params(), hw=hw)
     optimizer = model.configure_optimizers(spec.train.weight_decay, spec.train.lr, betas=(0.9, 0.95))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.config)
+    compile_engine(engine, spec.train.compile, device)
     ckpt.use_safe_loading(engine)
     # WarmupCosineLR starts before step 0 with lr 0; put it at step 0's warm-up value
     engine.lr_scheduler.step(0)
