@@ -34,6 +34,11 @@ class PermanentError(VigilError):
     """The input itself is wrong: retrying cannot help."""
 
 
+class PublishRefused(PermanentError):
+    """The bus refused a message for good (larger than the server or its stream takes, a bad subject, a
+    full stream that discards new messages): publishing the same message again cannot help."""
+
+
 class ConfigError(PermanentError):
     """A setting is missing or invalid; the message names the variable."""
 
