@@ -255,7 +255,10 @@ class StepCompleted(_StepFields):
     flops_per_token: float | None = Field(None, ge=0, description="model FLOPs per token (6N + attention)")
     mfu: float | None = Field(None, ge=0, description="model FLOPs utilisation against the device's peak")
     micro_batch: int | None = Field(
-        None, ge=1, le=MAX_INT4, description="the micro-batch this step ran with (half the spec's after an out-of-memory)"
+        None,
+        ge=1,
+        le=MAX_INT4,
+        description="the micro-batch this step ran with (half the spec's after an out-of-memory)",
     )
 
 
