@@ -39,6 +39,16 @@ class PublishRefused(PermanentError):
     full stream that discards new messages): publishing the same message again cannot help."""
 
 
+class RejectedEvents(PermanentError):
+    """Some events of a batch cannot be stored, ever (a row the database refuses); the rest of the batch
+    is stored. `reasons` maps each rejected event's stream sequence to why: the bus dead-letters those
+    and acknowledges the others."""
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        self.reasons = reasons
+        super().__init__(f"{len(reasons)} events rejected: " + "; ".join(list(reasons.values())[:3]))
+
+
 class ConfigError(PermanentError):
     """A setting is missing or invalid; the message names the variable."""
 
