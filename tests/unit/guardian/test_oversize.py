@@ -28,3 +28,16 @@ def test_evidence_too_wide_even_when_cut_keeps_only_its_keys() -> None:
         "original_bytes": len(wide.to_bytes()),
         "keys": [f"k{i}" for i in range(16)],
     }
+
+
+def test_a_refused_report_is_an_alert_naming_the_field_and_the_count() -> None:
+    from tests.unit.common.samples import SAMPLES
+    from vigil_common.events import ReportRefused
+    from vigil_guardian.watch import report_refused
+
+    fact = SAMPLES[ReportRefused]
+    d = report_refused(fact)
+    assert (d.incident.kind, d.action, d.commands) == ("report_refused", "alert", ())
+    assert d.incident.evidence == {"report": fact.report, "field": "culprits", "refused": 3}
+    assert "culprits" in d.incident.message and "(3 refusals)" in d.incident.message
+    assert report_refused(fact).incident.event_id == d.incident.event_id  # a redelivery: the same incident
