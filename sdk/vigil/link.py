@@ -5,8 +5,10 @@
 frames), from a background thread with its own asyncio loop: `emit` hands an event over and returns
 at once; the hand-over queue is bounded, and when it is full the event is dropped and counted (never
 blocking the training loop). Events go out in order and each is acknowledged once the agent has it
-stored on the bus. If the agent restarts, the link reconnects and sends again what was not
-acknowledged (the bus de-duplicates by event id).
+stored on the bus, or refused: an event out of bounds (a field, its size, the rank's rate) comes back
+with the agent's reason, which the link logs as an error, counts (`refused`) and keeps
+(`last_refusal`); an event too large to send is refused here the same way. If the agent restarts,
+the link reconnects and sends again what was not acknowledged (the bus de-duplicates by event id).
 
 Commands arrive numbered 1, 2, ... in the job's stream order, the same numbers on every rank.
 """
@@ -82,6 +84,7 @@ class AgentLink:
         self.node: str | None = None  # the agent's node, from its Welcome
         self.dropped = 0
         self.refused = 0  # events the agent would not publish (logged)
+        self.last_refusal: str | None = None  # why the last one was refused
         self.last_step: int | None = None  # the last step the agent acknowledged
         self._queue_size = queue_size
         self._commands: list[ev.Message] = []
@@ -166,6 +169,11 @@ class AgentLink:
         with self._cond:
             self._outstanding -= 1
             self._cond.notify_all()
+
+    def _refused(self, event: ev.Message | None, why: str) -> None:
+        self.refused += 1
+        self.last_refusal = why
+        log.error("vigil link: the agent refused %s: %s", getattr(event, "type", "?"), why)
 
     def _put(self, item: tuple[int, ev.Message] | None) -> None:
         assert self._queue is not None
@@ -263,8 +271,13 @@ class AgentLink:
                     await receiver  # the agent acks what it holds, then closes
                     return True
                 event_id, event = item
+                frame = proto.encode_frame(proto.Publish(id=event_id, event=event))
+                if len(frame) > proto.MAX_RANK_FRAME_BYTES:  # the agent would refuse it and close the link
+                    self._refused(event, f"{len(frame)} bytes, over {proto.MAX_RANK_FRAME_BYTES} a frame")
+                    self._settle()
+                    continue
                 unacked[event_id] = event
-                writer.write(proto.encode_frame(proto.Publish(id=event_id, event=event)))
+                writer.write(frame)
                 await writer.drain()
         except (ConnectionError, OSError):
             return False
@@ -285,8 +298,7 @@ class AgentLink:
                 case proto.Acked(id=event_id, error=error):
                     event = unacked.pop(event_id, None)
                     if error is not None:
-                        self.refused += 1
-                        log.error("vigil link: the agent refused %s: %s", getattr(event, "type", "?"), error)
+                        self._refused(event, error)
                     elif isinstance(event, ev.StepCompleted):
                         self.last_step = event.step
                     if event is not None:

@@ -34,6 +34,21 @@ class PermanentError(VigilError):
     """The input itself is wrong: retrying cannot help."""
 
 
+class PublishRefused(PermanentError):
+    """The bus refused a message for good (larger than the server or its stream takes, a bad subject, a
+    full stream that discards new messages): publishing the same message again cannot help."""
+
+
+class RejectedEvents(PermanentError):
+    """Some events of a batch cannot be stored, ever (a row the database refuses); the rest of the batch
+    is stored. `reasons` maps each rejected event's stream sequence to why: the bus dead-letters those
+    and acknowledges the others."""
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        self.reasons = reasons
+        super().__init__(f"{len(reasons)} events rejected: " + "; ".join(list(reasons.values())[:3]))
+
+
 class ConfigError(PermanentError):
     """A setting is missing or invalid; the message names the variable."""
 

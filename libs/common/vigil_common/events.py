@@ -18,9 +18,17 @@ import json
 import re
 import uuid
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 
 from vigil_common.errors import MalformedMessage
 from vigil_common.jobstates import TERMINAL_STATES as TERMINAL_STATES  # re-exported for older importers
@@ -39,6 +47,7 @@ IncidentKind = Literal[
     "node_lost",
     "oom",
     "sdc",
+    "report_refused",
 ]
 # What an incident did: a spec action, or the ranks' own recovery of a held step ("replay": the replay
 # was clean, a transient fault; "skip": the data reproduced it and its window was skipped).
@@ -52,6 +61,35 @@ DeviceKind = Literal["gpu", "cpu"]
 # "spec": the job's spec cannot run (a path outside its roots, entrypoints off, ...): the job FAILS at
 # once, as another attempt would fail the same way.
 FailureType = Literal["ok", "error", "signal", "oom", "killed_by_vigil", "lost", "preempted", "spec"]
+
+
+# --- bounds ----------------------------------------------------------------------------------------------
+# What a rank reports is bounded field by field (issue 31): integers fit the Postgres column that stores
+# them (steps and data positions are int8, migration 0014; ranks and attempts int4), strings have a
+# length and no NUL (Postgres text holds none), lists a length. The worker's relay refuses, field by
+# field, what does not fit (`vigil_worker.relay`). Tightening a bound that only refuses absurd input
+# is not a breaking change (no version bump): every message a real sender made still decodes.
+
+MAX_INT4 = 2**31 - 1
+MAX_INT8 = 2**63 - 1
+MAX_RANKS = 1 << 20  # a rank index is below this (and below the job's world size, checked by the relay)
+MAX_CULPRITS = 1024  # ranks named by one StepReplayed (the trainer names the first ones)
+MAX_EVIDENCE_BYTES = 4096  # a rank's evidence, serialized as JSON
+_NO_NUL = r"^[^\x00]*$"
+
+Step = Annotated[int, Field(ge=0, le=MAX_INT8)]  # steps and data positions (int8 columns)
+Count = Annotated[int, Field(ge=0, le=MAX_INT8)]  # bytes, tokens (int8 columns)
+Rank = Annotated[int, Field(ge=0, lt=MAX_RANKS)]
+Int4 = Annotated[int, Field(ge=0, le=MAX_INT4)]
+Name = Annotated[str, StringConstraints(max_length=256, pattern=_NO_NUL)]  # node, ids, digests
+Text = Annotated[str, StringConstraints(max_length=4096, pattern=_NO_NUL)]  # paths, messages
+LogTail = Annotated[str, StringConstraints(max_length=16384, pattern=_NO_NUL)]
+DataWindow = tuple[Step, Step]
+
+
+def evidence_size(evidence: dict[str, Any]) -> int:
+    """The evidence's size as JSON (non-finite numbers as NaN / Infinity, other values as text)."""
+    return len(json.dumps(evidence, separators=(",", ":"), default=str).encode())
 
 
 def utcnow() -> datetime:
@@ -74,7 +112,7 @@ class Message(BaseModel):
     schema_version: int
     occurred_at: AwareDatetime = Field(default_factory=utcnow)
     job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    attempt: int = Field(0, ge=0)
+    attempt: int = Field(0, ge=0, le=MAX_INT4)
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -158,7 +196,7 @@ class LaunchJob(Command):
     master_addr: str
     master_port: int = Field(ge=1, le=65535)
     resume_from: str | None = Field(None, description="checkpoint directory to resume from")
-    skip_data: tuple[int, int] | None = Field(None, description="[start, end) steps whose data is skipped")
+    skip_data: DataWindow | None = Field(None, description="[start, end) steps whose data is skipped")
 
     @property
     def world_size(self) -> int:
@@ -172,13 +210,13 @@ class _StepFields(Message):
     """What every version of StepCompleted carries (a released version's golden file pins its own)."""
 
     type: Literal["step.completed"] = "step.completed"
-    rank: int = Field(ge=0)
-    node: str
-    step: int = Field(ge=0)
+    rank: Rank
+    node: Name
+    step: Step
     loss: float
     grad_norm: float | None = Field(None, description="the global gradient norm, after the all-reduce")
     lr: float
-    tokens: int = Field(ge=0, description="tokens this rank processed in this step")
+    tokens: Count = Field(description="tokens this rank processed in this step")
     tokens_per_s: float
     data_time_s: float = 0.0
     forward_time_s: float = 0.0
@@ -186,10 +224,10 @@ class _StepFields(Message):
     comm_time_s: float = 0.0
     optimizer_time_s: float = 0.0
     step_time_s: float
-    mem_allocated_bytes: int | None = None
-    mem_peak_bytes: int | None = None
+    mem_allocated_bytes: Count | None = None
+    mem_peak_bytes: Count | None = None
     skipped: bool = Field(False, description="the update was not applied (non-finite gradients)")
-    data_position: int = Field(0, ge=0, description="the data step this step's batch came from")
+    data_position: Step = Field(0, description="the data step this step's batch came from")
 
 
 class StepCompletedV1(_StepFields):
@@ -217,19 +255,22 @@ class StepCompleted(_StepFields):
     flops_per_token: float | None = Field(None, ge=0, description="model FLOPs per token (6N + attention)")
     mfu: float | None = Field(None, ge=0, description="model FLOPs utilisation against the device's peak")
     micro_batch: int | None = Field(
-        None, ge=1, description="the micro-batch this step ran with (half the spec's after an out-of-memory)"
+        None,
+        ge=1,
+        le=MAX_INT4,
+        description="the micro-batch this step ran with (half the spec's after an out-of-memory)",
     )
 
 
 # How a StepCompleted is stored, in one place: the columns of `telemetry_steps` (migrations 0003, 0008,
-# 0009) with their Postgres types. The telemetry writer COPYs exactly these, the read model and the
+# 0009, 0014) with their Postgres types. The telemetry writer COPYs exactly these, the read model and the
 # benches take their column lists from here, and a test checks the table's columns against it. Every
 # field of the event is stored but STEP_NOT_STORED.
 STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("event_id", "text"),
     ("job_id", "text"),
     ("attempt", "int"),
-    ("step", "int"),
+    ("step", "int8"),
     ("rank", "int"),
     ("node", "text"),
     ("loss", "float8"),
@@ -262,32 +303,34 @@ STEP_NOT_STORED = frozenset({"type", "schema_version", "local_finite"})  # the e
 class RankStarted(Message):
     type: Literal["rank.started"] = "rank.started"
     schema_version: Literal[1] = 1
-    rank: int = Field(ge=0)
-    node: str
-    pid: int
-    log_path: str
+    rank: Rank
+    node: Name
+    pid: int = Field(ge=0, le=MAX_INT4)
+    log_path: Text
 
 
 class RankExited(Message):
     type: Literal["rank.exited"] = "rank.exited"
     schema_version: Literal[1] = 1
-    rank: int = Field(ge=0)
-    node: str
-    exit_code: int | None = Field(description="the process exit code; None when killed by a signal")
-    signal: int | None = None
+    rank: Rank
+    node: Name
+    exit_code: int | None = Field(
+        ge=-MAX_INT4, le=MAX_INT4, description="the process exit code; None when killed by a signal"
+    )
+    signal: int | None = Field(None, ge=0, le=255)
     failure: FailureType
-    last_step: int | None = None
-    log_tail: str = ""
+    last_step: Step | None = None
+    log_tail: LogTail = ""
 
 
 class CheckpointSaved(Message):
     type: Literal["checkpoint.saved"] = "checkpoint.saved"
     schema_version: Literal[1] = 1
-    step: int = Field(ge=0)
-    path: str
-    bytes: int = Field(ge=0)
-    manifest_sha256: str
-    data_position: int = Field(ge=0)
+    step: Step
+    path: Text
+    bytes: Count
+    manifest_sha256: Name
+    data_position: Step
 
 
 class RanksHalted(Message):
@@ -295,21 +338,21 @@ class RanksHalted(Message):
 
     type: Literal["ranks.halted"] = "ranks.halted"
     schema_version: Literal[1] = 1
-    step: int = Field(ge=0)
-    command_id: str
-    node: str
+    step: Step
+    command_id: Name
+    node: Name
 
 
 class RollbackCompleted(Message):
     type: Literal["rollback.completed"] = "rollback.completed"
     schema_version: Literal[1] = 1
-    from_step: int = Field(ge=0)
-    to_step: int = Field(ge=0)
-    checkpoint: str
-    skip_data: tuple[int, int] | None = None
-    command_id: str
+    from_step: Step
+    to_step: Step
+    checkpoint: Text
+    skip_data: DataWindow | None = None
+    command_id: Name
     duration_s: float = Field(ge=0)
-    node: str
+    node: Name
 
 
 class RestartRequested(Message):
@@ -319,11 +362,11 @@ class RestartRequested(Message):
 
     type: Literal["restart.requested"] = "restart.requested"
     schema_version: Literal[1] = 1
-    checkpoint: str
-    step: int = Field(ge=0, description="the checkpoint's step")
-    skip_data: tuple[int, int] | None = None
-    command_id: str
-    node: str
+    checkpoint: Text
+    step: Step = Field(description="the checkpoint's step")
+    skip_data: DataWindow | None = None
+    command_id: Name
+    node: Name
 
 
 class OutOfMemoryHalted(Message):
@@ -333,20 +376,20 @@ class OutOfMemoryHalted(Message):
 
     type: Literal["ranks.out_of_memory"] = "ranks.out_of_memory"
     schema_version: Literal[1] = 1
-    step: int = Field(ge=0)
-    rank: int = Field(ge=0)
-    node: str
-    micro_batch: int = Field(ge=1)
-    grad_accum: int = Field(ge=1)
-    checkpoint_step: int = Field(ge=0)
-    message: str
+    step: Step
+    rank: Rank
+    node: Name
+    micro_batch: int = Field(ge=1, le=MAX_INT4)
+    grad_accum: int = Field(ge=1, le=MAX_INT4)
+    checkpoint_step: Step
+    message: Text
 
 
 class RankValue(BaseModel):
     """One rank's number at a held step: its first execution's and its replay's."""
 
     model_config = ConfigDict(extra="forbid")
-    rank: int = Field(ge=0)
+    rank: Rank
     first: float | None = Field(description="the first execution's loss (null: not finite)")
     replay: float | None = Field(description="the replay's loss (null: not finite)")
 
@@ -360,16 +403,59 @@ class StepReplayed(Message):
 
     type: Literal["ranks.step_replayed"] = "ranks.step_replayed"
     schema_version: Literal[1] = 1
-    step: int = Field(ge=0)
-    node: str = Field(description="rank 0's node (the reporter)")
+    step: Step
+    node: Name = Field(description="rank 0's node (the reporter)")
     kind: Literal["nan", "spike"]
     outcome: ReplayOutcome
-    culprits: list[int] = Field(description="the ranks whose loss was bad in the first execution")
-    values: list[RankValue] = Field(description="the culprits' losses, first execution and replay")
-    data_position: int = Field(ge=0)
-    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data positions skipped")
+    culprits: list[Rank] = Field(
+        max_length=MAX_CULPRITS, description="the ranks whose loss was bad in the first execution"
+    )
+    values: list[RankValue] = Field(
+        max_length=MAX_CULPRITS, description="the culprits' losses, first execution and replay"
+    )
+    data_position: Step
+    skip_data: DataWindow | None = Field(None, description="[start, end) data positions skipped")
     held_s: float = Field(ge=0, description="seconds the held execution and its replay took")
-    evidence: dict[str, Any] = Field(default_factory=dict, description="the spike rule's numbers")
+    evidence: dict[str, Any] = Field(
+        default_factory=dict, description=f"the spike rule's numbers (at most {MAX_EVIDENCE_BYTES} bytes)"
+    )
+
+    @field_validator("culprits")
+    @classmethod
+    def _unique_culprits(cls, culprits: list[int]) -> list[int]:
+        if len(set(culprits)) != len(culprits):
+            raise ValueError("names a rank more than once")
+        return culprits
+
+    @field_validator("values")
+    @classmethod
+    def _one_value_per_rank(cls, values: list[RankValue]) -> list[RankValue]:
+        if len({v.rank for v in values}) != len(values):
+            raise ValueError("gives a rank more than one value")
+        return values
+
+    @field_validator("evidence")
+    @classmethod
+    def _small_evidence(cls, evidence: dict[str, Any]) -> dict[str, Any]:
+        if (size := evidence_size(evidence)) > MAX_EVIDENCE_BYTES:
+            raise ValueError(f"is {size} bytes as JSON, over the limit of {MAX_EVIDENCE_BYTES}")
+        return evidence
+
+
+class ReportRefused(Message):
+    """The agent refused what one of its ranks sent (a field out of bounds, a frame too large, a flood):
+    the rank got the refusal as its reply, and the guardian records a `report_refused` incident. The
+    agent sends at most one per job and `field` every `vigil_worker.relay.REPORT_EVERY_S`; `refused`
+    counts the refusals since the last one it sent."""
+
+    type: Literal["rank.report_refused"] = "rank.report_refused"
+    schema_version: Literal[1] = 1
+    rank: Rank
+    node: Name
+    report: Name = Field(description="the refused message's type (`frame` for a frame too large)")
+    field: Name = Field(description="the field refused (`rate`: too many events; `frame`: too large)")
+    reason: Text
+    refused: Count = Field(ge=1, description="refusals of this field since the last report")
 
 
 class JobStateChanged(Message):
@@ -399,8 +485,8 @@ class RollbackJobV1(Command):
     type: Literal["job.rollback"] = "job.rollback"
     schema_version: Literal[1] = 1
     checkpoint: str
-    step: int = Field(ge=0, description="the checkpoint's step")
-    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
+    step: Step = Field(description="the checkpoint's step")
+    skip_data: DataWindow | None = Field(None, description="[start, end) data steps to skip")
     restart: bool = False
     reason: str
     incident_id: str | None = None
@@ -418,8 +504,8 @@ class RollbackJob(Command):
     type: Literal["job.rollback"] = "job.rollback"
     schema_version: Literal[2] = 2
     checkpoint: str
-    step: int = Field(ge=0, description="the checkpoint's step")
-    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
+    step: Step = Field(description="the checkpoint's step")
+    skip_data: DataWindow | None = Field(None, description="[start, end) data steps to skip")
     reason: str
     incident_id: str | None = None
 
@@ -432,8 +518,8 @@ class RestartJob(Command):
     type: Literal["job.restart"] = "job.restart"
     schema_version: Literal[1] = 1
     checkpoint: str
-    step: int = Field(ge=0, description="the checkpoint's step")
-    skip_data: tuple[int, int] | None = Field(None, description="[start, end) data steps to skip")
+    step: Step = Field(description="the checkpoint's step")
+    skip_data: DataWindow | None = Field(None, description="[start, end) data steps to skip")
     reason: str
     incident_id: str | None = None
     unhealthy: list[tuple[str, int]] = Field(
@@ -461,7 +547,7 @@ class IncidentRaised(Message):
     schema_version: Literal[1] = 1
     kind: IncidentKind
     action: IncidentAction
-    step: int | None = None
+    step: Step | None = None
     rank: int | None = None
     node: str | None = None
     device: int | None = None
@@ -501,6 +587,7 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     RestartRequested,
     OutOfMemoryHalted,
     StepReplayed,
+    ReportRefused,
     JobStateChanged,
     HaltJob,
     RollbackJob,
@@ -526,6 +613,7 @@ STATUS_EVENTS: tuple[type[Message], ...] = (
     RestartRequested,
     OutOfMemoryHalted,
     StepReplayed,
+    ReportRefused,
     JobStateChanged,
 )
 JOB_COMMANDS: tuple[type[Message], ...] = (

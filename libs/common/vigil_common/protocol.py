@@ -27,11 +27,14 @@ The recovery sequence, written once:
    loader reports `RestartRequested` instead and exits: the scheduler relaunches it from the checkpoint
    (`VIGIL_RESUME_FROM`).
 
-Link frames are JSON, one per line (`encode_frame` / `decode_frame`), at most `MAX_FRAME_BYTES` each.
+Link frames are JSON, one per line (`encode_frame` / `decode_frame`), at most `MAX_FRAME_BYTES` each
+(`MAX_RANK_FRAME_BYTES` from a rank). A publish frame whose event breaks a bound of its model is
+`EventRefused`: the agent answers it with an `Acked` error naming the field, and the link goes on.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -65,6 +68,10 @@ FROM_RANKS: tuple[type[ev.Message], ...] = (
 TO_AGENT: tuple[type[ev.Message], ...] = (ev.LaunchJob, ev.CancelJob)
 
 MAX_FRAME_BYTES = 1024 * 1024
+# What one frame from a rank may weigh: the largest event a rank sends (a StepReplayed naming
+# MAX_CULPRITS ranks with their values, and 4 KB of evidence) is about 60 KB. The agent refuses a longer
+# line and closes the link; the SDK refuses to send one.
+MAX_RANK_FRAME_BYTES = 128 * 1024
 
 # What the worker puts in a rank's environment for the SDK, besides torchrun's RANK, LOCAL_RANK,
 # WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT.
@@ -157,9 +164,38 @@ def encode_frame(frame: _Frame) -> bytes:
     return data
 
 
+class EventRefused(MalformedMessage):
+    """A well-formed publish frame whose event breaks its model's bounds: refused, the link goes on.
+    `field` is the first field named (the event's own path, e.g. `culprits` or `values.0.rank`)."""
+
+    def __init__(self, id: int, report: str, field: str, reason: str) -> None:
+        self.id, self.report, self.field, self.reason = id, report, field, reason
+        super().__init__(reason)
+
+
 def decode_rank_frame(line: bytes) -> Hello | Publish | Bye:
-    """A frame a rank sent; MalformedMessage naming the field that is wrong."""
-    return _decode(_RANK_FRAME, line)
+    """A frame a rank sent; EventRefused for a publish frame whose event is out of bounds (answer it
+    and go on), MalformedMessage naming the field for anything else that is wrong."""
+    if len(line) > MAX_RANK_FRAME_BYTES:
+        raise MalformedMessage(f"frame of {len(line)} bytes exceeds {MAX_RANK_FRAME_BYTES}")
+    try:
+        return _RANK_FRAME.validate_json(line)
+    except ValidationError as exc:
+        if (refused := _refused_event(exc, line)) is not None:
+            raise refused from exc
+        raise MalformedMessage(f"bad frame: {_fields(exc)}") from exc
+
+
+def _refused_event(exc: ValidationError, line: bytes) -> EventRefused | None:
+    """The refusal of a publish frame whose every error lies inside its event (its id is good)."""
+    errors = exc.errors(include_url=False)
+    if not all(e["loc"][:2] == ("publish", "event") and len(e["loc"]) > 3 for e in errors):
+        return None
+    frame = json.loads(line)  # valid JSON with a valid id: the errors are all inside the event
+    report = str(errors[0]["loc"][2])
+    field = ".".join(str(p) for p in errors[0]["loc"][3:])
+    parts = ["{}: {}".format(".".join(str(p) for p in e["loc"][3:]), e["msg"]) for e in errors[:5]]
+    return EventRefused(frame["id"], report, field, f"{report} refused: " + "; ".join(parts))
 
 
 def decode_agent_frame(line: bytes) -> Welcome | Refused | Acked | Delivered:
@@ -176,7 +212,10 @@ def _decode(adapter: TypeAdapter[T], line: bytes) -> T:
     try:
         return adapter.validate_json(line)
     except ValidationError as exc:
-        fields = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5]
-        )
-        raise MalformedMessage(f"bad frame: {fields}") from exc
+        raise MalformedMessage(f"bad frame: {_fields(exc)}") from exc
+
+
+def _fields(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5]
+    )

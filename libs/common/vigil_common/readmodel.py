@@ -40,11 +40,11 @@ async def steps(
     check_limit(limit)
     if aggregate:
         return await _aggregated(pool, job_id, attempt=attempt, limit=limit, cursor=cursor)
-    key = decode_cursor(cursor, ("int", "int", "int", "bigint"))  # attempt, step, rank, seq
+    key = decode_cursor(cursor, ("int", "bigint", "int", "bigint"))  # attempt, step, rank, seq
     rows = await pool.fetch(
         f"""SELECT {_STEP_FIELDS}, seq FROM telemetry_steps
             WHERE job_id = $1 AND ($2::int IS NULL OR rank = $2) AND ($3::int IS NULL OR attempt = $3)
-              AND ($4::int IS NULL OR (attempt, step, rank, seq) > ($4, $5::int, $6::int, $7::bigint))
+              AND ($4::int IS NULL OR (attempt, step, rank, seq) > ($4, $5::bigint, $6::int, $7::bigint))
             ORDER BY attempt, step, rank, seq LIMIT $8""",
         job_id,
         rank,
@@ -61,13 +61,13 @@ async def _aggregated(
     pool: asyncpg.Pool, job_id: str, *, attempt: int | None, limit: int, cursor: str | None
 ) -> Page:
     """From `telemetry_step_aggregates` (migration 0009), which a trigger keeps as steps arrive."""
-    key = decode_cursor(cursor, ("int", "int"))  # attempt, step
+    key = decode_cursor(cursor, ("int", "bigint"))  # attempt, step
     rows = await pool.fetch(
         """SELECT step, NULL::int AS rank, attempt, ranks, loss, grad_norm, lr, tokens, tokens_per_s,
                   step_time_s, comm_time_s, skipped, occurred_at, flops_per_token, mfu, micro_batch
            FROM telemetry_step_aggregates
            WHERE job_id = $1 AND ($2::int IS NULL OR attempt = $2)
-             AND ($3::int IS NULL OR (attempt, step) > ($3, $4::int))
+             AND ($3::int IS NULL OR (attempt, step) > ($3, $4::bigint))
            ORDER BY attempt, step LIMIT $5""",
         job_id,
         attempt,
@@ -82,10 +82,10 @@ async def checkpoints(
 ) -> Page:
     """A job's checkpoints by step: step, path, valid, bytes, created_at (and attempt, data_position)."""
     check_limit(limit)
-    key = decode_cursor(cursor, ("int",))  # step
+    key = decode_cursor(cursor, ("bigint",))  # step
     rows = await pool.fetch(
         """SELECT step, path, valid, bytes, created_at, attempt, data_position, manifest_sha256
-           FROM telemetry_checkpoints WHERE job_id = $1 AND ($2::int IS NULL OR step > $2)
+           FROM telemetry_checkpoints WHERE job_id = $1 AND ($2::bigint IS NULL OR step > $2)
            ORDER BY step LIMIT $3""",
         job_id,
         key[0] if key else None,
@@ -178,9 +178,9 @@ BUCKET_COLUMNS: tuple[tuple[str, str], ...] = (
     ("job_id", "text"),
     ("width", "int"),
     ("rank", "int"),
-    ("bucket", "int"),
-    ("first_step", "int"),
-    ("last_step", "int"),
+    ("bucket", "int8"),
+    ("first_step", "int8"),
+    ("last_step", "int8"),
     *((f"{m}_{part}", t) for m in SERIES_METRICS for part, t in BUCKET_PARTS),
 )
 

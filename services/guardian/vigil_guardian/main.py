@@ -24,9 +24,11 @@ skipped.
 
 A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then its
 `IncidentRaised`; the state and incident are saved, and only then is the batch acknowledged. A
-decision that cannot be published is retried in place, and nothing after it is judged until it
-is out: the order holds. Ids are stable per fault, so a crash between publishing and saving
-republishes the same ids (JetStream drops them).
+decision that cannot be published yet (NATS away) is retried in place, and nothing after it is judged
+until it is out: the order holds. A message the server refuses for good (`PublishRefused`: too large,
+a bad subject) is never retried: its incident goes out truncated (`oversize.truncated`), and what still
+does not fit is dead-lettered, so one such message cannot stop the share's judging. Ids are stable
+per fault, so a crash between publishing and saving republishes the same ids (JetStream drops them).
 
 GPU samples are heard (not consumed: every guardian hears all of them) and judged by each share held: a
 sick device running a job of that share is that share's decision; one running no job is share 0's.
@@ -48,12 +50,14 @@ import asyncpg
 
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.errors import RetryableError
+from vigil_common.errors import PublishRefused, RetryableError
 from vigil_common.events import (
+    Command,
     GpuSampled,
     IncidentRaised,
     JobStateChanged,
     Message,
+    MessageDeadLettered,
     StepCompleted,
     utcnow,
 )
@@ -66,6 +70,7 @@ from vigil_common.settings import Settings
 from vigil_guardian import store
 from vigil_guardian.core import Guardian
 from vigil_guardian.notifier import Notifier
+from vigil_guardian.oversize import truncated
 from vigil_guardian.policy import Decision
 from vigil_guardian.state import Control
 from vigil_guardian.watch import JobWatch
@@ -195,19 +200,64 @@ class GuardianService:
         """Publish the decisions owed, oldest first; one that fails stays owed with those after it."""
         while self._owed:
             d = self._owed[0]
+            incident = d.incident
             for subject, message in d.messages():
-                await self.bus.publish(subject, message, timeout_s=self.publish_timeout_s)
+                sent = await self._publish(subject, message)
+                if message is d.incident and isinstance(sent, IncidentRaised):
+                    incident = sent
             self._owed.pop(0)
-            self._unsaved.append(d.incident)
-            self.core.mark_published(d.incident.event_id)
-            self.notifier.notify(d.incident)
+            self._unsaved.append(incident)
+            self.core.mark_published(incident.event_id)
+            self.notifier.notify(incident)
             log.warning(
                 "incident %s %s -> %s: %s",
-                d.incident.job_id or d.incident.node,
-                d.incident.kind,
+                incident.job_id or incident.node,
+                incident.kind,
                 d.action,
-                d.incident.message,
+                incident.message[:1000],
             )
+
+    async def _publish(self, subject: str, message: IncidentRaised | Command) -> Message | None:
+        """Publish one message of a decision: as it is, or, refused for good, its incident truncated;
+        what still does not go out is dead-lettered. The message published (None: dead-lettered)."""
+        try:
+            await self.bus.publish(subject, message, timeout_s=self.publish_timeout_s)
+            return message
+        except PublishRefused as exc:
+            refused = exc
+        if isinstance(message, IncidentRaised):
+            cut = truncated(message)
+            log.error("guardian: incident %s refused (%s); sending it truncated", message.event_id, refused)
+            try:
+                await self.bus.publish(subject, cut, timeout_s=self.publish_timeout_s)
+                return cut
+            except PublishRefused as exc:
+                refused = exc
+        await self._dead_letter(subject, message, str(refused))
+        return None
+
+    async def _dead_letter(self, subject: str, message: Message, reason: str) -> None:
+        """Record a message of a decision that the bus refused for good, instead of publishing it."""
+        log.error("guardian: dead-lettering %s %s (%s): %s", message.type, message.event_id, subject, reason)
+        try:
+            stream = subjects.stream_for(subject).name
+        except ValueError:  # a subject no stream stores (the refusal's reason, likely)
+            stream = subjects.INCIDENTS.name
+        letter = MessageDeadLettered(
+            event_id=f"dl-guardian-{message.event_id}"[:128],
+            job_id=message.job_id,
+            attempt=message.attempt,
+            stream=stream,
+            consumer=self.input.durable,
+            subject=subject,
+            reason=reason[:4000],
+            payload=message.to_bytes()[:100_000].decode("utf-8", errors="replace"),
+            num_delivered=0,
+        )
+        try:
+            await self.bus.publish(subjects.dead_letter(stream), letter, timeout_s=self.publish_timeout_s)
+        except PublishRefused as exc:  # nothing more to try: the log line above is the record
+            log.error("guardian: the dead letter of %s was refused too: %s", message.event_id, exc)
 
     async def persist(self, job_ids: set[str], *, devices: bool = False, cursor: int | None = None) -> None:
         """Save, in one transaction, the changed snapshots of `job_ids` and of the jobs decided about,

@@ -27,6 +27,7 @@ from vigil_common.events import (
     RankExited,
     RanksHalted,
     RankStarted,
+    ReportRefused,
     RestartJob,
     RollbackCompleted,
     RollbackJob,
@@ -156,6 +157,8 @@ class JobWatch:
             return [out_of_memory(event)]
         elif isinstance(event, StepReplayed):
             return self._on_replayed(event, now)
+        elif isinstance(event, ReportRefused):
+            return [report_refused(event)]
         elif isinstance(event, RollbackCompleted):
             return self._on_rollback_completed(event, now)
         return []
@@ -288,5 +291,24 @@ def out_of_memory(event: OutOfMemoryHalted) -> Decision:
                 "grad_accum": event.grad_accum,
                 "checkpoint_step": event.checkpoint_step,
             },
+        )
+    )
+
+
+def report_refused(event: ReportRefused) -> Decision:
+    """The agent refused what a rank of the job sent: an alert naming the field (the agent sends at most
+    one per job and field every 30 s, with the count since the last)."""
+    times = f" ({event.refused} refusals)" if event.refused > 1 else ""
+    return Decision(
+        IncidentRaised(
+            event_id=incident_id(event.job_id, event.attempt, "report_refused", event.event_id),
+            job_id=event.job_id,
+            attempt=event.attempt,
+            kind="report_refused",
+            action="alert",
+            rank=event.rank,
+            node=event.node,
+            message=f"rank {event.rank}'s {event.report} refused{times}: {event.field}: {event.reason}",
+            evidence={"report": event.report, "field": event.field, "refused": event.refused},
         )
     )

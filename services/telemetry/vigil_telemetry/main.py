@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import asyncpg
 from opentelemetry import trace
 
 from vigil_common import subjects, tracing
 from vigil_common.bus import ConsumerSpec, Delivery
+from vigil_common.errors import RejectedEvents
 from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
@@ -56,6 +59,15 @@ LAUNCHES = _spec(subjects.JOBS, "telemetry-launches", subjects.ALL_LAUNCHES)
 INCIDENTS = _spec(subjects.INCIDENTS, "telemetry-incidents", subjects.ALL_INCIDENTS)
 
 Batch = list[tuple[Message, Delivery]]
+Writer = Callable[[asyncpg.Connection, Sequence[Any]], Awaitable[None]]
+# What a row the database refuses raises (a value out of a column's range, a constraint, a character
+# Postgres text cannot hold), never a lost connection: those batches are retried whole.
+BAD_ROW = (
+    asyncpg.DataError,  # SQLSTATE class 22: out of range, invalid text, ...
+    asyncpg.IntegrityConstraintViolationError,  # class 23: NOT NULL, CHECK, ...
+    asyncpg.exceptions._base.DataError,  # the client's: a value its column's type cannot encode
+    OverflowError,
+)
 
 
 class Telemetry:
@@ -66,33 +78,63 @@ class Telemetry:
         self.registry = registry
         self.traces = traces
 
-    async def _write(self, writer, events: list[Message], consumer: str) -> None:  # type: ignore[no-untyped-def]
-        async with self.pool.acquire() as conn, conn.transaction():
-            await writer(conn, events)
+    async def _write(self, writer: Writer, batch: Batch, consumer: str) -> list[Message]:
+        """Store a batch in one transaction; a batch the database refuses is split in halves until each
+        bad event is alone (`stored_apart`), so one job's bad row never costs another job's rows. The
+        events stored; RejectedEvents (after the rest is stored) names the bad ones for the bus to
+        dead-letter."""
+        rejected = await self._stored_apart(writer, batch)
+        events = [e for e, d in batch if d.stream_seq not in rejected]
         self.registry.observe(events)
         self.registry.inc("vigil_telemetry_events_total", len(events), consumer=consumer)
+        if rejected:
+            self.registry.inc("vigil_telemetry_rejected_total", len(rejected), consumer=consumer)
+            raise RejectedEvents(rejected)
+        return events
+
+    async def _stored_apart(self, writer: Writer, batch: Batch) -> dict[int, str]:
+        """Write `batch`, bisecting on a refused row; the rejected events' reasons by stream sequence."""
+        if not batch:
+            return {}
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                await writer(conn, [e for e, _ in batch])
+            return {}
+        except BAD_ROW as exc:
+            if len(batch) == 1:
+                event, delivery = batch[0]
+                log.error("telemetry: %s %s cannot be stored: %s", event.type, event.event_id, exc)
+                return {delivery.stream_seq: f"not stored: {type(exc).__name__}: {exc}"[:2000]}
+        half = len(batch) // 2
+        first = await self._stored_apart(writer, batch[:half])
+        return {**first, **await self._stored_apart(writer, batch[half:])}
 
     async def steps(self, batch: Batch) -> None:
-        events = [e for e, _ in batch if isinstance(e, StepCompleted)]
-        await self._write(store.write_steps, events, "steps")
+        steps = [(e, d) for e, d in batch if isinstance(e, StepCompleted)]
+        try:
+            stored = await self._write(store.write_steps, steps, "steps")
+        except RejectedEvents as exc:
+            self._trace_steps([e for e, d in steps if d.stream_seq not in exc.reasons])
+            raise
+        self._trace_steps(stored)
+
+    def _trace_steps(self, events: list[Message]) -> None:
         if self.traces.enabled:
             for e in events:
-                self.traces.add_step(e)
+                if isinstance(e, StepCompleted):
+                    self.traces.add_step(e)
 
     async def gpu(self, batch: Batch) -> None:
-        await self._write(store.write_gpu, [e for e, _ in batch if isinstance(e, GpuSampled)], "gpu")
+        await self._write(store.write_gpu, [(e, d) for e, d in batch if isinstance(e, GpuSampled)], "gpu")
 
     async def status(self, batch: Batch) -> None:
-        events = [e for e, _ in batch]
-        await self._write(store.write_status, events, "status")
-        for e in events:
+        for e in await self._write(store.write_status, batch, "status"):
             if isinstance(e, CheckpointSaved):
                 self.traces.add_checkpoint(e)
 
     async def incidents(self, batch: Batch) -> None:
-        await self._write(
-            store.write_incidents, [e for e, _ in batch if isinstance(e, IncidentRaised)], "incidents"
-        )
+        incidents = [(e, d) for e, d in batch if isinstance(e, IncidentRaised)]
+        await self._write(store.write_incidents, incidents, "incidents")
 
     async def launches(self, batch: Batch) -> None:
         for e, delivery in batch:

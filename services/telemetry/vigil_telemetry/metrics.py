@@ -50,6 +50,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "vigil_gpu_ecc_uncorrected": ("gauge", "Uncorrected memory errors since the driver loaded"),
     "vigil_incidents_total": ("counter", "Incidents raised, by kind and action"),
     "vigil_telemetry_events_total": ("counter", "Events stored by telemetry, by consumer"),
+    "vigil_telemetry_rejected_total": ("counter", "Events the database refused (dead-lettered), by consumer"),
 }
 
 

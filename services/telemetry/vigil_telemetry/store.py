@@ -71,7 +71,7 @@ ADD_TO_BUCKETS = f"""
     INSERT INTO telemetry_step_buckets AS b ({", ".join(name for name, _ in BUCKET_COLUMNS)})
     SELECT job_id, width, rank, step / width, min(step), max(step), {_GROUPED}
     FROM (SELECT job_id, rank, step, {_CLEANED}
-          FROM unnest($1::text[], $2::int[], $3::int[], {_METRIC_ARRAYS})
+          FROM unnest($1::text[], $2::int[], $3::int8[], {_METRIC_ARRAYS})
                AS u(job_id, rank, step, {", ".join(SERIES_METRICS)})) s
     CROSS JOIN unnest(${4 + len(SERIES_METRICS)}::int[]) AS w(width)
     GROUP BY job_id, width, rank, step / width
@@ -88,7 +88,7 @@ _NEWER = ", ".join(
 # The newest step per job (an older event leaves it as it is), and a revision every batch bumps.
 UPDATE_PROGRESS = f"""
     INSERT INTO telemetry_job_progress AS p (job_id, {", ".join(_PROGRESS)}, revision)
-    SELECT *, 1 FROM unnest($1::text[], $2::int[], $3::int[], $4::float8[], $5::timestamptz[],
+    SELECT *, 1 FROM unnest($1::text[], $2::int[], $3::int8[], $4::float8[], $5::timestamptz[],
                             $6::float8[], $7::float8[])
     ON CONFLICT (job_id) DO UPDATE SET revision = p.revision + 1, {_NEWER}"""
 
@@ -300,7 +300,7 @@ async def write_incidents(conn: asyncpg.Connection, events: Sequence[IncidentRai
     await conn.execute(
         """INSERT INTO telemetry_incidents
                (id, job_id, attempt, kind, action, step, rank, node, device, message, evidence, occurred_at)
-           SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::text[], $6::int[],
+           SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::text[], $6::int8[],
                                 $7::int[], $8::text[], $9::int[], $10::text[], $11::jsonb[],
                                 $12::timestamptz[])
            ON CONFLICT (id) DO NOTHING""",

@@ -132,6 +132,7 @@ class Worker:
                 token=r.token,
                 cwd=r.cwd,
                 builtin=launch.spec.entrypoint is None,
+                world_size=launch.world_size,
             )
             log.info(
                 "started rank %d of %s attempt %d on device %d: pid %d",

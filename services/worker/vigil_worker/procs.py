@@ -46,6 +46,7 @@ class RankRecord:
     started_at: float = field(default_factory=time.time)
     token: str = ""  # the rank's proof of identity to this agent's relay (ranks.json is 0600)
     builtin: bool = False  # the built-in trainer, whose exit code EXIT_SPEC says the spec cannot run
+    world_size: int = 0  # the job's ranks (its reports may name no other); 0: not known
     killed: bool = False  # ended by this worker (cancel, newer attempt, a sibling's death)
     reported: bool = False  # RankExited published
 
@@ -120,6 +121,7 @@ class RankTable:
         token: str = "",
         cwd: Path | None = None,
         builtin: bool = False,
+        world_size: int = 0,
     ) -> RankRecord:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path.unlink(missing_ok=True)
@@ -147,6 +149,7 @@ class RankTable:
             exit_path=str(exit_path),
             token=token,
             builtin=builtin,
+            world_size=world_size,
         )
         self._children[proc.pid] = proc
         self.records.append(record)

@@ -8,6 +8,10 @@ that rank (`RankRecord.token`), which stops working once the rank has exited. Fr
   and rank; the node is the agent's own; only rank 0 reports job-wide facts; a checkpoint lies in the
   job's own folder), published on this node's subjects (the only ones the agent's NATS user may publish
   on), and acknowledged once stored; a rank's events are published one after the other, in order;
+- what a rank sends is bounded: a frame's size (`protocol.MAX_RANK_FRAME_BYTES`), every field of its
+  event (the event models' bounds, and the ranks it names lie within the job's world size) and its rate
+  (`refusals.TokenBucket`). A refused event is answered with its reason, the link goes on, and the
+  guardian hears of it (`ReportRefused`, at most one per job and field every `REPORT_EVERY_S`);
 - the job's commands for ranks (`protocol.ToRanks`), read from the command stream from its start by
   one ordered consumer per job, go to every rank of the job here, numbered in stream order.
 """
@@ -29,6 +33,7 @@ from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.errors import CheckpointError, MalformedMessage
 from vigil_worker.procs import RankRecord
+from vigil_worker.refusals import BURST, EVENTS_PER_S, REPORT_EVERY_S, RefusalReports, TokenBucket
 
 log = logging.getLogger("vigil.worker")
 
@@ -88,12 +93,19 @@ class Relay:
         socket_path: Path,
         checkpoint_root: Path,
         find: Callable[[str, int, int], RankRecord | None],
+        *,
+        events_per_s: float = EVENTS_PER_S,
+        burst: int = BURST,
+        report_every_s: float = REPORT_EVERY_S,
     ) -> None:
         self.bus, self.node, self.socket_path = bus, node, socket_path
         self.checkpoint_root = checkpoint_root
         self.find = find
         self.feeds: dict[str, CommandFeed] = {}
         self.refused = 0  # events refused (logged), for tests and metrics
+        self.events_per_s, self.burst = events_per_s, burst
+        self.reports = RefusalReports(report_every_s)
+        self._buckets: dict[tuple[str, int, int], TokenBucket] = {}  # per rank, its links together
         self._server: asyncio.Server | None = None
 
     async def start(self) -> Relay:
@@ -101,7 +113,7 @@ class Relay:
         os.chmod(self.socket_path.parent, 0o700)
         self.socket_path.unlink(missing_ok=True)  # a previous agent's
         self._server = await asyncio.start_unix_server(
-            self._serve, path=str(self.socket_path), limit=proto.MAX_FRAME_BYTES + 1
+            self._serve, path=str(self.socket_path), limit=proto.MAX_RANK_FRAME_BYTES + 1
         )
         os.chmod(self.socket_path, 0o600)
         return self
@@ -126,8 +138,15 @@ class Relay:
                 return
             feed = await self._feed(hello.job_id)
             delivering = asyncio.create_task(feed.deliver(writer.write))
-            while line := await reader.readline():
-                match proto.decode_rank_frame(line):
+            while line := await self._line(hello, reader):
+                try:
+                    frame = proto.decode_rank_frame(line)
+                except proto.EventRefused as exc:  # out of its model's bounds: answered, the link goes on
+                    await self._refuse(hello, exc.report, exc.field, exc.reason)
+                    writer.write(proto.encode_frame(proto.Acked(id=exc.id, error=exc.reason[:2000])))
+                    await writer.drain()
+                    continue
+                match frame:
                     case proto.Publish(id=event_id, event=event):
                         error = await self._publish(hello, event)
                         writer.write(proto.encode_frame(proto.Acked(id=event_id, error=error)))
@@ -152,6 +171,15 @@ class Relay:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _line(self, hello: proto.Hello, reader: asyncio.StreamReader) -> bytes:
+        """The rank's next frame; a longer one than MAX_RANK_FRAME_BYTES is refused, closing the link."""
+        try:
+            return await reader.readline()
+        except ValueError as exc:  # asyncio's LimitOverrunError: the line is over the reader's limit
+            why = f"a frame over {proto.MAX_RANK_FRAME_BYTES} bytes"
+            await self._refuse(hello, "frame", "frame", why)
+            raise MalformedMessage(why) from exc
 
     async def _welcome(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -181,17 +209,29 @@ class Relay:
         feed = self.feeds.get(job_id)
         if feed is not None:
             feed.users -= 1
-            if feed.users <= 0:
+            if feed.users <= 0:  # the job's last link here: its rate and refusal counts go with it
                 del self.feeds[job_id]
+                for key in [k for k in self._buckets if k[0] == job_id]:
+                    del self._buckets[key]
+                self.reports.forget(job_id)
                 await feed.stop()
 
     # --- one event -------------------------------------------------------------------------------------
 
     async def _publish(self, hello: proto.Hello, event: ev.Message) -> str | None:
         """Publish `event` for the rank `hello` names; the reason it is refused, or None once stored."""
-        if why := self.refusal(hello, event):
-            self.refused += 1
-            log.warning("refused %s from %s: %s", event.type, _who(hello), why)
+        key = (hello.job_id, hello.attempt, hello.rank)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(self.events_per_s, self.burst)
+        refused: tuple[str, str] | None
+        if not bucket.take():
+            refused = "rate", f"over the rate of {self.events_per_s:g} events/s (burst {self.burst}) per rank"
+        else:
+            refused = self.refusal(hello, event)
+        if refused is not None:
+            field, why = refused
+            await self._refuse(hello, event.type, field, why)
             return why
         job = hello.job_id
         subject = (
@@ -206,28 +246,67 @@ class Relay:
             return f"not published: {exc}"
         return None
 
-    def refusal(self, hello: proto.Hello, event: ev.Message) -> str | None:
-        """Why the rank `hello` names may not publish `event`; None when it may."""
+    async def _refuse(self, hello: proto.Hello, report: str, field: str, why: str) -> None:
+        """Count and log a refusal, and tell the guardian when one of this job's `field` is due."""
+        self.refused += 1
+        log.warning("refused %s from %s: %s", report, _who(hello), why)
+        if not (count := self.reports.due(hello.job_id, field)):
+            return
+        fact = ev.ReportRefused(
+            job_id=hello.job_id,
+            attempt=hello.attempt,
+            rank=hello.rank,
+            node=self.node,
+            report=report[:256],
+            field=field[:256],
+            reason=why[:4096].replace("\x00", ""),
+            refused=count,
+        )
+        try:
+            await self.bus.publish(subjects.status(hello.job_id, self.node), fact)
+        except Exception as exc:  # the rank has its answer; the report is lost, and said so
+            log.warning("reporting a refusal of %s failed: %s", _who(hello), exc)
+
+    def refusal(self, hello: proto.Hello, event: ev.Message) -> tuple[str, str] | None:
+        """(field, why) the rank `hello` names may not publish `event`; None when it may."""
         if event.job_id != hello.job_id:
-            return f"job_id {event.job_id!r} is not this rank's job {hello.job_id!r}"
+            return "job_id", f"job_id {event.job_id!r} is not this rank's job {hello.job_id!r}"
         if event.attempt != hello.attempt:
-            return f"attempt {event.attempt} is not this rank's attempt {hello.attempt}"
+            return "attempt", f"attempt {event.attempt} is not this rank's attempt {hello.attempt}"
         if (node := getattr(event, "node", self.node)) != self.node:
-            return f"node {node!r} is not this node {self.node!r}"
+            return "node", f"node {node!r} is not this node {self.node!r}"
         if isinstance(event, ev.StepCompleted):
-            return (
-                None
-                if event.rank == hello.rank
-                else f"rank {event.rank} is not this link's rank {hello.rank}"
-            )
+            if event.rank != hello.rank:
+                return "rank", f"rank {event.rank} is not this link's rank {hello.rank}"
+            return None
         if hello.rank != 0:
-            return f"{event.type} is reported by rank 0 only"
+            return "rank", f"{event.type} is reported by rank 0 only"
+        if (outside := self._outside_the_job(hello, event)) is not None:
+            return outside
         if isinstance(event, ev.CheckpointSaved | ev.RollbackCompleted | ev.RestartRequested):
             path = event.path if isinstance(event, ev.CheckpointSaved) else event.checkpoint
             try:
                 confine(self.checkpoint_root / hello.job_id, path)
-            except CheckpointError as exc:
-                return f"not a checkpoint of job {hello.job_id}: {exc}"
+            except (CheckpointError, ValueError) as exc:
+                field = "path" if isinstance(event, ev.CheckpointSaved) else "checkpoint"
+                return field, f"not a checkpoint of job {hello.job_id}: {exc}"
+        return None
+
+    def _outside_the_job(self, hello: proto.Hello, event: ev.Message) -> tuple[str, str] | None:
+        """(field, why) when `event` names a rank the job does not have (its world size, where known)."""
+        record = self.find(hello.job_id, hello.attempt, hello.rank)
+        world = record.world_size if record is not None else 0
+        if not world:
+            return None  # not known (a rank a previous agent started): the model's bound holds
+        named: list[tuple[str, int]] = []
+        if isinstance(event, ev.StepReplayed):
+            named = [(f"culprits.{i}", r) for i, r in enumerate(event.culprits)]
+            named += [(f"values.{i}.rank", v.rank) for i, v in enumerate(event.values)]
+        elif isinstance(event, ev.OutOfMemoryHalted):
+            named = [("rank", event.rank)]
+        for field, rank in named:
+            if rank >= world:
+                return field, f"{field}: rank {rank} is not a rank of this job (world size {world})"
         return None
 
 

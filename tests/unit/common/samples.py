@@ -165,6 +165,15 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         held_s=0.25,
         evidence={"threshold": 6.0},
     ),
+    ev.ReportRefused: ev.ReportRefused(
+        **JOB,
+        rank=1,
+        node="n1",
+        report="ranks.step_replayed",
+        field="culprits",
+        reason="culprits: rank 70000 is not a rank of this job (world size 2)",
+        refused=3,
+    ),
     ev.ResumeJob: ev.ResumeJob(**JOB, reason="operator"),
     ev.CancelJob: ev.CancelJob(**JOB, reason="user"),
     ev.IncidentRaised: ev.IncidentRaised(

@@ -26,7 +26,7 @@ _COLUMN = re.compile(r"^\s*(\w+)\s+(text|integer|bigint|double precision|boolean
 
 def table_columns(table: str) -> dict[str, str]:
     """A table's columns and types as the migrations leave it: its newest CREATE TABLE, then every
-    ADD COLUMN after it (types in STEP_COLUMNS' spelling)."""
+    ADD COLUMN and ALTER COLUMN ... TYPE after it (types in STEP_COLUMNS' spelling)."""
     columns: dict[str, str] = {}
     for migration in load_migrations():
         created = re.search(rf"CREATE TABLE {table} \((.*?)\n\)", migration.sql, re.S)
@@ -35,6 +35,12 @@ def table_columns(table: str) -> dict[str, str]:
         for altered in re.finditer(rf"ALTER TABLE {table}\s+(ADD COLUMN .*?);", migration.sql, re.S):
             for name, t in re.findall(
                 r"ADD COLUMN\s+(\w+)\s+(text|integer|bigint|double precision|boolean|timestamptz)",
+                altered.group(1),
+            ):
+                columns[name] = SQL_TYPES[t]
+        for altered in re.finditer(rf"ALTER TABLE {table}\s+(ALTER COLUMN .*?);", migration.sql, re.S):
+            for name, t in re.findall(
+                r"ALTER COLUMN\s+(\w+)\s+TYPE\s+(text|integer|bigint|double precision|boolean)\b",
                 altered.group(1),
             ):
                 columns[name] = SQL_TYPES[t]

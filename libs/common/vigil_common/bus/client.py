@@ -25,7 +25,7 @@ from nats.js.api import PubAck
 from opentelemetry.sdk.trace import TracerProvider
 
 from vigil_common import credentials, tracing
-from vigil_common.errors import PermanentError, RetryableError
+from vigil_common.errors import PublishRefused, RetryableError
 from vigil_common.events import Message
 from vigil_common.redact import redact_text, redact_url
 
@@ -141,7 +141,8 @@ class BusClient:
 
     async def publish(self, subject: str, event: Message, *, timeout_s: float = 10.0) -> PubAck:
         """Publish to JetStream and wait for the ack. Retries transient failures with the same
-        `Nats-Msg-Id`, so a retry never stores a second copy. Raises RetryableError on timeout."""
+        `Nats-Msg-Id`, so a retry never stores a second copy. Raises RetryableError on timeout, and
+        PublishRefused when the server refuses the message for good (too large, a bad subject)."""
         headers = tracing.inject({"Nats-Msg-Id": msg_id(subject, event.event_id), SENDER_HEADER: self.name})
         payload = event.to_bytes()
         deadline = time.monotonic() + timeout_s
@@ -155,8 +156,15 @@ class BusClient:
                 if time.monotonic() + delay >= deadline:
                     raise RetryableError(f"JetStream unavailable for {subject}: {exc.description}") from exc
             except nats.js.errors.APIError as exc:
-                # e.g. a full stream with discard=new: permanent for this message, never silent.
-                raise PermanentError(f"publish to {subject} refused: {exc.description}") from exc
+                # e.g. a full stream with discard=new, a message over the stream's max_msg_size:
+                # permanent for this message, never silent.
+                raise PublishRefused(f"publish to {subject} refused: {exc.description}") from exc
+            except nats.errors.MaxPayloadError as exc:  # over the server's max_payload: never sent
+                raise PublishRefused(
+                    f"publish to {subject} refused: {len(payload)} bytes is over the server's max_payload"
+                ) from exc
+            except nats.errors.BadSubjectError as exc:
+                raise PublishRefused(f"publish to {subject!r} refused: not a valid subject") from exc
             except TRANSIENT as exc:
                 if time.monotonic() + delay >= deadline:
                     raise RetryableError(f"publish to {subject} not acknowledged in {timeout_s}s") from exc

@@ -31,7 +31,7 @@ from vigil_common.bus.deliveries import (
     Handler,
     not_delivered_by,
 )
-from vigil_common.errors import PermanentError
+from vigil_common.errors import PermanentError, RejectedEvents
 from vigil_common.events import Message, MessageDeadLettered
 from vigil_common.waiting import wait_any
 
@@ -78,8 +78,10 @@ class Consumers(BusClient):
         admit: Admit | None = None,
     ) -> None:
         """Run `handler` on batches of up to `max_batch` messages; every message of a batch is
-        acked after the handler returns, or nak'd (dead-lettered past `max_deliver`) if it raises.
-        A message `admit` refuses is dead-lettered as forged and left out of its batch.
+        acked after the handler returns, or nak'd (dead-lettered past `max_deliver`) if it raises;
+        a handler that raises `RejectedEvents` stored the rest: those named are dead-lettered at once
+        and the others acked. A message `admit` refuses is dead-lettered as forged and left out of its
+        batch.
 
         For volume (every rank's every step): the server pushes into a buffer (at most
         `max_ack_pending` unacknowledged) while the previous batch is being handled, so
@@ -276,6 +278,13 @@ class Consumers(BusClient):
             await handler(good)
         except asyncio.CancelledError:
             raise
+        except RejectedEvents as exc:  # the handler stored the rest: only the rejected are dead letters
+            for _, delivery in good:
+                if (reason := exc.reasons.get(delivery.stream_seq)) is not None:
+                    await self.dead_letter(spec, delivery, reason)
+                    await delivery.msg.term()
+                else:
+                    await delivery.msg.ack()
         except Exception as exc:
             for _, delivery in good:
                 await self._fail(spec, delivery, exc)

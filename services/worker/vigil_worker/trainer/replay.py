@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 from vigil_common import events as ev
 from vigil_worker.trainer.context import RankContext, TrainState
@@ -68,6 +69,7 @@ def report(
 ) -> None:
     if ctx.rank != 0:
         return
+    culprits = bad.culprits[: ev.MAX_CULPRITS]  # a report names at most this many (the first ones)
     ctx.run.emit(
         ev.StepReplayed(
             job_id=ctx.job_id,
@@ -76,17 +78,32 @@ def report(
             node=ctx.node,
             kind=bad.kind,
             outcome=outcome,
-            culprits=bad.culprits,
+            culprits=culprits,
             values=[
                 ev.RankValue(rank=r, first=_finite(first.losses[r]), replay=_finite(replay.losses[r]))
-                for r in bad.culprits
+                for r in culprits
             ],
             data_position=pos,
             skip_data=skip,
             held_s=held_s,
-            evidence=bad.evidence,
+            evidence=bounded(bad.evidence, len(bad.culprits)),
         )
     )
+
+
+def bounded(evidence: dict[str, Any], culprits: int) -> dict[str, Any]:
+    """The spike rule's evidence within `ev.MAX_EVIDENCE_BYTES`: the first ranks' numbers that fit, and
+    how many ranks were culprits (`culprits_total`) when not all are there."""
+    if ev.evidence_size(evidence) <= ev.MAX_EVIDENCE_BYTES:
+        return evidence
+    out: dict[str, Any] = {k: v for k, v in evidence.items() if k != "ranks"}
+    out["culprits_total"] = culprits
+    kept: dict[str, Any] = {}
+    for rank, numbers in dict(evidence.get("ranks", {})).items():
+        if ev.evidence_size({**out, "ranks": {**kept, rank: numbers}}) > ev.MAX_EVIDENCE_BYTES:
+            break
+        kept[rank] = numbers
+    return {**out, "ranks": kept} if ev.evidence_size({**out, "ranks": kept}) <= ev.MAX_EVIDENCE_BYTES else {}
 
 
 def _finite(x: float) -> float | None:
