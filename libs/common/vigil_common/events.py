@@ -372,6 +372,41 @@ class StepReplayed(Message):
     evidence: dict[str, Any] = Field(default_factory=dict, description="the spike rule's numbers")
 
 
+class CheckpointRefused(Message):
+    """A checkpoint the ranks were told to load did not load: it failed its manifest (`reason` "hash":
+    a file missing, resized or changed) or verified and still raised while loading ("load"). Rank 0
+    reports it; the scheduler marks it bad (`scheduler_checkpoints.valid`, with the reason) and never
+    resumes from it again, the guardian never rolls back to it."""
+
+    type: Literal["checkpoint.refused"] = "checkpoint.refused"
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0, le=2**62, description="the checkpoint's step")
+    path: str = Field(max_length=4096)
+    reason: Literal["hash", "load"]
+    message: str = Field(max_length=2000, description="what failed, for the operator")
+    node: str
+
+
+class DeviceDiagnosed(Message):
+    """The worker ran its known-answer check on one of its devices (`DiagnoseDevice`): a fixed-seed
+    matmul in float32 compared with a float64 reference on the CPU, the same matmul run twice, and a
+    reduction checked against its sum. `passed` False: the device computed a wrong answer (a worker's
+    verdict, which marks the device unhealthy for good until an operator clears it); `error`: the check
+    could not run (inconclusive: `passed` is None)."""
+
+    type: Literal["device.diagnosed"] = "device.diagnosed"
+    schema_version: Literal[1] = 1
+    node: str
+    device: int = Field(ge=0, le=1_000_000)
+    passed: bool | None = Field(description="None: the check could not run (see `error`)")
+    checks: dict[str, float] = Field(
+        default_factory=dict, max_length=16, description="each check's worst relative error"
+    )
+    error: str | None = Field(None, max_length=2000)
+    duration_s: float = Field(ge=0)
+    command_id: str = Field(max_length=128, description="the DiagnoseDevice that asked")
+
+
 class JobStateChanged(Message):
     type: Literal["job.state_changed"] = "job.state_changed"
     schema_version: Literal[1] = 1
@@ -441,6 +476,18 @@ class RestartJob(Command):
     )
 
 
+class DiagnoseDevice(Command):
+    """The guardian asks the worker of `node` to run its known-answer check on `device`
+    (`DeviceDiagnosed`): a job's own report of a transient fault there (a user program's `StepReplayed`)
+    is evidence for the check, never a verdict by itself."""
+
+    type: Literal["device.diagnose"] = "device.diagnose"
+    schema_version: Literal[1] = 1
+    node: str
+    device: int = Field(ge=0, le=1_000_000)
+    reason: str = Field(max_length=2000)
+
+
 class ResumeJob(Command):
     type: Literal["job.resume"] = "job.resume"
     schema_version: Literal[1] = 1
@@ -501,11 +548,14 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     RestartRequested,
     OutOfMemoryHalted,
     StepReplayed,
+    CheckpointRefused,
+    DeviceDiagnosed,
     JobStateChanged,
     HaltJob,
     RollbackJob,
     RollbackJobV1,
     RestartJob,
+    DiagnoseDevice,
     ResumeJob,
     CancelJob,
     IncidentRaised,
@@ -526,6 +576,8 @@ STATUS_EVENTS: tuple[type[Message], ...] = (
     RestartRequested,
     OutOfMemoryHalted,
     StepReplayed,
+    CheckpointRefused,
+    DeviceDiagnosed,
     JobStateChanged,
 )
 JOB_COMMANDS: tuple[type[Message], ...] = (
@@ -533,6 +585,7 @@ JOB_COMMANDS: tuple[type[Message], ...] = (
     RollbackJob,
     RollbackJobV1,
     RestartJob,
+    DiagnoseDevice,
     ResumeJob,
     CancelJob,
 )

@@ -47,7 +47,8 @@ FromRanks = Annotated[
     | ev.RollbackCompleted
     | ev.RestartRequested
     | ev.OutOfMemoryHalted
-    | ev.StepReplayed,
+    | ev.StepReplayed
+    | ev.CheckpointRefused,
     Field(discriminator="type"),
 ]
 ToAgent = Annotated[ev.LaunchJob | ev.CancelJob, Field(discriminator="type")]
@@ -61,6 +62,7 @@ FROM_RANKS: tuple[type[ev.Message], ...] = (
     ev.RestartRequested,
     ev.OutOfMemoryHalted,
     ev.StepReplayed,
+    ev.CheckpointRefused,
 )
 TO_AGENT: tuple[type[ev.Message], ...] = (ev.LaunchJob, ev.CancelJob)
 
