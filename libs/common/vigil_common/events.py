@@ -46,6 +46,8 @@ IncidentAction = Literal["alert", "halt", "rollback", "fail", "replay", "skip"]
 # What the replay of a held step showed (`StepReplayed`).
 ReplayOutcome = Literal["transient", "reproduced"]
 DeviceKind = Literal["gpu", "cpu"]
+# Why a checkpoint did not load (`CheckpointRefused`): it failed its manifest, or verified and raised.
+CheckpointRefusal = Literal["hash", "load"]
 # Why a rank ended, in the spirit of determined's FailureType.
 # "preempted": the rank wrote the emergency checkpoint on a preemption notice and exited (not a failure
 # of the job: its next attempt does not count against VIGIL_MAX_ATTEMPTS).
@@ -382,7 +384,7 @@ class CheckpointRefused(Message):
     schema_version: Literal[1] = 1
     step: int = Field(ge=0, le=2**62, description="the checkpoint's step")
     path: str = Field(max_length=4096)
-    reason: Literal["hash", "load"]
+    reason: CheckpointRefusal
     message: str = Field(max_length=2000, description="what failed, for the operator")
     node: str
 

@@ -139,7 +139,7 @@ class JobWatch:
             c.checkpoints[event.step] = event.path  # a saved checkpoint outlives its attempt
             return []
         if isinstance(event, CheckpointRefused):  # it did not load: never a rollback's target again
-            c.checkpoints = {s: p for s, p in c.checkpoints.items() if p != event.path}
+            c.checkpoints.pop(event.step, None)
             return []
         if c.terminal:
             return []

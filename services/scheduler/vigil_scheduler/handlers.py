@@ -190,7 +190,7 @@ class Handlers:
                 """INSERT INTO scheduler_checkpoints (job_id, step, path, data_position, attempt)
                    VALUES ($1, $2, $3, $4, $5)
                    ON CONFLICT (job_id, step) DO UPDATE SET path = $3, data_position = $4, attempt = $5,
-                       valid = true, saved_at = now()""",
+                       valid = true, refused = NULL, saved_at = now()""",
                 event.job_id,
                 event.step,
                 event.path,
@@ -202,7 +202,7 @@ class Handlers:
         """A checkpoint that did not load is bad for good (of any attempt: the files do not heal)."""
         async with self.s.tx() as conn:
             if event.job_id and await lifecycle.refuse_checkpoint(
-                conn, event.job_id, event.path, event.reason
+                conn, event.job_id, event.step, event.reason
             ):
                 log.warning(
                     "%s: checkpoint %s marked bad (%s): %s",

@@ -234,13 +234,13 @@ async def usable_checkpoint(conn: asyncpg.Connection, job_id: str, requested: st
     )
 
 
-async def refuse_checkpoint(conn: asyncpg.Connection, job_id: str, path: str, reason: str) -> bool:
-    """Mark a checkpoint bad: never resumed from again; True when it was not marked before."""
+async def refuse_checkpoint(conn: asyncpg.Connection, job_id: str, step: int, reason: str) -> bool:
+    """Mark the job's checkpoint of `step` bad: never resumed from again; True when it was not before."""
     status = await conn.execute(
         """UPDATE scheduler_checkpoints SET valid = false, refused = $3
-           WHERE job_id = $1 AND path = $2 AND refused IS NULL""",
+           WHERE job_id = $1 AND step = $2 AND refused IS NULL""",
         job_id,
-        path,
+        step,
         reason,
     )
     return status != "UPDATE 0"
