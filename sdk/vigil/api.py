@@ -119,6 +119,14 @@ class GpuOut(DeviceOut):
     latest: dict[str, Any] | None
 
 
+class DeviceMarkCleared(Out):
+    """An operator's clearing of a device's unhealthy mark: the mark that was removed."""
+
+    node: str
+    index: int
+    cleared: dict[str, Any]
+
+
 class GpuPage(Out):
     items: list[GpuOut]
     next: str | None
