@@ -36,7 +36,16 @@ from vigil_common.waiting import STOPPED, unless_stopped
 from vigil_scheduler import audit, idempotency, queries
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import actor, admin_guard
-from vigil_scheduler.gateway.params import Attempt, Cursor, JobId, JobIdFilter, Limit, Rank
+from vigil_scheduler.gateway.params import (
+    Attempt,
+    Cursor,
+    DeviceIndex,
+    JobId,
+    JobIdFilter,
+    Limit,
+    NodeName,
+    Rank,
+)
 from vigil_scheduler.gateway.parsing import off_loop
 from vigil_scheduler.gateway.schemas import SubmitOperation, error_responses
 
@@ -167,7 +176,7 @@ class InventoryController(Controller):
         responses=error_responses(401, 404, 422),
     )
     async def clear_mark(
-        self, request: Request, scheduler: SchedulerDep, node: str, index: int
+        self, request: Request, scheduler: SchedulerDep, node: NodeName, index: DeviceIndex
     ) -> DeviceMarkCleared:
         return DeviceMarkCleared.model_validate(
             await scheduler.clear_device_mark(node, index, actor(request))
