@@ -15,8 +15,6 @@ NODE = r"^[A-Za-z0-9_-]{1,64}$"  # a node name is a subject token (`vigil_common
 Limit = Annotated[int, QueryParameter(ge=1, le=1000, description="items per page")]
 Cursor = Annotated[str | None, QueryParameter(description="the `next` of the previous page")]
 JobId = Annotated[str, Parameter(pattern=JOB_ID, description="a job id (`j-...`)")]
-NodeName = Annotated[str, Parameter(pattern=NODE, description="a node's name")]
-DeviceIndex = Annotated[int, Parameter(ge=0, le=INT4_MAX, description="a device's index on its node")]
 JobIdFilter = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's records")]
 Rank = Annotated[int | None, QueryParameter(ge=0, le=INT4_MAX, description="only this rank's steps")]
 Attempt = Annotated[int | None, QueryParameter(ge=1, le=INT4_MAX, description="only this attempt's steps")]
