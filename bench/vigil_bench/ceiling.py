@@ -40,12 +40,13 @@ def ceiling(argv: list[str], observer: Observer) -> int:
     model = GPT(dims).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": spec.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": spec.train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=spec.train.lr, betas=(0.9, 0.95), fused=True)
     bf16 = env.cuda and torch.cuda.is_bf16_supported() and spec.train.precision in ("auto", "bf16")
-    autocast = (
-        (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    )
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     step_model = torch.compile(model) if should_compile(spec.train.compile, device) else model
 
     train, T = spec.train, dims.seq_len

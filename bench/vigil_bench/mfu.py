@@ -107,7 +107,9 @@ def run(settings: Settings) -> dict[str, Any]:
                 for side in ("ceiling", "trainer") if i % 2 == 0 else ("trainer", "ceiling"):
                     extra = ["--ceiling"] if side == "ceiling" else []
                     name = f"{side}-{mb}-{i}"
-                    got[side].append(_one_run(tmp, name, spec_file, extra, agent if side == "trainer" else None))
+                    got[side].append(
+                        _one_run(tmp, name, spec_file, extra, agent if side == "trainer" else None)
+                    )
             row: dict[str, Any] = {"micro_batch": mb}
             for side, runs in got.items():
                 step_s = statistics.median(s for r in runs for s in r[WARMUP:])

@@ -218,10 +218,26 @@ def register(group: click.Group) -> None:
         Console().print(table)
 
     @group.command("gpus")
+    @click.option(
+        "--clear",
+        "clear",
+        metavar="NODE:DEVICE",
+        default=None,
+        help="clear that device's unhealthy mark (admin token; audited): placement offers it again",
+    )
     @url_option
     @json_option
-    def gpus(url: str | None, json_out: bool) -> None:
-        """Devices: health, owner job and latest sample."""
+    def gpus(clear: str | None, url: str | None, json_out: bool) -> None:
+        """Devices: health (and why a device is marked unhealthy, until when), owner job and latest sample."""
+        if clear is not None:
+            node, index = _device_ref(clear)
+            cleared = connect(url).clear_device_mark(node, index)
+            if json_out:
+                click.echo(as_json(cleared))
+            else:
+                was = cleared.cleared
+                Console().print(f"{node}:{index} mark cleared (was {was['source']}: {was['reason']})")
+            return
         gpus_page = connect(url).gpus()
         if json_out:
             click.echo(as_json(gpus_page))
@@ -233,13 +249,26 @@ def register(group: click.Group) -> None:
             util = s.get("utilization_pct")
             mem = s.get("memory_used_bytes")
             temp = s.get("temperature_c")
+            expires = g.get("mark_expires_at")  # a job's replays' mark lapses; a confirmed one does not
+            until = f" (until {expires[:19].replace('T', ' ')})" if expires else ""
+            why = g.get("unhealthy_reason") or "unhealthy"
             table.add_row(
                 g["node"], str(g["index"]), g["kind"], g["name"],
-                "[green]ok[/]" if g["healthy"] else f"[red]{g.get('unhealthy_reason') or 'unhealthy'}[/]",
+                "[green]ok[/]" if g["healthy"] else f"[red]{why}[/]{until}",
                 g["job_id"] or "-", "-" if util is None else f"{util:.0f}",
                 "-" if mem is None else f"{mem / 2**30:.1f} GiB", "-" if temp is None else f"{temp:.0f} C",
             )  # fmt: skip
         Console().print(table)
+
+
+def _device_ref(text: str) -> tuple[str, int]:
+    """`NODE:DEVICE` -> (node, device index); a UsageError naming the value otherwise."""
+    node, sep, index = text.rpartition(":")
+    if not sep or not node or not index.isdigit():
+        raise click.UsageError(
+            f"--clear {text!r}: expected NODE:DEVICE, a node name and a device index (n1:0)"
+        )
+    return node, int(index)
 
 
 def follow_job(client: Client, job_id: str, console: Console, json_out: bool) -> str:

@@ -90,6 +90,8 @@ class DeviceOut(Out):
     nvlink_peers: list[int]
     healthy: bool
     unhealthy_reason: str | None
+    mark_source: str | None = None  # gpu_health, replay or diagnostic (an active mark's)
+    mark_expires_at: datetime | None = None  # a replay's mark lapses then; None: until cleared
     reported_free: bool
     present: bool
     job_id: str | None
@@ -115,6 +117,14 @@ class NodePage(Out):
 class GpuOut(DeviceOut):
     alive: bool
     latest: dict[str, Any] | None
+
+
+class DeviceMarkCleared(Out):
+    """An operator's clearing of a device's unhealthy mark: the mark that was removed."""
+
+    node: str
+    index: int
+    cleared: dict[str, Any]
 
 
 class GpuPage(Out):

@@ -28,6 +28,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from vigil.api import (
     ControlPlaneOut,
+    DeviceMarkCleared,
     ErrorOut,
     FieldErrorOut,
     GpuPage,
@@ -194,6 +195,11 @@ class Client:
     def gpus(self, *, limit: int = 1000, cursor: str | None = None) -> GpuPage:
         params = _params(limit=limit, cursor=cursor)
         return GpuPage.model_validate(self._call("GET", "/api/v1/gpus", params=params))
+
+    def clear_device_mark(self, node: str, index: int) -> DeviceMarkCleared:
+        """Clear a device's unhealthy mark (an admin's token; audited): placement offers it again."""
+        path = f"/api/v1/gpus/{_segment(node)}/{int(index)}/clear"
+        return DeviceMarkCleared.model_validate(self._call("POST", path))
 
     def control_plane(self) -> ControlPlaneOut:
         """Which scheduler and which guardian are active now (pid@host of each lock's holder)."""

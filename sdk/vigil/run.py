@@ -318,6 +318,8 @@ class Run:
                 choice[0] = manifest.verify(requested, root=job)
             except CheckpointError as exc:
                 log.error("vigil: refusing checkpoint %s: %s", requested, exc)
+                if requested_step is not None:
+                    self.refuse_checkpoint(requested, requested_step, "hash", exc)
                 before = None if requested_step is None else requested_step - 1
                 choice[0] = manifest.newest_valid(
                     self.checkpoint_root, self.identity.job_id, at_or_before=before
@@ -327,6 +329,25 @@ class Run:
         if choice[0] is None:
             raise CheckpointError(f"no valid checkpoint at or before step {requested_step}: {choice[1]}")
         return choice[0]
+
+    def refuse_checkpoint(
+        self, path: str | Path, step: int, reason: ev.CheckpointRefusal, error: BaseException | str
+    ) -> None:
+        """Report that the checkpoint `path` (of `step`) did not load on this rank (`reason` "hash": it
+        failed its manifest; "load": it verified and still raised): the scheduler marks it bad and no
+        relaunch or rollback takes it again. Waits until the report is stored (the rank may exit next)."""
+        self.emit(
+            ev.CheckpointRefused(
+                job_id=self.identity.job_id,
+                attempt=self.identity.attempt,
+                step=step,
+                path=str(path),
+                reason=reason,
+                message=str(error)[:2000],
+                node=self.identity.node,
+            )
+        )
+        self.link.flush()
 
     # --- the end ---------------------------------------------------------------------------------------
 

@@ -55,6 +55,8 @@ IncidentAction = Literal["alert", "halt", "rollback", "fail", "replay", "skip"]
 # What the replay of a held step showed (`StepReplayed`).
 ReplayOutcome = Literal["transient", "reproduced"]
 DeviceKind = Literal["gpu", "cpu"]
+# Why a checkpoint did not load (`CheckpointRefused`): it failed its manifest, or verified and raised.
+CheckpointRefusal = Literal["hash", "load"]
 # Why a rank ended, in the spirit of determined's FailureType.
 # "preempted": the rank wrote the emergency checkpoint on a preemption notice and exited (not a failure
 # of the job: its next attempt does not count against VIGIL_MAX_ATTEMPTS).
@@ -458,6 +460,41 @@ class ReportRefused(Message):
     refused: Count = Field(ge=1, description="refusals of this field since the last report")
 
 
+class CheckpointRefused(Message):
+    """A checkpoint the ranks were told to load did not load: it failed its manifest (`reason` "hash":
+    a file missing, resized or changed) or verified and still raised while loading ("load"). Rank 0
+    reports it; the scheduler marks it bad (`scheduler_checkpoints.valid`, with the reason) and never
+    resumes from it again, the guardian never rolls back to it."""
+
+    type: Literal["checkpoint.refused"] = "checkpoint.refused"
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0, le=2**62, description="the checkpoint's step")
+    path: str = Field(max_length=4096)
+    reason: CheckpointRefusal
+    message: str = Field(max_length=2000, description="what failed, for the operator")
+    node: Name
+
+
+class DeviceDiagnosed(Message):
+    """The worker ran its known-answer check on one of its devices (`DiagnoseDevice`): a fixed-seed
+    matmul in float32 compared with a float64 reference on the CPU, the same matmul run twice, and a
+    reduction checked against its sum. `passed` False: the device computed a wrong answer (a worker's
+    verdict, which marks the device unhealthy for good until an operator clears it); `error`: the check
+    could not run (inconclusive: `passed` is None)."""
+
+    type: Literal["device.diagnosed"] = "device.diagnosed"
+    schema_version: Literal[1] = 1
+    node: Name
+    device: int = Field(ge=0, le=1_000_000)
+    passed: bool | None = Field(description="None: the check could not run (see `error`)")
+    checks: dict[str, float] = Field(
+        default_factory=dict, max_length=16, description="each check's worst relative error"
+    )
+    error: str | None = Field(None, max_length=2000)
+    duration_s: float = Field(ge=0)
+    command_id: str = Field(max_length=128, description="the DiagnoseDevice that asked")
+
+
 class JobStateChanged(Message):
     type: Literal["job.state_changed"] = "job.state_changed"
     schema_version: Literal[1] = 1
@@ -527,6 +564,18 @@ class RestartJob(Command):
     )
 
 
+class DiagnoseDevice(Command):
+    """The guardian asks the worker of `node` to run its known-answer check on `device`
+    (`DeviceDiagnosed`): a job's own report of a transient fault there (a user program's `StepReplayed`)
+    is evidence for the check, never a verdict by itself."""
+
+    type: Literal["device.diagnose"] = "device.diagnose"
+    schema_version: Literal[1] = 1
+    node: str
+    device: int = Field(ge=0, le=1_000_000)
+    reason: str = Field(max_length=2000)
+
+
 class ResumeJob(Command):
     type: Literal["job.resume"] = "job.resume"
     schema_version: Literal[1] = 1
@@ -588,11 +637,14 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     OutOfMemoryHalted,
     StepReplayed,
     ReportRefused,
+    CheckpointRefused,
+    DeviceDiagnosed,
     JobStateChanged,
     HaltJob,
     RollbackJob,
     RollbackJobV1,
     RestartJob,
+    DiagnoseDevice,
     ResumeJob,
     CancelJob,
     IncidentRaised,
@@ -614,6 +666,8 @@ STATUS_EVENTS: tuple[type[Message], ...] = (
     OutOfMemoryHalted,
     StepReplayed,
     ReportRefused,
+    CheckpointRefused,
+    DeviceDiagnosed,
     JobStateChanged,
 )
 JOB_COMMANDS: tuple[type[Message], ...] = (
@@ -621,6 +675,7 @@ JOB_COMMANDS: tuple[type[Message], ...] = (
     RollbackJob,
     RollbackJobV1,
     RestartJob,
+    DiagnoseDevice,
     ResumeJob,
     CancelJob,
 )

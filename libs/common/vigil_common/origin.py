@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from vigil_common import subjects
 from vigil_common.errors import MalformedMessage
 from vigil_common.events import (
+    CheckpointRefused,
     CheckpointSaved,
     JobStateChanged,
     LaunchJob,
@@ -91,7 +92,7 @@ def _checkpoint_refusal(event: Message, job: str) -> str | None:
     """Why the checkpoint an event names cannot be one of `job`'s; None when it can. Lexical, as the
     receiver may not see the worker's disk (the worker's relay has resolved it under its checkpoint
     root): an absolute path with no `..`, `<checkpoints>/<job>/step_<step:08d>` (`vigil.manifest`)."""
-    if isinstance(event, CheckpointSaved):
+    if isinstance(event, CheckpointSaved | CheckpointRefused):
         path, want = event.path, f"step_{event.step:08d}"
     elif isinstance(event, RestartRequested):
         path, want = event.checkpoint, f"step_{event.step:08d}"

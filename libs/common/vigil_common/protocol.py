@@ -50,7 +50,8 @@ FromRanks = Annotated[
     | ev.RollbackCompleted
     | ev.RestartRequested
     | ev.OutOfMemoryHalted
-    | ev.StepReplayed,
+    | ev.StepReplayed
+    | ev.CheckpointRefused,
     Field(discriminator="type"),
 ]
 ToAgent = Annotated[ev.LaunchJob | ev.CancelJob, Field(discriminator="type")]
@@ -64,6 +65,7 @@ FROM_RANKS: tuple[type[ev.Message], ...] = (
     ev.RestartRequested,
     ev.OutOfMemoryHalted,
     ev.StepReplayed,
+    ev.CheckpointRefused,
 )
 TO_AGENT: tuple[type[ev.Message], ...] = (ev.LaunchJob, ev.CancelJob)
 

@@ -107,6 +107,19 @@ class Settings(BaseSettings):
         le=7 * 86_400,
         description="a new guardian judges the job events of this many seconds back (bounded replay)",
     )
+    device_mark_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        le=30 * 86_400,
+        description="a device marked unhealthy by a job's replays is offered again after this long, "
+        "unless the worker's diagnostic confirmed the mark",
+    )
+    device_marks_per_job: int = Field(
+        2, ge=0, le=1024, description="devices one job's replays may mark unhealthy (unconfirmed marks)"
+    )
+    diagnose_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="the worker's known-answer check of a device may run this long"
+    )
     entrypoints: bool = Field(
         True,
         description="jobs may run their own program (a spec's entrypoint); false: the built-in trainer only",

@@ -3,14 +3,24 @@ that tell a sick device from bad data.
 
 The ranks decide a held step themselves, at its boundary, by the job's own rules; the guardian keeps the
 record and the count. A replay that came out clean was a transient fault on the rank that produced the
-bad value: its device (node, GPU) gets a strike. `guardian.sdc_strikes` strikes within
-`guardian.sdc_window` steps make an `sdc` verdict: the policy relaunches the job without the device
-(`RestartJob.unhealthy`), which the scheduler marks unhealthy with the evidence. Pure: no I/O.
+bad value. Whether that counts against the device depends on who says so:
+
+- the built-in trainer (the job's launch has no entrypoint: the worker's own program, `Control.vouched`):
+  its device (node, GPU) gets a strike. `guardian.sdc_strikes` strikes within `guardian.sdc_window`
+  steps make an `sdc` verdict: the policy relaunches the job without the device (`RestartJob.unhealthy`),
+  which the scheduler marks unhealthy for VIGIL_DEVICE_MARK_TTL_S, at most VIGIL_DEVICE_MARKS_PER_JOB
+  devices per job;
+- a user program (its own `StepReplayed`, which it may forge at will): no strike. The report is evidence,
+  and the guardian asks the device's worker to run its known-answer check (`DiagnoseDevice`, once per
+  device and attempt, at most `DIAGNOSES_MAX` per job). Only the worker's `DeviceDiagnosed` with
+  `passed` False makes the `sdc` verdict; a pass is an alert that the report was not upheld.
+
+Pure: no I/O.
 """
 
 from __future__ import annotations
 
-from vigil_common.events import IncidentRaised, StepReplayed
+from vigil_common.events import DeviceDiagnosed, DiagnoseDevice, IncidentRaised, StepReplayed
 from vigil_guardian.policy import Decision, incident_id
 from vigil_guardian.state import Control
 from vigil_guardian.verdict import Verdict
@@ -25,8 +35,14 @@ def _number(x: float | None) -> str:
     return "non-finite" if x is None else f"{x:.4g}"
 
 
-def replay_incident(event: StepReplayed, placement: dict[int, tuple[str, int]]) -> Decision:
-    """The incident for a held step: what was bad, where, and what the replay showed."""
+DIAGNOSES_MAX = 8  # a job's own replay reports ask the workers for at most this many device checks
+
+
+def replay_incident(
+    event: StepReplayed, placement: dict[int, tuple[str, int]], asks: list[DiagnoseDevice] | None = None
+) -> Decision:
+    """The incident for a held step: what was bad, where, and what the replay showed; with `asks`, the
+    report is a user program's, and the checks it asked for go out with it."""
     culprit = event.culprits[0] if event.culprits else None
     where = ", ".join(_where(r, placement) for r in event.culprits) or "no rank's loss (the gradients)"
     values = "; ".join(f"rank {v.rank}: {_number(v.first)} then {_number(v.replay)}" for v in event.values)
@@ -36,6 +52,10 @@ def replay_incident(event: StepReplayed, placement: dict[int, tuple[str, int]]) 
         start, end = event.skip_data or (event.data_position, event.data_position + 1)
         action, verdict = "skip", f"reproduced on {where}: data {start:,}..{end - 1:,} skipped"
     node, device = placement.get(culprit, (None, None)) if culprit is not None else (None, None)
+    vouched = asks is None
+    if not vouched:
+        checks = ", ".join(f"GPU {a.device} of node {a.node}" for a in asks or []) or "none (asked already)"
+        verdict += f"; the job's own report, not a strike: device check asked: {checks}"
     return Decision(
         IncidentRaised(
             event_id=incident_id(event.job_id, event.attempt, "replay", event.event_id),
@@ -57,6 +77,81 @@ def replay_incident(event: StepReplayed, placement: dict[int, tuple[str, int]]) 
                 "held_s": event.held_s,
                 "devices": [list(placement[r]) for r in event.culprits if r in placement],
                 **event.evidence,
+                "vouched": vouched,
+                "diagnose": [[a.node, a.device] for a in asks or []],
+            },
+        ),
+        tuple(asks or ()),
+    )
+
+
+def diagnose(c: Control, rank: int, event: StepReplayed) -> DiagnoseDevice | None:
+    """The check of `rank`'s device that a user program's transient replay asks for; None when that
+    device was asked about in this attempt already, or the job has asked `DIAGNOSES_MAX` times."""
+    if (where := c.placement.get(rank)) is None:
+        return None
+    node, device = where
+    key = f"{node}:{device}"
+    if key in c.diagnoses and c.diagnoses[key][0] == event.attempt:
+        return None
+    if key not in c.diagnoses and len(c.diagnoses) >= DIAGNOSES_MAX:
+        return None
+    c.diagnoses[key] = (event.attempt, event.step)
+    return DiagnoseDevice(
+        event_id=incident_id(event.job_id, event.attempt, "diagnose", key),
+        job_id=event.job_id,
+        attempt=event.attempt,
+        node=node,
+        device=device,
+        reason=f"rank {rank} of the job reported a transient fault at step {event.step} (its own replay)",
+    )
+
+
+def _checks(event: DeviceDiagnosed) -> str:
+    found = ", ".join(f"{name} off by {err:.3g}" for name, err in event.checks.items())
+    return found or event.error or "no check ran"
+
+
+def diagnosis_verdict(event: DeviceDiagnosed, rank: int | None, step: int | None) -> Verdict:
+    """The `sdc` verdict of a device that failed the worker's known-answer check."""
+    return Verdict(
+        kind="sdc",
+        step=step,
+        rank=rank,
+        node=event.node,
+        device=event.device,
+        message=f"silent data corruption on GPU {event.device} of node {event.node}: it failed the "
+        f"worker's known-answer check ({_checks(event)}) after the job reported a transient fault",
+        evidence={"diagnostic": event.model_dump(mode="json", include={"passed", "checks", "error"})},
+    )
+
+
+def diagnosed_incident(event: DeviceDiagnosed, rank: int | None, verdict: Verdict | None = None) -> Decision:
+    """An alert recording the worker's check: passed (the job's report is not upheld, no mark), could not
+    run, or failed while the job was being recovered anyway (`verdict`; the scheduler marks the device
+    from the worker's event itself). `device` stays unset: this incident marks nothing."""
+    if verdict is not None:
+        message = verdict.message
+    elif event.passed:
+        message = (
+            f"GPU {event.device} of node {event.node} passed the worker's known-answer check "
+            f"({_checks(event)}): the job's report of a transient fault is not upheld, the device stays"
+        )
+    else:
+        message = f"the check of GPU {event.device} of node {event.node} could not run: {_checks(event)}"
+    return Decision(
+        IncidentRaised(
+            event_id=incident_id(event.job_id, event.attempt, "diagnosed", event.event_id),
+            job_id=event.job_id,
+            attempt=event.attempt,
+            kind="sdc",
+            action="alert",
+            rank=rank,
+            node=event.node,
+            message=message,
+            evidence={
+                "device": event.device,
+                **event.model_dump(mode="json", include={"passed", "checks", "error", "duration_s"}),
             },
         )
     )

@@ -50,6 +50,10 @@ class Control:
     running_since: float | None = None
     last_rollback_completed: str | None = None
     strikes: dict[str, list[int]] = field(default_factory=dict)  # "node:device" -> steps of transient faults
+    # The job runs the built-in trainer (its launch had no entrypoint): the worker vouches for its replays,
+    # which strike. A user program's replays only ask the worker to check the device (`replays.diagnose`).
+    vouched: bool = False
+    diagnoses: dict[str, tuple[int, int]] = field(default_factory=dict)  # "node:device" -> (attempt, step)
 
     @property
     def terminal(self) -> bool:

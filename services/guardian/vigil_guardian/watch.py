@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from vigil_common.events import (
+    CheckpointRefused,
     CheckpointSaved,
+    DeviceDiagnosed,
     IncidentRaised,
     JobStateChanged,
     LaunchJob,
@@ -38,7 +40,7 @@ from vigil_common.jobstates import JobState
 from vigil_guardian.hang import job_hang
 from vigil_guardian.policy import Decision, Policy, incident_id
 from vigil_guardian.rank_exit import rank_exit
-from vigil_guardian.replays import replay_incident, strike
+from vigil_guardian.replays import diagnose, diagnosed_incident, diagnosis_verdict, replay_incident, strike
 from vigil_guardian.state import Control, Recovering
 from vigil_guardian.verdict import Verdict
 from vigil_guardian.windows import Windows
@@ -87,6 +89,7 @@ class JobWatch:
             c.spec = event.spec.guardian
             self.windows.resize(c.spec)
         c.placement = {p.rank: (p.node, p.device) for p in event.placement}
+        c.vouched = event.spec.entrypoint is None  # the built-in trainer: the worker's own program
         c.world_size = len(event.placement)
         c.final_step = event.spec.train.steps - 1
         # The wait for its ranks starts here, not at the attempt's first event (a queued job's submission).
@@ -136,6 +139,9 @@ class JobWatch:
         if isinstance(event, CheckpointSaved):
             c.checkpoints[event.step] = event.path  # a saved checkpoint outlives its attempt
             return []
+        if isinstance(event, CheckpointRefused):  # it did not load: never a rollback's target again
+            c.checkpoints.pop(event.step, None)
+            return []
         if c.terminal:
             return []
         if isinstance(event, JobStateChanged):
@@ -159,6 +165,8 @@ class JobWatch:
             return self._on_replayed(event, now)
         elif isinstance(event, ReportRefused):
             return [report_refused(event)]
+        elif isinstance(event, DeviceDiagnosed):
+            return self._on_diagnosed(event, now)
         elif isinstance(event, RollbackCompleted):
             return self._on_rollback_completed(event, now)
         return []
@@ -167,6 +175,10 @@ class JobWatch:
         """The ranks held a step and replayed it: the incident, and for a transient fault a strike on each
         culprit's device; a device at `sdc_strikes` strikes is excluded (the job relaunched without it)."""
         c = self.control
+        if event.outcome == "transient" and not c.vouched:
+            # A user program's word: evidence for the worker's check of each device, never a strike.
+            asks = [a for r in event.culprits if (a := diagnose(c, r, event)) is not None]
+            return [replay_incident(event, c.placement, asks)]
         out = [replay_incident(event, c.placement)]
         if event.outcome != "transient":
             return out
@@ -177,6 +189,19 @@ class JobWatch:
             if verdict is not None and c.recovering is None:
                 out.append(self.decide(verdict, now, anomaly_step=event.step, key=event.event_id))
         return out
+
+    def _on_diagnosed(self, event: DeviceDiagnosed, now: datetime) -> list[Decision]:
+        """The worker's check of a device a user program's replay named: a failure is an `sdc` verdict
+        (the job relaunched without the device); a pass, an alert that the report was not upheld."""
+        c = self.control
+        asked = c.diagnoses.get(f"{event.node}:{event.device}")
+        rank = next((r for r, where in c.placement.items() if where == (event.node, event.device)), None)
+        if event.passed is not False:
+            return [diagnosed_incident(event, rank)]
+        verdict = diagnosis_verdict(event, rank, asked[1] if asked else None)
+        if c.recovering is not None or rank is None:
+            return [diagnosed_incident(event, rank, verdict)]  # recorded; the scheduler marks it anyway
+        return [self.decide(verdict, now, anomaly_step=verdict.step, key=event.event_id)]
 
     def _on_state(self, event: JobStateChanged, now: datetime) -> list[Decision]:
         c = self.control

@@ -1,5 +1,6 @@
 """The audit record (migration 0009's `audit_log`, append-only: a trigger refuses UPDATE, DELETE and
-TRUNCATE): who asked for each submit, cancel, halt, rollback and resume.
+TRUNCATE): who asked for each submit, cancel, halt, rollback and resume, and who cleared a device's
+mark (`clear_device_mark`, migration 0015).
 
 Who: `token:<fingerprint>` for the API (the first 12 hex digits of the bearer token's SHA-256, never
 the token), `service:<name>` for a command seen on the bus (the publisher's connection name, from
@@ -17,7 +18,7 @@ import asyncpg
 
 from vigil_common.pages import Page, check_limit, decode_cursor, page
 
-Action = Literal["submit", "cancel", "halt", "rollback", "resume"]
+Action = Literal["submit", "cancel", "halt", "rollback", "resume", "clear_device_mark"]
 
 
 def token_actor(token: str) -> str:

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 from opentelemetry import trace
@@ -127,6 +128,18 @@ class Scheduler:
             job = await lifecycle.cancel(conn, job, reason)
         self.want_placement()
         return job
+
+    async def clear_device_mark(self, node: str, index: int, actor: str) -> dict[str, Any]:
+        """An operator's clearing of a device's unhealthy mark, audited; NotFound when it has none."""
+        async with self.tx() as conn:
+            mark = await inventory.clear_mark(conn, node, index)
+            if mark is None:
+                raise NotFound(f"device {node}:{index} has no unhealthy mark to clear")
+            detail = {"node": node, "index": index, **{k: _plain(v) for k, v in mark.items()}}
+            await audit.record(conn, "clear_device_mark", actor, None, detail=detail)
+        log.warning("device %s:%d: mark cleared by %s (%s)", node, index, actor, mark["reason"])
+        self.want_placement()
+        return {"node": node, "index": index, "cleared": detail}
 
     # --- placement -----------------------------------------------------------------------------------
 
@@ -301,3 +314,8 @@ class Scheduler:
             except (asyncpg.PostgresError, OSError) as exc:
                 log.warning("node check failed, retrying: %s", exc)
             await wait_any(stop, timeout_s=tick)
+
+
+def _plain(value: Any) -> Any:
+    """A mark's column as JSON holds it (times as ISO text)."""
+    return value.isoformat() if isinstance(value, datetime) else value

@@ -16,7 +16,9 @@ import asyncpg
 from vigil_common.bus import SENDER_HEADER, Delivery
 from vigil_common.events import (
     CancelJob,
+    CheckpointRefused,
     CheckpointSaved,
+    DeviceDiagnosed,
     HaltJob,
     IncidentRaised,
     Message,
@@ -88,6 +90,10 @@ class Handlers:
             await self._on_current(event, self._rollback_completed)
         elif isinstance(event, RestartRequested):
             await self._on_current(event, self._restart_requested)
+        elif isinstance(event, CheckpointRefused):
+            await self._checkpoint_refused(event)
+        elif isinstance(event, DeviceDiagnosed):
+            await self._device_diagnosed(event)
         # JobStateChanged: our own, or history; nothing to do.
 
     async def _rank_started(self, event: RankStarted) -> None:
@@ -184,13 +190,57 @@ class Handlers:
                 """INSERT INTO scheduler_checkpoints (job_id, step, path, data_position, attempt)
                    VALUES ($1, $2, $3, $4, $5)
                    ON CONFLICT (job_id, step) DO UPDATE SET path = $3, data_position = $4, attempt = $5,
-                       valid = true, saved_at = now()""",
+                       valid = true, refused = NULL, saved_at = now()""",
                 event.job_id,
                 event.step,
                 event.path,
                 event.data_position,
                 event.attempt,
             )
+
+    async def _checkpoint_refused(self, event: CheckpointRefused) -> None:
+        """A checkpoint that did not load is bad for good (of any attempt: the files do not heal)."""
+        async with self.s.tx() as conn:
+            if event.job_id and await lifecycle.refuse_checkpoint(
+                conn, event.job_id, event.step, event.reason
+            ):
+                log.warning(
+                    "%s: checkpoint %s marked bad (%s): %s",
+                    event.job_id,
+                    event.path,
+                    event.reason,
+                    event.message,
+                )
+
+    async def _device_diagnosed(self, event: DeviceDiagnosed) -> None:
+        """The worker's own known-answer check failed on its device: a confirmed mark (never expires)."""
+        if event.passed is not False:
+            return
+        reason = f"failed the worker's known-answer check ({_checks(event)})"
+        async with self.s.tx() as conn:
+            if await inventory.mark_unhealthy(
+                conn, event.node, event.device, reason, source="diagnostic", job_id=event.job_id
+            ):
+                log.warning("device %s:%d marked unhealthy: %s", event.node, event.device, reason)
+        self.s.want_placement()
+
+    async def _mark_from_replays(
+        self, conn: asyncpg.Connection, job_id: str, node: str, index: int, why: str
+    ) -> None:
+        """A mark a job's replays led to: it expires (VIGIL_DEVICE_MARK_TTL_S) and counts against the
+        job's VIGIL_DEVICE_MARKS_PER_JOB."""
+        settings = self.s.settings
+        if await inventory.mark_unhealthy(
+            conn,
+            node,
+            index,
+            why,
+            source="replay",
+            job_id=job_id,
+            ttl_s=settings.device_mark_ttl_s,
+            per_job=settings.device_marks_per_job,
+        ):
+            log.warning("device %s:%d marked unhealthy: %s", node, index, why)
 
     async def _ranks_halted(self, conn: asyncpg.Connection, job: Job, event: RanksHalted) -> None:
         if job.state == JobState.RUNNING:  # the HaltJob itself may still be on its way to us
@@ -265,8 +315,7 @@ class Handlers:
         if event.event_id in job.completed_commands:
             return
         for node, index in event.unhealthy:  # marked first: the relaunch's placement leaves them out
-            if await inventory.mark_unhealthy(conn, node, index, event.reason):
-                log.warning("device %s:%d marked unhealthy: %s", node, index, event.reason)
+            await self._mark_from_replays(conn, job.id, node, index, event.reason)
         await self._relaunch(conn, job, event.step, event.checkpoint, event.skip_data, event.reason)
 
     async def _relaunch(
@@ -322,10 +371,13 @@ class Handlers:
     async def incidents(self, event: Message, delivery: Delivery) -> None:
         if not isinstance(event, IncidentRaised):
             return
-        if event.kind in ("gpu_health", "sdc") and event.node is not None and event.device is not None:
-            async with self.s.tx() as conn:
+        if event.kind == "gpu_health" and event.node is not None and event.device is not None:
+            async with self.s.tx() as conn:  # the worker's NVML samples: confirmed
                 if await inventory.mark_unhealthy(conn, event.node, event.device, event.message):
                     log.warning("device %s:%d marked unhealthy: %s", event.node, event.device, event.message)
+        elif event.kind == "sdc" and event.job_id and event.node is not None and event.device is not None:
+            async with self.s.tx() as conn:
+                await self._mark_from_replays(conn, event.job_id, event.node, event.device, event.message)
         if event.action == "fail":
             await self._on_current(event, self._fail)
 
@@ -347,6 +399,10 @@ class Handlers:
             job = await self._current(conn, event)
             if job is not None:
                 await apply(conn, job, event)
+
+
+def _checks(event: DeviceDiagnosed) -> str:
+    return ", ".join(f"{name} off by {err:.3g}" for name, err in event.checks.items()) or event.error or "?"
 
 
 BUS_NAME = "scheduler"  # the scheduler's own bus connection (vigil_scheduler.main), the sender of its cancels

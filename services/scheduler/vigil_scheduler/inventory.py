@@ -3,15 +3,19 @@ the guardian, node-lost detection, and the snapshot placement works on."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, Literal
 
 import asyncpg
 
 from vigil_common.events import NodeHeartbeat
 from vigil_common.jobstates import JobState
 from vigil_scheduler.placement import Inventory, NodeState, Slot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,10 @@ async def record_heartbeats(
     if changed_hbs:
         await _record_devices(conn, changed_hbs)
     restarted_hbs = [by_node[n] for n in names if results[n].restarted]
-    if restarted_hbs:  # a new worker process: the guardian's marks were about the old one's run
+    if restarted_hbs:  # a new worker process: the guardian's marks were about the old one's run (a failed
+        # known-answer check is about the device itself: it stays until an operator clears it)
         await conn.executemany(
-            "DELETE FROM device_marks WHERE node = $1 AND marked_at < $2",
+            "DELETE FROM device_marks WHERE node = $1 AND marked_at < $2 AND source <> 'diagnostic'",
             [(hb.node, hb.started_at) for hb in restarted_hbs],
         )
     return results
@@ -137,23 +142,83 @@ async def jobs_with_vanished_ranks(conn: asyncpg.Connection, node: str) -> list[
     return [r["job_id"] for r in rows]
 
 
-async def mark_unhealthy(conn: asyncpg.Connection, node: str, index: int, reason: str) -> bool:
-    """Mark a device unhealthy (guardian `gpu_health`); True when it was not marked before."""
-    status = await conn.execute(
-        """INSERT INTO device_marks (node, index, reason) VALUES ($1, $2, $3)
-           ON CONFLICT (node, index) DO NOTHING""",
+# A mark holds while it has not expired (marks from a job's replays expire; confirmed ones never do).
+ACTIVE_MARK = "(m.node IS NOT NULL AND (m.expires_at IS NULL OR m.expires_at > now()))"
+MarkSource = Literal["gpu_health", "replay", "diagnostic"]
+
+
+async def mark_unhealthy(
+    conn: asyncpg.Connection,
+    node: str,
+    index: int,
+    reason: str,
+    *,
+    source: MarkSource = "gpu_health",
+    job_id: str | None = None,
+    ttl_s: float | None = None,
+    per_job: int | None = None,
+) -> bool:
+    """Mark a device unhealthy; True when it was not marked (or its mark had expired) before.
+
+    `gpu_health` (the worker's NVML samples) and `diagnostic` (the worker's known-answer check failed)
+    are confirmed: they hold until an operator clears them. `replay` (a job's replays, strikes of the
+    built-in trainer) expires after `ttl_s`, and one job holds at most `per_job` such marks at once: past
+    that, its replays mark nothing (False). A confirmed mark is never weakened into an expiring one.
+    """
+    confirmed = source != "replay"
+    if not confirmed and per_job is not None:
+        held = await conn.fetchval(
+            f"""SELECT count(*) FROM device_marks m WHERE m.job_id = $1 AND NOT m.confirmed
+                AND {ACTIVE_MARK} AND NOT (m.node = $2 AND m.index = $3)""",
+            job_id,
+            node,
+            index,
+        )
+        if held >= per_job:
+            log.warning(
+                "device %s:%d not marked: job %s holds %d marks already (VIGIL_DEVICE_MARKS_PER_JOB)",
+                node,
+                index,
+                job_id,
+                held,
+            )
+            return False
+    row = await conn.fetchrow(
+        """INSERT INTO device_marks AS m (node, index, reason, job_id, expires_at, confirmed, source)
+           VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5::float8), $6, $7)
+           ON CONFLICT (node, index) DO UPDATE SET
+               reason = EXCLUDED.reason, job_id = EXCLUDED.job_id, expires_at = EXCLUDED.expires_at,
+               confirmed = EXCLUDED.confirmed, source = EXCLUDED.source, marked_at = now()
+           WHERE (m.expires_at IS NOT NULL AND m.expires_at <= now())
+              OR (EXCLUDED.confirmed AND NOT m.confirmed)
+           RETURNING 1""",
         node,
         index,
         reason,
+        job_id,
+        None if confirmed else ttl_s,
+        confirmed,
+        source,
     )
-    return status.endswith(" 1")
+    return row is not None
+
+
+async def clear_mark(conn: asyncpg.Connection, node: str, index: int) -> dict[str, Any] | None:
+    """An operator's clearing of a device's mark: the mark removed (returned), or None if there was none."""
+    row = await conn.fetchrow(
+        """DELETE FROM device_marks WHERE node = $1 AND index = $2
+           RETURNING reason, source, job_id, confirmed, marked_at, expires_at""",
+        node,
+        index,
+    )
+    return None if row is None else dict(row)
 
 
 async def load_inventory(conn: asyncpg.Connection) -> Inventory:
     """The snapshot placement works on: live nodes with their present devices."""
     rows = await conn.fetch(
-        """SELECT n.name, n.address, d.index, d.kind,
-                  d.reported_healthy AND m.node IS NULL AS healthy,
+        f"""SELECT n.name, n.address, d.index, d.kind,
+                  d.reported_healthy AND NOT {ACTIVE_MARK} AS healthy,
                   d.reported_free, d.job_id, d.nvlink_peers
            FROM nodes n JOIN devices d ON d.node = n.name
            LEFT JOIN device_marks m ON m.node = d.node AND m.index = d.index

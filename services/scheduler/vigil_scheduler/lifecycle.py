@@ -156,8 +156,7 @@ async def requeue(
             f"{cause}; no attempts left ({used} of {max_attempts} used)",
             reason=cause,
         )
-    if resume_from is None:
-        resume_from = await newest_checkpoint(conn, job.id)
+    resume_from = await usable_checkpoint(conn, job.id, resume_from)
     return await transition(
         conn,
         job,
@@ -213,6 +212,38 @@ async def newest_checkpoint(conn: asyncpg.Connection, job_id: str) -> str | None
         "SELECT path FROM scheduler_checkpoints WHERE job_id = $1 AND valid ORDER BY step DESC LIMIT 1",
         job_id,
     )
+
+
+async def usable_checkpoint(conn: asyncpg.Connection, job_id: str, requested: str | None) -> str | None:
+    """The checkpoint a relaunch resumes from: `requested`, unless it was refused when loaded
+    (`CheckpointRefused`), then the newest valid one before it; with none requested, the newest valid."""
+    if requested is None:
+        return await newest_checkpoint(conn, job_id)
+    refused = await conn.fetchval(
+        "SELECT step FROM scheduler_checkpoints WHERE job_id = $1 AND path = $2 AND refused IS NOT NULL",
+        job_id,
+        requested,
+    )
+    if refused is None:
+        return requested
+    return await conn.fetchval(
+        """SELECT path FROM scheduler_checkpoints WHERE job_id = $1 AND valid AND step < $2
+           ORDER BY step DESC LIMIT 1""",
+        job_id,
+        refused,
+    )
+
+
+async def refuse_checkpoint(conn: asyncpg.Connection, job_id: str, step: int, reason: str) -> bool:
+    """Mark the job's checkpoint of `step` bad: never resumed from again; True when it was not before."""
+    status = await conn.execute(
+        """UPDATE scheduler_checkpoints SET valid = false, refused = $3
+           WHERE job_id = $1 AND step = $2 AND refused IS NULL""",
+        job_id,
+        step,
+        reason,
+    )
+    return status != "UPDATE 0"
 
 
 async def _record(

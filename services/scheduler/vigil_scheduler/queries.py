@@ -13,6 +13,7 @@ from vigil_common import readmodel
 from vigil_common.errors import NotFound
 from vigil_common.pages import Page, check_limit, decode_cursor, page
 from vigil_scheduler import states
+from vigil_scheduler.inventory import ACTIVE_MARK
 from vigil_scheduler.lifecycle import JOB_COLUMNS, Job
 
 
@@ -121,10 +122,13 @@ async def require_job(pool: asyncpg.Pool, job_id: str) -> None:
         raise NotFound(f"no job {job_id!r}")
 
 
-_DEVICE_COLUMNS = """d.node, d.index, d.kind, d.name, d.uuid, d.memory_bytes, d.nvlink_peers,
-    (d.reported_healthy AND m.node IS NULL) AS healthy,
-    COALESCE(m.reason, CASE WHEN NOT d.reported_healthy THEN 'reported unhealthy by its worker' END)
+_DEVICE_COLUMNS = f"""d.node, d.index, d.kind, d.name, d.uuid, d.memory_bytes, d.nvlink_peers,
+    (d.reported_healthy AND NOT {ACTIVE_MARK}) AS healthy,
+    COALESCE(CASE WHEN {ACTIVE_MARK} THEN m.reason END,
+             CASE WHEN NOT d.reported_healthy THEN 'reported unhealthy by its worker' END)
         AS unhealthy_reason,
+    CASE WHEN {ACTIVE_MARK} THEN m.expires_at END AS mark_expires_at,
+    CASE WHEN {ACTIVE_MARK} THEN m.source END AS mark_source,
     d.reported_free, d.present, d.job_id, d.rank"""
 _MARKS = "LEFT JOIN device_marks m ON m.node = d.node AND m.index = d.index"
 

@@ -25,6 +25,8 @@ from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.errors import RetryableError, SpecError
 from vigil_common.events import (
     CancelJob,
+    DeviceDiagnosed,
+    DiagnoseDevice,
     FailureType,
     LaunchJob,
     Message,
@@ -34,6 +36,7 @@ from vigil_common.events import (
 )
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
+from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import agent_socket, prepare_ranks
 from vigil_worker.procs import Exit, RankRecord, RankTable
@@ -60,6 +63,7 @@ class Worker:
         self.started_at = datetime.now(UTC)
         self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
         self.preempting = False  # a preemption notice came: no new ranks here
+        self._checks: dict[str, asyncio.Task[None]] = {}  # DiagnoseDevice event id -> its running check
 
     # --- startup: the truth about ranks a previous run started ---------------------------------------------
 
@@ -185,8 +189,43 @@ class Worker:
             case CancelJob(job_id=str(job)) if ranks := self.table.running(job):
                 log.warning("cancelling %s: %s", job, command.reason or "no reason given")
                 await self.end_ranks(ranks)
+            case DiagnoseDevice(node=node) if node == self.node and command.event_id not in self._checks:
+                # in the background: a cancel must not wait for it. One lost with this agent is no mark.
+                task = asyncio.create_task(self.diagnose(command), name=f"diagnose-{command.device}")
+                self._checks[command.event_id] = task
+                while len(self._checks) > 1000:  # remembered for redeliveries, within bounds
+                    self._checks.pop(next(iter(self._checks)))
             case _:
                 pass
+
+    async def diagnose(self, command: DiagnoseDevice) -> None:
+        """Run the known-answer check on one of this node's devices and report it (`DeviceDiagnosed`)."""
+        if command.device in {d.index for d in self.inventory.devices}:
+            log.warning("checking device %d: %s", command.device, command.reason)
+            o = await check_device(self.inventory.kind, command.device, self.settings.diagnose_timeout_s)
+        else:
+            o = Outcome(None, error=f"no device {command.device} on node {self.node}")
+        said = {True: "passed", False: "FAILED", None: "inconclusive"}[o.passed]
+        log.log(logging.INFO if o.passed else logging.WARNING, "device %d check %s: %s", command.device,
+                said, o.error or o.checks)  # fmt: skip
+        try:
+            await self.bus.publish(
+                subjects.status(str(command.job_id), self.node),
+                DeviceDiagnosed(
+                    event_id=f"{command.event_id}-diagnosed",
+                    job_id=command.job_id,
+                    attempt=command.attempt,
+                    node=self.node,
+                    device=command.device,
+                    passed=o.passed,
+                    checks=o.checks,
+                    error=o.error,
+                    duration_s=o.duration_s,
+                    command_id=command.event_id,
+                ),
+            )
+        except Exception as exc:  # a check not reported marks nothing: the device stays offered
+            log.warning("the check of device %d was not reported: %s", command.device, exc)
 
     async def end_ranks(self, ranks: list[RankRecord]) -> None:
         """SIGTERM, SIGKILL after the grace period; returns once every one has exited and been reported."""

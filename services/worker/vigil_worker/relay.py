@@ -279,12 +279,18 @@ class Relay:
             if event.rank != hello.rank:
                 return "rank", f"rank {event.rank} is not this link's rank {hello.rank}"
             return None
-        if hello.rank != 0:
+        if hello.rank != 0 and not isinstance(event, ev.CheckpointRefused):  # any rank may fail to load
             return "rank", f"{event.type} is reported by rank 0 only"
         if (outside := self._outside_the_job(hello, event)) is not None:
             return outside
-        if isinstance(event, ev.CheckpointSaved | ev.RollbackCompleted | ev.RestartRequested):
-            path = event.path if isinstance(event, ev.CheckpointSaved) else event.checkpoint
+        if isinstance(
+            event, ev.CheckpointSaved | ev.CheckpointRefused | ev.RollbackCompleted | ev.RestartRequested
+        ):
+            path = (
+                event.checkpoint
+                if isinstance(event, ev.RollbackCompleted | ev.RestartRequested)
+                else event.path
+            )
             try:
                 confine(self.checkpoint_root / hello.job_id, path)
             except (CheckpointError, ValueError) as exc:

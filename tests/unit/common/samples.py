@@ -174,6 +174,26 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         reason="culprits: rank 70000 is not a rank of this job (world size 2)",
         refused=3,
     ),
+    ev.CheckpointRefused: ev.CheckpointRefused(
+        **JOB,
+        step=10,
+        path="/ckpt/j/step_00000010",
+        reason="load",
+        message="Weights only load failed",
+        node="n1",
+    ),
+    ev.DeviceDiagnosed: ev.DeviceDiagnosed(
+        **JOB,
+        node="n1",
+        device=1,
+        passed=False,
+        checks={"matmul": 0.25, "repeat": 0.0, "reduce": 0.0},
+        duration_s=0.5,
+        command_id="c3",
+    ),
+    ev.DiagnoseDevice: ev.DiagnoseDevice(
+        **JOB, node="n1", device=1, reason="rank 1 reported a transient fault at step 12"
+    ),
     ev.ResumeJob: ev.ResumeJob(**JOB, reason="operator"),
     ev.CancelJob: ev.CancelJob(**JOB, reason="user"),
     ev.IncidentRaised: ev.IncidentRaised(

@@ -23,6 +23,12 @@ def bearer_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         raise Unauthorized("invalid bearer token")
 
 
+def admin_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """Routes that change the cluster itself (clearing a device's mark) take an admin's token. The API's
+    one token (VIGIL_API_TOKEN) is the admin's: `bearer_guard` is that check."""
+    bearer_guard(connection, handler)
+
+
 def actor(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
     """The caller as the audit record names it. Whoever passed a guard holds the app's token: the
     bearer header is the token, and a console session is opened only with it, so both are the token's

@@ -17,6 +17,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVIC
 
 from vigil.api import (
     ControlPlaneOut,
+    DeviceMarkCleared,
     GpuPage,
     Health,
     HolderOut,
@@ -34,8 +35,17 @@ from vigil_common.spec import parse_spec
 from vigil_common.waiting import STOPPED, unless_stopped
 from vigil_scheduler import audit, idempotency, queries
 from vigil_scheduler.core import Scheduler
-from vigil_scheduler.gateway.auth import actor
-from vigil_scheduler.gateway.params import Attempt, Cursor, JobId, JobIdFilter, Limit, Rank
+from vigil_scheduler.gateway.auth import actor, admin_guard
+from vigil_scheduler.gateway.params import (
+    Attempt,
+    Cursor,
+    DeviceIndex,
+    JobId,
+    JobIdFilter,
+    Limit,
+    NodeName,
+    Rank,
+)
 from vigil_scheduler.gateway.parsing import off_loop
 from vigil_scheduler.gateway.schemas import SubmitOperation, error_responses
 
@@ -157,6 +167,20 @@ class InventoryController(Controller):
     @get("/gpus", summary="Devices with health, owner job and latest sample", responses=READ)
     async def gpus(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> GpuPage:
         return GpuPage.model_validate(await queries.list_gpus(pool, limit=limit, cursor=cursor))
+
+    @post(
+        "/gpus/{node:str}/{index:int}/clear",
+        status_code=HTTP_200_OK,
+        summary="Clear a device's unhealthy mark (admin; audited): placement offers it again",
+        guards=[admin_guard],
+        responses=error_responses(401, 404, 422),
+    )
+    async def clear_mark(
+        self, request: Request, scheduler: SchedulerDep, node: NodeName, index: DeviceIndex
+    ) -> DeviceMarkCleared:
+        return DeviceMarkCleared.model_validate(
+            await scheduler.clear_device_mark(node, index, actor(request))
+        )
 
     @get("/incidents", summary="Incidents of every job, newest first", tags=["incidents"], responses=READ)
     async def incidents(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> Page:

@@ -44,11 +44,18 @@ def load_checkpoint(ctx: RankContext, st: TrainState, m: ckpt.Manifest) -> float
     """Load `m` in place into the running engine and move `st` to it; returns DeepSpeed's load time in
     seconds."""
     t0 = time.perf_counter()
-    loaded, _ = ctx.engine.load_checkpoint(
-        str(m.path), tag=ckpt.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if loaded is None:
-        raise CheckpointError(f"DeepSpeed could not load {m.path}")
+    try:
+        loaded, _ = ctx.engine.load_checkpoint(
+            str(m.path), tag=ckpt.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed could not load {m.path}")
+    except Exception as exc:
+        # It verified against its manifest and still did not load (rewritten with its manifest, or
+        # written wrong): marked bad, so the relaunch that follows this rank's exit takes an older one.
+        log.error("checkpoint %s did not load: %s", m.path, exc)
+        ctx.run.refuse_checkpoint(m.path, m.step, "load", exc)
+        raise CheckpointError(f"checkpoint {m.path} verified but did not load: {exc}") from exc
     seconds = time.perf_counter() - t0
     st.step, st.skip_windows = m.step, list(m.skip_windows)
     st.data_position = first_position(m.data_position, st.skip_windows)
