@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import asyncpg
-from litestar import Controller, Request, delete, get, put
+from litestar import Controller, Request, delete, get, post, put
 from litestar.di import NamedDependency
-from litestar.params import Parameter
+from litestar.params import JSONBody, Parameter
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from vigil.api import (
@@ -56,13 +56,13 @@ class UserController(Controller):
         summary="Create or update a user: team, admin flag, GPU quota",
         responses=ADMIN_ONLY,
     )
-    async def put_user(self, request: Request, pool: Pool, name: Name, data: UserIn) -> UserOut:
+    async def put_user(self, request: Request, pool: Pool, name: Name, data: JSONBody[UserIn]) -> UserOut:
         change = UserChange(team=data.team, admin=data.admin, gpus=data.gpus)
         async with pool.acquire() as conn, conn.transaction():
             row = await users.put_user(conn, name, change, actor(request))
         return UserOut.model_validate(row)
 
-    @put(
+    @post(
         "/{name:str}/tokens",
         status_code=HTTP_201_CREATED,
         summary="A new token for the user (shown once; only its SHA-256 is kept)",
@@ -95,7 +95,7 @@ class TeamController(Controller):
         return TeamList(items=[TeamOut.model_validate(t) for t in await users.list_teams(pool)])
 
     @put("/{name:str}", status_code=HTTP_200_OK, summary="Set a team's GPU quota", responses=ADMIN_ONLY)
-    async def put_team(self, request: Request, pool: Pool, name: Name, data: TeamIn) -> TeamOut:
+    async def put_team(self, request: Request, pool: Pool, name: Name, data: JSONBody[TeamIn]) -> TeamOut:
         async with pool.acquire() as conn, conn.transaction():
             row = await users.put_team(conn, name, data.gpus, actor(request))
         return TeamOut.model_validate(row)
