@@ -179,7 +179,24 @@ _DEVICE_COLUMNS = """d.node, d.index, d.kind, d.name, d.uuid, d.memory_bytes, d.
 _MARKS = "LEFT JOIN device_marks m ON m.node = d.node AND m.index = d.index"
 
 
-async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
+HIDDEN_JOB = "(another user's job)"  # a device's job that the reader may not see
+
+
+async def _hide_jobs(pool: asyncpg.Pool, viewer: Principal, devices: list[dict[str, Any]]) -> None:
+    """Replace the job id of each device (and its latest sample) that runs a job `viewer` may not see:
+    the device shows busy, and the job stays unknown."""
+    if viewer.admin:
+        return
+    visible = Visible(pool, viewer)
+    for d in devices:
+        if d.get("job_id") is not None and not await visible.job(d["job_id"]):
+            d["job_id"] = HIDDEN_JOB
+        latest = d.get("latest")
+        if latest and latest.get("job_id") is not None and not await visible.job(latest["job_id"]):
+            d["latest"] = {**latest, "job_id": HIDDEN_JOB}
+
+
+async def list_nodes(pool: asyncpg.Pool, viewer: Principal, *, limit: int, cursor: str | None) -> Page:
     check_limit(limit)
     key = decode_cursor(cursor, ("text",))  # name
     rows = await pool.fetch(
@@ -197,10 +214,11 @@ async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> P
     ):
         devices.setdefault(d["node"], []).append(_device(d))
     items = [{**dict(r), "devices": devices.get(r["name"], [])} for r in rows]
+    await _hide_jobs(pool, viewer, [d for item in items for d in item["devices"]])
     return page(items, limit, ("name",))
 
 
-async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
+async def list_gpus(pool: asyncpg.Pool, viewer: Principal, *, limit: int, cursor: str | None) -> Page:
     check_limit(limit)
     node, index = decode_cursor(cursor, ("text", "int")) or (None, None)
     rows = await pool.fetch(
@@ -213,6 +231,7 @@ async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Pa
     )
     latest = await readmodel.latest_gpu_samples(pool)
     items = [{**_device(r), "alive": r["alive"], "latest": latest.get((r["node"], r["index"]))} for r in rows]
+    await _hide_jobs(pool, viewer, items)
     return page(items, limit, ("node", "index"))
 
 

@@ -51,6 +51,12 @@ async def test_a_job_past_its_teams_quota_waits_with_the_reason_and_others_go_ah
     # the waiting job (priority 10) holds up no other team's job: carol's is placed on the free devices
     other = (await carol.post("/api/v1/jobs", json=spec(per_node=2))).json()["id"]
     await launched(bus, other)
+    # the inventory shows carol her own job's devices, and alice's as busy without naming the job
+    for path in ("/api/v1/gpus", "/api/v1/nodes"):
+        body = (await carol.get(path)).json()["items"]
+        devices = body if path.endswith("gpus") else [d for n in body for d in n["devices"]]
+        assert {d["job_id"] for d in devices} == {other, "(another user's job)", None}, path
+    assert first in {d["job_id"] for d in (await scheduler.http.get("/api/v1/gpus")).json()["items"]}
     job = (await bob.get(f"/api/v1/jobs/{waiting}")).json()
     assert job["state"] == "PENDING" and job["queue_reason"] == why
     page = await scheduler.http.get(f"/jobs/{waiting}")  # the console shows it too (the admin's token)

@@ -165,12 +165,16 @@ class InventoryController(Controller):
     tags = ["inventory"]
 
     @get("/nodes", summary="Nodes with their devices and liveness", responses=READ)
-    async def nodes(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> NodePage:
-        return NodePage.model_validate(await queries.list_nodes(pool, limit=limit, cursor=cursor))
+    async def nodes(
+        self, request: Request, pool: Pool, limit: Limit = 100, cursor: Cursor = None
+    ) -> NodePage:
+        page = await queries.list_nodes(pool, principal(request), limit=limit, cursor=cursor)
+        return NodePage.model_validate(page)
 
     @get("/gpus", summary="Devices with health, owner job and latest sample", responses=READ)
-    async def gpus(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> GpuPage:
-        return GpuPage.model_validate(await queries.list_gpus(pool, limit=limit, cursor=cursor))
+    async def gpus(self, request: Request, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> GpuPage:
+        page = await queries.list_gpus(pool, principal(request), limit=limit, cursor=cursor)
+        return GpuPage.model_validate(page)
 
     @get(
         "/incidents",
