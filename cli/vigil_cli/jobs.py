@@ -88,6 +88,11 @@ def print_job(console: Console, job: dict[str, Any]) -> None:
         console.print(f"  {job['tokens_per_s']:,.0f} tokens/s per rank, MFU {mfu}")
     if job.get("resume_from"):
         console.print(f"  resumes from {job['resume_from']}")
+    owner = job.get("owner")
+    if owner:
+        console.print(f"  owner {owner}" + (f" (team {job['team']})" if job.get("team") else ""))
+    if job.get("queue_reason"):
+        console.print(f"  waits: {job['queue_reason']}")
     if job.get("reason"):
         console.print(f"  reason: {job['reason']}")
     if len(job.get("attempts") or []) > 1:

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from vigil.client import VigilError as ApiError
-from vigil_cli import bench, checkpoint, demo, jobs, observe, services, slurm, up
+from vigil_cli import bench, checkpoint, demo, jobs, observe, services, slurm, up, users
 from vigil_common.errors import VigilError, first_error
 
 
@@ -32,7 +32,7 @@ def cli() -> None:
     """Vigil: a control plane for distributed LLM training that stops bad runs before they burn compute."""
 
 
-for _module in (services, up, demo, jobs, observe, checkpoint, bench, slurm):
+for _module in (services, up, demo, jobs, observe, checkpoint, bench, slurm, users):
     _module.register(cli)
 
 

@@ -42,6 +42,9 @@ class JobOut(Out):
     updated_at: datetime
     finished_at: datetime | None = None
     spec: dict[str, Any]
+    owner: str = "admin"  # who submitted it; it, its team and admins see it
+    team: str | None = None
+    queue_reason: str | None = None  # why a queued job waits, when not for devices (a quota)
 
 
 class TransitionOut(Out):
@@ -171,3 +174,63 @@ class Health(Out):
     status: str
     checks: dict[str, str] = {}
     role: str | None = None  # a scheduler's: "active" (holds the scheduling lock) or "standby"
+
+
+class PrincipalOut(Out):
+    """Who a token stands for (`GET /api/v1/me`)."""
+
+    name: str
+    team: str | None = None
+    admin: bool = False
+    actor: str  # how the audit record names it
+
+
+class UserIn(BaseModel):
+    """`PUT /api/v1/users/{name}`: the user's team, admin flag and GPU quota (none: no limit)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    team: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    admin: bool = False
+    gpus: int | None = Field(None, ge=0, le=1_000_000, description="devices its jobs hold at once")
+
+
+class UserOut(Out):
+    name: str
+    team: str | None = None
+    admin: bool = False
+    gpus: int | None = None
+    source: str = "api"  # "file": from VIGIL_USERS_FILE
+    tokens: int | None = None  # live tokens (in a listing)
+
+
+class UserList(Out):
+    items: list[UserOut]
+
+
+class TokenOut(Out):
+    """A new token: shown this once, only its SHA-256 is kept."""
+
+    user: str
+    token: str
+
+
+class RevokedOut(Out):
+    user: str
+    revoked: int
+
+
+class TeamIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int | None = Field(None, ge=0, le=1_000_000, description="devices the team's jobs hold at once")
+
+
+class TeamOut(Out):
+    name: str
+    gpus: int | None = None
+    source: str = "api"
+
+
+class TeamList(Out):
+    items: list[TeamOut]

@@ -37,6 +37,13 @@ from vigil.api import (
     JobPage,
     NodePage,
     Page,
+    PrincipalOut,
+    RevokedOut,
+    TeamList,
+    TeamOut,
+    TokenOut,
+    UserList,
+    UserOut,
 )
 from vigil_common.events import IncidentRaised, JobStateChanged
 from vigil_common.jobstates import TERMINAL_STATES
@@ -204,6 +211,40 @@ class Client:
     def control_plane(self) -> ControlPlaneOut:
         """Which scheduler and which guardian are active now (pid@host of each lock's holder)."""
         return ControlPlaneOut.model_validate(self._call("GET", "/api/v1/control-plane"))
+
+    # --- users, tokens and quotas -------------------------------------------------------------------
+
+    def me(self) -> PrincipalOut:
+        """Who this client's token stands for."""
+        return PrincipalOut.model_validate(self._call("GET", "/api/v1/me"))
+
+    def users(self) -> UserList:
+        """Every user (an admin's token only)."""
+        return UserList.model_validate(self._call("GET", "/api/v1/users"))
+
+    def put_user(
+        self, name: str, *, team: str | None = None, admin: bool = False, gpus: int | None = None
+    ) -> UserOut:
+        """Create or update a user: its team, admin flag and GPU quota (None: no limit). Admin only."""
+        body = {"team": team, "admin": admin, "gpus": gpus}
+        return UserOut.model_validate(self._call("PUT", f"/api/v1/users/{_segment(name)}", json=body))
+
+    def issue_token(self, name: str) -> TokenOut:
+        """A new token for the user, shown this once (only its hash is kept). Admin only."""
+        return TokenOut.model_validate(self._call("POST", f"/api/v1/users/{_segment(name)}/tokens"))
+
+    def revoke_tokens(self, name: str) -> RevokedOut:
+        """Revoke every token of the user. Admin only."""
+        return RevokedOut.model_validate(self._call("DELETE", f"/api/v1/users/{_segment(name)}/tokens"))
+
+    def teams(self) -> TeamList:
+        return TeamList.model_validate(self._call("GET", "/api/v1/teams"))
+
+    def put_team(self, name: str, *, gpus: int | None) -> TeamOut:
+        """Set a team's GPU quota (None: no limit). Admin only."""
+        return TeamOut.model_validate(
+            self._call("PUT", f"/api/v1/teams/{_segment(name)}", json={"gpus": gpus})
+        )
 
     # --- live events --------------------------------------------------------------------------------
 

@@ -199,6 +199,12 @@ def permissions(role: str) -> dict[str, object]:
     }
 
 
+def command_publishers() -> tuple[str, ...]:
+    """The roles the server lets publish a command (`subjects.ALL_CMDS`): what an audited command's
+    actor can be (`vigil_scheduler.audit`)."""
+    return (ADMIN, *(r for r in SERVICE_ROLES if subjects.ALL_CMDS in permissions(r)["publish"]["allow"]))  # type: ignore[index]
+
+
 def roles(nodes: Iterable[str] = ()) -> list[str]:
     return [ADMIN, *SERVICE_ROLES, *(worker_role(n) for n in nodes)]
 

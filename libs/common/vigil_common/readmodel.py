@@ -95,21 +95,31 @@ async def checkpoints(
 
 
 async def incidents(
-    pool: asyncpg.Pool, *, job_id: str | None = None, limit: int = 100, cursor: str | None = None
+    pool: asyncpg.Pool,
+    *,
+    job_id: str | None = None,
+    limit: int = 100,
+    cursor: str | None = None,
+    visible_to: tuple[str, str | None] | None = None,
 ) -> Page:
     """Incidents, newest first: id, job_id, kind, step, rank, node, action, evidence, occurred_at
-    (and attempt, device, message)."""
+    (and attempt, device, message). `visible_to` (owner, team): only incidents of the jobs that owner
+    or team owns; None: all."""
     check_limit(limit)
     key = decode_cursor(cursor, ("bigint",))  # seq
+    owner, team = visible_to or (None, None)
     rows = await pool.fetch(
         """SELECT id, job_id, attempt, kind, action, step, rank, node, device, message, evidence, occurred_at,
                   seq
            FROM telemetry_incidents
            WHERE ($1::text IS NULL OR job_id = $1) AND ($2::bigint IS NULL OR seq < $2)
+             AND ($4::text IS NULL OR job_id IN (SELECT id FROM jobs WHERE owner = $4 OR team = $5::text))
            ORDER BY seq DESC LIMIT $3""",
         job_id,
         key[0] if key else None,
         limit + 1,
+        owner,
+        team,
     )
     out = page(rows, limit, ("seq",), hidden=("seq",))
     for item in out["items"]:

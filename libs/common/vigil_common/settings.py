@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")
+    users_file: Path | None = Field(
+        None,
+        description="users, teams, GPU quotas and token hashes (YAML or JSON), read at the scheduler's start",
+    )
     console_session_s: int = Field(
         12 * 3600, ge=60, le=30 * 86_400, description="a console login lasts this long (seconds)"
     )

@@ -1,11 +1,14 @@
 """The audit record (migration 0009's `audit_log`, append-only: a trigger refuses UPDATE, DELETE and
-TRUNCATE): who asked for each submit, cancel, halt, rollback and resume, and who cleared a device's
-mark (`clear_device_mark`, migration 0015).
+TRUNCATE): who asked for each submit, cancel, halt, rollback and resume, who cleared a device's
+mark (`clear_device_mark`, migration 0015), and (migration 0016) who created a user, issued or revoked
+a token or set a quota.
 
-Who: `token:<fingerprint>` for the API (the first 12 hex digits of the bearer token's SHA-256, never
-the token), `service:<name>` for a command seen on the bus (the publisher's connection name, from
-the `Vigil-Service` header; only the scheduler's and guardian's NATS credentials may publish
-commands, see `vigil_common.credentials`).
+Who is always the authenticated principal (`principals.Principal.actor`), never a name a client chose:
+`user:<name>` for a user's token, `token:<fingerprint>` for the gateway's own (admin) token (the first
+12 hex digits of its SHA-256, never the token). A command seen on the bus is `service:<role>`, where
+role is one of the NATS roles the server lets publish commands (`credentials.command_publishers`);
+the `Vigil-Service` header that names it is the publisher's claim among those roles, as NATS does not
+tell a subscriber which user published (a name outside them is recorded as `service:unverified`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from typing import Any, Literal
 
 import asyncpg
 
+from vigil_common import credentials
 from vigil_common.pages import Page, check_limit, decode_cursor, page
 
-Action = Literal["submit", "cancel", "halt", "rollback", "resume", "clear_device_mark"]
+Action = Literal[
+    "submit", "cancel", "halt", "rollback", "resume", "clear_device_mark", "user", "token", "revoke", "quota"
+]
 
 
 def token_actor(token: str) -> str:
@@ -26,7 +32,8 @@ def token_actor(token: str) -> str:
 
 
 def service_actor(name: str | None) -> str:
-    return f"service:{name or 'unknown'}"
+    """A bus command's actor: the publishing role, when it names one that may publish commands."""
+    return f"service:{name}" if name in credentials.command_publishers() else "service:unverified"
 
 
 async def record(
@@ -53,18 +60,28 @@ async def record(
 
 
 async def list_records(
-    pool: asyncpg.Pool, *, job_id: str | None = None, limit: int = 100, cursor: str | None = None
+    pool: asyncpg.Pool,
+    *,
+    job_id: str | None = None,
+    limit: int = 100,
+    cursor: str | None = None,
+    visible_to: tuple[str, str | None] | None = None,
 ) -> Page:
-    """Newest first: seq, occurred_at, action, job_id, attempt, actor, event_id, detail."""
+    """Newest first: seq, occurred_at, action, job_id, attempt, actor, event_id, detail. `visible_to`
+    (owner, team): only the records of the jobs that owner or team owns; None: all."""
     check_limit(limit)
     key = decode_cursor(cursor, ("bigint",))
+    owner, team = visible_to or (None, None)
     rows = await pool.fetch(
         """SELECT seq, occurred_at, action, job_id, attempt, actor, event_id, detail FROM audit_log
            WHERE ($1::text IS NULL OR job_id = $1) AND ($2::bigint IS NULL OR seq < $2)
+             AND ($4::text IS NULL OR job_id IN (SELECT id FROM jobs WHERE owner = $4 OR team = $5::text))
            ORDER BY seq DESC LIMIT $3""",
         job_id,
         key[0] if key else None,
         limit + 1,
+        owner,
+        team,
     )
     items = [{**dict(r), "detail": json.loads(r["detail"])} for r in rows]
     return page(items, limit, ("seq",))

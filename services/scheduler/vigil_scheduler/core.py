@@ -19,17 +19,18 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from vigil_common import subjects, tracing
-from vigil_common.errors import Conflict, NotFound
+from vigil_common.errors import Conflict, NotFound, SpecError
 from vigil_common.events import IncidentRaised, LaunchJob, RankPlacement
 from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, states
+from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, quotas, states
 from vigil_scheduler import idempotency as idempotency_keys
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, PlacementRequest, plan
+from vigil_scheduler.principals import Principal
 
 log = logging.getLogger(__name__)
 # A placement pass asked for inside `Scheduler.tx` waits for the commit (the list records the ask).
@@ -87,44 +88,50 @@ class Scheduler:
     async def submit(
         self,
         spec: JobSpec,
+        by: Principal,
         parent: dict[str, str] | None = None,
-        actor: str = "service:scheduler",
         idempotency: tuple[str, str] | None = None,
     ) -> tuple[Job, bool]:
-        """Store the job PENDING (and who asked, in the audit record); the submit span's context is kept
-        so schedule and launch join its trace. SpecError when this cluster would not run it (`admission`).
+        """Store the job PENDING, owned by `by` and its team (and who asked, in the audit record); the
+        submit span's context is kept so schedule and launch join its trace. SpecError when this cluster
+        would not run it (`admission`), or when it needs more GPUs than its owner's or team's quota.
 
         `idempotency`: (key, body digest) of an `Idempotency-Key` submit: a key used before returns the
         job made then. The job, and whether it was made now."""
         admission.check(spec, self.settings)
+        if why := quotas.alone_exceeds(by.name, by.team, spec.resources.world_size, await self.load_quotas()):
+            raise SpecError([{"field": "resources", "message": why}])
         with self.tracer.start_as_current_span(
             "submit job", context=tracing.extract(parent), kind=trace.SpanKind.SERVER
         ) as span:
             job_id = new_job_id()
             async with self.tx() as conn:
                 if idempotency is not None:
-                    earlier = await idempotency_keys.claim(conn, actor, *idempotency, job_id)
+                    earlier = await idempotency_keys.claim(conn, by.actor, *idempotency, job_id)
                     if earlier is not None:
                         span.set_attribute("vigil.job_id", earlier)
                         job = await lifecycle.get_job(conn, earlier)
                         assert job is not None  # the key's row goes with its job
                         return job, False
                 span.set_attribute("vigil.job_id", job_id)
-                job = await lifecycle.insert_job(conn, job_id, spec, tracing.inject({}))
-                await audit.record(conn, "submit", actor, job.id, job.attempt, detail={"name": spec.name})
+                job = await lifecycle.insert_job(
+                    conn, job_id, spec, tracing.inject({}), owner=by.name, team=by.team
+                )
+                await audit.record(conn, "submit", by.actor, job.id, job.attempt, detail={"name": spec.name})
         self.want_placement()
         return job, True
 
-    async def cancel(self, job_id: str, reason: str = "by request", actor: str = "service:scheduler") -> Job:
+    async def cancel(self, job_id: str, by: Principal, reason: str = "by request") -> Job:
+        """Cancel a job `by` may see (another user's job is a NotFound, as one that does not exist)."""
         async with self.tx() as conn:
             job = await lifecycle.lock_job(conn, job_id)
-            if job is None:
+            if job is None or not by.sees(job.owner, job.team):
                 raise NotFound(f"no job {job_id!r}")
             if job.terminal:
                 raise Conflict(
                     f"job {job_id} is already {job.state}; only a running or queued job can be cancelled"
                 )
-            await audit.record(conn, "cancel", actor, job.id, job.attempt, detail={"reason": reason})
+            await audit.record(conn, "cancel", by.actor, job.id, job.attempt, detail={"reason": reason})
             job = await lifecycle.cancel(conn, job, reason)
         self.want_placement()
         return job
@@ -140,6 +147,18 @@ class Scheduler:
         log.warning("device %s:%d: mark cleared by %s (%s)", node, index, actor, mark["reason"])
         self.want_placement()
         return {"node": node, "index": index, "cleared": detail}
+
+    async def load_quotas(self, conn: asyncpg.Connection | asyncpg.Pool | None = None) -> quotas.Quotas:
+        """The GPU quotas of every user and team that has one."""
+        conn = conn or self.pool
+        rows = await conn.fetch(
+            "SELECT 'user' AS kind, name, gpus FROM users WHERE gpus IS NOT NULL"
+            " UNION ALL SELECT 'team', name, gpus FROM teams WHERE gpus IS NOT NULL"
+        )
+        return quotas.Quotas(
+            users={r["name"]: r["gpus"] for r in rows if r["kind"] == "user"},
+            teams={r["name"]: r["gpus"] for r in rows if r["kind"] == "team"},
+        )
 
     # --- placement -----------------------------------------------------------------------------------
 
@@ -163,10 +182,14 @@ class Scheduler:
                     priority=job.priority,
                     seq=job.seq,
                     reusable=frozenset((p["node"], p["device"]) for p in job.previous_placement or []),
+                    owner=job.owner,
+                    team=job.team,
                 )
                 for job in jobs.values()
             ]
-            placed, _ = plan(requests, snapshot)
+            ledger = quotas.Ledger(await self.load_quotas(conn), await _holdings(conn))
+            placed, _ = plan(requests, snapshot, ledger)
+            await _note_waiting(conn, jobs, ledger.waiting)
             for placement in placed:
                 node = snapshot.node(placement.ranks[0].node)
                 assert node is not None
@@ -319,3 +342,20 @@ class Scheduler:
 def _plain(value: Any) -> Any:
     """A mark's column as JSON holds it (times as ISO text)."""
     return value.isoformat() if isinstance(value, datetime) else value
+
+
+async def _holdings(conn: asyncpg.Connection) -> list[quotas.Holding]:
+    """The devices each job holds now, with its owner and team (what quotas count)."""
+    rows = await conn.fetch(
+        """SELECT j.id, j.owner, j.team, count(*) AS devices FROM devices d JOIN jobs j ON j.id = d.job_id
+           GROUP BY j.id, j.owner, j.team"""
+    )
+    return [quotas.Holding(r["id"], r["owner"], r["team"], r["devices"]) for r in rows]
+
+
+async def _note_waiting(conn: asyncpg.Connection, jobs: dict[str, Job], waiting: dict[str, str]) -> None:
+    """Store why each queued job waits on a quota (and clear it for one that no longer does)."""
+    for job in jobs.values():
+        reason = waiting.get(job.id)
+        if reason != job.queue_reason:
+            await conn.execute("UPDATE jobs SET queue_reason = $2 WHERE id = $1", job.id, reason)

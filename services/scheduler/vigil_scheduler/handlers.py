@@ -274,16 +274,22 @@ class Handlers:
             await self._on_current(event, self._cancelled)
 
     async def _audit(self, event: Message, delivery: Delivery) -> None:
-        """Who asked for a command seen on the bus. The scheduler's own cancels (asked through the API)
-        are recorded where they were asked, with the token's fingerprint."""
+        """Who asked for a command seen on the bus (`audit.service_actor`). A CancelJob of a job already
+        ended changes nothing and is not recorded: the scheduler's own (asked through the API, and
+        recorded there with the principal) come after the job is CANCELLED or FAILED. Which header a
+        publisher sets decides nothing here."""
         sender = delivery.headers.get(SENDER_HEADER)
         action = _AUDITED.get(type(event))
-        if action is None or (action == "cancel" and sender == BUS_NAME):
+        if action is None:
             return
         detail = {
             k: v for k, v in event.model_dump(mode="json").items() if k in ("reason", "step", "checkpoint")
         }
         async with self.s.tx() as conn:
+            if action == "cancel":
+                job = await lifecycle.get_job(conn, event.job_id) if event.job_id else None
+                if job is None or job.terminal:
+                    return
             await audit.record(
                 conn,
                 action,

@@ -20,7 +20,7 @@ from vigil_scheduler import outbox, states
 
 JOB_COLUMNS = """id, seq, name, state, priority, spec, world_size, max_nodes, attempt, queued, placement,
     previous_placement, master_addr, master_port, resume_from, skip_data, reason, completed_commands,
-    trace_context, created_at, updated_at, finished_at"""
+    trace_context, created_at, updated_at, finished_at, owner, team, queue_reason"""
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class Job:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    owner: str  # the user who submitted it (`principals`): it and its team see it, and admins
+    team: str | None
+    queue_reason: str | None  # why a queued job waits, when not for devices (a quota)
 
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> Job:
@@ -70,12 +73,19 @@ class Job:
 
 
 async def insert_job(
-    conn: asyncpg.Connection, job_id: str, spec: JobSpec, trace_context: dict[str, str]
+    conn: asyncpg.Connection,
+    job_id: str,
+    spec: JobSpec,
+    trace_context: dict[str, str],
+    *,
+    owner: str,
+    team: str | None,
 ) -> Job:
-    """Store a new PENDING job (queued for placement) and its first transition."""
+    """Store a new PENDING job (queued for placement) of `owner` and its first transition."""
     row = await conn.fetchrow(
-        f"""INSERT INTO jobs (id, name, state, priority, spec, world_size, max_nodes, trace_context)
-            VALUES ($1, $2, $8, $3, $4, $5, $6, $7) RETURNING {JOB_COLUMNS}""",
+        f"""INSERT INTO jobs (id, name, state, priority, spec, world_size, max_nodes, trace_context, owner,
+                team)
+            VALUES ($1, $2, $8, $3, $4, $5, $6, $7, $9, $10) RETURNING {JOB_COLUMNS}""",
         job_id,
         spec.name,
         spec.priority,
@@ -84,6 +94,8 @@ async def insert_job(
         spec.resources.nodes,
         json.dumps(trace_context),
         JobState.PENDING,
+        owner,
+        team,
     )
     job = Job.from_row(row)
     await _record(conn, job, None, JobState.PENDING, "submitted")
@@ -118,6 +130,8 @@ async def transition(
         **updates,
         "queued": placement is None and not states.is_terminal(to_state),
     }
+    if not values["queued"]:
+        values["queue_reason"] = None  # placed or ended: it waits for nothing
     sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(values, start=2))
     extra = ", finished_at = now()" if states.is_terminal(to_state) else ""
     row = await conn.fetchrow(

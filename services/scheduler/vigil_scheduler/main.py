@@ -22,10 +22,12 @@ from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
 from vigil_common.waiting import unless_stopped
+from vigil_scheduler import users
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.app import Deps, create_app
 from vigil_scheduler.handlers import BUS_NAME, Handlers
 from vigil_scheduler.outbox import Relay
+from vigil_scheduler.principals import load_users_file
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +55,15 @@ class _Server(uvicorn.Server):
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
+    users_file = load_users_file(settings.users_file) if settings.users_file else None  # a bad one: now
     async with service_connect(settings, BUS_NAME, manage_streams=True) as conn:
         provider, pool, bus = conn.provider, conn.pool, conn.bus
         relay = Relay(pool, bus, provider)
         scheduler = Scheduler(settings, pool, relay, provider)
         handlers = Handlers(scheduler)
+        if users_file is not None:  # before the gateway answers: its tokens count at once
+            async with pool.acquire() as db, db.transaction():
+                await users.sync_file(db, users_file)
         deps = Deps(settings, pool, bus, scheduler, ensure_token(settings))
         app = create_app(deps)
         server = _Server(

@@ -11,7 +11,9 @@ does not fit right now (all ranks or none). The rules, in order:
    the fewest free devices that still holds the remainder), so big free nodes stay whole for big jobs.
 4. On GPU nodes, devices joined by NVLink are preferred when only part of a node's free devices is used.
 
-`plan(queue, inventory)` walks a queue in priority, then submission order, and places what fits.
+`plan(queue, inventory, ledger)` walks a queue in priority, then submission order, and places what
+fits; with a `quotas.Ledger`, a job its owner's or team's GPU quota holds back waits (with the reason
+in `ledger.waiting`) without holding up the jobs behind it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
+
+from vigil_scheduler.quotas import Ledger
 
 # How many equally good best-fit nodes are compared by NVLink quality (bounds the cost on big clusters).
 _NVLINK_CANDIDATES = 16
@@ -111,6 +115,8 @@ class PlacementRequest:
     priority: int = 0
     seq: int = 0  # submission order
     reusable: frozenset[tuple[str, int]] = field(default_factory=frozenset)
+    owner: str | None = None  # whose quota the job counts against (`quotas`)
+    team: str | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -201,19 +207,28 @@ def place(request: PlacementRequest, inventory: Inventory) -> Placement | None:
     return Placement(job_id=request.job_id, ranks=tuple(ranks))
 
 
-def plan(queue: Iterable[PlacementRequest], inventory: Inventory) -> tuple[list[Placement], Inventory]:
+def plan(
+    queue: Iterable[PlacementRequest], inventory: Inventory, ledger: Ledger | None = None
+) -> tuple[list[Placement], Inventory]:
     """Place jobs in queue order (priority high to low, then submission order).
 
     A job that does not fit now but would fit once devices free up blocks the jobs behind it, so a
     big job is not starved by a stream of small ones. A job that could never fit (more ranks than
-    the healthy cluster holds) blocks nobody.
+    the healthy cluster holds) blocks nobody, and neither does a job its quota holds back (`ledger`:
+    it waits for its own owner's or team's jobs, not for devices, so others' jobs go ahead).
     """
     placed: list[Placement] = []
     for request in sorted(queue, key=lambda r: (-r.priority, r.seq)):
+        quota = (request.job_id, request.owner, request.team, request.world_size)
+        if ledger is not None and (why := ledger.refusal(*quota)) is not None:
+            ledger.waiting[request.job_id] = why
+            continue
         placement = place(request, inventory)
         if placement is not None:
             inventory = inventory.assign(placement)
             placed.append(placement)
+            if ledger is not None:
+                ledger.take(*quota)
         elif fits_ever(request, inventory):
             break
     return placed, inventory

@@ -1,6 +1,9 @@
 """The read side of the scheduler's tables for the gateway: jobs, nodes and devices as paged dicts.
 Steps, checkpoints, incidents and GPU samples come from `vigil_common.readmodel` (telemetry's tables,
-which every service's migrations create, so they exist even where telemetry does not run)."""
+which every service's migrations create, so they exist even where telemetry does not run).
+
+Every read of a job takes the principal reading it: a job it may not see (`Principal.sees`) is
+answered exactly as one that does not exist."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from vigil_common.pages import Page, check_limit, decode_cursor, page
 from vigil_scheduler import states
 from vigil_scheduler.inventory import ACTIVE_MARK
 from vigil_scheduler.lifecycle import JOB_COLUMNS, Job
+from vigil_scheduler.principals import Principal
 
 
 async def progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -46,29 +50,73 @@ def job_view(job: Job, prog: dict[str, Any] | None = None) -> dict[str, Any]:
         "finished_at": job.finished_at,
         "spec": job.spec,
         "seq": job.seq,
+        "owner": job.owner,
+        "team": job.team,
+        "queue_reason": job.queue_reason,
     }
 
 
-async def list_jobs(pool: asyncpg.Pool, *, state: str | None, limit: int, cursor: str | None) -> Page:
-    """Newest first."""
+def visibility(viewer: Principal) -> tuple[str, str | None] | None:
+    """The (owner, team) whose jobs `viewer` sees; None: every job (an admin)."""
+    return None if viewer.admin else (viewer.name, viewer.team)
+
+
+# The SQL test of `Principal.sees` on the jobs table, its parameters $n (owner) and $n+1 (team).
+def _sees(n: int) -> str:
+    return f"(${n}::text IS NULL OR owner = ${n} OR (team IS NOT NULL AND team = ${n + 1}::text))"
+
+
+class Visible:
+    """Whether `viewer` sees a job, remembered per job (a job's owner and team never change): for a
+    live stream that passes on events of the jobs its reader may see."""
+
+    def __init__(self, pool: asyncpg.Pool, viewer: Principal, size: int = 10_000) -> None:
+        self.pool = pool
+        self.viewer = viewer
+        self.size = size
+        self._known: dict[str, bool] = {}
+
+    async def job(self, job_id: str | None) -> bool:
+        if self.viewer.admin:
+            return True
+        if job_id is None:
+            return False
+        if (known := self._known.get(job_id)) is not None:
+            return known
+        row = await self.pool.fetchrow("SELECT owner, team FROM jobs WHERE id = $1", job_id)
+        if row is None:
+            return False  # not stored yet: asked again next time
+        if len(self._known) >= self.size:
+            self._known.clear()
+        seen = self._known[job_id] = self.viewer.sees(row["owner"], row["team"])
+        return seen
+
+
+async def list_jobs(
+    pool: asyncpg.Pool, viewer: Principal, *, state: str | None, limit: int, cursor: str | None
+) -> Page:
+    """The jobs `viewer` sees, newest first."""
     check_limit(limit)
     key = decode_cursor(cursor, ("bigint",))  # seq
+    owner, team = visibility(viewer) or (None, None)
     rows = await pool.fetch(
         f"""SELECT {JOB_COLUMNS} FROM jobs
-            WHERE ($1::text IS NULL OR state = $1) AND ($2::bigint IS NULL OR seq < $2)
+            WHERE ($1::text IS NULL OR state = $1) AND ($2::bigint IS NULL OR seq < $2) AND {_sees(4)}
             ORDER BY seq DESC LIMIT $3""",
         state,
         key[0] if key else None,
         limit + 1,
+        owner,
+        team,
     )
     jobs = [Job.from_row(r) for r in rows]
     prog = await progress(pool, [j.id for j in jobs[:limit]])
     return page([job_view(j, prog.get(j.id)) for j in jobs], limit, ("seq",))
 
 
-async def job_detail(pool: asyncpg.Pool, job_id: str) -> dict[str, Any]:
+async def job_detail(pool: asyncpg.Pool, job_id: str, viewer: Principal) -> dict[str, Any]:
     row = await pool.fetchrow(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1", job_id)
-    if row is None:
+    if row is None or not viewer.sees(row["owner"], row["team"]):
         raise NotFound(f"no job {job_id!r}")
     job = Job.from_row(row)
     view = job_view(job, (await progress(pool, [job.id])).get(job.id))
@@ -117,8 +165,10 @@ async def _attempts(
     return out
 
 
-async def require_job(pool: asyncpg.Pool, job_id: str) -> None:
-    if not await pool.fetchval("SELECT true FROM jobs WHERE id = $1", job_id):
+async def require_job(pool: asyncpg.Pool, job_id: str, viewer: Principal) -> None:
+    """NotFound unless the job exists and `viewer` sees it (the same answer for both)."""
+    row = await pool.fetchrow("SELECT owner, team FROM jobs WHERE id = $1", job_id)
+    if row is None or not viewer.sees(row["owner"], row["team"]):
         raise NotFound(f"no job {job_id!r}")
 
 
@@ -133,7 +183,24 @@ _DEVICE_COLUMNS = f"""d.node, d.index, d.kind, d.name, d.uuid, d.memory_bytes, d
 _MARKS = "LEFT JOIN device_marks m ON m.node = d.node AND m.index = d.index"
 
 
-async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
+HIDDEN_JOB = "(another user's job)"  # a device's job that the reader may not see
+
+
+async def _hide_jobs(pool: asyncpg.Pool, viewer: Principal, devices: list[dict[str, Any]]) -> None:
+    """Replace the job id of each device (and its latest sample) that runs a job `viewer` may not see:
+    the device shows busy, and the job stays unknown."""
+    if viewer.admin:
+        return
+    visible = Visible(pool, viewer)
+    for d in devices:
+        if d.get("job_id") is not None and not await visible.job(d["job_id"]):
+            d["job_id"] = HIDDEN_JOB
+        latest = d.get("latest")
+        if latest and latest.get("job_id") is not None and not await visible.job(latest["job_id"]):
+            d["latest"] = {**latest, "job_id": HIDDEN_JOB}
+
+
+async def list_nodes(pool: asyncpg.Pool, viewer: Principal, *, limit: int, cursor: str | None) -> Page:
     check_limit(limit)
     key = decode_cursor(cursor, ("text",))  # name
     rows = await pool.fetch(
@@ -151,10 +218,11 @@ async def list_nodes(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> P
     ):
         devices.setdefault(d["node"], []).append(_device(d))
     items = [{**dict(r), "devices": devices.get(r["name"], [])} for r in rows]
+    await _hide_jobs(pool, viewer, [d for item in items for d in item["devices"]])
     return page(items, limit, ("name",))
 
 
-async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Page:
+async def list_gpus(pool: asyncpg.Pool, viewer: Principal, *, limit: int, cursor: str | None) -> Page:
     check_limit(limit)
     node, index = decode_cursor(cursor, ("text", "int")) or (None, None)
     rows = await pool.fetch(
@@ -167,6 +235,7 @@ async def list_gpus(pool: asyncpg.Pool, *, limit: int, cursor: str | None) -> Pa
     )
     latest = await readmodel.latest_gpu_samples(pool)
     items = [{**_device(r), "alive": r["alive"], "latest": latest.get((r["node"], r["index"]))} for r in rows]
+    await _hide_jobs(pool, viewer, items)
     return page(items, limit, ("node", "index"))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -123,6 +123,32 @@ async def scheduler(db_url: str, nats_url: str, tmp_path: Path) -> AsyncIterator
         stop.set()
         await asyncio.wait_for(task, timeout=20)
         await pool.close()
+
+
+@pytest.fixture
+async def as_user(scheduler: Running) -> AsyncIterator[Callable[..., Awaitable[httpx.AsyncClient]]]:
+    """`await as_user(name, team, gpus=None, admin=False)`: the user, made (or updated) with the admin's
+    token through the API, and an HTTP client holding a new token of theirs."""
+    made: list[httpx.AsyncClient] = []
+
+    async def make(
+        name: str, team: str | None = None, *, gpus: int | None = None, admin: bool = False
+    ) -> httpx.AsyncClient:
+        r = await scheduler.http.put(
+            f"/api/v1/users/{name}", json={"team": team, "gpus": gpus, "admin": admin}
+        )
+        assert r.status_code == 200, r.text
+        r = await scheduler.http.post(f"/api/v1/users/{name}/tokens")
+        assert r.status_code == 201, r.text
+        client = httpx.AsyncClient(
+            base_url=scheduler.base_url, headers={"Authorization": f"Bearer {r.json()['token']}"}, timeout=10
+        )
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        await client.aclose()
 
 
 @dataclass

@@ -92,3 +92,26 @@ async def test_status_names_the_active_scheduler(scheduler) -> None:
     assert [(h["role"], h["instance"].split("@")[0]) for h in active] == [("scheduler", str(os.getpid()))]
     r = await vigil(scheduler, "status")
     assert r.exit_code == 0 and "scheduler" in r.output and "guardian" in r.output and "none" in r.output
+
+
+async def test_users_made_with_the_admins_token_own_their_jobs(scheduler, tmp_path: Path) -> None:
+    r = await vigil(scheduler, "users", "add", "alice", "--team", "vision", "--gpus", "2")
+    assert r.exit_code == 0 and "quota 2 GPUs" in r.output, r.output
+    r = await vigil(scheduler, "users", "token", "alice")
+    assert r.exit_code == 0, r.output
+    alice = r.output.strip()
+    r = await vigil(scheduler, "users", "whoami", token=alice)
+    assert r.exit_code == 0 and r.output.startswith("alice, team vision;") and "user:alice" in r.output
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("name: big\nresources: {nodes: 1, gpus_per_node: 4}\ntrain: {steps: 10}\n")
+    r = await vigil(scheduler, "submit", str(spec_file), token=alice)
+    assert r.exit_code == 1 and "HTTP 422" in r.output and "user alice's quota of 2" in r.output
+    r = await vigil(scheduler, "users", "list", token=alice)
+    assert r.exit_code == 1 and "HTTP 403" in r.output
+    r = await vigil(scheduler, "users", "team", "vision", "--gpus", "8")
+    assert r.exit_code == 0 and "quota 8 GPUs" in r.output, r.output
+    r = await vigil(scheduler, "users", "list")
+    assert r.exit_code == 0 and "alice" in r.output and "vision" in r.output
+    assert (await vigil(scheduler, "users", "revoke", "alice")).exit_code == 0
+    r = await vigil(scheduler, "users", "whoami", token=alice)
+    assert r.exit_code == 1 and "HTTP 401" in r.output

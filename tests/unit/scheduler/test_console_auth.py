@@ -25,6 +25,8 @@ from vigil_scheduler.console.auth import (
 )
 from vigil_scheduler.console.sessions import FREE_FAILURES, MAX_WAIT_S, LoginThrottle, Sessions
 from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS, BadForm
+from vigil_scheduler.principals import admin_principal
+from vigil_scheduler.users import Authenticator
 
 TOKEN = "unit-token-0123456789"
 
@@ -77,19 +79,21 @@ def test_failed_logins_wait_exponentially_then_are_forgotten() -> None:
     assert throttle.wait_s("10.0.0.1", now) == 0.0
 
 
-def test_login_refuses_past_the_throttle_whichever_token() -> None:
+async def test_login_refuses_past_the_throttle_whichever_token() -> None:
     clock = [0.0]
     auth = ConsoleAuth(Settings.load(api_token=TOKEN), clock=lambda: clock[0])
+    tokens = Authenticator(TOKEN)
     for _ in range(FREE_FAILURES):
         with pytest.raises(LoginRefused) as refused:
-            auth.login("127.0.0.1", "wrong", TOKEN)
+            await auth.login("127.0.0.1", "wrong", tokens)
         assert refused.value.status_code == 401
     with pytest.raises(TooManyLogins) as throttled:
-        auth.login("127.0.0.1", TOKEN, TOKEN)
+        await auth.login("127.0.0.1", TOKEN, tokens)
     assert throttled.value.status_code == 429 and throttled.value.headers == {"Retry-After": "1"}
     clock[0] += 1.0
-    cookie = auth.login("127.0.0.1", TOKEN, TOKEN)
-    assert auth.sessions.get(cookie, clock[0]) is not None
+    cookie = await auth.login("127.0.0.1", TOKEN, tokens)
+    session = auth.sessions.get(cookie, clock[0])
+    assert session is not None and session.principal is not None and session.principal.admin
 
 
 def test_forms_are_read_strictly() -> None:
@@ -144,7 +148,7 @@ def client() -> Iterator[tuple[TestClient, ConsoleAuth]]:
     app = Litestar(
         [router],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
-        state=State({"api_token": TOKEN, "parsing": asyncio.Semaphore(2)}),
+        state=State({"authenticator": Authenticator(TOKEN), "parsing": asyncio.Semaphore(2)}),
         logging_config=None,
     )
     with TestClient(app) as c:
@@ -155,7 +159,10 @@ def test_the_guard_wants_a_session_or_the_bearer_token(client) -> None:
     c, auth = client
     assert c.get("/page").status_code == 401
     assert c.get("/page", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
-    cookie, _ = auth.sessions.open(auth.clock())
+    cookie, _ = auth.sessions.open(auth.clock())  # a session of nobody (no principal) opens nothing
+    c.cookies[COOKIE] = cookie
+    assert c.get("/page").status_code == 401
+    cookie, _ = auth.sessions.open(auth.clock(), admin_principal(TOKEN))
     c.cookies[COOKIE] = cookie
     assert c.get("/page").status_code == 200
     auth.sessions.revoke(cookie)
@@ -164,7 +171,7 @@ def test_the_guard_wants_a_session_or_the_bearer_token(client) -> None:
 
 def test_a_write_needs_the_csrf_token_and_the_consoles_origin(client) -> None:
     c, auth = client
-    cookie, session = auth.sessions.open(auth.clock())
+    cookie, session = auth.sessions.open(auth.clock(), admin_principal(TOKEN))
     c.cookies[COOKIE] = cookie
     r = c.post("/write", data={"x": "1"})
     assert r.status_code == 403 and "CSRF" in r.json()["message"]

@@ -13,6 +13,7 @@ from litestar.testing import TestClient
 from vigil_common.errors import Conflict, NotFound, RetryableError, SpecError
 from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
+from vigil_scheduler.users import Authenticator
 
 TOKEN = "unit-token-0123456789"
 RAISES = {
@@ -32,7 +33,10 @@ async def fail(what: FromPath[str]) -> None:
 @pytest.fixture
 def client() -> Iterator[TestClient]:
     app = Litestar(
-        [fail], exception_handlers=EXCEPTION_HANDLERS, state=State({"api_token": TOKEN}), logging_config=None
+        [fail],
+        exception_handlers=EXCEPTION_HANDLERS,
+        state=State({"authenticator": Authenticator(TOKEN)}),
+        logging_config=None,
     )  # type: ignore[arg-type]
     with TestClient(app) as c:
         c.headers["Authorization"] = f"Bearer {TOKEN}"

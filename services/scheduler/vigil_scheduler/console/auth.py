@@ -1,6 +1,8 @@
-"""The console's login and its guard. The login takes the API's bearer token and opens a session
-(`console.sessions`): an HttpOnly, SameSite=Strict cookie that expires (VIGIL_CONSOLE_SESSION_S) and
-that logout revokes. Scripts may send the bearer header instead of the cookie.
+"""The console's login and its guard. The login takes an API token (the admin's or a user's) and opens a
+session of its principal (`console.sessions`): an HttpOnly, SameSite=Strict cookie that expires
+(VIGIL_CONSOLE_SESSION_S) and that logout revokes. Scripts may send the bearer header instead of the
+cookie. Either way the guard puts the principal on the request: the pages show and act on the jobs it
+may see, as the API does.
 
 SameSite ignores ports, so any page on another local port is "same site": every request that changes
 something (login, logout, submit, cancel) must therefore come from the console's own origin (its
@@ -26,8 +28,10 @@ from litestar.status_codes import HTTP_401_UNAUTHORIZED
 
 from vigil_common.settings import Settings
 from vigil_scheduler.console.sessions import LoginThrottle, Session, Sessions
+from vigil_scheduler.gateway.auth import bearer_token
 from vigil_scheduler.gateway.errors import BadForm, Forbidden, Unauthorized
 from vigil_scheduler.gateway.parsing import off_loop
+from vigil_scheduler.users import Authenticator
 
 COOKIE = "vigil_console"
 CSRF_FIELD = "csrf"
@@ -64,18 +68,19 @@ class ConsoleAuth:
         self.throttle = LoginThrottle()
         self.clock = clock
 
-    def login(self, address: str, given: str, token: str) -> str:
-        """A new session's cookie for the holder of `token`; raises LoginRefused (a wrong token) or
-        TooManyLogins (past the throttle, whichever token is given)."""
-        now = self.clock()
-        wait_s = self.throttle.wait_s(address, now)
+    async def login(self, address: str, given: str, authenticator: Authenticator) -> str:
+        """A new session's cookie for the principal of token `given`; raises LoginRefused (a wrong
+        token) or TooManyLogins (past the throttle, whichever token is given)."""
+        wait_s = self.throttle.wait_s(address, self.clock())
         if wait_s > 0:
             raise TooManyLogins(address, wait_s)
-        if not token_matches(given, token):
+        found = await authenticator.principal(given)
+        now = self.clock()
+        if found is None:
             self.throttle.failed(address, now)
             raise LoginRefused("wrong token")
         self.throttle.succeeded(address)
-        cookie, _ = self.sessions.open(now)
+        cookie, _ = self.sessions.open(now, found)
         return cookie
 
     def session(self, connection: ASGIConnection[Any, Any, Any, Any]) -> Session | None:
@@ -85,14 +90,16 @@ class ConsoleAuth:
         """A page or its data needs a live session's cookie, or the API's bearer header (for scripts);
         a write also needs the console's origin and, with a cookie, the session's CSRF token."""
         session = self.session(connection)
-        bearer = _bearer_matches(connection, connection.app.state.api_token)
-        if session is None and not bearer:
-            raise LoginRequired("log in with the API token")
+        given = bearer_token(connection)
+        bearer = None if given is None else await connection.app.state.authenticator.principal(given)
+        if bearer is None and (session is None or session.principal is None):
+            raise LoginRequired("log in with an API token")
+        connection.state.principal = bearer or session.principal  # type: ignore[union-attr]
         connection.state.csrf = session.csrf if session else ""  # the templates' forms send it back
         if connection.method in SAFE_METHODS:
             return
         check_origin(connection)
-        if session is not None and not bearer:  # a browser cannot add a bearer header cross-origin
+        if session is not None and bearer is None:  # a browser cannot add a bearer header cross-origin
             assert isinstance(connection, Request)
             given = (await read_form(connection)).get(CSRF_FIELD, "")
             if not hmac.compare_digest(given.encode(), session.csrf.encode()):
@@ -100,15 +107,6 @@ class ConsoleAuth:
                     f"refused: the form's CSRF token (field {CSRF_FIELD!r}) is missing or not this "
                     "session's; reload the console's page and submit again"
                 )
-
-
-def _bearer_matches(connection: ASGIConnection[Any, Any, Any, Any], token: str) -> bool:
-    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and bool(given) and token_matches(given, token)
-
-
-def token_matches(given: str, token: str) -> bool:
-    return hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 def check_origin(connection: ASGIConnection[Any, Any, Any, Any]) -> None:

@@ -12,15 +12,19 @@ import asyncpg
 from vigil_common import readmodel
 from vigil_scheduler import queries
 from vigil_scheduler.console import views
+from vigil_scheduler.principals import Principal
 
 LIMIT = 1000  # incidents and checkpoints shown: a page is enough for a console view
 
 
-async def job_document(pool: asyncpg.Pool, job_id: str, points: int = views.DEFAULT_POINTS) -> dict[str, Any]:
+async def job_document(
+    pool: asyncpg.Pool, job_id: str, viewer: Principal, points: int = views.DEFAULT_POINTS
+) -> dict[str, Any]:
     # The version first: whatever is read after it is at least as new, so when something changes while
     # this reads, the next version differs and the page comes back for it.
+    await queries.require_job(pool, job_id, viewer)  # another user's job: 404, before anything is read
     version = await readmodel.job_version(pool, job_id)
-    job = await queries.job_detail(pool, job_id)  # NotFound: 404
+    job = await queries.job_detail(pool, job_id, viewer)  # NotFound: 404
     resources = job["spec"]["resources"]
     ranks = int(resources["nodes"]) * int(resources["gpus_per_node"])
     bucket = views.bucket_width(int(job["spec"]["train"]["steps"]), points, ranks)

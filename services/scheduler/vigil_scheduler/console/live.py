@@ -23,12 +23,16 @@ from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
 from vigil_common.events import IncidentRaised, JobStateChanged, RanksHalted, RollbackCompleted
 from vigil_common.waiting import wait_any
+from vigil_scheduler.queries import Visible
 
 KEEPALIVE_S = 15.0
 SHOWN = (JobStateChanged, IncidentRaised, RanksHalted, RollbackCompleted)  # passed on as they come
 
 
-async def console_events(bus: Bus, closing: asyncio.Event) -> AsyncIterator[ServerSentEventMessage]:
+async def console_events(
+    bus: Bus, closing: asyncio.Event, visible: Visible
+) -> AsyncIterator[ServerSentEventMessage]:
+    """The events of the jobs the reader may see (`visible`), as they come."""
     async with bus.watch(subjects.ALL_STATUS, subjects.ALL_INCIDENTS) as events:
         stream = aiter(events)
         pending = asyncio.ensure_future(anext(stream))
@@ -44,7 +48,7 @@ async def console_events(bus: Bus, closing: asyncio.Event) -> AsyncIterator[Serv
                 if pending in done:
                     event = pending.result()
                     pending = asyncio.ensure_future(anext(stream))
-                    if isinstance(event, SHOWN):
+                    if isinstance(event, SHOWN) and await visible.job(event.job_id):
                         yield ServerSentEventMessage(
                             data=event.model_dump_json(), event=event.type, id=event.event_id
                         )

@@ -25,9 +25,10 @@ from vigil_scheduler.console import jobpage, spans, views
 from vigil_scheduler.console.auth import COOKIE, ConsoleAuth, LoginRefused, check_origin, read_form, safe_next
 from vigil_scheduler.console.live import console_events, job_changes
 from vigil_scheduler.core import Scheduler
-from vigil_scheduler.gateway.auth import actor
+from vigil_scheduler.gateway.auth import principal
 from vigil_scheduler.gateway.params import JOB_ID, Attempt, DeviceIndex, JobId, NodeName, Step
 from vigil_scheduler.gateway.parsing import off_loop
+from vigil_scheduler.principals import Principal
 
 Pool = NamedDependency[asyncpg.Pool]
 BusDep = NamedDependency[Bus]
@@ -58,7 +59,7 @@ class LoginController(Controller):
         next_path = safe_next(form.get("next", "/"))
         address = request.client.host if request.client else "unknown"
         try:
-            cookie = auth.login(address, form.get("token", ""), request.app.state.api_token)
+            cookie = await auth.login(address, form.get("token", ""), request.app.state.authenticator)
         except LoginRefused as exc:
             context = {"next": next_path, "error": str(exc)}
             return Template("login.html", context=context, status_code=exc.status_code, headers=exc.headers)
@@ -87,9 +88,12 @@ class ConsoleController(Controller):
 
     @get("/")
     async def jobs(
-        self, pool: Pool, state_filter: Annotated[str | None, QueryParameter(name="state")] = None
+        self,
+        request: Request,
+        pool: Pool,
+        state_filter: Annotated[str | None, QueryParameter(name="state")] = None,
     ) -> Template:
-        return Template("jobs.html", context=await _jobs_context(pool, state_filter))
+        return Template("jobs.html", context=await _jobs_context(pool, principal(request), state_filter))
 
     @post("/jobs")
     async def submit(self, request: Request, pool: Pool, scheduler: SchedulerDep) -> Response:
@@ -97,36 +101,39 @@ class ConsoleController(Controller):
         try:
             spec = await off_loop(request, parse_spec, text)  # as the API does: heartbeats go on
         except SpecError as exc:
-            context = await _jobs_context(pool, None)
-            context.update(spec_text=text, spec_errors=exc.errors)
-            return Template("jobs.html", context=context, status_code=422)
-        job, _ = await scheduler.submit(spec, actor=actor(request))
+            return await _refused(pool, request, text, exc)
+        try:
+            job, _ = await scheduler.submit(spec, principal(request))
+        except SpecError as exc:  # over its quota, or a program this cluster does not run
+            return await _refused(pool, request, text, exc)
         return Redirect(f"/jobs/{job.id}", status_code=303)
 
     @post("/jobs/{job_id:str}/cancel")
     async def cancel(self, request: Request, pool: Pool, scheduler: SchedulerDep, job_id: JobId) -> Response:
         try:
-            await scheduler.cancel(job_id, actor=actor(request))
+            await scheduler.cancel(job_id, principal(request))
         except Conflict as exc:
-            context = {"job": await queries.job_detail(pool, job_id), "error": str(exc)}
+            context = {"job": await queries.job_detail(pool, job_id, principal(request)), "error": str(exc)}
             return Template("job.html", context=context, status_code=409)
         return Redirect(f"/jobs/{job_id}", status_code=303)
 
     @get("/jobs/{job_id:str}")
-    async def job(self, pool: Pool, job_id: JobId) -> Template:
+    async def job(self, request: Request, pool: Pool, job_id: JobId) -> Template:
         """The frame (title, forms, empty tables): the page fills it from `job_data`."""
-        return Template("job.html", context={"job": await queries.job_detail(pool, job_id), "error": None})
+        job = await queries.job_detail(pool, job_id, principal(request))
+        return Template("job.html", context={"job": job, "error": None})
 
     @get("/jobs/{job_id:str}/trace")
     async def trace(
         self,
+        request: Request,
         pool: Pool,
         settings: SettingsDep,
         job_id: JobId,
         step: Step = None,
         attempt: Attempt = None,
     ) -> Template:
-        job = await queries.job_detail(pool, job_id)
+        job = await queries.job_detail(pool, job_id, principal(request))
         if step is None:
             step = job["last_step"] or 0
         stored = await readmodel.step_phases(pool, job_id, step, attempt=attempt)
@@ -148,10 +155,12 @@ class ConsoleController(Controller):
         )
 
     @get("/cluster")
-    async def cluster(self, pool: Pool, color: FromQuery[str] = "utilization") -> Template:
+    async def cluster(self, request: Request, pool: Pool, color: FromQuery[str] = "utilization") -> Template:
         metric = color if color in views.GRID_METRICS else "utilization"
+        viewer = principal(request)
         nodes, gpus = await asyncio.gather(
-            queries.list_nodes(pool, limit=ALL, cursor=None), queries.list_gpus(pool, limit=ALL, cursor=None)
+            queries.list_nodes(pool, viewer, limit=ALL, cursor=None),
+            queries.list_gpus(pool, viewer, limit=ALL, cursor=None),
         )
         by_node: dict[str, list[dict[str, Any]]] = {}
         for d in gpus["items"]:
@@ -170,8 +179,8 @@ class ConsoleController(Controller):
         return Template("gpu.html", context={"node": node, "index": index})
 
     @get("/incidents")
-    async def incidents(self, pool: Pool) -> Template:
-        page = await readmodel.incidents(pool, limit=200)
+    async def incidents(self, request: Request, pool: Pool) -> Template:
+        page = await readmodel.incidents(pool, limit=200, visible_to=queries.visibility(principal(request)))
         return Template("incidents.html", context={"incidents": page["items"]})
 
 
@@ -183,10 +192,10 @@ class ConsoleDataController(Controller):
 
     @get("/data/jobs/{job_id:str}")
     async def job_data(
-        self, pool: Pool, job_id: JobId, points: Points = views.DEFAULT_POINTS
+        self, request: Request, pool: Pool, job_id: JobId, points: Points = views.DEFAULT_POINTS
     ) -> dict[str, Any]:
         """Everything the job page shows, in one document (`jobpage.job_document`)."""
-        return await jobpage.job_document(pool, job_id, points)
+        return await jobpage.job_document(pool, job_id, principal(request), points)
 
     @get("/data/gpus/{node:str}/{index:int}")
     async def gpu_history(self, pool: Pool, node: NodeName, index: DeviceIndex) -> dict[str, Any]:
@@ -206,16 +215,25 @@ class ConsoleDataController(Controller):
     ) -> ServerSentEvent:
         """With `job`: that job page's `changed` events; without: state changes and incidents as they come."""
         closing = request.app.state.closing
+        viewer = principal(request)
         if job is not None:
+            await queries.require_job(pool, job, viewer)  # a 404, not a stream that never says anything
             if await readmodel.job_version(pool, job) is None:
-                raise NotFound(f"no job {job!r}")  # a 404, not a stream that never says anything
+                raise NotFound(f"no job {job!r}")
             return ServerSentEvent(job_changes(pool, closing, job))
-        return ServerSentEvent(console_events(bus, closing))
+        return ServerSentEvent(console_events(bus, closing, queries.Visible(pool, viewer)))
 
 
-async def _jobs_context(pool: asyncpg.Pool, state: str | None) -> dict[str, Any]:
+async def _refused(pool: asyncpg.Pool, request: Request, text: str, exc: SpecError) -> Template:
+    """The jobs page again, with the spec as typed and what is wrong with it."""
+    context = await _jobs_context(pool, principal(request), None)
+    context.update(spec_text=text, spec_errors=exc.errors)
+    return Template("jobs.html", context=context, status_code=422)
+
+
+async def _jobs_context(pool: asyncpg.Pool, viewer: Principal, state: str | None) -> dict[str, Any]:
     state = state if state in set(JobState) else None
-    page = await queries.list_jobs(pool, state=state, limit=200, cursor=None)
+    page = await queries.list_jobs(pool, viewer, state=state, limit=200, cursor=None)
     counts = await readmodel.incident_counts(pool, [j["id"] for j in page["items"]])
     for j in page["items"]:
         j["incidents"] = counts.get(j["id"], 0)
@@ -225,6 +243,7 @@ async def _jobs_context(pool: asyncpg.Pool, state: str | None) -> dict[str, Any]
         "state": state,
         "spec_text": EXAMPLE_SPEC,
         "spec_errors": [],
+        "viewer": viewer,
     }
 
 

@@ -13,6 +13,8 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
+from vigil_scheduler.principals import Principal
+
 MAX_SESSIONS = 1024  # logins held at once; past it the oldest is closed
 FREE_FAILURES = 5  # failed logins from one address before each next try must wait
 MAX_WAIT_S = 300.0  # the longest wait: 2 ** (failures - FREE_FAILURES) s, at most this
@@ -24,6 +26,7 @@ MAX_ADDRESSES = 10_000
 class Session:
     csrf: str
     expires_at: float
+    principal: Principal | None = None  # who logged in (the token's user); None: nobody, refused
 
 
 def _key(cookie: str) -> str:
@@ -38,14 +41,17 @@ class Sessions:
         self.limit = limit
         self._open: dict[str, Session] = {}
 
-    def open(self, now: float) -> tuple[str, Session]:
-        """A new session: its cookie value (given to the browser, never stored) and the session."""
+    def open(self, now: float, principal: Principal | None = None) -> tuple[str, Session]:
+        """A new session of `principal`: its cookie value (given to the browser, never stored) and the
+        session."""
         if len(self._open) >= self.limit:
             self._open = {k: s for k, s in self._open.items() if s.expires_at > now}
             while len(self._open) >= self.limit:  # still full: close the oldest login
                 del self._open[next(iter(self._open))]
         cookie = secrets.token_urlsafe(32)
-        session = Session(csrf=secrets.token_urlsafe(32), expires_at=now + self.lifetime_s)
+        session = Session(
+            csrf=secrets.token_urlsafe(32), expires_at=now + self.lifetime_s, principal=principal
+        )
         self._open[_key(cookie)] = session
         return cookie, session
 

@@ -29,6 +29,8 @@ from vigil_scheduler.gateway.controllers import (
     JobController,
 )
 from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
+from vigil_scheduler.gateway.users import MeController, TeamController, UserController
+from vigil_scheduler.users import Authenticator
 
 API_PREFIX = "/api/v1"
 
@@ -62,6 +64,7 @@ def create_app(deps: Deps) -> Litestar:
             bus=deps.bus,
             scheduler=deps.scheduler,
             api_token=deps.api_token,
+            authenticator=Authenticator(deps.api_token, deps.pool),
             closing=deps.closing,
             parsing=deps.parsing,
         )
@@ -78,6 +81,9 @@ def create_app(deps: Deps) -> Litestar:
             ControlPlaneController,
             EventsController,
             AuditController,
+            MeController,
+            UserController,
+            TeamController,
         ],
         guards=[bearer_guard],
         security=[{"bearer": []}],

@@ -1,36 +1,52 @@
-"""Bearer-token auth for everything under /api/v1, compared in constant time (the token itself comes
-from `vigil_common.token`)."""
+"""Bearer-token auth for everything under /api/v1: the token names a principal (`users.Authenticator`:
+the gateway's own token is the admin's, any other a user's), which the guard puts on the connection
+for the handlers (`principal`) and the audit record (`actor`)."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from vigil_scheduler import audit
-from vigil_scheduler.gateway.errors import Unauthorized
+from vigil_scheduler.gateway.errors import Forbidden, Unauthorized
+from vigil_scheduler.principals import Principal
+from vigil_scheduler.users import Authenticator
+
+Connection = ASGIConnection[Any, Any, Any, Any]
 
 
-def bearer_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    expected: str = connection.app.state.api_token
-    header = connection.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <VIGIL_API_TOKEN>'")
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+def bearer_token(connection: Connection) -> str | None:
+    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
+    return given if scheme.lower() == "bearer" and given else None
+
+
+async def bearer_guard(connection: Connection, _: BaseRouteHandler) -> None:
+    given = bearer_token(connection)
+    if given is None:
+        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    authenticator: Authenticator = connection.app.state.authenticator
+    found = await authenticator.principal(given)
+    if found is None:
         raise Unauthorized("invalid bearer token")
+    connection.state.principal = found
 
 
-def admin_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-    """Routes that change the cluster itself (clearing a device's mark) take an admin's token. The API's
-    one token (VIGIL_API_TOKEN) is the admin's: `bearer_guard` is that check."""
-    bearer_guard(connection, handler)
+def admin_guard(connection: Connection, _: BaseRouteHandler) -> None:
+    """After `bearer_guard`: only an admin's token manages users, tokens and quotas."""
+    if not principal(connection).admin:
+        raise Forbidden(
+            "only an admin's token may do this (manage users, tokens and quotas; clear a device's mark)"
+        )
 
 
-def actor(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
-    """The caller as the audit record names it. Whoever passed a guard holds the app's token: the
-    bearer header is the token, and a console session is opened only with it, so both are the token's
-    fingerprint."""
-    return audit.token_actor(connection.app.state.api_token)
+def principal(connection: Connection) -> Principal:
+    """Who the guard (the API's, or the console's) authenticated for this request."""
+    found = connection.state.get("principal")
+    assert isinstance(found, Principal), "no guard authenticated this request"
+    return found
+
+
+def actor(connection: Connection) -> str:
+    """The caller as the audit record names it: the authenticated principal's actor."""
+    return principal(connection).actor

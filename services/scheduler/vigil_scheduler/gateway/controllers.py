@@ -35,7 +35,7 @@ from vigil_common.spec import parse_spec
 from vigil_common.waiting import STOPPED, unless_stopped
 from vigil_scheduler import audit, idempotency, queries
 from vigil_scheduler.core import Scheduler
-from vigil_scheduler.gateway.auth import actor, admin_guard
+from vigil_scheduler.gateway.auth import actor, admin_guard, principal
 from vigil_scheduler.gateway.params import (
     Attempt,
     Cursor,
@@ -87,16 +87,27 @@ class JobController(Controller):
         spec = await off_loop(request, parse_spec, body, content_type=content_type)
         once = None if key is None else (key, idempotency.body_digest(body, content_type))
         job, made = await scheduler.submit(
-            spec, parent=dict(request.headers), actor=actor(request), idempotency=once
+            spec, principal(request), parent=dict(request.headers), idempotency=once
         )
         out = JobOut.model_validate(queries.job_view(job))
         return Response(out, status_code=HTTP_201_CREATED if made else HTTP_200_OK)
 
-    @get("/", summary="Jobs, newest first", responses=READ)
+    @get(
+        "/",
+        summary="Jobs the caller may see (its own, its team's; an admin: all), newest first",
+        responses=READ,
+    )
     async def list_jobs(
-        self, pool: Pool, state_filter: StateFilter = None, limit: Limit = 100, cursor: Cursor = None
+        self,
+        request: Request,
+        pool: Pool,
+        state_filter: StateFilter = None,
+        limit: Limit = 100,
+        cursor: Cursor = None,
     ) -> JobPage:
-        page = await queries.list_jobs(pool, state=state_filter, limit=limit, cursor=cursor)
+        page = await queries.list_jobs(
+            pool, principal(request), state=state_filter, limit=limit, cursor=cursor
+        )
         return JobPage.model_validate(page)
 
     @get(
@@ -104,8 +115,8 @@ class JobController(Controller):
         summary="One job: state, placement, attempts, last step, latest loss",
         responses=ONE_JOB,
     )
-    async def get_job(self, pool: Pool, job_id: JobId) -> JobDetailOut:
-        return JobDetailOut.model_validate(await queries.job_detail(pool, job_id))
+    async def get_job(self, request: Request, pool: Pool, job_id: JobId) -> JobDetailOut:
+        return JobDetailOut.model_validate(await queries.job_detail(pool, job_id, principal(request)))
 
     @post(
         "/{job_id:str}/cancel",
@@ -114,12 +125,13 @@ class JobController(Controller):
         responses=error_responses(401, 404, 409, 422),
     )
     async def cancel(self, request: Request, scheduler: SchedulerDep, job_id: JobId) -> JobOut:
-        job = await scheduler.cancel(job_id, actor=actor(request))
+        job = await scheduler.cancel(job_id, principal(request))
         return JobOut.model_validate(queries.job_view(job))
 
     @get("/{job_id:str}/steps", summary="Step metrics, per rank or aggregated per step", responses=ONE_JOB)
     async def steps(
         self,
+        request: Request,
         pool: Pool,
         job_id: JobId,
         rank: Rank = None,
@@ -128,7 +140,7 @@ class JobController(Controller):
         limit: Limit = 100,
         cursor: Cursor = None,
     ) -> Page:
-        await queries.require_job(pool, job_id)
+        await queries.require_job(pool, job_id, principal(request))
         return Page.model_validate(
             await readmodel.steps(
                 pool, job_id, rank=rank, attempt=attempt, aggregate=aggregate, limit=limit, cursor=cursor
@@ -136,15 +148,17 @@ class JobController(Controller):
         )
 
     @get("/{job_id:str}/checkpoints", summary="Checkpoints with step, validity, size", responses=ONE_JOB)
-    async def checkpoints(self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None) -> Page:
-        await queries.require_job(pool, job_id)
+    async def checkpoints(
+        self, request: Request, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None
+    ) -> Page:
+        await queries.require_job(pool, job_id, principal(request))
         return Page.model_validate(await readmodel.checkpoints(pool, job_id, limit=limit, cursor=cursor))
 
     @get("/{job_id:str}/incidents", summary="What the guardian saw and did for this job", responses=ONE_JOB)
     async def job_incidents(
-        self, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None
+        self, request: Request, pool: Pool, job_id: JobId, limit: Limit = 100, cursor: Cursor = None
     ) -> Page:
-        await queries.require_job(pool, job_id)
+        await queries.require_job(pool, job_id, principal(request))
         return Page.model_validate(await readmodel.incidents(pool, job_id=job_id, limit=limit, cursor=cursor))
 
 
@@ -161,19 +175,23 @@ class InventoryController(Controller):
     tags = ["inventory"]
 
     @get("/nodes", summary="Nodes with their devices and liveness", responses=READ)
-    async def nodes(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> NodePage:
-        return NodePage.model_validate(await queries.list_nodes(pool, limit=limit, cursor=cursor))
+    async def nodes(
+        self, request: Request, pool: Pool, limit: Limit = 100, cursor: Cursor = None
+    ) -> NodePage:
+        page = await queries.list_nodes(pool, principal(request), limit=limit, cursor=cursor)
+        return NodePage.model_validate(page)
 
     @get("/gpus", summary="Devices with health, owner job and latest sample", responses=READ)
-    async def gpus(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> GpuPage:
-        return GpuPage.model_validate(await queries.list_gpus(pool, limit=limit, cursor=cursor))
+    async def gpus(self, request: Request, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> GpuPage:
+        page = await queries.list_gpus(pool, principal(request), limit=limit, cursor=cursor)
+        return GpuPage.model_validate(page)
 
     @post(
         "/gpus/{node:str}/{index:int}/clear",
         status_code=HTTP_200_OK,
         summary="Clear a device's unhealthy mark (admin; audited): placement offers it again",
         guards=[admin_guard],
-        responses=error_responses(401, 404, 422),
+        responses=error_responses(401, 403, 404, 422),
     )
     async def clear_mark(
         self, request: Request, scheduler: SchedulerDep, node: NodeName, index: DeviceIndex
@@ -182,9 +200,20 @@ class InventoryController(Controller):
             await scheduler.clear_device_mark(node, index, actor(request))
         )
 
-    @get("/incidents", summary="Incidents of every job, newest first", tags=["incidents"], responses=READ)
-    async def incidents(self, pool: Pool, limit: Limit = 100, cursor: Cursor = None) -> Page:
-        return Page.model_validate(await readmodel.incidents(pool, limit=limit, cursor=cursor))
+    @get(
+        "/incidents",
+        summary="Incidents of every job the caller may see (an admin: all), newest first",
+        tags=["incidents"],
+        responses=READ,
+    )
+    async def incidents(
+        self, request: Request, pool: Pool, limit: Limit = 100, cursor: Cursor = None
+    ) -> Page:
+        return Page.model_validate(
+            await readmodel.incidents(
+                pool, limit=limit, cursor=cursor, visible_to=queries.visibility(principal(request))
+            )
+        )
 
 
 class EventsController(Controller):
@@ -197,16 +226,20 @@ class EventsController(Controller):
         responses=READ,
     )
     async def events(
-        self, request: Request, bus: BusDep, job: FromQuery[str | None] = None
+        self, request: Request, bus: BusDep, pool: Pool, job: FromQuery[str | None] = None
     ) -> ServerSentEvent:
         closing: asyncio.Event = request.app.state.closing
-        return ServerSentEvent(_live_events(bus, closing, job))
+        viewer = principal(request)
+        if job is not None:
+            await queries.require_job(pool, job, viewer)  # a 404, as for a job that does not exist
+        return ServerSentEvent(_live_events(bus, closing, job, queries.Visible(pool, viewer)))
 
 
 async def _live_events(
-    bus: Bus, closing: asyncio.Event, job: str | None
+    bus: Bus, closing: asyncio.Event, job: str | None, visible: queries.Visible
 ) -> AsyncIterator[ServerSentEventMessage]:
-    """JobStateChanged and IncidentRaised as they are published, with a keep-alive comment when idle."""
+    """JobStateChanged and IncidentRaised of the jobs the caller may see as they are published, with a
+    keep-alive comment when idle."""
     async with bus.watch(subjects.ALL_STATUS, subjects.ALL_INCIDENTS) as events:
         stream = aiter(events)
         yield ServerSentEventMessage(comment="connected")
@@ -218,7 +251,11 @@ async def _live_events(
                 continue
             if event is STOPPED:
                 return
-            if isinstance(event, JobStateChanged | IncidentRaised) and job in (None, event.job_id):
+            if (
+                isinstance(event, JobStateChanged | IncidentRaised)
+                and job in (None, event.job_id)
+                and await visible.job(event.job_id)
+            ):
                 yield ServerSentEventMessage(
                     data=event.model_dump_json(), event=event.type, id=event.event_id
                 )
@@ -234,9 +271,18 @@ class AuditController(Controller):
         responses=READ,
     )
     async def list_audit(
-        self, pool: Pool, job_id: JobIdFilter = None, limit: Limit = 100, cursor: Cursor = None
+        self,
+        request: Request,
+        pool: Pool,
+        job_id: JobIdFilter = None,
+        limit: Limit = 100,
+        cursor: Cursor = None,
     ) -> Page:
-        return Page.model_validate(await audit.list_records(pool, job_id=job_id, limit=limit, cursor=cursor))
+        """An admin reads every record; a user those of the jobs it may see."""
+        visible_to = queries.visibility(principal(request))
+        return Page.model_validate(
+            await audit.list_records(pool, job_id=job_id, limit=limit, cursor=cursor, visible_to=visible_to)
+        )
 
 
 class HealthController(Controller):

@@ -30,7 +30,8 @@ class Unauthorized(PermanentError):
 
 
 class Forbidden(PermanentError):
-    """A console write that did not come from the console's own page (its Origin, its CSRF token)."""
+    """A console write that did not come from the console's own page (its Origin, its CSRF token), or a
+    user's token on a route for admins."""
 
 
 class BadForm(PermanentError):

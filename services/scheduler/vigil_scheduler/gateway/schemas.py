@@ -22,7 +22,8 @@ from vigil_common.spec import Fault, JobSpec
 
 _ERRORS = {
     401: "no bearer token, or the wrong one",
-    404: "no such job",
+    403: "an admin's token is needed",
+    404: "no such job (or another user's: its existence is not revealed)",
     409: "the job's state forbids it, or an Idempotency-Key was used for another body",
     413: "the body is larger than VIGIL_MAX_BODY_BYTES",
     422: "a bad spec, path or query parameter; `fields` names each",
