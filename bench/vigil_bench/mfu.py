@@ -15,7 +15,8 @@ On a GPU: the `small` preset (124M parameters, seq 1024), micro-batches 8 and 32
 the median step time after WARMUP steps (the first steps hold the compile, reported as `first_step_s`);
 MFU is tokens/s x model FLOPs per token over the device's peak (the data sheet on a GPU, a measured
 matmul rate on a CPU). The JSON's `value` and `floor` are the trainer's and the ceiling's tokens/s at the
-micro-batch where the trainer falls furthest behind, so `ratio` is the worse of the two. Target: ratio >= 0.90 on a GPU, and on a CPU against the eager loop.
+micro-batch where the trainer falls furthest behind, so `ratio` is the worse of the two. Target: ratio
+>= 0.90 on a GPU, and on a CPU against the eager loop.
 """
 
 from __future__ import annotations
@@ -123,9 +124,10 @@ def run(settings: Settings) -> dict[str, Any]:
             row["ratio"] = round(row["trainer"]["tokens_per_s"] / row["ceiling"]["tokens_per_s"], 4)
             rows.append(row)
             print(
-                f"micro-batch {mb}: trainer {row['trainer']['tokens_per_s']:.0f} tok/s "
-                f"(MFU {row['trainer']['mfu']:.1%}), plain PyTorch {row['ceiling']['tokens_per_s']:.0f} tok/s "
-                f"(MFU {row['ceiling']['mfu']:.1%}): ratio {row['ratio']:.3f}",
+                f"micro-batch {mb}: trainer {row['trainer']['tokens_per_s']:.0f} tok/s"
+                f" (MFU {row['trainer']['mfu']:.1%}), plain PyTorch"
+                f" {row['ceiling']['tokens_per_s']:.0f} tok/s (MFU {row['ceiling']['mfu']:.1%}):"
+                f" ratio {row['ratio']:.3f}",
                 flush=True,
             )
     worst = min(rows, key=lambda r: r["ratio"])

@@ -33,7 +33,7 @@ async def bearer_guard(connection: Connection, _: BaseRouteHandler) -> None:
 
 
 def admin_guard(connection: Connection, _: BaseRouteHandler) -> None:
-    """After `bearer_guard`: only an admin's token manages users, tokens and quotas."""
+    """After `bearer_guard`: only an admin's token manages users, tokens, quotas and device marks."""
     if not principal(connection).admin:
         raise Forbidden(
             "only an admin's token may do this (manage users, tokens and quotas; clear a device's mark)"
