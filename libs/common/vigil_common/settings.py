@@ -125,7 +125,7 @@ class Settings(BaseSettings):
     )
     rank_image: str | None = Field(None, description="rank pods' image (kubernetes runtime; required there)")
     rank_checkpoint_claim: str = Field(
-        "vigil-checkpoints",
+        "vigil-rank-checkpoints",
         description="the rank namespace's claim on the checkpoint storage (kubernetes runtime)",
     )
     rank_uid_base: int = Field(
