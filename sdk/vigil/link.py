@@ -1,14 +1,15 @@
 """A rank's link to its worker agent: events out, the job's commands in.
 
 `NullLink` (outside Vigil) drops events and never has commands, so a program runs alone.
-`AgentLink` talks to the agent that started this rank over its Unix socket (`vigil_common.protocol`
-frames), from a background thread with its own asyncio loop: `emit` hands an event over and returns
-at once; the hand-over queue is bounded, and when it is full the event is dropped and counted (never
-blocking the training loop). Events go out in order and each is acknowledged once the agent has it
-stored on the bus, or refused: an event out of bounds (a field, its size, the rank's rate) comes back
-with the agent's reason, which the link logs as an error, counts (`refused`) and keeps
-(`last_refusal`); an event too large to send is refused here the same way. If the agent restarts,
-the link reconnects and sends again what was not acknowledged (the bus de-duplicates by event id).
+`AgentLink` talks to the agent that started this rank over its Unix socket, or in a Kubernetes rank pod
+over TCP to its node's worker (`vigil_common.protocol` frames), from a background thread with its own
+asyncio loop: `emit` hands an event over and returns at once; the hand-over queue is bounded, and when it
+is full the event is dropped and counted (never blocking the training loop). Events go out in order and
+each is acknowledged once the agent has it stored on the bus, or refused: an event out of bounds (a
+field, its size, the rank's rate) comes back with the agent's reason, which the link logs as an error,
+counts (`refused`) and keeps (`last_refusal`); an event too large to send is refused here the same way.
+If the agent restarts, the link reconnects and sends again what was not acknowledged (the bus
+de-duplicates by event id).
 
 Commands arrive numbered 1, 2, ... in the job's stream order, the same numbers on every rank.
 """
@@ -207,9 +208,7 @@ class AgentLink:
         lost_since: float | None = None
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(
-                    self.socket_path, limit=proto.MAX_FRAME_BYTES + 1
-                )
+                reader, writer = await _open(self.socket_path)
             except OSError as exc:
                 if not self._ready.is_set():
                     raise ConnectionError(
@@ -244,8 +243,10 @@ class AgentLink:
         await writer.drain()
         first = proto.decode_agent_frame(await reader.readline())
         match first:
-            case proto.Welcome(node=node):
+            case proto.Welcome(node=node, token=token):
                 self.node = node
+                if token:  # a rank pod's first link: the agent minted this rank's token
+                    self.hello = self.hello.model_copy(update={"token": token})
             case proto.Refused(reason=reason):
                 raise PermissionError(f"vigil: the agent refused this rank: {reason}")
             case _:
@@ -310,10 +311,19 @@ class AgentLink:
                     pass
 
 
+async def _open(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to the agent: a Unix socket's path, or tcp://HOST:PORT (a rank pod's worker relay)."""
+    if address.startswith("tcp://"):
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        return await asyncio.open_connection(host.strip("[]"), int(port), limit=proto.MAX_FRAME_BYTES + 1)
+    return await asyncio.open_unix_connection(address, limit=proto.MAX_FRAME_BYTES + 1)
+
+
 def connect_from_env(job_id: str, attempt: int, rank: int) -> AgentLink | None:
-    """The link the worker set up for this rank (VIGIL_AGENT_SOCKET and VIGIL_RANK_TOKEN), or None."""
-    path, token = os.environ.get(proto.AGENT_SOCKET_ENV), os.environ.get(proto.RANK_TOKEN_ENV)
-    if not path or not token:
+    """The link the worker set up for this rank (VIGIL_AGENT_SOCKET and VIGIL_RANK_TOKEN), or None. A rank
+    pod has no token in its environment: its agent admits its first link by the pod's IP and mints one."""
+    path, token = os.environ.get(proto.AGENT_SOCKET_ENV), os.environ.get(proto.RANK_TOKEN_ENV, "")
+    if not path or not (token or path.startswith("tcp://")):
         return None
     hello = proto.Hello(job_id=job_id, attempt=attempt, rank=rank, token=token)
     return AgentLink(path, hello).start()

@@ -157,6 +157,7 @@ def test_helm_lint_strict_passes(name: str) -> None:
         ("worker.gpu.cont=2", "cont"),  # a misspelt key
         ("scheduler.replicas=0", "scheduler.replicas"),
         ("apiToken=short", "apiToken"),
+        ("worker.ranks.runtime=docker", "worker.ranks.runtime"),
     ],
 )
 def test_the_values_schema_refuses_mistakes(setting: str, complaint: str) -> None:
@@ -168,7 +169,7 @@ def test_the_values_schema_refuses_mistakes(setting: str, complaint: str) -> Non
 
 
 def test_the_default_values_render_the_kustomize_base() -> None:
-    ours, theirs = render(), k8s.render(k8s.K8S / "base")
+    ours, theirs = render(), k8s.render(k8s.K8S / "base") + k8s.render(k8s.K8S / "jobs")
     assert sorted(map(k8s._key, ours)) == sorted(map(k8s._key, theirs)), "the same objects by kind and name"
     assert essentials(ours) == essentials(theirs)
     theirs_by_key = {k8s._key(d): d for d in theirs}
@@ -231,6 +232,7 @@ def test_the_checks_of_test_k8s_pass(name: str, monkeypatch: pytest.MonkeyPatch,
     k8s.test_services_and_policies_select_pods_and_volumes_exist(overlay)
     k8s.test_network_policies_let_vigils_pods_reach_what_they_connect_to(overlay)
     k8s.test_nats_is_three_clustered_jetstream_servers_on_their_own_volumes(overlay, tmp_path)
+    k8s.test_the_workers_run_ranks_as_pods_in_a_namespace_of_their_own(overlay)
 
 
 def test_own_images_an_external_postgres_three_replicas_and_two_nvidia_gpus() -> None:

@@ -30,6 +30,7 @@ from tests.unit.deploy_checks import (
     settings_from,
     unknown_settings,
 )
+from vigil_common.settings import Settings
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
@@ -406,7 +407,7 @@ def test_network_policies_let_vigils_pods_reach_what_they_connect_to(overlay: tu
     workload that connects to NATS (VIGIL_NATS_URL) is let in on the port its Service sends the URL's port
     to: by the `nats` policy's client rule; NATS servers reach each other's routes, ranks reach ranks."""
     _, docs = overlay
-    workloads = [d for d in docs if d["kind"] in WORKLOADS]
+    workloads = [d for d in docs if d["kind"] in WORKLOADS] + [rank_pod_as_workload(docs)]
     for policy in _of(docs, "NetworkPolicy"):
         for rule in policy["spec"].get("ingress", []):
             for peer in rule.get("from", []):
@@ -435,6 +436,85 @@ def test_network_policies_let_vigils_pods_reach_what_they_connect_to(overlay: tu
     assert _admits(docs, worker, worker, 29500)  # the rendezvous's port, and any other
     (scheduler,) = _of(docs, "Deployment", "vigil-scheduler")
     assert not _admits(docs, scheduler, worker, 29500), "workers only: the policies check something"
+    ranks = rank_pod_as_workload(docs)
+    assert _admits(docs, ranks, worker, "relay"), "a rank pod reaches its worker's relay"
+    assert not _admits(docs, ranks, worker, 29500) and not _admits(docs, ranks, nats, 4222)
+    assert not _admits(docs, scheduler, worker, "relay")
+
+
+def _worker_settings(docs: list[Doc]) -> dict[str, str]:
+    (worker,) = _of(docs, "DaemonSet", "vigil-worker")
+    (container,) = _pod(worker)["containers"]
+    return {k: v for k, v in _env(docs, worker, container).items() if k.startswith("VIGIL_")}
+
+
+CLAIM = Settings.model_fields["rank_checkpoint_claim"].default  # the rank pods' checkpoint claim
+
+
+def rank_pod_as_workload(docs: list[Doc]) -> Doc:
+    """A rank pod as the worker of this render makes it (vigil_worker.rank_pod), in a workload's shape."""
+    from vigil_worker import rank_pod as rp
+
+    env = _worker_settings(docs)
+    plan = rp.PodPlan(
+        job_id="j-1", attempt=1, node=K8S_NODES[0], namespace=env["VIGIL_RANK_NAMESPACE"],
+        worker_namespace="vigil", image=env["VIGIL_RANK_IMAGE"], uid=200_001, kind="cpu",
+        ranks=[rp.RankContainer(0, 0, ["python"], {})], worker_address="10.1.2.3",
+        relay_port=int(env["VIGIL_RELAY_PORT"]), checkpoint_dir="/var/lib/vigil/checkpoints/j-1",
+        checkpoint_claim=env.get("VIGIL_RANK_CHECKPOINT_CLAIM", CLAIM), launch_json="{}", multi_node=False, holds_rank0=True,
+    )  # fmt: skip
+    pod = rp.rank_pod(plan)
+    return {
+        "kind": "Pod",
+        "metadata": {"name": pod["metadata"]["name"], "namespace": plan.namespace},
+        "spec": {"template": {"metadata": {"labels": pod["metadata"]["labels"]}, "spec": pod["spec"]}},
+    }
+
+
+def test_the_workers_run_ranks_as_pods_in_a_namespace_of_their_own(overlay: tuple[str, list[Doc]]) -> None:
+    """VIGIL_RANK_RUNTIME=kubernetes; the rank namespace enforces the restricted Pod Security Standard,
+    denies all traffic but what a job's own policy lets, holds no Secret; the workers' ServiceAccount may
+    make pods, ServiceAccounts, Services and NetworkPolicies there and nothing else anywhere."""
+    name, docs = overlay
+    env = _worker_settings(docs)
+    (worker,) = _of(docs, "DaemonSet", "vigil-worker")
+    (container,) = _pod(worker)["containers"]
+    assert env["VIGIL_RANK_RUNTIME"] == "kubernetes"
+    assert env["VIGIL_RANK_IMAGE"] == container["image"], "the rank pods run the worker's own image"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["relay"] == int(env["VIGIL_RELAY_PORT"])
+    jobs = env["VIGIL_RANK_NAMESPACE"]
+    (namespace,) = _of(docs, "Namespace", jobs)
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    in_jobs = [d for d in docs if d["metadata"].get("namespace") == jobs]
+    assert not [d for d in in_jobs if d["kind"] in ("Secret", "ConfigMap", *WORKLOADS)], "nothing to mount"
+    (deny,) = [p for p in _of(docs, "NetworkPolicy") if p["metadata"]["namespace"] == jobs]
+    assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    assert _of(docs, "PersistentVolumeClaim", "vigil-rank-checkpoints")[0]["metadata"]["namespace"] == jobs
+    # the worker's identity: its own ServiceAccount, bound to one Role, in the rank namespace only
+    sa = _pod(worker)["serviceAccountName"]
+    assert _of(docs, "ServiceAccount", sa)[0]["metadata"]["namespace"] == worker["metadata"]["namespace"]
+    assert not _of(docs, "ClusterRole") and not _of(docs, "ClusterRoleBinding")
+    (binding,) = _of(docs, "RoleBinding")
+    assert binding["metadata"]["namespace"] == jobs
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa, "namespace": worker["metadata"]["namespace"]}
+    ]
+    (role,) = _of(docs, "Role", binding["roleRef"]["name"])
+    assert role["metadata"]["namespace"] == jobs
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}  # fmt: skip
+    crud = ("create", "get", "list", "watch", "delete")
+    assert granted == {
+        *(("", r, v) for r in ("pods", "serviceaccounts", "services") for v in crud),
+        ("", "pods/log", "get"),
+        *(("networking.k8s.io", "networkpolicies", v) for v in crud),
+    }, f"overlay {name}: no secrets, no bindings, no escalation"
+    # what the worker makes there is valid and admitted by this namespace's rules
+    pod = rank_pod_as_workload(docs)
+    assert pod["spec"]["template"]["spec"]["volumes"][-1]["persistentVolumeClaim"]["claimName"] in {
+        c["metadata"]["name"] for c in in_jobs if c["kind"] == "PersistentVolumeClaim"
+    }
 
 
 @pytest.mark.parametrize("name", ["vigil-scheduler", "vigil-guardian"])

@@ -78,7 +78,7 @@ MAX_RANK_FRAME_BYTES = 128 * 1024
 # What the worker puts in a rank's environment for the SDK, besides torchrun's RANK, LOCAL_RANK,
 # WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT.
 RANK_TOKEN_ENV = "VIGIL_RANK_TOKEN"  # the rank's proof of identity to its agent
-AGENT_SOCKET_ENV = "VIGIL_AGENT_SOCKET"  # where the agent listens
+AGENT_SOCKET_ENV = "VIGIL_AGENT_SOCKET"  # where the agent listens: a Unix socket, or tcp://HOST:PORT (pods)
 JOB_ID_ENV = "VIGIL_JOB_ID"
 ATTEMPT_ENV = "VIGIL_ATTEMPT"
 NODE_ENV = "VIGIL_NODE_NAME"
@@ -105,7 +105,8 @@ class Hello(_Frame):
     job_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     attempt: int = Field(ge=1)
     rank: int = Field(ge=0)
-    token: str = Field(min_length=16, max_length=256)
+    # empty only for a rank pod's first link: the agent admits it by the pod's IP and mints the token
+    token: str = Field(pattern=r"^(|[^\s]{16,256})$")
 
 
 class Welcome(_Frame):
@@ -113,6 +114,7 @@ class Welcome(_Frame):
 
     frame: Literal["welcome"] = "welcome"
     node: str
+    token: str | None = None  # minted for a rank pod's first link: what its later hellos present
 
 
 class Refused(_Frame):

@@ -132,6 +132,40 @@ class Settings(BaseSettings):
         default_factory=lambda: list(RANK_ENV_ALLOW),
         description="worker variables a rank inherits (names; a trailing * matches a prefix; JSON list)",
     )
+    # --- ranks in Kubernetes pods (vigil_worker.rank_pod, .pod_table, .pod_relay) ---------------------------
+    rank_runtime: Literal["process", "kubernetes"] = Field(
+        "process",
+        description="how a worker runs ranks: process (its children) or kubernetes (a pod per job per node)",
+    )
+    rank_namespace: str = Field(
+        "vigil-jobs", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="rank pods' namespace"
+    )
+    rank_image: str | None = Field(None, description="rank pods' image (kubernetes runtime; required there)")
+    rank_checkpoint_claim: str = Field(
+        "vigil-rank-checkpoints",
+        description="the rank namespace's claim on the checkpoint storage (kubernetes runtime)",
+    )
+    rank_uid_base: int = Field(
+        200_000,
+        ge=1000,
+        le=2**31 - 2**20,
+        description="rank pods run as uid/gid base + a number from the job id",
+    )
+    rank_cpu: str = Field(
+        "2", pattern=r"^[0-9]+(\.[0-9]+|m)?$", description="a rank pod container's CPU limit"
+    )
+    rank_memory: str = Field(
+        "8Gi", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$", description="a rank pod container's memory limit"
+    )
+    relay_port: int = Field(
+        7611,
+        ge=1,
+        le=65535,
+        description="the worker's relay for rank pods (TCP on its pod IP; kubernetes runtime)",
+    )
+    k8s_api_url: str | None = Field(
+        None, description="the Kubernetes API; unset: the in-cluster one (KUBERNETES_SERVICE_HOST)"
+    )
     log_level: str = "INFO"
     trace_file: Path | None = Field(
         None, description="also write every span as a JSON line here (traces without a collector)"

@@ -36,6 +36,7 @@ from vigil_common.events import (
 )
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
+from vigil_worker import pods
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import agent_socket, prepare_ranks
@@ -60,6 +61,8 @@ class Worker:
         self.relay = Relay(
             bus, self.node, agent_socket(settings), settings.checkpoint_root, self.table.find
         )  # the ranks' only way to the bus
+        # --- Kubernetes: ranks in pods, linked over TCP (VIGIL_RANK_RUNTIME=kubernetes; see pods.py) ---
+        self.pods = pods.install(self, settings, bus, inventory.kind)
         self.started_at = datetime.now(UTC)
         self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
         self.preempting = False  # a preemption notice came: no new ranks here

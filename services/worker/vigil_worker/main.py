@@ -69,6 +69,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             tg.create_task(worker.sample_loop(stop))
             tg.create_task(worker.monitor_loop(stop))
             tg.create_task(worker.preemption_loop(notice, stop))
+            if worker.pods is not None:  # Kubernetes: the rank pods' API calls
+                tg.create_task(worker.pods.run(stop))
 
         # --- on the way out: ranks stay unless told otherwise; the bus closes with the stack ----------------
         if settings.worker_end_ranks_on_stop and (ranks := worker.table.running()):
