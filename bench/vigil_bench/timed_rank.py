@@ -62,13 +62,23 @@ def plain(argv: list[str], observer: Observer) -> int:
     env = rank.rank_env()
     job = rank.read_job(args, env.world)
     device = rank.init_process_group(env)
-    engine, _ = rank.build_engine(job.spec, env, device)
+    engine, plan = rank.build_engine(job.spec, env, device)
     tokens = rank.load_data(args, job.spec)
+
+    import contextlib
 
     import torch
     import torch.distributed as dist
 
     from vigil_worker.trainer.data import batch
+
+    # where DeepSpeed steps the trainer's optimizer (no ZeRO), the trainer clips and autocasts itself
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if plan.autocast
+        else contextlib.nullcontext
+    )
+    clip = job.spec.train.grad_clip if plan.owns_step else 0.0
 
     train, seq_len = job.spec.train, job.spec.model.resolved().seq_len
     for step in range(train.steps):
@@ -83,8 +93,11 @@ def plain(argv: list[str], observer: Observer) -> int:
                 micro_batch=train.micro_batch,
                 seq_len=seq_len,
             )  # (B, T) each
-            loss = engine(x.to(device), y.to(device))
+            with autocast():
+                loss = engine(x.to(device), y.to(device))
             engine.backward(loss)
+            if clip > 0 and micro == train.grad_accum - 1:
+                torch.nn.utils.clip_grad_norm_(engine.module.parameters(), clip)
             engine.step()  # DeepSpeed updates the weights at the accumulation boundary only
         if device.type == "cuda":
             torch.cuda.synchronize()  # CPU-GPU sync point: the step's wall time is honest only after one

@@ -24,7 +24,13 @@ def test_batch_sizes_accumulation_and_clipping():
     assert c["train_micro_batch_size_per_gpu"] == 4
     assert c["gradient_accumulation_steps"] == 3
     assert c["train_batch_size"] == 4 * 3 * 2
-    assert c["gradient_clipping"] == 0.5
+    # no ZeRO in fp32: DeepSpeed steps the trainer's optimizer, and the trainer clips (with its guard's norm)
+    assert plan.zero_stage == 0 and plan.owns_step and not plan.autocast
+    assert c["gradient_clipping"] == 0.0
+    zero1 = build_config(
+        TrainSpec(micro_batch=4, grad_clip=0.5, zero_stage=1), world_size=2, n_params=10**6, hw=CPU
+    )
+    assert zero1.config["gradient_clipping"] == 0.5 and not zero1.owns_step
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -41,7 +47,12 @@ def test_precision_auto():
 
 
 def test_precision_sections():
-    bf16 = build_config(TrainSpec(), world_size=1, n_params=10**6, hw=A100).config
+    # one rank, no ZeRO: bf16 is torch autocast over fp32 weights (DeepSpeed's BF16_Optimizer not used)
+    one = build_config(TrainSpec(), world_size=1, n_params=10**6, hw=A100)
+    assert one.zero_stage == 0 and one.precision == "bf16" and one.autocast and one.owns_step
+    assert "bf16" not in one.config and "fp16" not in one.config and one.config["gradient_clipping"] == 0.0
+    assert "torch autocast" in one.reasons[0]
+    bf16 = build_config(TrainSpec(zero_stage=1), world_size=2, n_params=10**6, hw=A100).config
     assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": True} and "fp16" not in bf16
     fp16 = build_config(TrainSpec(precision="fp16"), world_size=1, n_params=10**6, hw=V100).config
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling

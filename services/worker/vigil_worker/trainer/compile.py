@@ -39,3 +39,10 @@ def compile_engine(engine: Any, setting: CompileSetting, device: torch.device) -
     log.info("torch.compile: on (train.compile %s), inductor; graphs build at the first step", setting)
     log.debug("engine.compile took %.3f s", time.perf_counter() - t0)
     return True
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (a recompile builds one more)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -41,6 +41,21 @@ class DeepSpeedPlan:
     zero_stage: int
     precision: Resolved
     reasons: tuple[str, ...] = field(default_factory=tuple)
+    # DeepSpeed steps the trainer's own optimizer (`GuardedAdamW`) on fp32 weights: ZeRO 0 in fp32, or in
+    # bf16 as torch autocast (`autocast`). Then the trainer clips (with the norm its guard computes
+    # anyway: DeepSpeed's `gradient_clipping` is 0) and skips a bad update itself.
+    owns_step: bool = False
+    autocast: bool = False  # the forward runs under torch.autocast(bfloat16); the weights stay fp32
+
+
+def owns_step(stage: int, precision: str) -> bool:
+    """DeepSpeed steps the trainer's own optimizer on fp32 weights: no ZeRO, in fp32 or bf16 autocast."""
+    return stage == 0 and precision in ("fp32", "bf16")
+
+
+def uses_autocast(stage: int, precision: str) -> bool:
+    """bf16 without ZeRO runs as torch autocast over fp32 weights (no DeepSpeed BF16_Optimizer)."""
+    return stage == 0 and precision == "bf16"
 
 
 def _bad(fieldname: str, message: str) -> SpecError:
@@ -194,7 +209,17 @@ def build_config(train: TrainSpec, *, world_size: int, n_params: int, hw: Hardwa
         "steps_per_print": 2**31 - 1,  # Vigil reports progress; DeepSpeed stays quiet
         "wall_clock_breakdown": False,
     }
-    if precision == "bf16":
+    owns = owns_step(stage, precision)
+    autocast = uses_autocast(stage, precision)
+    if owns:
+        config["gradient_clipping"] = 0.0  # the trainer clips, with the norm its guard computes anyway
+    if autocast:
+        # No ZeRO: bf16 as torch autocast over fp32 weights, stepped by the trainer's fused AdamW, as a
+        # plain PyTorch loop does. DeepSpeed's BF16_Optimizer would keep a second, flattened fp32 copy and
+        # copy gradients in and weights out every step: a fixed cost per step that buys nothing here
+        # (the same 16 bytes of state per parameter either way).
+        why_precision += "; no ZeRO: torch autocast over fp32 weights (no BF16_Optimizer)"
+    elif precision == "bf16":
         # check_grad_overflow: a non-finite gradient makes DeepSpeed skip the step, as in fp32 and fp16
         config["bf16"] = {"enabled": True, "check_grad_overflow": True}
     elif precision == "fp16":
@@ -207,4 +232,11 @@ def build_config(train: TrainSpec, *, world_size: int, n_params: int, hw: Hardwa
             "min_loss_scale": 1,
         }
     reasons = (why_precision, why_stage, why_buckets)
-    return DeepSpeedPlan(config=config, zero_stage=stage, precision=precision, reasons=reasons)
+    return DeepSpeedPlan(
+        config=config,
+        zero_stage=stage,
+        precision=precision,
+        reasons=reasons,
+        owns_step=owns,
+        autocast=autocast,
+    )

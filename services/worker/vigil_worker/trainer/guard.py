@@ -2,10 +2,11 @@
 SDK's (`vigil.boundary`: all finite?, the highest command any rank has, out of memory, preemption, and
 every rank's loss for the step).
 
-A non-finite update then leaves the weights alone: ZeRO stages and bf16/fp16 already skip a step whose
-gradient norm is not finite; plain fp32 without ZeRO steps our optimizer directly, so the
-guard tells `GuardedAdamW` to skip (DeepSpeed reads the same flag to count the step as skipped and
-leave the LR schedule where it is).
+A non-finite update then leaves the weights alone: ZeRO stages and DeepSpeed's fp16 already skip a step
+whose gradient norm is not finite; without ZeRO (fp32, or bf16 as autocast over fp32 weights) DeepSpeed
+steps our optimizer directly, so the guard tells `GuardedAdamW` to skip (DeepSpeed reads the same flag
+to count the step as skipped and leave the LR schedule where it is), and clips the gradients with the
+norm it computed for the verdict (DeepSpeed's `gradient_clipping` is 0 there: one norm per step, not two).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 
 
 def guards_optimizer(ctx: RankContext) -> bool:
-    """True where DeepSpeed steps our optimizer directly (fp32 without ZeRO), so the skip is ours to make."""
-    return ctx.zero_stage == 0 and ctx.precision == "fp32"
+    """True where DeepSpeed steps our optimizer directly (no ZeRO, fp32 or bf16 autocast), so the clip and
+    the skip are ours to make."""
+    return ctx.owns_step
 
 
 def agree(
@@ -36,13 +38,13 @@ def agree(
     """All ranks: is the update finite everywhere, which commands have arrived, did any rank run out of
     memory, is any node preempted, and what was every rank's loss (the SDK's boundary)? `finite` is this
     rank's 1.0 or 0.0 for its losses, `loss` its loss for the step, `oom` and `preempt` its own news.
-    Where the skip is ours (fp32 without ZeRO), the full gradients' norm joins the finiteness verdict and
-    arms `GuardedAdamW`."""
-    grad_norm: float | None = None
+    Where the step is ours (no ZeRO), the full gradients' norm joins the finiteness verdict, arms
+    `GuardedAdamW`, and clips the gradients: computed once, on the device, read after the step's sync."""
+    norm: torch.Tensor | None = None
+    grads: list[torch.Tensor] = []
     if guards_optimizer(ctx):
         grads = [p.grad for p in ctx.engine.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)  # full gradients after the all-reduce
-        grad_norm = float(norm)
+        norm = torch.nn.utils.get_total_norm(grads)  # full gradients after the all-reduce (no host sync)
         finite = finite * torch.isfinite(norm).float()
     got = boundary.agree(
         finite,
@@ -55,7 +57,10 @@ def agree(
     )
     if guards_optimizer(ctx):
         ctx.engine.optimizer.overflow = not got.all_finite
-    return Boundary(got.all_finite, got.agreed_seq, grad_norm, got.oom_rank, got.preempt, got.losses or ())
+        clip = ctx.spec.train.grad_clip
+        if got.all_finite and clip > 0 and norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)  # DeepSpeed's clipping is off
+    return Boundary(got.all_finite, got.agreed_seq, norm, got.oom_rank, got.preempt, got.losses or ())
 
 
 class Boundary(NamedTuple):
@@ -63,7 +68,7 @@ class Boundary(NamedTuple):
 
     all_finite: bool  # every rank's loss and gradients were finite
     agreed_seq: int  # the highest command sequence number any rank has received
-    grad_norm: float | None  # the full gradients' norm, where the guard computes it (fp32 without ZeRO)
+    grad_norm: torch.Tensor | None  # the full gradients' norm, where the guard computes it (no ZeRO)
     oom_rank: int | None = None  # the lowest rank that ran out of memory in this step; None: none did
     preempt: bool = False  # some rank's node got a preemption notice
     losses: tuple[float, ...] = ()  # every rank's loss for the step, by rank (NaN: not finite)

@@ -183,7 +183,8 @@ class GPT(nn.Module):
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return GuardedAdamW(groups, lr=learning_rate, betas=betas)
+        # fused: one kernel for the whole update (CUDA and CPU) rather than a loop over the tensors
+        return GuardedAdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when `targets` (B, T) is given."""

@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -193,6 +194,10 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     plan = build_config(spec.train, world_size=env.world, n_params=model.num_params(), hw=hw)
     optimizer = model.configure_optimizers(spec.train.weight_decay, spec.train.lr, betas=(0.9, 0.95))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.config)
+    if env.world == 1:
+        # one rank has nothing to reduce; DeepSpeed would still flatten every gradient, all-reduce it over
+        # a group of one and copy it back, each step (its own switch, which pipeline engines turn off too)
+        engine.enable_backward_allreduce = False
     compile_engine(engine, spec.train.compile, device)
     ckpt.use_safe_loading(engine)
     # WarmupCosineLR starts before step 0 with lr 0; put it at step 0's warm-up value
@@ -268,6 +273,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     from vigil_worker.trainer.checkpoint_collective import load_checkpoint, save_checkpoint
     from vigil_worker.trainer.clock import Clock
     from vigil_worker.trainer.comm import CommTimer
+    from vigil_worker.trainer.compile import compiled_graphs, should_compile
     from vigil_worker.trainer.context import RankContext, TrainState
     from vigil_worker.trainer.data import first_position
     from vigil_worker.trainer.faults import FaultInjector
@@ -286,6 +292,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
 
     # --- model and engine ---------------------------------------------------------------------------------
     engine, plan = build_engine(job.spec, env, device)
+    compiled = should_compile(job.spec.train.compile, device)
     fpt = flops_per_token(job.spec.model.resolved())
     peak = device_peak(device, plan.precision)
     if env.rank == 0:
@@ -335,7 +342,16 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     if not job.resume_from:
         save_checkpoint(ctx, st)  # so a fault before the first periodic checkpoint can be rolled back
 
+    t_train = time.perf_counter()
     train(ctx, st)
+    if compiled:
+        # the compile is paid once per rank start (at its first step, and once per new micro-batch shape)
+        log.info(
+            "torch.compile: %d graph(s) built in this process; %d steps in %.1f s",
+            compiled_graphs(),
+            st.step,
+            time.perf_counter() - t_train,
+        )
     if st.preempted:  # the emergency checkpoint is on disk: flush its event, then all ranks exit together
         run.close()
         dist.barrier()

@@ -45,8 +45,9 @@ def report_step(
     loss = agreed.losses[ctx.rank] if agreed.losses else m.loss.item()  # synchronised already: no wait
     t_data, t_fwd, t_bwd = (m.seconds(ctx, phase) for phase in ("data", "forward", "backward"))
     comm_s = ctx.comm.total(times.comm_spans)
-    grad_norm = agreed.grad_norm
-    if grad_norm is None:
+    if agreed.grad_norm is not None:
+        grad_norm: float | None = float(agreed.grad_norm)  # computed by the guard, read after the sync
+    else:
         gn = ctx.engine.get_global_grad_norm()
         grad_norm = float(gn) if gn is not None else None
     step_s = times.t_end - times.t0
