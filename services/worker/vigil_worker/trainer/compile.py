@@ -22,17 +22,21 @@ log = logging.getLogger("vigil.rank")
 CompileSetting = bool | Literal["auto"]
 
 
-def should_compile(setting: CompileSetting, device: torch.device) -> bool:
-    """`train.compile` resolved for this device: auto means on for a GPU, off for a CPU."""
+def should_compile(setting: CompileSetting, device: torch.device, zero_stage: int = 0) -> bool:
+    """`train.compile` resolved: auto means on for a GPU below ZeRO 3, off for a CPU. Under ZeRO 3 every
+    parameter gather is a graph break (15 graphs for a 2-layer model, not 1), so auto leaves it eager;
+    `true` compiles it all the same."""
     if setting == "auto":
-        return device.type == "cuda"
+        return device.type == "cuda" and zero_stage < 3
     return bool(setting)
 
 
-def compile_engine(engine: Any, setting: CompileSetting, device: torch.device) -> bool:
+def compile_engine(engine: Any, setting: CompileSetting, device: torch.device, zero_stage: int = 0) -> bool:
     """Compile the engine's module where `train.compile` says so (DeepSpeed's `engine.compile()`, inductor);
     returns whether it did. The compile itself runs lazily, at the first forward and backward."""
-    if not should_compile(setting, device):
+    if not should_compile(setting, device, zero_stage):
+        if setting == "auto" and device.type == "cuda":
+            log.info("torch.compile: off (train.compile auto, ZeRO 3: a graph break at every gather)")
         return False
     t0 = time.perf_counter()
     engine.compile(backend="inductor")

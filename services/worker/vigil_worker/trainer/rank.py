@@ -198,7 +198,7 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
         # one rank has nothing to reduce; DeepSpeed would still flatten every gradient, all-reduce it over
         # a group of one and copy it back, each step (its own switch, which pipeline engines turn off too)
         engine.enable_backward_allreduce = False
-    compile_engine(engine, spec.train.compile, device)
+    compile_engine(engine, spec.train.compile, device, plan.zero_stage)
     ckpt.use_safe_loading(engine)
     # WarmupCosineLR starts before step 0 with lr 0; put it at step 0's warm-up value
     engine.lr_scheduler.step(0)
@@ -292,7 +292,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
 
     # --- model and engine ---------------------------------------------------------------------------------
     engine, plan = build_engine(job.spec, env, device)
-    compiled = should_compile(job.spec.train.compile, device)
+    compiled = should_compile(job.spec.train.compile, device, plan.zero_stage)
     fpt = flops_per_token(job.spec.model.resolved())
     peak = device_peak(device, plan.precision)
     if env.rank == 0:
