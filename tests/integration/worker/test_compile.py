@@ -100,3 +100,19 @@ async def test_compile_under_each_zero_stage(ready_cluster, bus, job_id, zero_st
         assert sorted(got) == sorted(want) == list(range(6))
         for step in range(6):
             assert got[step] == pytest.approx(want[step], rel=TOLERANCE), (rank, step)
+
+
+async def test_an_out_of_memory_retry_costs_one_recompile_at_most(ready_cluster, bus, job_id):
+    """The retry runs micro-batches of half the size: one new graph, built once, dynamic in the batch from
+    then on (the split stays for the rest of the job)."""
+    s = tiny_spec(
+        steps=7, zero_stage=1, checkpoint={"every": 100}, faults=[{"kind": "oom", "step": 3, "rank": 1}]
+    )
+    s["train"]["compile"] = True
+    async with record(bus, job_id) as rec:
+        await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, s))
+        await until_exited(rec, timeout=300)
+    logs = rank_logs(ready_cluster, job_id, tail=200_000)
+    assert {e.exit_code for e in rec.exits().values()} == {0}, logs[-4000:]
+    assert {e.micro_batch for e in rec.of(ev.StepCompleted, rank=0) if e.step >= 3} == {2}
+    assert [int(n) for n in GRAPHS.findall(logs)] == [2, 2], logs[-4000:]
