@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,19 @@ from vigil_worker.local import LocalAgent, start_ranks
 from vigil_worker.trainer.mfu import flops_per_token, measure_peak, peak_flops
 
 TIMED_RANK = "vigil_bench.timed_rank"
-PAIRS = 3
 WARMUP = 5
-STEPS = {"cpu": 30, "cuda": 40}
 PRESET = {"cpu": "tiny", "cuda": "small"}
 MICRO_BATCHES = {"cpu": (8, 32), "cuda": (8, 32)}
+
+
+def pairs() -> int:
+    """Pairs of runs (VIGIL_BENCH_MFU_PAIRS, default 3; scripts/gpu-check.sh's CPU half runs 1)."""
+    return int(os.environ.get("VIGIL_BENCH_MFU_PAIRS", "3"))
+
+
+def steps() -> int:
+    """Steps per run, the first WARMUP not measured (VIGIL_BENCH_MFU_STEPS, default 30)."""
+    return max(WARMUP + 3, int(os.environ.get("VIGIL_BENCH_MFU_STEPS", "30")))
 
 
 def spec_for(kind: str, micro_batch: int) -> dict[str, Any]:
@@ -49,7 +58,7 @@ def spec_for(kind: str, micro_batch: int) -> dict[str, Any]:
         "name": f"bench-mfu-{micro_batch}",
         "resources": {"gpus_per_node": 1},
         "model": {"preset": PRESET[kind]},
-        "train": {"steps": STEPS[kind], "micro_batch": micro_batch, "warmup_steps": 2},
+        "train": {"steps": steps(), "micro_batch": micro_batch, "warmup_steps": 2},
         "checkpoint": {"every": 1_000_000, "keep": 1},  # no periodic checkpoint inside the measured steps
     }
 
@@ -104,7 +113,7 @@ def run(settings: Settings) -> dict[str, Any]:
             dims = parse_spec(spec_file.read_text()).model.resolved()
             fpt, tokens = flops_per_token(dims), mb * dims.seq_len
             got: dict[str, list[list[float]]] = {"trainer": [], "ceiling": []}
-            for i in range(PAIRS):
+            for i in range(pairs()):
                 for side in ("ceiling", "trainer") if i % 2 == 0 else ("trainer", "ceiling"):
                     extra = ["--ceiling"] if side == "ceiling" else []
                     name = f"{side}-{mb}-{i}"
@@ -141,7 +150,7 @@ def run(settings: Settings) -> dict[str, Any]:
         preset=PRESET[kind],
         compiled=kind == "cuda",
         runs=rows,
-        steps_measured_per_run=STEPS[kind] - WARMUP,
-        pairs=PAIRS,
+        steps_measured_per_run=steps() - WARMUP,
+        pairs=pairs(),
         servers=where,
     )

@@ -8,7 +8,9 @@ model and data). Both run as `python -m vigil_bench.timed_rank`, which records e
 (`--plain` for off). Runs alternate, the order flipping every pair, so drift on a shared machine hits
 both alike. `value` is the median step time with Vigil on, `floor` with it off, both over every step
 after the first WARMUP of each run. Target: ratio <= 1.03 on a CPU configuration whose step takes at
-least 50 ms.
+least 50 ms. On a GPU machine the same comparison runs at one rank on the GPU: the `small` preset,
+micro-batch 8, precision and compile auto (bf16 autocast, compiled, on both sides: the plain loop
+steps the very engine the trainer builds).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 from pathlib import Path
 
+import torch
 import yaml
 
 from vigil_bench import result, servers
@@ -27,7 +31,6 @@ from vigil_common.settings import Settings
 from vigil_worker.local import LocalAgent, start_ranks
 
 TIMED_RANK = "vigil_bench.timed_rank"
-PAIRS = 3
 STEPS = 20
 WARMUP = 4
 SPEC = {
@@ -37,21 +40,38 @@ SPEC = {
     "train": {"steps": STEPS, "micro_batch": 8, "zero_stage": 1, "warmup_steps": 2},
     "checkpoint": {"every": 1_000_000, "keep": 1},  # no periodic checkpoint inside the measured steps
 }
+CPU_CONFIG = "tiny GPT 3.2M params, seq 128, micro-batch 8, 2 ranks, ZeRO-1, fp32, CPU/gloo, 1 thread/rank"
+GPU_SPEC = {
+    "name": "bench-overhead",
+    "resources": {"gpus_per_node": 1},
+    "model": {"preset": "small"},  # 124M parameters, seq_len 1024
+    "train": {"steps": STEPS, "micro_batch": 8, "warmup_steps": 2},
+    "checkpoint": {"every": 1_000_000, "keep": 1},
+}
+GPU_CONFIG = (
+    "small GPT 124M params, seq 1024, micro-batch 8, 1 rank, ZeRO auto (0), precision and compile auto"
+)
 
 
-def _one_run(tmp: Path, name: str, extra: list[str], agent: LocalAgent | None = None) -> list[float]:
+def pairs() -> int:
+    return int(os.environ.get("VIGIL_BENCH_OVERHEAD_PAIRS", "3"))
+
+
+def _one_run(
+    tmp: Path, name: str, extra: list[str], world: int, agent: LocalAgent | None = None
+) -> list[float]:
     run_dir = tmp / name
     timings = run_dir / "timings.jsonl"
     ranks = start_ranks(
         ["--timings", str(timings), *extra, "--spec", str(tmp / "spec.yaml"), "--job-id", name,
          "--checkpoint-root", str(tmp / "ckpt"), "--cache-dir", str(tmp / "cache")],
-        2, run_dir, module=TIMED_RANK, agent=agent, job=(name, 1),
+        world, run_dir, module=TIMED_RANK, agent=agent, job=(name, 1),
     )  # fmt: skip
     try:
-        codes = ranks.wait(300)
+        codes = ranks.wait(600)
     finally:
         ranks.kill()
-    if codes != [0, 0]:
+    if codes != [0] * world:
         raise RuntimeError(f"bench run {name} failed: exit codes {codes}\n{ranks.tail()}")
     records = [json.loads(line) for line in timings.read_text().splitlines()]
     steps = sorted((r["step"], r["seconds"]) for r in records if r["event"] == "step" and r["rank"] == 0)
@@ -73,16 +93,18 @@ def run(settings: Settings) -> dict[str, object]:
 
         asyncio.run(ensure())
         agent = stack.enter_context(LocalAgent(url, tmp / "ckpt"))
-        (tmp / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+        cuda = torch.cuda.is_available()
+        world, config = (1, GPU_CONFIG) if cuda else (2, CPU_CONFIG)
+        (tmp / "spec.yaml").write_text(yaml.safe_dump(GPU_SPEC if cuda else SPEC))
         on: list[float] = []
         off: list[float] = []
-        for i in range(PAIRS):  # off, on / on, off / ...: neither side always runs first
+        for i in range(pairs()):  # off, on / on, off / ...: neither side always runs first
             order = ("off", "on") if i % 2 == 0 else ("on", "off")
             for side in order:
                 if side == "off":
-                    off += _one_run(tmp, f"off-{i}", ["--plain"])
+                    off += _one_run(tmp, f"off-{i}", ["--plain"], world)
                 else:
-                    on += _one_run(tmp, f"on-{i}", [], agent)
+                    on += _one_run(tmp, f"on-{i}", [], world, agent)
     value, floor = statistics.median(on), statistics.median(off)
     return result(
         "overhead",
@@ -93,5 +115,5 @@ def run(settings: Settings) -> dict[str, object]:
         steps_measured=len(on),
         mean_on_s=round(statistics.fmean(on), 6),
         mean_off_s=round(statistics.fmean(off), 6),
-        config="tiny GPT 3.2M params, seq 128, micro-batch 8, 2 ranks, ZeRO-1, fp32, CPU/gloo, 1 thread/rank",
+        config=config,
     )

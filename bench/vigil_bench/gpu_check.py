@@ -1,0 +1,183 @@
+"""`scripts/gpu-check.sh`: what a lent GPU should be used for, in one run of under five minutes.
+
+`python -m vigil_bench.gpu_check` prints one JSON line per check, as it finishes:
+
+- `pytest_gpu`: the tests marked `gpu` (tests/unit/worker);
+- `mfu`: `vigil bench mfu`, the trainer beside the same model in a plain PyTorch loop;
+- `overhead_one_rank`: `vigil bench overhead`, one rank on the GPU (trainer vs plain DeepSpeed);
+- `held_on_device`: a held sdc NaN and an sdc spike, each replayed clean, on the device;
+- `nvml`: one sample of device 0 through the worker's own NVML inventory.
+
+Each line is `{"check": ..., "status": "pass" | "fail" | "skip", "seconds": ..., ...}`. On a machine
+without a GPU the CPU half runs (`mfu` with one pair of runs and fewer steps, `held_on_device` on the
+CPU) and the rest says `skip` with the reason; CI runs that half (tests/integration/bench). The exit
+code is 1 when a check failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+Result = dict[str, Any]
+
+
+def _vigil(args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run `vigil ARGS` (the CLI's main, so that it also runs where vigil is not installed); its last line."""
+    cmd = [sys.executable, "-c", "from vigil_cli.main import main; main()", *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"vigil {' '.join(args)}: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}"
+        )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def pytest_gpu(cuda: bool) -> Result:
+    if not cuda:
+        return {"status": "skip", "reason": "no CUDA device: the gpu tests skip here"}
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/unit/worker"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
+    return {"status": "pass" if out.returncode == 0 else "fail", "summary": tail}
+
+
+def mfu(cuda: bool) -> Result:
+    env = dict(os.environ)
+    if not cuda:  # the CPU half: one pair of runs, fewer steps (the full bench: `vigil bench mfu`)
+        env.update(VIGIL_BENCH_MFU_PAIRS="1", VIGIL_BENCH_MFU_STEPS="15")
+    got = _vigil(["bench", "mfu"], env, timeout=600)
+    runs = {r["micro_batch"]: r for r in got["runs"]}
+
+    def both(key: str) -> dict[int, list[float]]:  # micro-batch -> [trainer, plain PyTorch]
+        return {mb: [r["trainer"][key], r["ceiling"][key]] for mb, r in runs.items()}
+
+    return {
+        "status": "pass",
+        "ratio": got["ratio"],
+        "target": got["target"],
+        "device": got["device"],
+        "compiled": got["compiled"],
+        "tokens_per_s": {
+            mb: [r["trainer"]["tokens_per_s"], r["ceiling"]["tokens_per_s"]] for mb, r in runs.items()
+        },
+        "mfu": {mb: [r["trainer"]["mfu"], r["ceiling"]["mfu"]] for mb, r in runs.items()},
+        "first_step_s": {
+            mb: [r["trainer"]["first_step_s"], r["ceiling"]["first_step_s"]] for mb, r in runs.items()
+        },
+        "pairs": got["pairs"],
+    }
+
+
+def overhead_one_rank(cuda: bool) -> Result:
+    if not cuda:
+        return {
+            "status": "skip",
+            "reason": "no CUDA device: `vigil bench overhead` runs its 2-rank CPU form here",
+        }
+    got = _vigil(["bench", "overhead"], dict(os.environ), timeout=400)
+    keys = ("value", "floor", "ratio", "target", "config", "steps_measured")
+    return {"status": "pass", **{k: got[k] for k in keys}}
+
+
+def held_on_device(cuda: bool) -> Result:
+    """One rank of the built-in trainer with an sdc NaN at step 4 and an sdc spike (x50) at step 7: each
+    is held at the boundary and replayed clean (its log says so), and the run ends well."""
+    with tempfile.TemporaryDirectory(prefix="vigil-gpu-check-") as tmp:
+        spec = {
+            "name": "gpu-check-held",
+            "model": {"preset": "tiny"},
+            "train": {"steps": 10, "micro_batch": 8, "warmup_steps": 1},
+            "checkpoint": {"every": 1000},
+            "guardian": {"spike_warmup": 3},
+            "faults": [
+                {"kind": "sdc", "step": 4, "rank": 0},
+                {"kind": "sdc", "step": 7, "rank": 0, "factor": 50},
+            ],
+        }
+        (Path(tmp) / "spec.yaml").write_text(yaml.safe_dump(spec))
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")},
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(29_000 + os.getpid() % 1000),
+        }
+        cmd = [sys.executable, "-m", "vigil_worker.trainer", "--spec", f"{tmp}/spec.yaml",
+               "--checkpoint-root", f"{tmp}/ckpt", "--cache-dir", f"{tmp}/cache"]  # fmt: skip
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    log = out.stdout + out.stderr
+    held = re.findall(r"step (\d+): held \((\w+) on ranks", log)
+    clean = re.findall(r"step (\d+): the replay is clean", log)
+    ok = out.returncode == 0 and held == [("4", "nan"), ("7", "spike")] and clean == ["4", "7"]
+    result: Result = {"status": "pass" if ok else "fail", "device": "cuda" if cuda else "cpu", "held": held}
+    if not ok:
+        result["log"] = log[-3000:]
+    return result
+
+
+def nvml(cuda: bool) -> Result:
+    from vigil_worker.inventory import Inventory
+
+    inv = Inventory.discover(cpu_slots=1, node="gpu-check", backend="auto")
+    try:
+        if inv.kind != "gpu":
+            return {"status": "skip", "reason": "no NVML device (no NVIDIA driver here)"}
+        sample = inv.sample("gpu-check", lambda index: None)[0]
+        fields = (
+            "index",
+            "uuid",
+            "utilization_pct",
+            "memory_used_bytes",
+            "memory_total_bytes",
+            "temperature_c",
+            "power_w",
+            "sm_clock_mhz",
+            "throttle_reasons",
+            "ecc_uncorrected",
+        )
+        return {"status": "pass", **{k: getattr(sample, k) for k in fields}}
+    finally:
+        inv.close()
+
+
+CHECKS: tuple[tuple[str, Callable[[bool], Result]], ...] = (
+    ("pytest_gpu", pytest_gpu),
+    ("nvml", nvml),
+    ("held_on_device", held_on_device),
+    ("mfu", mfu),
+    ("overhead_one_rank", overhead_one_rank),
+)
+
+
+def main() -> int:
+    cuda = torch.cuda.is_available()
+    failed = 0
+    for name, check in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            result = check(cuda)
+        except Exception as exc:  # one check's failure is its line; the others still run
+            result = {"status": "fail", "error": f"{type(exc).__name__}: {exc}"[-3000:]}
+        failed += result["status"] == "fail"
+        print(
+            json.dumps({"check": name, **result, "seconds": round(time.perf_counter() - t0, 1)}), flush=True
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
