@@ -65,19 +65,12 @@ def plain(argv: list[str], observer: Observer) -> int:
     engine, plan = rank.build_engine(job.spec, env, device)
     tokens = rank.load_data(args, job.spec)
 
-    import contextlib
-
     import torch
     import torch.distributed as dist
 
     from vigil_worker.trainer.data import batch
 
-    # where DeepSpeed steps the trainer's optimizer (no ZeRO), the trainer clips and autocasts itself
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        if plan.autocast
-        else contextlib.nullcontext
-    )
+    # where DeepSpeed steps the trainer's optimizer (no ZeRO), the trainer clips
     clip = job.spec.train.grad_clip if plan.owns_step else 0.0
 
     train, seq_len = job.spec.train, job.spec.model.resolved().seq_len
@@ -93,8 +86,7 @@ def plain(argv: list[str], observer: Observer) -> int:
                 micro_batch=train.micro_batch,
                 seq_len=seq_len,
             )  # (B, T) each
-            with autocast():
-                loss = engine(x.to(device), y.to(device))
+            loss = engine(x.to(device), y.to(device))
             engine.backward(loss)
             if clip > 0 and micro == train.grad_accum - 1:
                 torch.nn.utils.clip_grad_norm_(engine.module.parameters(), clip)

@@ -51,6 +51,8 @@ def test_precision_sections():
     one = build_config(TrainSpec(), world_size=1, n_params=10**6, hw=A100)
     assert one.zero_stage == 0 and one.precision == "bf16" and one.autocast and one.owns_step
     assert "bf16" not in one.config and "fp16" not in one.config and one.config["gradient_clipping"] == 0.0
+    # DeepSpeed's own section: its engine.forward turns an autocast entered outside it off
+    assert one.config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
     assert "torch autocast" in one.reasons[0]
     bf16 = build_config(TrainSpec(zero_stage=1), world_size=2, n_params=10**6, hw=A100).config
     assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": True} and "fp16" not in bf16

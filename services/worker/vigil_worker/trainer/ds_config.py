@@ -219,6 +219,8 @@ def build_config(train: TrainSpec, *, world_size: int, n_params: int, hw: Hardwa
         # copy gradients in and weights out every step: a fixed cost per step that buys nothing here
         # (the same 16 bytes of state per parameter either way).
         why_precision += "; no ZeRO: torch autocast over fp32 weights (no BF16_Optimizer)"
+        # DeepSpeed's own section: its engine.forward turns off an autocast entered outside it
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif precision == "bf16":
         # check_grad_overflow: a non-finite gradient makes DeepSpeed skip the step, as in fp32 and fp16
         config["bf16"] = {"enabled": True, "check_grad_overflow": True}

@@ -79,8 +79,7 @@ def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: f
                 # --- forward --------------------------------------------------------------------------------
                 if micro == 0 and ctx.faults.out_of_memory(step):
                     raise torch.OutOfMemoryError(f"injected out-of-memory at step {step}")
-                with ctx.autocast():  # bf16 without ZeRO: autocast over fp32 weights
-                    loss = engine(x, y)
+                loss = engine(x, y)  # bf16 without ZeRO: under DeepSpeed's torch_autocast
                 if factor != 1.0:
                     loss = loss * factor  # injected NaN or spike: flows into the gradients like a real one
                 tc = clock.now()

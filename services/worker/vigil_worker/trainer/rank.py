@@ -194,6 +194,11 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     plan = build_config(spec.train, world_size=env.world, n_params=model.num_params(), hw=hw)
     optimizer = model.configure_optimizers(spec.train.weight_decay, spec.train.lr, betas=(0.9, 0.95))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.config)
+    if plan.autocast and not engine.torch_autocast_enabled():  # a DeepSpeed without `torch_autocast`
+        raise RuntimeError(
+            f"DeepSpeed {deepspeed.__version__} ignores the torch_autocast section: bf16 without ZeRO "
+            "would train in fp32; use a DeepSpeed that has it (0.19 does), or set train.zero_stage: 1"
+        )
     if env.world == 1:
         # one rank has nothing to reduce; DeepSpeed would still flatten every gradient, all-reduce it over
         # a group of one and copy it back, each step (its own switch, which pipeline engines turn off too)
