@@ -10,7 +10,8 @@ Three directions, each one discriminated union handled with `match` by its one r
 
 A rank holds no bus credential. It talks only to the worker agent that started it, over a Unix socket
 in the agent's state folder, and proves which rank it is with the token the agent minted for it at
-launch (`VIGIL_RANK_TOKEN`, dead when the attempt ends). The agent checks every event a rank sends
+launch (read once from an inherited pipe, `VIGIL_RANK_TOKEN_FD`, never from the environment; dead when
+the attempt ends). The agent checks every event a rank sends
 against that identity (job, attempt, rank, node) and publishes it on its own node's subjects, which are
 the only ones its NATS user may publish on; receivers check the node against the job's placement.
 
@@ -68,7 +69,7 @@ MAX_FRAME_BYTES = 1024 * 1024
 
 # What the worker puts in a rank's environment for the SDK, besides torchrun's RANK, LOCAL_RANK,
 # WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT.
-RANK_TOKEN_ENV = "VIGIL_RANK_TOKEN"  # the rank's proof of identity to its agent
+RANK_TOKEN_FD_ENV = "VIGIL_RANK_TOKEN_FD"  # an inherited pipe holding the rank's proof of identity
 AGENT_SOCKET_ENV = "VIGIL_AGENT_SOCKET"  # where the agent listens
 JOB_ID_ENV = "VIGIL_JOB_ID"
 ATTEMPT_ENV = "VIGIL_ATTEMPT"

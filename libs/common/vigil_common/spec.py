@@ -53,6 +53,16 @@ class Resources(StrictModel):
     gpus_per_node: int = Field(
         1, ge=1, le=64, description="device slots per node (CPU slots on a node without GPUs)"
     )
+    # What the job's ranks on one node may use together (its cgroup there; see vigil_worker.cgroups).
+    max_processes: int = Field(
+        4096, ge=16, le=4_194_304, description="processes and threads of the job's ranks on a node at once"
+    )
+    memory_mb: int | None = Field(
+        None, ge=64, le=64 * 1024 * 1024, description="the job's ranks' memory on a node (MiB); unset: none"
+    )
+    cpus: float | None = Field(
+        None, ge=0.01, le=4096, description="CPU time of the job's ranks on a node, in cores; unset: no limit"
+    )
 
     @property
     def world_size(self) -> int:
