@@ -148,12 +148,13 @@ class Worker:
                 enter=enter,
             )
             log.info(
-                "started rank %d of %s attempt %d on device %d: pid %d",
+                "started rank %d of %s attempt %d on device %d: pid %d, uid %s",
                 p.rank,
                 job,
                 launch.attempt,
                 p.device,
                 record.pid,
+                "the worker's" if user is None else user.uid,
             )
             await self.bus.publish(
                 subjects.status(job, self.node),

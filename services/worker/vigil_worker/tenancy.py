@@ -36,7 +36,7 @@ from vigil_common.errors import RetryableError
 from vigil_common.events import LaunchJob
 from vigil_common.settings import Settings
 from vigil_worker import cgroups
-from vigil_worker.uids import PoolExhausted, UidPool, kill_uid
+from vigil_worker.uids import PoolExhausted, UidPool
 
 log = logging.getLogger("vigil.worker")
 
@@ -145,8 +145,7 @@ class Tenancy:
         user = self.users.pop(job_id, None)
         if user is None or self.pool is None:
             return
-        kill_uid(user.uid)  # a double-forked child that left the cgroup's view (or where there is none)
-        self.pool.release(job_id, user.uid)
+        self.pool.release(job_id, user.uid)  # with the host's last holder, its user's every process
 
     # --- a job's cgroup ------------------------------------------------------------------------------------
 

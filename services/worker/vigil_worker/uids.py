@@ -98,15 +98,20 @@ class UidPool:
         span = f"{self.uids.start}-{self.uids.stop - 1}"
         raise PoolExhausted(f"every uid of VIGIL_JOB_UIDS ({span}) runs a job")
 
-    def release(self, job_id: str, uid: int) -> None:
-        """This node holds `uid` for `job_id` no more; the lease goes with its last holder."""
+    def release(self, job_id: str, uid: int) -> bool:
+        """This node holds `uid` for `job_id` no more. With the last holder (another worker on this host
+        may run ranks of the same job as the same uid) every process left of `uid` is killed, a child
+        that a rank double-forked out of its cgroup among them, and the lease goes; True then."""
         with self._locked():
             lease = self.leases / str(uid)
             if _read(lease / "job") != job_id:
-                return
+                return False
             (lease / self.node).unlink(missing_ok=True)
-            if not [p for p in lease.iterdir() if p.name != "job"]:
-                shutil.rmtree(lease, ignore_errors=True)
+            if [p for p in lease.iterdir() if p.name != "job"]:
+                return False
+            kill_uid(uid)
+            shutil.rmtree(lease, ignore_errors=True)
+            return True
 
     @staticmethod
     def _stale(lease: Path, uid: int) -> bool:
