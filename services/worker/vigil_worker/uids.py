@@ -31,14 +31,20 @@ class PoolExhausted(RuntimeError):
 
 
 def processes_of(uid: int) -> list[int]:
-    """The pids of the processes running as `uid` (their /proc folder's owner: the effective uid)."""
+    """The pids of the processes running as `uid` (their /proc folder's owner: the effective uid); a
+    zombie, which runs nothing any more and waits for its parent, is not one."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if entry.stat().st_uid == uid:
+            with contextlib.suppress(OSError, IndexError):
+                if entry.stat().st_uid == uid and _state(entry.path) != "Z":
                     found.append(int(entry.name))
     return found
+
+
+def _state(proc: str) -> str:
+    with open(f"{proc}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
 
 
 def kill_uid(uid: int) -> None:
