@@ -68,6 +68,17 @@ class Resources(StrictModel):
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @model_serializer(mode="wrap")
+    def _limits_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The limits only when they are not the defaults: a spec that sets none serialises as it did
+        before they existed (LaunchJob v1's wire format, which older workers, refusing unknown fields,
+        keep reading)."""
+        data = handler(self)
+        for name in ("max_processes", "memory_mb", "cpus"):
+            if name in data and data[name] == type(self).model_fields[name].default:
+                del data[name]
+        return data
+
 
 class MoESpec(StrictModel):
     experts: int = Field(8, ge=2, le=256)
