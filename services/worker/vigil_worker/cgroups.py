@@ -60,6 +60,12 @@ class Layout:
     def job(self, job_id: str, attempt: int) -> JobCgroup:
         return JobCgroup(self, f"job-{job_id}-a{attempt}")
 
+    def remove(self) -> None:
+        """This node's folders, where they hold no job cgroup any more."""
+        for folder in (self.unified, *self.v1.values()):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
     def jobs(self) -> list[JobCgroup]:
         """Every job cgroup this node's folder holds (a restarted worker cleans up after its ranks)."""
         if not self.unified.is_dir():

@@ -161,6 +161,11 @@ class Tenancy:
         if self.layout is not None:
             await self.layout.job(job_id, attempt).remove()
 
+    def close(self) -> None:
+        """The worker stops with no rank left: its node's cgroup folders go (any left non-empty stay)."""
+        if self.layout is not None:
+            self.layout.remove()
+
 
 def _own_tree(path: Path, user: JobUser) -> None:
     """`path` (0700) and everything below it owned by `user`. Walked by folder descriptors, never through
@@ -180,10 +185,12 @@ def _own_tree(path: Path, user: JobUser) -> None:
 def enter(user: JobUser | None, group: cgroups.JobCgroup | None) -> Callable[[], None]:
     """What the child runs between fork and exec: join the cgroup (before the program can fork), drop to
     the job's user with no supplementary group, and forbid gaining privileges (setuid binaries, file
-    capabilities) for good. Everything is resolved before the fork; the child makes system calls only."""
+    capabilities) for good. Everything is resolved before the fork and the child makes system calls only:
+    a `preexec_fn` in a process with threads must not take a lock another thread may hold."""
     procs = group.procs_files() if group is not None else []
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux's
+    if prctl is not None:
+        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 
     def child() -> None:
         me = str(os.getpid()).encode()
@@ -197,7 +204,7 @@ def enter(user: JobUser | None, group: cgroups.JobCgroup | None) -> Callable[[],
             os.setgroups([])
             os.setgid(user.gid)
             os.setuid(user.uid)
-        if prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        if prctl is not None and prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 
     return child
