@@ -38,6 +38,7 @@ def make_launch(**spec: object) -> ev.LaunchJob:
 
 USER = JobUser(60123)
 
+
 def settings(tmp_path: Path, node: str = "b", **kw: object) -> Settings:
     return Settings(
         **{"data_dir": tmp_path, "node_name": node, "nats_url": "nats://bus:4222", "cpu_slots": 2, **kw}
