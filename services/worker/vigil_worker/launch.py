@@ -71,7 +71,8 @@ def prepare_ranks(
     mine = [p for p in launch.placement if p.node == settings.node_name]
     if not mine:
         return []
-    argv, cwd = program(launch, settings, isolated=user is not None)
+    # a job runs as a user of its own here, or in a pod of its own (its own uid: `rank_pod`)
+    argv, cwd = program(launch, settings, isolated=user is not None or settings.rank_runtime == "kubernetes")
     job = str(launch.job_id)
     run_dir = job_dir(settings, job) / f"attempt-{launch.attempt}"
     run_dir.mkdir(parents=True, exist_ok=True)

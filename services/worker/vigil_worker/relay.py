@@ -196,6 +196,7 @@ class Relay:
         peer = peer_uid(writer)
         if (
             record is None
+            or not frame.token  # only a rank pod's first hello has none (`pod_relay`), never one here
             or not hmac.compare_digest(record.token.encode(), frame.token.encode())
             or peer != (os.geteuid() if record.uid is None else record.uid)
         ):

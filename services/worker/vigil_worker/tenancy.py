@@ -17,6 +17,10 @@ cgroup (`cgroups`). The worker's files are laid out so that such a user reaches 
 Where the worker cannot switch users (not root, or VIGIL_JOB_UIDS=off) every rank runs as the worker, and
 a job's own program (`entrypoint`) is refused unless VIGIL_SHARED_TRUST=true accepts that every job and
 the worker are one trust domain.
+
+All of this is the process runtime's. With VIGIL_RANK_RUNTIME=kubernetes the worker starts no process: a
+job's pod is its tenant (its own uid, ServiceAccount and NetworkPolicy, `rank_pod`), so no uid is drawn
+here and no cgroup made.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class Tenancy:
 
     def __init__(self, settings: Settings, *, leases: Path | None = None) -> None:
         self.settings = settings
-        root = os.geteuid() == 0
+        root = os.geteuid() == 0 and settings.rank_runtime == "process"  # a rank pod is its own tenant
         uids = settings.job_uid_range(root)
         self.pool = None if uids is None else UidPool(uids, settings.node_name, *(leases,) if leases else ())
         self.layout = cgroups.detect(settings.node_name) if root else None

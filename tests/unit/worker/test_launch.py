@@ -13,7 +13,7 @@ from vigil_common.errors import SpecError
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
 from vigil_worker.launch import inherited, prepare_ranks
-from vigil_worker.tenancy import JobUser
+from vigil_worker.tenancy import JobUser, Tenancy
 
 SOCKET = Path("/run/vigil/agent.sock")
 
@@ -132,6 +132,17 @@ def test_a_worker_that_cannot_switch_users_runs_a_jobs_program_only_with_shared_
     assert rank.argv == [sys.executable, "x.py"]
     # the built-in trainer runs either way
     assert prepare_ranks(make_launch(), settings(tmp_path), "cpu", SOCKET, None)
+
+
+def test_a_rank_pod_is_its_jobs_own_user_so_its_program_needs_no_shared_trust(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    pods = settings(tmp_path, code_roots=[code], rank_runtime="kubernetes", rank_image="vigil-worker:dev")
+    tenancy = Tenancy(pods)  # whether or not this test runs as root: the worker switches no user for a pod
+    launch = make_launch(entrypoint={"argv": ["python", "x.py"]})
+    assert not tenancy.isolated and tenancy.user_for("j1") is None and tenancy.cgroup(launch) is None
+    (rank, *_) = prepare_ranks(launch, pods, "cpu", SOCKET, None)
+    assert rank.argv == [sys.executable, "x.py"] and not pods.shared_trust
 
 
 @pytest.mark.parametrize("workdir", ["/etc", "../..", "link"])
