@@ -24,6 +24,25 @@ from vigil_common.credentials import APP_ROLE
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
 
+SHARED_TEMP = Path(tempfile.gettempdir()) / "vigil-pytest"
+KEEP_TEMP = 3  # the newest sessions' folders kept for a look after the run, as pytest keeps its own
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """As root, a worker runs each job as a user of its own, which must pass through the folders above
+    the data dir (the worker gives them o+x). pytest's own base, /tmp/pytest-of-root, is made 0700 again
+    by every pytest session that starts meanwhile (another checkout's), which would cut running ranks off
+    their run folders: this session's base is a folder of its own under /tmp/vigil-pytest instead."""
+    if config.option.basetemp is not None or os.geteuid() != 0:
+        return
+    SHARED_TEMP.mkdir(exist_ok=True)
+    os.chmod(SHARED_TEMP, 0o711)
+    old = sorted(SHARED_TEMP.iterdir(), key=lambda p: p.stat().st_mtime)
+    for stale in old[: max(0, len(old) - KEEP_TEMP)]:
+        if not Path(f"/proc/{stale.name.split('-')[0]}").exists():  # its session has ended
+            shutil.rmtree(stale, ignore_errors=True)
+    config.option.basetemp = str(SHARED_TEMP / f"{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
 
 def docker_available() -> bool:
     if not shutil.which("docker"):

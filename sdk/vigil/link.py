@@ -320,10 +320,27 @@ async def _open(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrite
 
 
 def connect_from_env(job_id: str, attempt: int, rank: int) -> AgentLink | None:
-    """The link the worker set up for this rank (VIGIL_AGENT_SOCKET and VIGIL_RANK_TOKEN), or None. A rank
-    pod has no token in its environment: its agent admits its first link by the pod's IP and mints one."""
-    path, token = os.environ.get(proto.AGENT_SOCKET_ENV), os.environ.get(proto.RANK_TOKEN_ENV, "")
+    """The link the worker set up for this rank (VIGIL_AGENT_SOCKET, and the token on the pipe that
+    VIGIL_RANK_TOKEN_FD names), or None. A rank pod has no token: its agent (tcp://) admits its first
+    link by the pod's IP and mints one (`Welcome.token`)."""
+    path, token = os.environ.get(proto.AGENT_SOCKET_ENV), rank_token() or ""
     if not path or not (token or path.startswith("tcp://")):
         return None
     hello = proto.Hello(job_id=job_id, attempt=attempt, rank=rank, token=token)
     return AgentLink(path, hello).start()
+
+
+_token: str | None = None
+
+
+def rank_token() -> str | None:
+    """This rank's token, read once from the pipe the worker handed it (the descriptor is closed and its
+    variable dropped then, so no process the rank starts inherits either); None outside Vigil."""
+    global _token
+    if _token is None and (fd := os.environ.pop(proto.RANK_TOKEN_FD_ENV, None)):
+        try:
+            with os.fdopen(int(fd), "rb") as pipe:
+                _token = pipe.read(4096).decode().strip() or None
+        except (OSError, ValueError) as exc:
+            log.error("vigil: no rank token on descriptor %s (%s): reporting is off", fd, exc)
+    return _token

@@ -57,3 +57,15 @@ def private_umask() -> int:
     """Make every file and folder this process (and its children) creates owner-only from now on;
     returns the previous umask."""
     return os.umask(PRIVATE_UMASK)
+
+
+def let_traverse(path: Path) -> list[Path]:
+    """Let other users reach `path` through the folders above it: search (x) permission only, so a private
+    folder (0700) becomes 0711, never listable or readable by others. Returns the folders changed."""
+    changed = []
+    for folder in path.parents:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if mode & 0o011 != 0o011:
+            os.chmod(folder, mode | 0o011)
+            changed.append(folder)
+    return changed

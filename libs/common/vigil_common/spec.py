@@ -53,10 +53,31 @@ class Resources(StrictModel):
     gpus_per_node: int = Field(
         1, ge=1, le=64, description="device slots per node (CPU slots on a node without GPUs)"
     )
+    # What the job's ranks on one node may use together (its cgroup there; see vigil_worker.cgroups).
+    max_processes: int = Field(
+        4096, ge=16, le=4_194_304, description="processes and threads of the job's ranks on a node at once"
+    )
+    memory_mb: int | None = Field(
+        None, ge=64, le=64 * 1024 * 1024, description="the job's ranks' memory on a node (MiB); unset: none"
+    )
+    cpus: float | None = Field(
+        None, ge=0.01, le=4096, description="CPU time of the job's ranks on a node, in cores; unset: no limit"
+    )
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @model_serializer(mode="wrap")
+    def _limits_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The limits only when they are not the defaults: a spec that sets none serialises as it did
+        before they existed (LaunchJob v1's wire format, which older workers, refusing unknown fields,
+        keep reading)."""
+        data = handler(self)
+        for name in ("max_processes", "memory_mb", "cpus"):
+            if name in data and data[name] == type(self).model_fields[name].default:
+                del data[name]
+        return data
 
 
 class MoESpec(StrictModel):

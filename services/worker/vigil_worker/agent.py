@@ -36,12 +36,13 @@ from vigil_common.events import (
 )
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_worker import pods
+from vigil_worker import pods, tenancy
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import agent_socket, prepare_ranks
 from vigil_worker.procs import Exit, RankRecord, RankTable
 from vigil_worker.relay import Relay
+from vigil_worker.tenancy import Tenancy
 
 log = logging.getLogger("vigil.worker")
 
@@ -58,6 +59,7 @@ class Worker:
         self.inventory = inventory
         self.node = settings.node_name
         self.table = RankTable(settings.data_dir.resolve() / "worker" / self.node)
+        self.tenancy = Tenancy(settings)  # each job's user and cgroup here
         self.relay = Relay(
             bus, self.node, agent_socket(settings), settings.checkpoint_root, self.table.find
         )  # the ranks' only way to the bus
@@ -71,8 +73,10 @@ class Worker:
     # --- startup: the truth about ranks a previous run started ---------------------------------------------
 
     async def recover(self) -> None:
+        self.tenancy.prepare_node()
         self.table.load()
         for r in self.table.running():
+            self.tenancy.adopt(r.job_id, r.uid)
             if r.alive():
                 log.info(
                     "found rank %d of %s (attempt %d) still running as pid %d",
@@ -111,15 +115,22 @@ class Worker:
         self.table.save()  # before starting: a crash now must not start this attempt twice
 
         devices = {d.index for d in self.inventory.devices}
+        user = self.tenancy.user_for(job)
         try:
-            ranks = prepare_ranks(launch, self.settings, self.inventory.kind, self.relay.socket_path)
+            ranks = prepare_ranks(launch, self.settings, self.inventory.kind, self.relay.socket_path, user)
         except SpecError as exc:  # the job's program may not run here: a permanent failure
+            if not self.table.running(job):
+                self.tenancy.release(job)
             for p in launch.placement:
                 if p.node == self.node:
                     await self._publish_exit_without_start(
                         launch, p.rank, str(exc), failure="spec", exit_code=EXIT_SPEC
                     )
             return
+        if user is not None:
+            self.tenancy.give_to(user, self.settings, job, launch.attempt)
+        group = self.tenancy.cgroup(launch)
+        enter = tenancy.enter(user, group)
         for r in ranks:
             p = r.placement
             if p.device not in devices:
@@ -140,14 +151,17 @@ class Worker:
                 cwd=r.cwd,
                 builtin=launch.spec.entrypoint is None,
                 world_size=launch.world_size,
+                uid=None if user is None else user.uid,
+                enter=enter,
             )
             log.info(
-                "started rank %d of %s attempt %d on device %d: pid %d",
+                "started rank %d of %s attempt %d on device %d: pid %d, uid %s",
                 p.rank,
                 job,
                 launch.attempt,
                 p.device,
                 record.pid,
+                "the worker's" if user is None else user.uid,
             )
             await self.bus.publish(
                 subjects.status(job, self.node),
@@ -301,6 +315,17 @@ class Worker:
         )
         self._ending.pop(r.pid, None)
         self.table.mark_reported(r)
+        await self._settle(r.job_id, r.attempt)
+
+    async def _settle(self, job_id: str, attempt: int) -> None:
+        """Once an attempt has no rank left here, its cgroup is killed (a forked child that outlived its
+        rank with it) and removed; once the job has none, every process of its user is ended and the uid
+        goes back to the pool."""
+        if any(r.attempt == attempt for r in self.table.running(job_id)):
+            return
+        await self.tenancy.end_cgroup(job_id, attempt)
+        if not self.table.running(job_id):  # checked again after the wait: a next attempt may have begun
+            self.tenancy.release(job_id)
 
     async def monitor_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

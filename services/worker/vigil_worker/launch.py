@@ -8,8 +8,10 @@ job's own program (`entrypoint.argv`, in `entrypoint.workdir` under a code root)
 command line is an argument list that no shell sees, and its environment is built from scratch:
 torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR,
 MASTER_PORT), what the SDK needs to reach this agent (`vigil_common.protocol`'s names, among them the
-token the agent minted for this rank), the job's `entrypoint.env`, and of the worker's own environment
-only the names in `VIGIL_RANK_ENV_ALLOW` (never a credential: a rank holds no bus or database secret).
+token is not there: it reaches the rank on an inherited pipe, `procs.RankTable.start`), the job's
+`entrypoint.env`, and of the worker's own environment only the names in `VIGIL_RANK_ENV_ALLOW` (never a
+credential: a rank holds no bus or database secret). A rank that runs as its job's own user
+(`tenancy`) gets that user's HOME (a folder of its job's), USER and LOGNAME.
 
 Where this node's address (`VIGIL_NODE_ADDRESS`, what the worker advertises and rank 0's node offers as
 MASTER_ADDR) is an interface's IPv4 address, GLOO_SOCKET_IFNAME names that interface unless the job or the
@@ -38,6 +40,7 @@ from vigil_common.confine import OutsideRoots, within
 from vigil_common.errors import SpecError
 from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
+from vigil_worker.tenancy import JobUser, job_dir
 
 PYTHON_NAMES = ("python", "python3")  # an entrypoint's argv[0] that means the worker's own interpreter
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -52,27 +55,32 @@ class RankLaunch:
     argv: list[str]
     env: dict[str, str]
     cwd: Path | None
-    token: str  # the rank's proof of identity to this agent (in its env as VIGIL_RANK_TOKEN)
+    token: str  # the rank's proof of identity to this agent (on an inherited pipe, never in its env)
     log_path: Path
     exit_path: Path
 
 
-def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str, socket_path: Path) -> list[RankLaunch]:
+def prepare_ranks(
+    launch: LaunchJob, settings: Settings, kind: str, socket_path: Path, user: JobUser | None = None
+) -> list[RankLaunch]:
     """This node's ranks of `launch` (none if it places nothing here), its run directory written.
 
-    `kind` is this node's device kind ("gpu" or "cpu"); `socket_path` where this agent's relay listens.
-    SpecError (naming the field) when the job's program may not run here."""
+    `kind` is this node's device kind ("gpu" or "cpu"); `socket_path` where this agent's relay listens;
+    `user` the job's own user here (None: the ranks run as the worker). SpecError (naming the field)
+    when the job's program may not run here."""
     mine = [p for p in launch.placement if p.node == settings.node_name]
     if not mine:
         return []
-    argv, cwd = program(launch, settings)
+    # a job runs as a user of its own here, or in a pod of its own (its own uid: `rank_pod`)
+    argv, cwd = program(launch, settings, isolated=user is not None or settings.rank_runtime == "kubernetes")
     job = str(launch.job_id)
-    run_dir = settings.data_dir.resolve() / "runs" / job / f"attempt-{launch.attempt}"
+    run_dir = job_dir(settings, job) / f"attempt-{launch.attempt}"
     run_dir.mkdir(parents=True, exist_ok=True)
     launch_file = run_dir / "launch.json"
     launch_file.write_bytes(launch.to_bytes())
     if argv is None:
-        argv = trainer_argv(launch_file, settings)
+        cache = job_dir(settings, job) / "cache" if user is not None else None  # never another job's
+        argv = trainer_argv(launch_file, settings, cache)
     ranks = []
     for p in mine:
         exit_path = run_dir / f"rank-{p.rank}.exit"
@@ -81,7 +89,7 @@ def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str, socket_path:
             RankLaunch(
                 placement=p,
                 argv=argv,
-                env=rank_env(launch, p, len(mine), kind, settings, exit_path, token, socket_path),
+                env=rank_env(launch, p, len(mine), kind, settings, exit_path, socket_path, user),
                 cwd=cwd,
                 token=token,
                 log_path=settings.log_dir / job / f"attempt-{launch.attempt}-rank-{p.rank}.log",
@@ -92,23 +100,33 @@ def prepare_ranks(launch: LaunchJob, settings: Settings, kind: str, socket_path:
 
 
 def agent_socket(settings: Settings) -> Path:
-    """Where this node's agent listens for its ranks: in its state folder, or, where that path is too
-    long for a Unix socket (108 bytes), in a private folder under the system's temporary one."""
-    path = settings.data_dir.resolve() / "worker" / settings.node_name / "agent.sock"
+    """Where this node's agent listens for its ranks: in the data dir's `sockets` folder (apart from the
+    worker's state, which no rank may enter), or, where that path is too long for a Unix socket (108
+    bytes), in a folder of its own under the system's temporary one."""
+    path = settings.data_dir.resolve() / "sockets" / f"{settings.node_name}.sock"
     if len(str(path).encode()) <= 100:
         return path
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"vigil-agent-{digest}" / "agent.sock"
 
 
-def program(launch: LaunchJob, settings: Settings) -> tuple[list[str] | None, Path | None]:
-    """The job's own argv and working folder; (None, None) for the built-in trainer."""
+def program(
+    launch: LaunchJob, settings: Settings, *, isolated: bool = True
+) -> tuple[list[str] | None, Path | None]:
+    """The job's own argv and working folder; (None, None) for the built-in trainer. `isolated`: the job
+    runs as its own user here; where it would run as the worker, its own program runs only with
+    VIGIL_SHARED_TRUST."""
     entry = launch.spec.entrypoint
     if entry is None:
         return None, None
     if not settings.entrypoints:
         raise SpecError([{"field": "entrypoint", "message": "this cluster runs the built-in trainer only "
                           "(VIGIL_ENTRYPOINTS=false)"}])  # fmt: skip
+    if not isolated and not settings.shared_trust:
+        raise SpecError([{"field": "entrypoint", "message": "this worker cannot run a job as a user of its "
+                          "own (it is not root, or VIGIL_JOB_UIDS=off), so it runs no job's own program; "
+                          "VIGIL_SHARED_TRUST=true runs them as the worker's user, every job and the worker "
+                          "one trust domain"}])  # fmt: skip
     roots = settings.allowed_code_roots
     try:
         cwd = within(entry.workdir or ".", roots)
@@ -122,13 +140,14 @@ def program(launch: LaunchJob, settings: Settings) -> tuple[list[str] | None, Pa
     return argv, cwd
 
 
-def trainer_argv(launch_file: Path, settings: Settings) -> list[str]:
-    """The built-in trainer's command line: every value from Vigil, none from a shell, none secret."""
+def trainer_argv(launch_file: Path, settings: Settings, cache: Path | None = None) -> list[str]:
+    """The built-in trainer's command line: every value from Vigil, none from a shell, none secret.
+    `cache`: its tokenized data cache (default: the data dir's, shared by the jobs of one trust domain)."""
     argv = [
         sys.executable, "-m", "vigil_worker.trainer",
         "--launch", str(launch_file),
         "--checkpoint-root", str(settings.checkpoint_root),
-        "--cache-dir", str((settings.data_dir / "cache").resolve()),
+        "--cache-dir", str(cache or (settings.data_dir / "cache").resolve()),
         "--node", settings.node_name,
     ]  # fmt: skip
     for root in settings.allowed_data_roots:
@@ -150,11 +169,14 @@ def rank_env(
     kind: str,
     settings: Settings,
     exit_path: Path,
-    token: str,
     socket_path: Path,
+    user: JobUser | None = None,
 ) -> dict[str, str]:
     """One rank's whole environment (see the module's docstring)."""
     env = inherited(settings)
+    if user is not None:  # the worker's HOME and name are not the job's
+        home = job_dir(settings, str(launch.job_id)) / "home"
+        env.update(HOME=str(home), USER=user.name, LOGNAME=user.name)
     if launch.spec.entrypoint is not None:
         env.update(launch.spec.entrypoint.env)
     nodes = list(dict.fromkeys(p.node for p in sorted(launch.placement, key=lambda p: p.rank)))
@@ -174,7 +196,6 @@ def rank_env(
     env[proto.ATTEMPT_ENV] = str(launch.attempt)
     env[proto.NODE_ENV] = settings.node_name
     env[proto.AGENT_SOCKET_ENV] = str(socket_path)
-    env[proto.RANK_TOKEN_ENV] = token
     env[proto.EXIT_FILE_ENV] = str(exit_path)
     env[proto.CHECKPOINT_ROOT_ENV] = str(settings.checkpoint_root)
     env[proto.CHECKPOINT_KEEP_ENV] = str(launch.spec.checkpoint.keep)

@@ -27,7 +27,7 @@ from vigil_worker.relay import Relay
 
 class LocalAgent:
     """The relay of a worker, for ranks started by `start_ranks`: `env(job, attempt, rank)` is what a rank
-    needs to link to it (a fresh token each time)."""
+    needs to link to it, and the rank's fresh token (which reaches the rank on a pipe, as a worker's do)."""
 
     def __init__(self, nats_url: str, checkpoint_root: Path, node: str = "local") -> None:
         self.nats_url, self.checkpoint_root, self.node = nats_url, checkpoint_root, node
@@ -63,19 +63,19 @@ class LocalAgent:
     def _find(self, job_id: str, attempt: int, rank: int) -> RankRecord | None:
         return self._ranks.get((job_id, attempt, rank))
 
-    def env(self, job_id: str, attempt: int, rank: int) -> dict[str, str]:
+    def env(self, job_id: str, attempt: int, rank: int) -> tuple[dict[str, str], str]:
         token = secrets.token_urlsafe(32)
         self._ranks[(job_id, attempt, rank)] = RankRecord(
             job_id=job_id, attempt=attempt, rank=rank, device=rank, pid=0, ticks=0, log_path="", exit_path="",
             token=token,
         )  # fmt: skip
-        return {
+        env = {
             proto.AGENT_SOCKET_ENV: str(self.socket_path),
-            proto.RANK_TOKEN_ENV: token,
             proto.JOB_ID_ENV: job_id,
             proto.ATTEMPT_ENV: str(attempt),
             proto.NODE_ENV: self.node,
         }
+        return env, token
 
 
 @dataclass
@@ -127,19 +127,28 @@ def start_ranks(
         )
         for name in [k for k in env if k.startswith("VIGIL_")]:
             del env[name]  # this process's settings are not the rank's
+        token = ""
         if agent is not None and job is not None:
-            env.update(agent.env(job[0], job[1], rank))
+            link, token = agent.env(job[0], job[1], rank)
+            env.update(link)
         log = log_dir / f"rank-{rank}.log"
-        with log.open("ab") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", module, *args],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+        read_end, write_end = os.pipe()  # the token, as a worker hands it over (never in the environment)
+        os.write(write_end, token.encode())
+        os.close(write_end)
+        try:
+            with log.open("ab") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", module, *args],
+                        env={**env, proto.RANK_TOKEN_FD_ENV: str(read_end)} if token else env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        pass_fds=(read_end,) if token else (),
+                    )
                 )
-            )
+        finally:
+            os.close(read_end)
         logs.append(log)
     return LocalRanks(procs, logs)

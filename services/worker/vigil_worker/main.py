@@ -76,6 +76,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         if settings.worker_end_ranks_on_stop and (ranks := worker.table.running()):
             log.info("worker %s: ending %d rank(s) on the way out", settings.node_name, len(ranks))
             await worker.end_ranks(ranks)
+        if not worker.table.running():
+            worker.tenancy.close()  # this node's cgroup folders, now empty
         log.info(
             "worker %s stopped; %d rank(s) left running", settings.node_name, len(worker.table.running())
         )

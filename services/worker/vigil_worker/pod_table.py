@@ -27,6 +27,7 @@ import os
 import signal
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,17 @@ class PodRankTable(RankTable):
         token: str = "",
         cwd: Path | None = None,
         builtin: bool = False,
+        world_size: int = 0,
+        uid: int | None = None,
+        enter: Callable[[], None] | None = None,
     ) -> RankRecord:
+        """Record one rank of the job's pod. No token (the relay mints it on the first link); `uid` and
+        `enter` are the process runtime's (a pod's uid is the job's own, `rank_pod.job_uid`): unused."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         record = RankRecord(
             job_id=job_id, attempt=attempt, rank=rank, device=device,
             pid=synthetic_pid(job_id, attempt, rank), ticks=0, log_path=str(log_path),
-            exit_path=str(exit_path), token="", builtin=builtin,
+            exit_path=str(exit_path), token="", builtin=builtin, world_size=world_size,
         )  # fmt: skip
         launch_file = exit_path.parent / "launch.json"  # the built-in trainer's: from the pod's annotation
         argv = [rp.POD_LAUNCH_FILE if a == str(launch_file) else a for a in argv]

@@ -17,10 +17,12 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vigil.exits import last_step_path
+from vigil_common import protocol as proto
 
 
 def start_ticks(pid: int) -> int | None:
@@ -45,6 +47,7 @@ class RankRecord:
     exit_path: str
     started_at: float = field(default_factory=time.time)
     token: str = ""  # the rank's proof of identity to this agent's relay (ranks.json is 0600)
+    uid: int | None = None  # the job's user it runs as; None: the worker's own
     builtin: bool = False  # the built-in trainer, whose exit code EXIT_SPEC says the spec cannot run
     world_size: int = 0  # the job's ranks (its reports may name no other); 0: not known
     killed: bool = False  # ended by this worker (cancel, newer attempt, a sibling's death)
@@ -122,21 +125,34 @@ class RankTable:
         cwd: Path | None = None,
         builtin: bool = False,
         world_size: int = 0,
+        uid: int | None = None,
+        enter: Callable[[], None] | None = None,
     ) -> RankRecord:
+        """Start one rank. `token` reaches it on an inherited pipe (`protocol.RANK_TOKEN_FD_ENV` names the
+        descriptor), never in its environment; `enter` runs in the child before exec (its cgroup, its
+        user: `tenancy.enter`)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path.unlink(missing_ok=True)
         last_step_path(exit_path).unlink(missing_ok=True)
-        with log_path.open("ab") as log:
-            proc = subprocess.Popen(  # an argument list: no shell ever sees job input
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-                cwd=cwd,
-            )
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, token.encode())  # a few dozen bytes: far below a pipe's buffer
+            os.close(write_end)
+            with log_path.open("ab") as log:
+                proc = subprocess.Popen(  # an argument list: no shell ever sees job input
+                    argv,
+                    env={**env, proto.RANK_TOKEN_FD_ENV: str(read_end)},
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=(read_end,),
+                    cwd=cwd,
+                    preexec_fn=enter,
+                )
+        finally:
+            os.close(read_end)
         ticks = start_ticks(proc.pid)
         record = RankRecord(
             job_id=job_id,
@@ -148,6 +164,7 @@ class RankTable:
             log_path=str(log_path),
             exit_path=str(exit_path),
             token=token,
+            uid=uid,
             builtin=builtin,
             world_size=world_size,
         )

@@ -160,9 +160,9 @@ def service_account(plan: PodPlan) -> Doc:
 
 def rank_env(plan: PodPlan, rank: RankContainer) -> list[Doc]:
     """A rank container's environment: the rank's own, then what the pod decides (and the job may not)."""
-    env = dict(rank.env)
-    for name in ("VIGIL_RANK_TOKEN", "GLOO_SOCKET_IFNAME", "MASTER_ADDR"):
-        env.pop(name, None)  # no token (minted on the link); gloo and the store find the pod's own address
+    env = {k: v for k, v in rank.env.items() if not k.startswith("VIGIL_RANK_TOKEN")}  # minted on the link
+    for name in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR"):
+        env.pop(name, None)  # gloo and the store find the pod's own address
     env.update(
         VIGIL_AGENT_SOCKET=f"tcp://{plan.worker_address}:{plan.relay_port}",
         VIGIL_EXIT_FILE=f"{POD_EXIT_DIR}/rank-{rank.rank}.exit",

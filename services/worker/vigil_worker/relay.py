@@ -1,8 +1,11 @@
 """The agent's side of its ranks' links: the only way a rank reaches the bus.
 
-Ranks hold no bus credential. The agent listens on a Unix socket in its own state folder (mode 0600,
-in a 0700 folder); a rank connects and says who it is with the token the agent minted when it started
-that rank (`RankRecord.token`), which stops working once the rank has exited. From then on:
+Ranks hold no bus credential. The agent listens on a Unix socket that every local user may connect to
+(0666, in a 0711 folder apart from the worker's state), since each job's ranks run as a user of its own;
+a rank says who it is with the token the agent minted when it started that rank (`RankRecord.token`),
+which stops working once the rank has exited, and the kernel says which uid connected (SO_PEERCRED):
+that must be the uid the agent started that rank as. A stolen token is of no use to another job. From
+then on:
 
 - every event the rank sends (`protocol.FromRanks`) is checked against that identity (its job, attempt
   and rank; the node is the agent's own; only rank 0 reports job-wide facts; a checkpoint lies in the
@@ -23,6 +26,8 @@ import contextlib
 import hmac
 import logging
 import os
+import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -110,12 +115,12 @@ class Relay:
 
     async def start(self) -> Relay:
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.socket_path.parent, 0o700)
+        os.chmod(self.socket_path.parent, 0o711)  # jobs' users reach the socket and list nothing
         self.socket_path.unlink(missing_ok=True)  # a previous agent's
         self._server = await asyncio.start_unix_server(
             self._serve, path=str(self.socket_path), limit=proto.MAX_RANK_FRAME_BYTES + 1
         )
-        os.chmod(self.socket_path, 0o600)
+        os.chmod(self.socket_path, 0o666)  # who may speak for a rank is the hello's token and peer uid
         return self
 
     async def close(self) -> None:
@@ -188,8 +193,15 @@ class Relay:
         if not isinstance(frame, proto.Hello):
             raise MalformedMessage(f"the first frame must be a hello, not {frame.frame!r}")
         record = self.find(frame.job_id, frame.attempt, frame.rank)
-        if record is None or not hmac.compare_digest(record.token.encode(), frame.token.encode()):
-            log.warning("refused a link claiming to be %s: no running rank with that token", _who(frame))
+        peer = peer_uid(writer)
+        if (
+            record is None
+            or not frame.token  # only a rank pod's first hello has none (`pod_relay`), never one here
+            or not hmac.compare_digest(record.token.encode(), frame.token.encode())
+            or peer != (os.geteuid() if record.uid is None else record.uid)
+        ):
+            log.warning("refused a link from uid %s claiming to be %s: no running rank of that user with "
+                        "that token", peer, _who(frame))  # fmt: skip
             writer.write(proto.encode_frame(proto.Refused(reason="no running rank with that identity")))
             await writer.drain()
             return None
@@ -314,6 +326,16 @@ class Relay:
             if rank >= world:
                 return field, f"{field}: rank {rank} is not a rank of this job (world size {world})"
         return None
+
+
+def peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    """The uid of the process at the other end of a Unix socket (the kernel's word, SO_PEERCRED)."""
+    sock = writer.get_extra_info("socket")
+    try:
+        _, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (AttributeError, OSError):
+        return None
+    return int(uid)
 
 
 def _who(hello: proto.Hello | None) -> str:

@@ -33,7 +33,7 @@ def torchrun(script: str, *args: str, world: int = 2, cwd: Path, timeout_s: floa
     """Run `examples/byo/<script>` as `world` ranks on this host (gloo, CPU) and wait for all of them."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_") or k == "VIGIL_LOG_LEVEL"}
-    for name in (proto.AGENT_SOCKET_ENV, proto.JOB_ID_ENV, proto.RANK_TOKEN_ENV):
+    for name in (proto.AGENT_SOCKET_ENV, proto.JOB_ID_ENV, proto.RANK_TOKEN_FD_ENV):
         env.pop(name, None)
     env.update(
         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", MASTER_ADDR="127.0.0.1",

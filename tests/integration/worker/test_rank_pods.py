@@ -162,10 +162,10 @@ def start(t: PodRankTable, job_id: str, rank: int, local_world: int = 2, attempt
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "launch.json").write_text(json.dumps({"job_id": job_id}))
     env = {"RANK": str(rank), "LOCAL_WORLD_SIZE": str(local_world), "WORLD_SIZE": str(local_world),
-           "NODE_RANK": "0", proto.RANK_TOKEN_ENV: "never-in-a-pod-spec-token"}  # fmt: skip
+           "NODE_RANK": "0", proto.RANK_TOKEN_FD_ENV: "never-in-a-pod-spec-fd"}  # fmt: skip
     argv = ["python", "-m", "vigil_worker.trainer", "--launch", str(run_dir / "launch.json")]
     return t.start(
-        argv, env, job_id=job_id, attempt=attempt, rank=rank, device=rank, builtin=True,
+        argv, env, job_id=job_id, attempt=attempt, rank=rank, device=rank, builtin=True, world_size=local_world,
         log_path=t.settings.log_dir / job_id / f"rank-{rank}.log", exit_path=run_dir / f"rank-{rank}.exit",
     )  # fmt: skip
 
@@ -183,8 +183,9 @@ async def test_a_jobs_ranks_become_one_pod_whose_exits_are_reported_and_whose_ob
     assert pod["spec"]["containers"][0]["command"][-1] == rp.POD_LAUNCH_FILE
     assert len(fake.of("serviceaccounts")) == len(fake.of("networkpolicies")) == 1
     everything = json.dumps(list(fake.objects.values()))
-    assert "never-in-a-pod-spec-token" not in everything and proto.RANK_TOKEN_ENV not in everything
+    assert "never-in-a-pod-spec-fd" not in everything and proto.RANK_TOKEN_FD_ENV not in everything
     assert t.pod_ip(job_id, 1) == "127.0.0.1" and t.find(job_id, 1, 0) is r0 and r0.token == ""
+    assert r0.world_size == 2  # what the relay bounds a report's ranks by
     assert t.poll(r0) is None
 
     fake.logs[(name, "rank-0")] = "rank 0 trained\n"

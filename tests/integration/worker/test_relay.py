@@ -6,10 +6,14 @@ job's commands reach every rank numbered in stream order; a restarted agent is r
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from vigil.link import AgentLink
 from vigil_common import events as ev
 from vigil_common import protocol as proto
 from vigil_common import subjects
+from vigil_worker import tenancy
 from vigil_worker.procs import RankRecord
 from vigil_worker.relay import Relay
 
@@ -90,6 +95,35 @@ async def test_a_wrong_token_or_a_rank_it_did_not_start_is_refused(relay, job_id
         await link(r, job_id, 0, secrets.token_urlsafe(32))  # not its token
     with pytest.raises(PermissionError):
         await link(r, job_id, 1, ranks.records[(job_id, 1, 0)].token)  # rank 1 was never started
+
+
+HELLO_FROM_A_CHILD = """
+import json, socket, sys
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sys.argv[1])
+    s.sendall(sys.argv[2].encode() + b"\\n")
+    print(s.makefile().readline(), flush=True)
+"""
+
+
+def hello_as(uid: int | None, r: Relay, hello: proto.Hello) -> str:
+    """The relay's answer to `hello` sent by a process running as `uid` (None: this process's user)."""
+    enter = None if uid is None else tenancy.enter(tenancy.JobUser(uid), None)
+    argv = [sys.executable, "-c", HELLO_FROM_A_CHILD, str(r.socket_path), hello.model_dump_json()]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, preexec_fn=enter, check=True)
+    return done.stdout
+
+
+@pytest.mark.security
+@pytest.mark.skipif(os.geteuid() != 0, reason="another uid needs a root test")
+async def test_a_token_works_only_from_the_uid_its_rank_runs_as(relay, job_id):
+    r, ranks = relay
+    token = ranks.add(job_id, 0)
+    ranks.records[(job_id, 1, 0)] = replace(ranks.records[(job_id, 1, 0)], uid=61020)
+    hello = proto.Hello(job_id=job_id, attempt=1, rank=0, token=token)
+    assert '"welcome"' in await asyncio.to_thread(hello_as, 61020, r, hello)
+    assert '"refused"' in await asyncio.to_thread(hello_as, 61021, r, hello)  # a stolen token
+    assert '"refused"' in await asyncio.to_thread(hello_as, None, r, hello)  # even the worker's own user
 
 
 @pytest.mark.security

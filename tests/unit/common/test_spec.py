@@ -102,6 +102,9 @@ def test_specs_are_immutable():
         ("name: t\ndata: {path: " + "x" * 5000 + "}", "data.path"),
         ("name: t\ntrain: {steps: 1, steps: 2}", "train.steps"),
         ("name: t\nname: u", "name"),
+        ("name: t\nresources: {max_processes: 4}", "resources.max_processes"),
+        ("name: t\nresources: {memory_mb: 1}", "resources.memory_mb"),
+        ("name: t\nresources: {cpus: 0}", "resources.cpus"),
     ],
 )
 def test_values_no_run_should_have_are_refused_by_field(text, field):
@@ -138,3 +141,13 @@ def test_a_spec_with_an_entrypoint_reads_back_as_stored() -> None:
     assert "model" not in stored and stored["entrypoint"]["argv"] == ["python", "train.py"]
     assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
     assert "entrypoint" not in JobSpec(name="builtin").model_dump()  # LaunchJob v1's wire format
+
+
+def test_a_jobs_limits_serialise_only_when_set():
+    plain = parse_spec("name: t")
+    assert set(plain.model_dump()["resources"]) == {"nodes", "gpus_per_node"}  # LaunchJob v1 as before
+    limited = parse_spec("name: t\nresources: {max_processes: 256, memory_mb: 2048, cpus: 1.5}")
+    assert limited.model_dump()["resources"] == {
+        "nodes": 1, "gpus_per_node": 1, "max_processes": 256, "memory_mb": 2048, "cpus": 1.5,
+    }  # fmt: skip
+    assert JobSpec.model_validate_json(limited.model_dump_json()) == limited

@@ -21,7 +21,7 @@ from vigil_common.errors import MalformedMessage
 
 
 def test_outside_vigil_init_is_inert_and_says_so_once(monkeypatch, caplog):
-    for name in (proto.AGENT_SOCKET_ENV, proto.JOB_ID_ENV, proto.RANK_TOKEN_ENV):
+    for name in (proto.AGENT_SOCKET_ENV, proto.JOB_ID_ENV, proto.RANK_TOKEN_FD_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("vigil.run._current", None)
     with caplog.at_level(logging.WARNING, logger="vigil"):

@@ -13,6 +13,7 @@ from vigil_common.errors import SpecError
 from vigil_common.settings import Settings
 from vigil_common.spec import parse_spec
 from vigil_worker.launch import inherited, prepare_ranks
+from vigil_worker.tenancy import JobUser, Tenancy
 
 SOCKET = Path("/run/vigil/agent.sock")
 
@@ -35,6 +36,9 @@ def make_launch(**spec: object) -> ev.LaunchJob:
     )
 
 
+USER = JobUser(60123)
+
+
 def settings(tmp_path: Path, node: str = "b", **kw: object) -> Settings:
     return Settings(
         **{"data_dir": tmp_path, "node_name": node, "nats_url": "nats://bus:4222", "cpu_slots": 2, **kw}
@@ -54,8 +58,8 @@ def test_only_this_nodes_ranks_with_torchruns_environment_and_the_sdks(tmp_path)
     assert (env[proto.JOB_ID_ENV], env[proto.ATTEMPT_ENV], env[proto.NODE_ENV]) == ("j1", "2", "b")
     assert env[proto.AGENT_SOCKET_ENV] == str(SOCKET)
     assert env[proto.RESUME_FROM_ENV] == "/ckpt/j1/step_00000040" and env[proto.SKIP_DATA_ENV] == "40:42"
-    assert env[proto.RANK_TOKEN_ENV] == ranks[1].token and ranks[0].token != ranks[1].token
-    assert len(ranks[1].token) >= 32
+    assert ranks[0].token != ranks[1].token and len(ranks[1].token) >= 32
+    assert not [k for k, v in env.items() if ranks[1].token in v], "the token reaches a rank on a pipe"
     run_dir = tmp_path.resolve() / "runs" / "j1" / "attempt-2"
     assert ranks[1].exit_path == run_dir / "rank-3.exit"
     assert ranks[1].log_path == tmp_path.resolve() / "logs" / "j1" / "attempt-2-rank-3.log"
@@ -107,10 +111,38 @@ def test_a_jobs_own_program_runs_in_its_workdir_under_a_code_root(tmp_path):
             "env": {"MY_FLAG": "1"},
         }
     )
-    (rank, *_) = prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET)
+    (rank, *_) = prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET, USER)
     assert rank.argv == [sys.executable, "train.py", "--lr", "3e-4"]  # `python`: the worker's own
     assert rank.cwd == (code / "proj").resolve()
     assert rank.env["MY_FLAG"] == "1"
+    home = tmp_path.resolve() / "runs" / "j1" / "home"  # the job's own, not the worker's
+    assert (rank.env["HOME"], rank.env["USER"], rank.env["LOGNAME"]) == (str(home), USER.name, USER.name)
+
+
+def test_a_worker_that_cannot_switch_users_runs_a_jobs_program_only_with_shared_trust(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    launch = make_launch(entrypoint={"argv": ["python", "x.py"]})
+    with pytest.raises(SpecError) as err:
+        prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET, None)
+    assert err.value.errors[0]["field"] == "entrypoint"
+    assert "VIGIL_SHARED_TRUST" in err.value.errors[0]["message"]
+    shared = settings(tmp_path, code_roots=[code], shared_trust=True)
+    (rank, *_) = prepare_ranks(launch, shared, "cpu", SOCKET, None)
+    assert rank.argv == [sys.executable, "x.py"]
+    # the built-in trainer runs either way
+    assert prepare_ranks(make_launch(), settings(tmp_path), "cpu", SOCKET, None)
+
+
+def test_a_rank_pod_is_its_jobs_own_user_so_its_program_needs_no_shared_trust(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    pods = settings(tmp_path, code_roots=[code], rank_runtime="kubernetes", rank_image="vigil-worker:dev")
+    tenancy = Tenancy(pods)  # whether or not this test runs as root: the worker switches no user for a pod
+    launch = make_launch(entrypoint={"argv": ["python", "x.py"]})
+    assert not tenancy.isolated and tenancy.user_for("j1") is None and tenancy.cgroup(launch) is None
+    (rank, *_) = prepare_ranks(launch, pods, "cpu", SOCKET, None)
+    assert rank.argv == [sys.executable, "x.py"] and not pods.shared_trust
 
 
 @pytest.mark.parametrize("workdir", ["/etc", "../..", "link"])
@@ -120,7 +152,7 @@ def test_a_workdir_outside_the_code_roots_is_refused_naming_the_field(tmp_path, 
     (code / "link").symlink_to("/etc")
     launch = make_launch(entrypoint={"argv": ["python", "x.py"], "workdir": workdir})
     with pytest.raises(SpecError) as err:
-        prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET)
+        prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET, USER)
     assert err.value.errors[0]["field"] == "entrypoint.workdir"
 
 

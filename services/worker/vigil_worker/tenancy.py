@@ -1,0 +1,214 @@
+"""A job's ranks are a tenant: the user they run as, their cgroup, and what they reach on disk.
+
+On a root worker with a uid pool (VIGIL_JOB_UIDS, by default 60000-60999 when root) each job runs as a
+uid of its own (`uids`): no supplementary group, PR_SET_NO_NEW_PRIVS, its own session, in its attempt's
+cgroup (`cgroups`). The worker's files are laid out so that such a user reaches only its own:
+
+| path | owner, mode | a job's user |
+| --- | --- | --- |
+| data dir | worker, 0711 | passes; lists nothing (credentials.json, nats.conf, endpoints.json: 0600) |
+| `worker/` (ranks.json: every rank's token) | worker, 0700 | cannot enter |
+| `logs/`, `cache/` | worker, 0700 | cannot enter (the worker opens a rank's log for it) |
+| `runs/`, `checkpoints/` | worker, 0711 | passes through; lists nothing |
+| `runs/<job>/` (launch.json, exit files, home, cache) | the job's uid, 0700 | its own job's only |
+| `checkpoints/<job>/` | the job's uid, 0700 | its own job's only |
+| `sockets/<node>.sock` (the relay) | worker, 0666 in 0711 | connects; proves its rank by token and uid |
+
+Where the worker cannot switch users (not root, or VIGIL_JOB_UIDS=off) every rank runs as the worker, and
+a job's own program (`entrypoint`) is refused unless VIGIL_SHARED_TRUST=true accepts that every job and
+the worker are one trust domain.
+
+All of this is the process runtime's. With VIGIL_RANK_RUNTIME=kubernetes the worker starts no process: a
+job's pod is its tenant (its own uid, ServiceAccount and NetworkPolicy, `rank_pod`), so no uid is drawn
+here and no cgroup made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import stat
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vigil_common.confine import let_traverse
+from vigil_common.errors import RetryableError
+from vigil_common.events import LaunchJob
+from vigil_common.settings import Settings
+from vigil_worker import cgroups
+from vigil_worker.uids import PoolExhausted, UidPool
+
+log = logging.getLogger("vigil.worker")
+
+PR_SET_NO_NEW_PRIVS = 38
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class JobUser:
+    """The numeric user (and group: the same number) a job's ranks run as on this node."""
+
+    uid: int
+
+    @property
+    def gid(self) -> int:
+        return self.uid
+
+    @property
+    def name(self) -> str:  # USER and LOGNAME: no /etc/passwd entry is needed
+        return f"vigil-job-{self.uid}"
+
+
+def job_dir(settings: Settings, job_id: str) -> Path:
+    """A job's own folder on this node: its attempts' run folders, its home and its data cache."""
+    return settings.data_dir.resolve() / "runs" / job_id
+
+
+def limits(launch: LaunchJob) -> cgroups.Limits:
+    r = launch.spec.resources
+    return cgroups.Limits(
+        max_processes=r.max_processes,
+        memory_bytes=None if r.memory_mb is None else r.memory_mb * MIB,
+        cpus=r.cpus,
+    )
+
+
+class Tenancy:
+    """This node's users and cgroups for jobs, and the modes of the worker's folders."""
+
+    def __init__(self, settings: Settings, *, leases: Path | None = None) -> None:
+        self.settings = settings
+        root = os.geteuid() == 0 and settings.rank_runtime == "process"  # a rank pod is its own tenant
+        uids = settings.job_uid_range(root)
+        self.pool = None if uids is None else UidPool(uids, settings.node_name, *(leases,) if leases else ())
+        self.layout = cgroups.detect(settings.node_name) if root else None
+        self.users: dict[str, JobUser] = {}  # job id -> its user here, while it has ranks here
+
+    @property
+    def isolated(self) -> bool:
+        """Each job runs as its own user here."""
+        return self.pool is not None
+
+    # --- the node ----------------------------------------------------------------------------------------
+
+    def prepare_node(self) -> None:
+        """The worker's folders made with the modes in the module's table; the interpreter, the data dir
+        and the code and data roots reachable by a job's user (search permission on the folders above)."""
+        if not self.isolated:
+            return
+        data = self.settings.data_dir.resolve()
+        modes = {data: 0o711, data / "worker": 0o700, data / "logs": 0o700, data / "cache": 0o700,
+                 data / "runs": 0o711, data / "checkpoints": 0o711}  # fmt: skip
+        for path, mode in modes.items():
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, mode)
+        reach = [Path(sys.executable).resolve(), Path(sys.prefix), Path(sys.base_prefix), data]
+        roots = [*self.settings.allowed_code_roots, *self.settings.allowed_data_roots]
+        for path in [*reach, *roots]:
+            for folder in let_traverse(path):
+                log.warning("made %s searchable by others (o+x) so that jobs' users reach %s", folder, path)
+        for root in roots:  # jobs read their code and data here
+            if root.is_dir() and stat.S_IMODE(root.stat().st_mode) & 0o005 != 0o005:
+                os.chmod(root, stat.S_IMODE(root.stat().st_mode) | 0o005)
+
+    # --- a job's user --------------------------------------------------------------------------------------
+
+    def user_for(self, job_id: str) -> JobUser | None:
+        """The user `job_id` runs as here (None: the worker's own); RetryableError when the pool is spent."""
+        if self.pool is None:
+            return None
+        try:
+            user = JobUser(self.pool.acquire(job_id))
+        except PoolExhausted as exc:
+            raise RetryableError(str(exc)) from exc
+        self.users[job_id] = user
+        return user
+
+    def adopt(self, job_id: str, uid: int | None) -> None:
+        """A restarted worker holds again the uid of a job whose ranks still run."""
+        if self.pool is not None and uid is not None:
+            self.users[job_id] = JobUser(self.pool.acquire(job_id))
+
+    def give_to(self, user: JobUser, settings: Settings, job_id: str, attempt: int) -> None:
+        """The job's folders made and owned by its user: its run folder (attempt, home, cache) and its
+        checkpoint folder, with everything in them (a relaunch may run as another uid)."""
+        mine = job_dir(settings, job_id)
+        for name in ("home", "cache", f"attempt-{attempt}"):
+            (mine / name).mkdir(parents=True, exist_ok=True)
+        checkpoints = settings.checkpoint_root / job_id
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        for path in (mine, checkpoints):
+            _own_tree(path, user)
+
+    def release(self, job_id: str) -> None:
+        """The job has no rank here any more: end every process left of its user, give the uid back."""
+        user = self.users.pop(job_id, None)
+        if user is None or self.pool is None:
+            return
+        self.pool.release(job_id, user.uid)  # with the host's last holder, its user's every process
+
+    # --- a job's cgroup ------------------------------------------------------------------------------------
+
+    def cgroup(self, launch: LaunchJob) -> cgroups.JobCgroup | None:
+        """The attempt's cgroup here, made with the spec's limits; None where cgroups are not used."""
+        if self.layout is None:
+            return None
+        group = self.layout.job(str(launch.job_id), launch.attempt)
+        group.create(limits(launch))
+        return group
+
+    async def end_cgroup(self, job_id: str, attempt: int) -> None:
+        if self.layout is not None:
+            await self.layout.job(job_id, attempt).remove()
+
+    def close(self) -> None:
+        """The worker stops with no rank left: its node's cgroup folders go (any left non-empty stay)."""
+        if self.layout is not None:
+            self.layout.remove()
+
+
+def _own_tree(path: Path, user: JobUser) -> None:
+    """`path` (0700) and everything below it owned by `user`. Walked by folder descriptors, never through
+    a symlink (a job may have swapped a folder for one meanwhile); a file with another hard link is left
+    as it is (it may be someone else's file, linked into the job's folder)."""
+    os.chown(path, user.uid, user.gid, follow_symlinks=False)
+    os.chmod(path, 0o700)
+    for _, dirs, files, top in os.fwalk(path, follow_symlinks=False):
+        for name in (*dirs, *files):
+            with contextlib.suppress(FileNotFoundError):
+                found = os.stat(name, dir_fd=top, follow_symlinks=False)
+                if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
+                    continue
+                os.chown(name, user.uid, user.gid, dir_fd=top, follow_symlinks=False)
+
+
+def enter(user: JobUser | None, group: cgroups.JobCgroup | None) -> Callable[[], None]:
+    """What the child runs between fork and exec: join the cgroup (before the program can fork), drop to
+    the job's user with no supplementary group, and forbid gaining privileges (setuid binaries, file
+    capabilities) for good. Everything is resolved before the fork and the child makes system calls only:
+    a `preexec_fn` in a process with threads must not take a lock another thread may hold."""
+    procs = group.procs_files() if group is not None else []
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux's
+    if prctl is not None:
+        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def child() -> None:
+        me = str(os.getpid()).encode()
+        for path in procs:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, me)
+            finally:
+                os.close(fd)
+        if user is not None:
+            os.setgroups([])
+            os.setgid(user.gid)
+            os.setuid(user.uid)
+        if prctl is not None and prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+    return child
