@@ -38,7 +38,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--zero", type=int, default=None, help="train through DeepSpeed with this ZeRO stage")
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
-    p.add_argument("--out", default="out/hf_trainer", help="the Trainer's output_dir")
+    # under Vigil a job's program may write its own HOME and checkpoint folder, not its code folder
+    default_out = os.path.join(os.environ.get("HOME") or ".", "out", "hf_trainer")
+    p.add_argument("--out", default=default_out, help="the Trainer's output_dir ($HOME/out/hf_trainer)")
     p.add_argument("--no-vigil", action="store_true", help="without the callback (the SDK bench's floor)")
     return p.parse_args()
 
