@@ -9,7 +9,8 @@ CPU 1 and 2 ranks (one thread each, tiny preset, fp32), on a GPU machine 1, 2, 4
 - strong: the global batch fixed (micro-batch = global / W); efficiency(W) = step(1) / (W x step(W))
   in work per step, i.e. tokens/s(W) / (W x tokens/s(1)) with the same global batch.
 
-Per run, a roofline point: achieved model FLOP/s per device (tokens/s x FLOPs per token / W) against
+On a GPU the micro-batch is sized to the memory (`gpu_micro_batch`: 32 on an 80 GiB or 141 GiB card) or
+given with VIGIL_BENCH_SCALING_MICRO_BATCH. Per run, a roofline point: achieved model FLOP/s per device (tokens/s x FLOPs per token / W) against
 the device's peak and memory bandwidth (the table in `vigil_worker.trainer.mfu` on GPU; measured here on
 CPU: a matmul rate and a copy bandwidth), at the step's arithmetic intensity estimated as model FLOPs
 per step over the bytes of training state it reads and writes (weights, gradients, Adam moments;
@@ -23,6 +24,7 @@ cores give.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -42,7 +44,22 @@ TIMED_RANK = "vigil_bench.timed_rank"
 STEPS = 12
 WARMUP = 3
 CPU_MICRO_BATCH = 8
-GPU_MICRO_BATCH = 8
+# Activations per token of the `small` preset in bf16, an estimate: about 34·d bytes per layer (Korthikanti
+# et al. 2022, flash attention), 12 x 26 KB, plus the logits and their gradient (50,304 x 10 bytes):
+# about 0.8 MB, taken as 1.2 MB for margin.
+GPU_ACTIVATION_BYTES_PER_TOKEN = 1.2e6
+
+
+def gpu_micro_batch(memory_bytes: int, seq_len: int) -> int:
+    """The largest power-of-two micro-batch (8 to 64) whose activations take at most half the GPU's
+    memory, so that MFU is not a micro-batch-8 figure; VIGIL_BENCH_SCALING_MICRO_BATCH overrides it."""
+    if (given := os.environ.get("VIGIL_BENCH_SCALING_MICRO_BATCH")) is not None:
+        return int(given)
+    mb = 8
+    while mb < 64 and 2 * mb * seq_len * GPU_ACTIVATION_BYTES_PER_TOKEN <= 0.5 * memory_bytes:
+        mb *= 2
+    return mb
+
 
 # Peak memory bandwidth, bytes/s, by device name (data sheets), for the roofline's sloped roof.
 BANDWIDTH: tuple[tuple[str, float], ...] = (
@@ -141,10 +158,14 @@ def run(settings: Settings) -> dict[str, Any]:
     devices, device_name, precision, peak, bandwidth = _hardware()
     gpu = device_name != "cpu (1 thread per rank)"
     preset = "small" if gpu else "tiny"
-    micro = GPU_MICRO_BATCH if gpu else CPU_MICRO_BATCH
+    import torch
+
+    micro = CPU_MICRO_BATCH
+    if gpu:
+        seq_len = parse_spec(_spec(preset, 1, 8)).model.resolved().seq_len
+        micro = gpu_micro_batch(torch.cuda.get_device_properties(0).total_memory, seq_len)
     dims = parse_spec(_spec(preset, 1, micro)).model.resolved()
     fpt = flops_per_token(dims)
-    import torch
 
     from vigil_worker.trainer.model import GPT
 
