@@ -9,8 +9,10 @@ CPU 1 and 2 ranks (one thread each, tiny preset, fp32), on a GPU machine 1, 2, 4
 - strong: the global batch fixed (micro-batch = global / W); efficiency(W) = step(1) / (W x step(W))
   in work per step, i.e. tokens/s(W) / (W x tokens/s(1)) with the same global batch.
 
-On a GPU the micro-batch is sized to the memory (`gpu_micro_batch`: 32 on an 80 GiB or 141 GiB card) or
-given with VIGIL_BENCH_SCALING_MICRO_BATCH. Per run, a roofline point: achieved model FLOP/s per device (tokens/s x FLOPs per token / W) against
+On a GPU the micro-batch is sized to the memory (`gpu_micro_batch`: 32 on an 80 GiB or 141 GiB card)
+or given with VIGIL_BENCH_SCALING_MICRO_BATCH.
+
+Per run, a roofline point: achieved model FLOP/s per device (tokens/s x FLOPs per token / W) against
 the device's peak and memory bandwidth (the table in `vigil_worker.trainer.mfu` on GPU; measured here on
 CPU: a matmul rate and a copy bandwidth), at the step's arithmetic intensity estimated as model FLOPs
 per step over the bytes of training state it reads and writes (weights, gradients, Adam moments;
