@@ -192,6 +192,8 @@ def permissions(role: str) -> dict[str, object]:
     streams = {subjects.stream_for(s).name for s in watches}
     if role in SERVICE_ROLES:
         streams.add(subjects.JOBS.name)
+    if role == "guardian":  # a hang is judged once its job's last event has reached the share's input
+        streams.add(subjects.SHARED.name)
     reads = [f"$JS.API.STREAM.MSG.GET.{name}" for name in sorted(streams)]
     return {
         "publish": {"allow": [*publish, *dead_letters, *_JS_READ, *reads, *owned]},

@@ -177,6 +177,12 @@ def rank_env(
     if user is not None:  # the worker's HOME and name are not the job's
         home = job_dir(settings, str(launch.job_id)) / "home"
         env.update(HOME=str(home), USER=user.name, LOGNAME=user.name)
+        # torch.compile's caches hold code that runs: the job's own (kept across its attempts), never a
+        # folder shared with other jobs (whose user may not write it, or could plant code in it)
+        env.update(
+            TORCHINDUCTOR_CACHE_DIR=str(home / ".cache" / "torchinductor"),
+            TRITON_CACHE_DIR=str(home / ".cache" / "triton"),
+        )
     if launch.spec.entrypoint is not None:
         env.update(launch.spec.entrypoint.env)
     nodes = list(dict.fromkeys(p.node for p in sorted(launch.placement, key=lambda p: p.rank)))
