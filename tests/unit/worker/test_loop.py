@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from vigil.link import NullLink
@@ -199,3 +200,20 @@ def test_a_spike_is_only_reported_where_the_spec_says_alert(tmp_path):
     train(ctx, TrainState())
     assert not any(isinstance(e, StepReplayed) for e in link.events)
     assert losses(link)[7] > 5 * losses(link)[6]
+
+
+def test_without_zero_the_guard_clips_with_the_norm_it_computed(tmp_path):
+    """No ZeRO: DeepSpeed's gradient_clipping is 0, so the guard's one norm is also the clip's (the
+    gradients come out with norm train.grad_clip, and the boundary reports the norm before clipping)."""
+    from vigil_worker.trainer import guard
+
+    ctx, _ = context(tmp_path, steps=1)
+    params = list(ctx.engine.module.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    before = torch.nn.utils.get_total_norm([p.grad for p in params]).item()
+    assert before > 10 * ctx.spec.train.grad_clip
+    agreed = guard.agree(ctx, torch.ones(()), torch.tensor(2.0))
+    assert agreed.all_finite and float(agreed.grad_norm) == pytest.approx(before, rel=1e-6)
+    after = torch.nn.utils.get_total_norm([p.grad for p in params]).item()
+    assert after == pytest.approx(ctx.spec.train.grad_clip, rel=1e-4)

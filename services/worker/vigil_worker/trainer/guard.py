@@ -41,10 +41,11 @@ def agree(
     Where the step is ours (no ZeRO), the full gradients' norm joins the finiteness verdict, arms
     `GuardedAdamW`, and clips the gradients: computed once, on the device, read after the step's sync."""
     norm: torch.Tensor | None = None
-    grads: list[torch.Tensor] = []
+    params: list[torch.nn.Parameter] = []
     if guards_optimizer(ctx):
-        grads = [p.grad for p in ctx.engine.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)  # full gradients after the all-reduce (no host sync)
+        params = [p for p in ctx.engine.module.parameters() if p.grad is not None]
+        # the full gradients' norm after the all-reduce, on the device (no host sync)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         finite = finite * torch.isfinite(norm).float()
     got = boundary.agree(
         finite,
@@ -59,7 +60,8 @@ def agree(
         ctx.engine.optimizer.overflow = not got.all_finite
         clip = ctx.spec.train.grad_clip
         if got.all_finite and clip > 0 and norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)  # DeepSpeed's clipping is off
+            # DeepSpeed's clipping is off here; this takes parameters (it scales their .grad)
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
     return Boundary(got.all_finite, got.agreed_seq, norm, got.oom_rank, got.preempt, got.losses or ())
 
 
