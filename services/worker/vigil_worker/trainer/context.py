@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from vigil.run import Run
 from vigil_common.spec import JobSpec
 from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
-from vigil_worker.trainer.ds_config import owns_step, uses_autocast
+from vigil_worker.trainer.ds_config import owns_step
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.mfu import Peak
 from vigil_worker.trainer.observer import NullObserver, Observer
@@ -56,12 +55,6 @@ class RankContext:
         """DeepSpeed steps our `GuardedAdamW` directly (no ZeRO, fp32 or bf16 autocast): the trainer clips
         and skips a bad update itself (`guard`, `hold`)."""
         return owns_step(self.zero_stage, self.precision)
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The forward's precision context: torch autocast to bf16 where the plan says so, else nothing."""
-        if uses_autocast(self.zero_stage, self.precision):
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
 
 @dataclass
