@@ -17,9 +17,11 @@ A few lines in an existing loop::
         step = run.after_step(step + 1, ok)       # halt, roll back or stop here, on every rank
 
 `after_step` returns the step to run next: `step + 1`, or a checkpoint's step after an in-place
-rollback. A program that registered no loader is stopped there (exit code 5, `vigil.exits`) and the
-scheduler relaunches it with `VIGIL_RESUME_FROM` set to the checkpoint (`run.resume_from`). On a
-preemption notice it exits with code 4 after the checkpoint `on_preemption` saves, if one is registered.
+rollback; the steps run again after it are reported with the next `run.generation` (0 on the attempt's
+first run), so the abandoned run and the re-run stay two histories. A program that registered no loader
+is stopped there (exit code 5, `vigil.exits`) and the scheduler relaunches it with `VIGIL_RESUME_FROM`
+set to the checkpoint (`run.resume_from`). On a preemption notice it exits with code 4 after the
+checkpoint `on_preemption` saves, if one is registered.
 
 The built-in GPT trainer runs on this same `Run`: its link, its step boundary, its command handling and
 its checkpoints (`vigil_worker.trainer`).
@@ -126,6 +128,7 @@ class Run:
         self.notice = PreemptionNotice()
         self.handled_seq = 0  # commands acted on (numbered from 1)
         self.halted = False
+        self.generation = 0  # in-place rollbacks done in this attempt: which run of its steps this is
         self._loader: Callable[[Path], Any] | None = None
         self._emergency: Callable[[int], Any] | None = None
         self._next_step = 0
@@ -219,6 +222,7 @@ class Run:
                 local_finite=(loss == loss and abs(loss) != float("inf"))
                 if local_finite is None
                 else local_finite,
+                generation=self.generation,
                 **timings,
             )
         )
@@ -410,6 +414,7 @@ class _RunHandler:
         if command.skip_data:
             run.skip_windows.append(tuple(command.skip_data))  # type: ignore[arg-type]
         run._next_step = m.step
+        run.generation += 1  # the steps from m.step on are a new run of them, beside the abandoned one
         duration = time.perf_counter() - t0
         log.warning(
             "vigil: rolled back from step %d to %d (%s) in %.3fs", from_step, m.step, m.path, duration

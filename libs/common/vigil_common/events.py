@@ -239,18 +239,12 @@ class StepCompletedV1(_StepFields):
 
     def upgraded(self) -> StepCompleted:
         # A v1 sender did not say whether its own numbers were finite before the all-reduce: unknown.
-        return StepCompleted(**self.model_dump(exclude={"schema_version"}), local_finite=None)
+        return StepCompletedV2(**self.model_dump(exclude={"schema_version"}), local_finite=None).upgraded()
 
 
-class StepCompleted(_StepFields):
-    """One rank finished one optimizer step. Times are measured, in seconds.
+class _StepFieldsV2(_StepFields):
+    """What version 2 added, and version 3 keeps."""
 
-    Version 2 adds what only the rank itself knows: whether its own loss was finite before the
-    all-reduce (after it every rank's grad norm is NaN, so this names the rank that made a NaN), and
-    the model FLOPs behind its throughput.
-    """
-
-    schema_version: Literal[2] = 2
     local_finite: bool | None = Field(
         description="this rank's own loss was finite before the all-reduce; None: not known (a v1 sender)"
     )
@@ -264,10 +258,39 @@ class StepCompleted(_StepFields):
     )
 
 
+class StepCompletedV2(_StepFieldsV2):
+    """Version 2 of StepCompleted, still read: `decode` upgrades it to the current version.
+
+    Version 2 added what only the rank itself knows: whether its own loss was finite before the
+    all-reduce (after it every rank's grad norm is NaN, so this names the rank that made a NaN), and
+    the model FLOPs behind its throughput.
+    """
+
+    schema_version: Literal[2] = 2
+
+    def upgraded(self) -> StepCompleted:
+        # A v2 sender did not number its in-place rollbacks: its steps are read as the attempt's first run.
+        return StepCompleted(**self.model_dump(exclude={"schema_version"}), generation=0)
+
+
+class StepCompleted(_StepFieldsV2):
+    """One rank finished one optimizer step. Times are measured, in seconds.
+
+    Version 3 adds `generation`: which run of its steps within the attempt this is. A step re-run after
+    an in-place rollback keeps its (attempt, rank, step) but not its generation, so the abandoned run
+    and the re-run are two histories (the aggregate keeps the highest generation's).
+    """
+
+    schema_version: Literal[3] = 3
+    generation: Int4 = Field(
+        0, description="in-place rollbacks this rank did in this attempt before this step: 0 on a first run"
+    )
+
+
 # How a StepCompleted is stored, in one place: the columns of `telemetry_steps` (migrations 0003, 0008,
-# 0009, 0014) with their Postgres types. The telemetry writer COPYs exactly these, the read model and the
-# benches take their column lists from here, and a test checks the table's columns against it. Every
-# field of the event is stored but STEP_NOT_STORED.
+# 0009, 0014, 0017) with their Postgres types. The telemetry writer COPYs exactly these, the read model
+# and the benches take their column lists from here, and a test checks the table's columns against it.
+# Every field of the event is stored but STEP_NOT_STORED.
 STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("event_id", "text"),
     ("job_id", "text"),
@@ -294,6 +317,7 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("flops_per_token", "float8"),
     ("mfu", "float8"),
     ("micro_batch", "int"),
+    ("generation", "int"),
 )
 STEP_FIELDS: tuple[str, ...] = tuple(name for name, _ in STEP_COLUMNS)
 STEP_NOT_STORED = frozenset({"type", "schema_version", "local_finite"})  # the envelope's tag, and a v2 flag
@@ -627,6 +651,7 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     GpuSampled,
     LaunchJob,
     StepCompleted,
+    StepCompletedV2,
     StepCompletedV1,
     RankStarted,
     RankExited,
@@ -687,7 +712,7 @@ _VERSION = re.compile(rb'"schema_version":\s*(\d+)')
 
 def decode(data: bytes, expected: tuple[type[Message], ...] | None = None) -> Message:
     """Decode a message by its `type` and `schema_version`, upgraded to the current version of its type
-    (a StepCompleted v1 is read as v2).
+    (a StepCompleted v1 or v2 is read as v3).
 
     Raises MalformedMessage (permanent) naming what is wrong: not JSON, an unknown
     type or version, a type this subject does not carry, or a field that fails validation.

@@ -37,6 +37,7 @@ Link frames are JSON, one per line (`encode_frame` / `decode_frame`), at most `M
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Annotated, Literal, TypeVar
 
@@ -188,9 +189,25 @@ def decode_rank_frame(line: bytes) -> Hello | Publish | Bye:
     try:
         return _RANK_FRAME.validate_json(line)
     except ValidationError as exc:
+        if (older := _older_step(line)) is not None:
+            return older
         if (refused := _refused_event(exc, line)) is not None:
             raise refused from exc
         raise MalformedMessage(f"bad frame: {_fields(exc)}") from exc
+
+
+def _older_step(line: bytes) -> Publish | None:
+    """A publish frame of a StepCompleted of an older version (a training image with an older SDK), read
+    as the current version, as `events.decode` reads it from the bus; None for anything else (off the
+    hot path: only a frame the current models refused gets here)."""
+    with contextlib.suppress(ValueError):  # not JSON, or the older version refuses it too
+        frame = json.loads(line)
+        event = frame.get("event") if isinstance(frame, dict) and frame.get("frame") == "publish" else None
+        if isinstance(event, dict) and event.get("type") == "step.completed":
+            older = ev.REGISTRY.get(("step.completed", event.get("schema_version")))  # type: ignore[arg-type]
+            if older is not None and older is not ev.StepCompleted:
+                return Publish(id=frame.get("id"), event=older.model_validate(event).upgraded())
+    return None
 
 
 def _refused_event(exc: ValidationError, line: bytes) -> EventRefused | None:

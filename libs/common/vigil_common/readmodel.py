@@ -30,41 +30,46 @@ async def steps(
 ) -> Page:
     """Step metrics of a job in (attempt, step) order.
 
-    Per rank (optionally one `rank`): every event, including steps re-run after a rollback
-    (later `occurred_at`), for as long as raw rows are kept (VIGIL_STEP_RETENTION_DAYS).
-    Aggregated: one item per (attempt, step) over the newest event of each rank: mean loss,
-    grad norm and MFU, summed tokens/s, the slowest step and communication times, and how many ranks
-    reported; kept for the job's life. A per-rank first page of a job whose raw rows are all gone
-    (no `rank` asked) is the aggregated one, so a reader of an old job still gets its curve.
+    Per rank (optionally one `rank`): every event, for as long as raw rows are kept
+    (VIGIL_STEP_RETENTION_DAYS), in (attempt, step, rank, generation) order. A step re-run after an
+    in-place rollback is a second row with the next `generation` (0: the attempt's first run, +1 after
+    each in-place rollback), so the abandoned run and the re-run are both there.
+    Aggregated: one item per (attempt, step) over the step's last run (its highest `generation`, the
+    newest event of each rank of it): mean loss, grad norm and MFU, summed tokens/s, the slowest step
+    and communication times, and how many ranks reported; kept for the job's life. A per-rank first
+    page of a job whose raw rows are all gone (no `rank` asked) is the aggregated one, so a reader of
+    an old job still gets its curve.
     """
     check_limit(limit)
     if aggregate:
         return await _aggregated(pool, job_id, attempt=attempt, limit=limit, cursor=cursor)
-    key = decode_cursor(cursor, ("int", "bigint", "int", "bigint"))  # attempt, step, rank, seq
+    key = decode_cursor(cursor, ("int", "bigint", "int", "int", "bigint"))  # attempt, step, rank, gen, seq
     rows = await pool.fetch(
         f"""SELECT {_STEP_FIELDS}, seq FROM telemetry_steps
             WHERE job_id = $1 AND ($2::int IS NULL OR rank = $2) AND ($3::int IS NULL OR attempt = $3)
-              AND ($4::int IS NULL OR (attempt, step, rank, seq) > ($4, $5::bigint, $6::int, $7::bigint))
-            ORDER BY attempt, step, rank, seq LIMIT $8""",
+              AND ($4::int IS NULL OR (attempt, step, rank, generation, seq)
+                                      > ($4, $5::bigint, $6::int, $7::int, $8::bigint))
+            ORDER BY attempt, step, rank, generation, seq LIMIT $9""",
         job_id,
         rank,
         attempt,
-        *(key or (None, None, None, None)),
+        *(key or (None, None, None, None, None)),
         limit + 1,
     )
     if not rows and cursor is None and rank is None:
         return await _aggregated(pool, job_id, attempt=attempt, limit=limit, cursor=None)
-    return page(rows, limit, ("attempt", "step", "rank", "seq"), hidden=("seq",))
+    return page(rows, limit, ("attempt", "step", "rank", "generation", "seq"), hidden=("seq",))
 
 
 async def _aggregated(
     pool: asyncpg.Pool, job_id: str, *, attempt: int | None, limit: int, cursor: str | None
 ) -> Page:
-    """From `telemetry_step_aggregates` (migration 0009), which a trigger keeps as steps arrive."""
+    """From `telemetry_step_aggregates` (migrations 0009, 0017), which a trigger keeps as steps arrive."""
     key = decode_cursor(cursor, ("int", "bigint"))  # attempt, step
     rows = await pool.fetch(
-        """SELECT step, NULL::int AS rank, attempt, ranks, loss, grad_norm, lr, tokens, tokens_per_s,
-                  step_time_s, comm_time_s, skipped, occurred_at, flops_per_token, mfu, micro_batch
+        """SELECT step, NULL::int AS rank, attempt, generation, ranks, loss, grad_norm, lr, tokens,
+                  tokens_per_s, step_time_s, comm_time_s, skipped, occurred_at, flops_per_token, mfu,
+                  micro_batch
            FROM telemetry_step_aggregates
            WHERE job_id = $1 AND ($2::int IS NULL OR attempt = $2)
              AND ($3::int IS NULL OR (attempt, step) > ($3, $4::bigint))
@@ -219,9 +224,10 @@ def _stored_width(bucket: int) -> int | None:
 
 async def step_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[Mapping[str, Any]]:
     """A job's step metrics downsampled on the server: one row per (rank, `bucket` consecutive steps)
-    over every stored event (re-runs after a rollback included, so a NaN or spike that was rolled back
-    still shows), with the first and last step, and per metric the mean, min and max of the finite
-    values and how many were not finite (`<metric>_bad`).
+    over every stored event (abandoned runs and re-runs after an in-place rollback both, so a NaN or
+    spike that was rolled back still shows), with the first and last step, and per metric the mean,
+    count, min and max of the finite values and how many were not finite (`<metric>_bad`).
+    `abandoned_buckets` says how much of each came from runs a rollback abandoned.
 
     A `bucket` that a stored width divides (`shown_width` gives one) merges the stored buckets:
     about two rows a point, however many steps the job has; any other is one pass over the raw rows.
@@ -232,8 +238,8 @@ async def step_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[
     if stored is None:
         return await _raw_buckets(pool, job_id, bucket)
     merged = ", ".join(
-        f"sum({m}_sum) / NULLIF(sum({m}_n), 0) AS {m}, min({m}_lo) AS {m}_lo, max({m}_hi) AS {m}_hi, "
-        f"sum({m}_bad)::int AS {m}_bad"
+        f"sum({m}_sum) / NULLIF(sum({m}_n), 0) AS {m}, sum({m}_n)::int AS {m}_n, min({m}_lo) AS {m}_lo, "
+        f"max({m}_hi) AS {m}_hi, sum({m}_bad)::int AS {m}_bad"
         for m in SERIES_METRICS
     )
     rows = await pool.fetch(
@@ -256,7 +262,7 @@ async def _raw_buckets(pool: asyncpg.Pool, job_id: str, bucket: int) -> list[Map
         for m in SERIES_METRICS
     )
     per_metric = ", ".join(
-        f"avg({m}) AS {m}, min({m}) AS {m}_lo, max({m}) AS {m}_hi, "
+        f"avg({m}) AS {m}, count({m})::int AS {m}_n, min({m}) AS {m}_lo, max({m}) AS {m}_hi, "
         f"count(*) FILTER (WHERE {m}_nonfinite)::int AS {m}_bad"
         for m in SERIES_METRICS
     )
@@ -270,18 +276,51 @@ async def _raw_buckets(pool: asyncpg.Pool, job_id: str, bucket: int) -> list[Map
     return rows
 
 
+async def abandoned_buckets(pool: asyncpg.Pool, job_id: str, *, bucket: int) -> list[Mapping[str, Any]]:
+    """The part of `step_buckets` that came from abandoned runs: per (rank, `bucket` consecutive steps),
+    the raw rows an in-place rollback left behind (the same rank ran the same step of the same attempt
+    again, with a higher `generation`), with per metric the sum and count of the finite values (`<metric>`
+    is their mean). Empty for a job without a stored rollback (no scan), and once the raw rows are past
+    retention (the curve then keeps them in with the re-run)."""
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1, got {bucket}")
+    nonfinite = "('NaN', 'Infinity', '-Infinity')"
+    cleaned = ", ".join(f"CASE WHEN {m} IN {nonfinite} THEN NULL ELSE {m} END AS {m}" for m in SERIES_METRICS)
+    per_metric = ", ".join(
+        f"avg({m}) AS {m}, COALESCE(sum({m}), 0) AS {m}_sum, count({m})::int AS {m}_n" for m in SERIES_METRICS
+    )
+    rows = await pool.fetch(
+        f"""WITH rollbacks AS (
+                SELECT attempt, (payload->>'to_step')::int8 AS lo, (payload->>'from_step')::int8 AS hi
+                FROM telemetry_status_events WHERE job_id = $1 AND type = 'rollback.completed')
+            SELECT rank, bucket, min(step) AS first_step, max(step) AS last_step, {per_metric}
+            FROM (SELECT rank, step / $2 AS bucket, step, {cleaned}
+                  FROM telemetry_steps s
+                  WHERE s.job_id = $1 AND EXISTS (SELECT 1 FROM rollbacks)
+                    AND s.step BETWEEN (SELECT min(lo) FROM rollbacks) AND (SELECT max(hi) FROM rollbacks)
+                    AND EXISTS (SELECT 1 FROM telemetry_steps t
+                                WHERE t.job_id = s.job_id AND t.attempt = s.attempt AND t.step = s.step
+                                  AND t.rank = s.rank AND t.generation > s.generation)) a
+            GROUP BY rank, bucket ORDER BY bucket, rank""",
+        job_id,
+        bucket,
+    )
+    return rows
+
+
 async def step_phases(
     pool: asyncpg.Pool, job_id: str, step: int, *, attempt: int | None = None
 ) -> list[dict[str, Any]]:
-    """Each rank's newest event for one step (of `attempt`, else of the newest attempt that ran it):
-    rank, node, attempt and its data, forward, backward, comm, optimizer and step times."""
+    """Each rank's newest event for one step (of `attempt`, else of the newest attempt that ran it; of
+    its last run, the highest generation): rank, node, attempt, generation and its data, forward,
+    backward, comm, optimizer and step times."""
     rows = await pool.fetch(
-        """SELECT DISTINCT ON (rank) rank, node, attempt, step, data_time_s, forward_time_s,
+        """SELECT DISTINCT ON (rank) rank, node, attempt, generation, step, data_time_s, forward_time_s,
                   backward_time_s, comm_time_s, optimizer_time_s, step_time_s, loss, skipped, occurred_at
            FROM telemetry_steps
            WHERE job_id = $1 AND step = $2 AND attempt = COALESCE($3::int,
                  (SELECT max(attempt) FROM telemetry_steps WHERE job_id = $1 AND step = $2))
-           ORDER BY rank, seq DESC""",
+           ORDER BY rank, generation DESC, seq DESC""",
         job_id,
         step,
         attempt,

@@ -214,7 +214,7 @@ CARRIES: dict[str, tuple[type[ev.Message], ...]] = {
     "heartbeat": (ev.NodeHeartbeat,),
     "gpu": (ev.GpuSampled,),
     "launch": (ev.LaunchJob,),
-    "step": (ev.StepCompleted, ev.StepCompletedV1),  # current version first
+    "step": (ev.StepCompleted, ev.StepCompletedV2, ev.StepCompletedV1),  # current version first
     "status": ev.STATUS_EVENTS,
     "cmd": ev.JOB_COMMANDS,
     "incident": (ev.IncidentRaised,),

@@ -81,6 +81,14 @@ async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stac
         (done,) = run.of(RollbackCompleted)
         assert done.to_step == 8 and done.from_step >= NAN_AT
         assert {e.attempt for e in run.of(StepCompleted)} == {1}
+        # the program's Run numbers its runs of the steps: 0 before the rollback, 1 for the re-run
+        sent = run.of(StepCompleted)
+        assert {e.generation for e in sent if e.occurred_at < done.occurred_at} == {0}
+        assert {e.generation for e in sent if e.occurred_at > done.occurred_at} == {1}
+        first = {(e.rank, e.step) for e in sent if e.generation == 0}
+        rerun = {(e.rank, e.step): e.loss for e in sent if e.generation == 1}
+        repeated = sorted({s for r, s in rerun if (r, s) in first})
+        assert repeated[0] == 8 and NAN_AT in repeated, repeated
     last = max(e.attempt for e in run.of(StepCompleted))
     after = [e for e in run.of(StepCompleted) if e.step > NAN_AT and e.attempt == last]
     assert after and all(math.isfinite(e.loss) for e in after)
@@ -92,3 +100,9 @@ async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stac
     pairs = [(s["attempt"], s["step"]) for s in steps["items"]]
     assert len(pairs) == len(set(pairs)) and {k for _, k in pairs} == set(range(STEPS)), pairs
     assert all(s["ranks"] == 2 for s in steps["items"]), steps["items"]
+    if example not in RELAUNCHED:  # the aggregate of a step run twice is its re-run's
+        for item in steps["items"]:
+            if item["step"] in repeated:
+                assert item["generation"] == 1, item
+                mean = (rerun[(0, item["step"])] + rerun[(1, item["step"])]) / 2
+                assert item["loss"] == pytest.approx(mean, rel=1e-6), item

@@ -276,3 +276,67 @@ async def test_a_spec_its_worker_refuses_fails_at_once_without_a_relaunch(stack:
     assert [launch.attempt for launch in run.of(LaunchJob)] == [1]
     job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
     assert "data.path" in job["reason"] and "outside the allowed roots" in job["reason"], job["reason"]
+
+
+async def test_a_step_run_again_after_an_in_place_rollback_has_two_histories(stack: Stack):
+    """Issue 32: the abandoned run and the re-run of the same steps are two generations, in the API and
+    on the console's chart, and the aggregate keeps the re-run."""
+    run = await train(
+        stack,
+        {
+            "name": "e2e-generations",
+            "resources": {"nodes": 1, "gpus_per_node": 2},
+            "model": TINY,
+            "train": {**TRAIN, "steps": 14},
+            "checkpoint": {"every": 3, "keep": 10},
+            "guardian": {"nan": "rollback", "replay": False},  # the in-place rollback path
+            "faults": [{"kind": "nan", "step": 7, "rank": 1}],
+        },
+    )
+    assert run.of(JobStateChanged)[-1].to_state == "SUCCEEDED"
+    (done,) = run.of(RollbackCompleted)
+    assert done.to_step == 6
+    sent = run.of(StepCompleted)
+    # the ranks number their runs: 0 up to the rollback, 1 after it
+    assert {e.generation for e in sent if e.occurred_at < done.occurred_at} == {0}
+    assert {e.generation for e in sent if e.occurred_at > done.occurred_at} == {1}
+    runs = {(e.rank, e.step, e.generation): e.loss for e in sent}
+    repeated = sorted({s for r, s, g in runs if g == 1 and (r, s, 0) in runs})
+    assert repeated[0] == 6 and 7 in repeated and math.isnan(runs[(1, 7, 0)])
+
+    # the API: every rank-step of both runs, keyed by generation...
+    async def stored() -> list[dict[str, Any]]:
+        r = await stack.http.get(f"/api/v1/jobs/{run.job_id}/steps", params={"limit": 1000})
+        items = r.json()["items"]
+        return items if len(items) == len(sent) else []
+
+    rows = await eventually(stored, timeout=30, what="every step stored")
+    keys = [(r["step"], r["rank"], r["generation"]) for r in rows]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert {(r["rank"], r["step"], r["generation"]) for r in rows} == set(runs)
+    for s in repeated:
+        assert [r["generation"] for r in rows if r["step"] == s and r["rank"] == 1] == [0, 1]
+    # ...and the aggregate of a repeated step is its re-run's, never the abandoned run's NaN
+    aggregated = await stack.http.get(
+        f"/api/v1/jobs/{run.job_id}/steps", params={"aggregate": "true", "limit": 1000}
+    )
+    per_step = {a["step"]: a for a in aggregated.json()["items"]}
+    assert sorted(per_step) == list(range(14))
+    for s in repeated:
+        rerun = (runs[(0, s, 1)] + runs[(1, s, 1)]) / 2
+        assert per_step[s]["generation"] == 1 and per_step[s]["ranks"] == 2, s
+        assert per_step[s]["loss"] == pytest.approx(rerun, rel=1e-6), s
+    assert per_step[0]["generation"] == 0
+
+    # the console's chart: the abandoned branch apart (faded), the curve itself the re-run
+    doc = (await stack.http.get(f"/console/data/jobs/{run.job_id}")).json()
+    series = doc["series"]
+    assert series["bucket"] == 1
+    loss = series["metrics"]["loss"]
+    by_step = dict(zip(series["x"], zip(loss["mean"], loss["abandoned"], strict=True), strict=True))
+    for s in repeated:
+        mean, abandoned = by_step[s]
+        assert mean == pytest.approx(per_step[s]["loss"], rel=1e-6), s
+        left = [runs[(r, s, 0)] for r in (0, 1) if math.isfinite(runs[(r, s, 0)])]  # a NaN: counted apart
+        assert abandoned == pytest.approx(sum(left) / len(left), rel=1e-6), s
+    assert all(by_step[s][1] is None for s in range(14) if s not in repeated)

@@ -33,6 +33,14 @@ STEP_V1 = ev.StepCompletedV1(
     skipped=False,
     data_position=41,
 )
+# v2: the same step as v1's sample, with what v2 adds
+STEP_V2 = ev.StepCompletedV2(
+    **STEP_V1.model_dump(exclude={"schema_version"}),
+    local_finite=True,
+    flops_per_token=2.0e7,
+    mfu=0.41,
+    micro_batch=4,
+)
 
 SAMPLES: dict[type[ev.Message], ev.Message] = {
     ev.NodeHeartbeat: ev.NodeHeartbeat(
@@ -78,15 +86,9 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         skip_data=None,
     ),
     ev.StepCompletedV1: STEP_V1,
-    # v2: the same step as v1's sample, with what v2 adds
-    ev.StepCompleted: STEP_V1.upgraded().model_copy(
-        update=dict(
-            local_finite=True,
-            flops_per_token=2.0e7,
-            mfu=0.41,
-            micro_batch=4,
-        )
-    ),
+    ev.StepCompletedV2: STEP_V2,
+    # v3: the same step as v2's sample, re-run after one in-place rollback
+    ev.StepCompleted: STEP_V2.upgraded().model_copy(update=dict(generation=1)),
     ev.RankStarted: ev.RankStarted(**JOB, rank=0, node="n1", pid=4242, log_path="/var/log/vigil/r0.log"),
     ev.RankExited: ev.RankExited(
         **JOB, rank=0, node="n1", exit_code=3, signal=None, failure="error", last_step=12, log_tail="boom"

@@ -31,13 +31,35 @@ def test_golden_json_round_trips(cls):
     assert ev.decode(json.dumps(golden).encode()) == sample.upgraded()
 
 
-def test_step_completed_v1_is_read_as_v2_with_its_finiteness_unknown():
+def test_step_completed_v1_is_read_as_v3_with_its_finiteness_unknown_and_a_first_run():
     golden = (GOLDEN / "step.completed.v1.json").read_bytes()
     for expected in (None, subjects.CARRIES["step"]):
         step = ev.decode(golden, expected)
-        assert isinstance(step, ev.StepCompleted) and step.schema_version == 2
-        assert step.local_finite is None and step.mfu is None
+        assert isinstance(step, ev.StepCompleted) and step.schema_version == 3
+        assert step.local_finite is None and step.mfu is None and step.generation == 0
         assert step.loss == 2.5 and step.rank == 1 and step.event_id == SAMPLES[ev.StepCompletedV1].event_id
+
+
+def test_step_completed_v2_is_read_as_v3_of_generation_0():
+    golden = (GOLDEN / "step.completed.v2.json").read_bytes()
+    for expected in (None, subjects.CARRIES["step"]):
+        step = ev.decode(golden, expected)
+        assert isinstance(step, ev.StepCompleted) and step.schema_version == 3
+        assert step.generation == 0  # a v2 sender numbered no rollbacks: the attempt's first run
+        assert step.local_finite is True and step.mfu == 0.41 and step.micro_batch == 4
+        assert step.model_dump(exclude={"schema_version", "generation"}) == SAMPLES[
+            ev.StepCompletedV2
+        ].model_dump(exclude={"schema_version"})
+
+
+def test_step_completed_v3_carries_its_generation_and_bounds_it():
+    raw = json.loads((GOLDEN / "step.completed.v3.json").read_text())
+    assert ev.decode(json.dumps(raw).encode(), subjects.CARRIES["step"]).generation == 1
+    del raw["generation"]  # optional: a v3 sender that leaves it out reports a first run
+    assert ev.decode(json.dumps(raw).encode(), subjects.CARRIES["step"]).generation == 0
+    for bad in (-1, 2**31, "two"):
+        with pytest.raises(MalformedMessage, match="generation"):
+            ev.decode(json.dumps({**raw, "generation": bad}).encode(), subjects.CARRIES["step"])
 
 
 def test_step_completed_v2_requires_the_ranks_own_finiteness():

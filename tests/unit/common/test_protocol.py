@@ -27,3 +27,20 @@ def test_a_non_finite_loss_crosses_the_link_as_itself(loss: float) -> None:
 def test_a_bad_frame_names_the_field() -> None:
     with pytest.raises(Exception, match=r"publish\.id"):
         proto.decode_rank_frame(b'{"frame": "publish", "id": 0, "event": {}}\n')
+
+
+def test_an_older_sdks_step_crosses_the_link_as_the_current_version() -> None:
+    """A training image with an older SDK sends StepCompleted v2: read as v3, its generation 0."""
+    from tests.unit.common.samples import SAMPLES
+
+    old = SAMPLES[ev.StepCompletedV2]
+    line = b'{"frame": "publish", "id": 3, "event": ' + old.to_bytes() + b"}\n"
+    frame = proto.decode_rank_frame(line)
+    assert isinstance(frame, proto.Publish) and isinstance(frame.event, ev.StepCompleted)
+    assert (
+        frame.event.generation == 0 and frame.event.loss == old.loss and frame.event.event_id == old.event_id
+    )
+    bad = line.replace(b'"rank":1', b'"rank":-1')
+    assert bad != line
+    with pytest.raises(proto.EventRefused, match="rank"):
+        proto.decode_rank_frame(bad)

@@ -109,8 +109,36 @@ def test_series_without_downsampling_puts_each_step_at_its_own_x():
         "x": [],
         "ranks": [],
         "last_step": None,
-        "metrics": {m: {"ranks": [], "mean": [], "lo": [], "hi": [], "bad": []} for m in SERIES_METRICS},
+        "metrics": {
+            m: {"ranks": [], "mean": [], "abandoned": [], "lo": [], "hi": [], "bad": []}
+            for m in SERIES_METRICS
+        },
     }
+
+
+def test_series_draws_the_runs_a_rollback_abandoned_apart_from_the_re_run():
+    # Bucket 1 (steps 10..19) of each rank holds 10 steps of the re-run and 4 abandoned ones (steps
+    # 15..18 ran first with a loss of 9.0 before the rollback to 15): the stored bucket mixes both.
+    rows = [
+        bucket_row(0, 0, 10, 4.0) | {f"{m}_n": 10 for m in SERIES_METRICS},
+        bucket_row(0, 1, 10, (10 * 2.0 + 4 * 9.0) / 14) | {f"{m}_n": 14 for m in SERIES_METRICS},
+        bucket_row(1, 1, 10, (10 * 3.0 + 4 * 9.0) / 14) | {f"{m}_n": 14 for m in SERIES_METRICS},
+    ]
+    abandoned = [
+        {
+            "rank": r,
+            "bucket": 1,
+            **{f"{m}_sum": 36.0 for m in SERIES_METRICS},
+            **{f"{m}_n": 4 for m in SERIES_METRICS},
+        }
+        for r in (0, 1)
+    ]
+    loss = views.series(rows, 10, abandoned)["metrics"]["loss"]
+    assert loss["ranks"] == [[4.0, 2.0], [None, 3.0]]  # the last runs only
+    assert loss["mean"] == [4.0, 2.5]
+    assert loss["abandoned"] == [None, 9.0]  # the abandoned branch, where there is one
+    assert loss["hi"] == [4.0, (10 * 3.0 + 36.0) / 14]  # the band still covers every run
+    assert views.series(rows, 10)["metrics"]["loss"]["abandoned"] == [None, None]
 
 
 def phases(rank: int, data=0.01, fwd=0.1, bwd=0.2, comm=0.05, opt=0.02) -> dict:

@@ -123,9 +123,15 @@ def test_with_a_loader_a_rollback_loads_in_place_and_returns_the_checkpoints_ste
     run.link = Commands(
         ev.RollbackJob(job_id="j", attempt=1, checkpoint=target, step=4, skip_data=(4, 5), reason="x")
     )  # type: ignore[assignment]
-    run.link.emit = lambda event: None  # type: ignore[attr-defined]
+    sent: list[ev.Message] = []
+    run.link.emit = sent.append  # type: ignore[attr-defined]
+    run.report(6, loss=2.0)
     assert run.after_step(7, Boundary(True, 1)) == 4
     assert loaded == ["weights 4"] and run.skip_windows == [(4, 5)] and run.position(4) == 5
+    run.report(4, loss=1.5)  # step 4 again: the re-run is the attempt's next generation of it
+    steps = [e for e in sent if isinstance(e, ev.StepCompleted)]
+    assert [(e.step, e.generation) for e in steps] == [(6, 0), (4, 1)]
+    assert any(isinstance(e, ev.RollbackCompleted) and e.to_step == 4 for e in sent)
 
 
 def test_frames_name_what_is_wrong():

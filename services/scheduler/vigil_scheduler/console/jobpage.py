@@ -28,8 +28,9 @@ async def job_document(
     resources = job["spec"]["resources"]
     ranks = int(resources["nodes"]) * int(resources["gpus_per_node"])
     bucket = views.bucket_width(int(job["spec"]["train"]["steps"]), points, ranks)
-    rows, marks, incidents, checkpoints = await asyncio.gather(
+    rows, abandoned, marks, incidents, checkpoints = await asyncio.gather(
         readmodel.step_buckets(pool, job_id, bucket=bucket),
+        readmodel.abandoned_buckets(pool, job_id, bucket=bucket),
         readmodel.step_marks(pool, job_id),
         readmodel.incidents(pool, job_id=job_id, limit=LIMIT),
         readmodel.checkpoints(pool, job_id, limit=LIMIT),
@@ -38,7 +39,7 @@ async def job_document(
         "version": version,
         "job": views.job_header(job),
         "attempts": views.attempt_rows(job),
-        "series": views.series(rows, bucket),
+        "series": views.series(rows, bucket, abandoned),
         "marks": marks,  # halts, rollbacks, attempt starts; incidents are marked from "incidents"
         "incidents": views.incident_rows(incidents["items"]),
         "checkpoints": views.checkpoint_rows(checkpoints["items"]),

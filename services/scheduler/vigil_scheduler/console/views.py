@@ -112,16 +112,22 @@ def bucket_width(total_steps: int, points: int = DEFAULT_POINTS, ranks: int = 1)
     return shown_width(max(1, math.ceil(max(total_steps, 1) / points)))
 
 
-def series(rows: Iterable[Mapping[str, Any]], bucket: int) -> dict[str, Any]:
-    """uPlot-ready columns from `readmodel.step_buckets` rows.
+def series(
+    rows: Iterable[Mapping[str, Any]], bucket: int, abandoned: Iterable[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
+    """uPlot-ready columns from `readmodel.step_buckets` rows, and `readmodel.abandoned_buckets` rows
+    (the runs of steps an in-place rollback abandoned, drawn apart and faded, as W&B draws a fork).
 
     `x` holds each bucket's first step; per metric, `ranks` has one column per rank (the rank's mean
-    over the bucket, None where it has none), `mean` the mean over ranks (the sum for tokens/s),
-    `lo`/`hi` the min and max of every finite value in the bucket over all ranks (the band that keeps
-    a spike visible however many steps a point stands for), and `bad` the steps of buckets that held
-    a NaN or Inf. (64 ranks x 500 points are 32,000 rows: one pass per metric, no call per row.)
+    over the bucket's last runs, None where it has none), `mean` the mean over ranks (the sum for
+    tokens/s), `abandoned` the same over the abandoned runs (None where a bucket has none), `lo`/`hi`
+    the min and max of every finite value in the bucket over all ranks and runs (the band that keeps a
+    spike visible however many steps a point stands for, a rolled-back one included), and `bad` the
+    steps of buckets that held a NaN or Inf. (64 ranks x 500 points are 32,000 rows: one pass per
+    metric, no call per row.)
     """
     rows = list(rows)
+    abandoned = list(abandoned)
     buckets = sorted({r["bucket"] for r in rows})
     ranks = sorted({r["rank"] for r in rows})
     at = {b: i for i, b in enumerate(buckets)}
@@ -129,6 +135,7 @@ def series(rows: Iterable[Mapping[str, Any]], bucket: int) -> dict[str, Any]:
     n = len(buckets)
     x = [b * bucket for b in buckets]  # a bucket's first step (width 1: the step itself)
     where = [(col[r["rank"]], at[r["bucket"]]) for r in rows]
+    rows_n = {w: r for w, r in zip(where, rows, strict=True)} if abandoned else {}
     metrics: dict[str, Any] = {}
     for m in SERIES_METRICS:
         per_rank: list[list[float | None]] = [[None] * n for _ in ranks]
@@ -147,9 +154,28 @@ def series(rows: Iterable[Mapping[str, Any]], bucket: int) -> dict[str, Any]:
                     hi[i] = high
             if r[m_bad]:
                 bad.add(x[i])
+        left: list[list[float | None]] = [[None] * n for _ in ranks]
+        m_n, m_sum = f"{m}_n", f"{m}_sum"
+        for a in abandoned:  # the stored bucket holds both runs: take the abandoned one out of it
+            c, i = col.get(a["rank"]), at.get(a["bucket"])
+            stored = rows_n.get((c, i))
+            if c is None or i is None or stored is None or not a[m_n]:
+                continue
+            left[c][i] = a[m_sum] / a[m_n]
+            total, count = per_rank[c][i], stored[m_n]
+            kept = count - a[m_n]
+            per_rank[c][i] = (total * count - a[m_sum]) / kept if total is not None and kept > 0 else None
         combine = _sum if m == "tokens_per_s" else _mean  # a job's throughput is its ranks' sum
         mean = [combine(values) for values in zip(*per_rank, strict=True)]
-        metrics[m] = {"ranks": per_rank, "mean": mean, "lo": lo, "hi": hi, "bad": sorted(bad)}
+        gone = [combine(values) for values in zip(*left, strict=True)]
+        metrics[m] = {
+            "ranks": per_rank,
+            "mean": mean,
+            "abandoned": gone,
+            "lo": lo,
+            "hi": hi,
+            "bad": sorted(bad),
+        }
     last = max((r["last_step"] for r in rows), default=None)
     return {"bucket": bucket, "x": x, "ranks": ranks, "last_step": last, "metrics": metrics}
 

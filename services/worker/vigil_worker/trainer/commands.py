@@ -76,6 +76,7 @@ def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob, seq: int) ->
     ctx.faults.clear_transient()
     ctx.judge.rewind(st.step)
     st.halted = False
+    st.generation += 1  # the steps from st.step on are a new run of them, beside the abandoned one
     duration = time.perf_counter() - t0
     log.warning("rolled back from step %d to %d (%s) in %.3fs", from_step, st.step, m.path, duration)
     ctx.observer.on_rollback(

@@ -66,6 +66,7 @@ class TrainState:
     skip_windows: list[tuple[int, int]] = field(default_factory=list)
     handled_seq: int = 0  # commands handled (numbered from 1), the SDK's `commands.Inbox`
     halted: bool = False
+    generation: int = 0  # in-place rollbacks done in this attempt: which run of its steps this is
     saved_step: int | None = None  # the step of the last checkpoint this process saved
     split: int = 1  # each micro-step of the spec runs as this many (2 after an out-of-memory)
     preempted: bool = False  # the emergency checkpoint is written: the rank exits with EXIT_PREEMPTED

@@ -76,6 +76,7 @@ def report_step(
             flops_per_token=ctx.flops_per_token,
             mfu=mfu(tokens_per_s, ctx.flops_per_token, ctx.peak) if ctx.flops_per_token else None,
             micro_batch=B // st.split,
+            generation=st.generation,
             **memory_bytes(ctx.device),
         ),
     )

@@ -89,7 +89,7 @@ const Vigil = (() => {
 
   function chartData(s, metric) {
     const m = s.metrics[metric];
-    return [s.x, m.mean, m.lo, m.hi, ...m.ranks];
+    return [s.x, m.mean, m.lo, m.hi, ...m.ranks, m.abandoned];
   }
 
   function makeChart(el, s, metric, jobId) {
@@ -106,6 +106,8 @@ const Vigil = (() => {
         {label: "min", stroke: band ? "rgba(31,119,180,0.25)" : "transparent", show: band},
         {label: "max", stroke: band ? "rgba(31,119,180,0.25)" : "transparent", show: band},
         ...s.ranks.map((r, i) => ({label: `rank ${r}`, stroke: PALETTE[i % PALETTE.length], width: 1})),
+        // the runs an in-place rollback abandoned: faded and dashed beside the re-run, as W&B draws a fork
+        {label: "abandoned run", stroke: "rgba(34,34,34,0.3)", width: 2, dash: [6, 4], spanGaps: false},
       ],
       bands: band ? [{series: [3, 2], fill: "rgba(31,119,180,0.12)"}] : [],
       hooks: {draw: [(u) => drawMarks(u, metric)]},
