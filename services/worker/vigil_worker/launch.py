@@ -129,7 +129,7 @@ def program(
                           "one trust domain"}])  # fmt: skip
     roots = settings.allowed_code_roots
     try:
-        cwd = within(entry.workdir or ".", roots)
+        cwd = within(entry.workdir or ".", roots, setting="VIGIL_CODE_ROOTS")
     except OutsideRoots as exc:
         raise SpecError([{"field": "entrypoint.workdir", "message": str(exc)}]) from exc
     if not cwd.is_dir():

@@ -153,7 +153,9 @@ def test_a_workdir_outside_the_code_roots_is_refused_naming_the_field(tmp_path, 
     launch = make_launch(entrypoint={"argv": ["python", "x.py"], "workdir": workdir})
     with pytest.raises(SpecError) as err:
         prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET, USER)
-    assert err.value.errors[0]["field"] == "entrypoint.workdir"
+    [error] = err.value.errors
+    assert error["field"] == "entrypoint.workdir"
+    assert error["message"].endswith("see VIGIL_CODE_ROOTS") and "VIGIL_DATA_ROOTS" not in error["message"]
 
 
 def test_entrypoints_can_be_turned_off(tmp_path):
