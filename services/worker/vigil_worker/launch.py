@@ -199,6 +199,7 @@ def rank_env(
     env[proto.EXIT_FILE_ENV] = str(exit_path)
     env[proto.CHECKPOINT_ROOT_ENV] = str(settings.checkpoint_root)
     env[proto.CHECKPOINT_KEEP_ENV] = str(launch.spec.checkpoint.keep)
+    env[proto.JOB_SPEC_ENV] = launch.spec.model_dump_json(exclude={"entrypoint": {"env"}})
     if launch.resume_from:
         env[proto.RESUME_FROM_ENV] = launch.resume_from
     if launch.skip_data:
