@@ -165,7 +165,8 @@ class Run:
     def spec(self) -> JobSpec | None:
         """The job's spec as submitted (read-only: a frozen `vigil_common.spec.JobSpec`), so a program
         reads `spec.train.steps` or `spec.checkpoint.every` instead of repeating them in its argv; None
-        outside Vigil. `spec.entrypoint.env` is empty: those variables are in `os.environ`."""
+        when the program runs alone (no `VIGIL_JOB_SPEC`). `spec.entrypoint.env` is empty: those
+        variables are in `os.environ`."""
         return self._spec
 
     def checkpoint_dir(self, step: int) -> Path:
