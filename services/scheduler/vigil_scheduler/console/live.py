@@ -31,7 +31,7 @@ WATCHED = (subjects.ALL_STATUS, subjects.ALL_INCIDENTS)
 SHOWN = (JobStateChanged, IncidentRaised, RanksHalted, RollbackCompleted)  # passed on as they come
 
 
-async def console_events(
+def console_events(
     bus: Bus,
     closing: asyncio.Event,
     visible: Visible,
@@ -45,10 +45,7 @@ async def console_events(
     async def shown(event: Message) -> bool:
         return isinstance(event, SHOWN) and await visible.job(event.job_id)
 
-    async for message in sse.watched_events(
-        bus, closing, WATCHED, shown, resume_at=resume_at, keepalive_s=keepalive_s
-    ):
-        yield message
+    return sse.watched_events(bus, closing, WATCHED, shown, resume_at=resume_at, keepalive_s=keepalive_s)
 
 
 async def job_changes(

@@ -11,7 +11,7 @@ import anyio
 import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromQuery, Parameter, QueryParameter
+from litestar.params import FromQuery, HeaderParameter, QueryParameter
 from litestar.response import Redirect, ServerSentEvent, Template
 
 from vigil_common import readmodel
@@ -217,7 +217,7 @@ class ConsoleDataController(Controller):
         bus: BusDep,
         pool: Pool,
         job: JobFilter = None,
-        last_event_id: Annotated[str | None, Parameter(header=sse.LAST_EVENT_ID)] = None,
+        last_event_id: Annotated[str | None, HeaderParameter(name=sse.LAST_EVENT_ID)] = None,
     ) -> ServerSentEvent:
         """With `job`: that job page's `changed` events; without: state changes and incidents as they come,
         resumed after `Last-Event-ID` when the browser reconnects."""

@@ -10,7 +10,7 @@ import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import FromQuery, Parameter, QueryParameter, RawBody
+from litestar.params import FromQuery, HeaderParameter, QueryParameter, RawBody
 from litestar.response import ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
 
@@ -57,8 +57,8 @@ ONE_JOB = error_responses(401, 404, 422)
 WATCHED = (subjects.ALL_STATUS, subjects.ALL_INCIDENTS)  # what /events sends (its ids' order)
 LastEventId = Annotated[
     str | None,
-    Parameter(
-        header=sse.LAST_EVENT_ID,
+    HeaderParameter(
+        name=sse.LAST_EVENT_ID,
         description="resume after the event with this id (what a client that lost the stream sends)",
     ),
 ]
