@@ -15,7 +15,8 @@ For scripts and notebooks that drive Vigil from outside, the HTTP client::
 
 Importing `vigil` is light: it pulls in neither the control plane nor a bus client (a rank talks to
 its own worker agent over a local socket). Framework integrations live in `vigil.integrations`
-(`hf`, `lightning`, `deepspeed`, `ddp`), each imported only when used.
+(`hf`, `lightning`, `deepspeed`), each imported only when used; a plain `torch.distributed` (DDP) loop
+needs none: it calls `vigil.init()` and its `Run` directly.
 """
 
 from __future__ import annotations

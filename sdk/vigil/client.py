@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import SSEError, connect_sse
 from pydantic import TypeAdapter, ValidationError
 
 from vigil.api import (
@@ -50,6 +51,8 @@ from vigil_common.jobstates import TERMINAL_STATES
 
 Event = JobStateChanged | IncidentRaised
 _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
+_EVENT_KINDS = ("job.state_changed", "incident.raised")
+_GATEWAY_AWAY = (502, 503, 504)  # a proxy's answer while the gateway restarts or fails over
 Spec = Mapping[str, Any] | str | bytes | Path
 
 
@@ -249,27 +252,61 @@ class Client:
     # --- live events --------------------------------------------------------------------------------
 
     def events(
-        self, job_id: str | None = None, *, on_connect: Callable[[], None] | None = None
+        self,
+        job_id: str | None = None,
+        *,
+        on_connect: Callable[[], None] | None = None,
+        reconnect_for_s: float = 60.0,
     ) -> Iterator[Event]:
         """Job state changes and incidents as they are published (of one job, or all), until the caller
-        stops iterating or the gateway closes the stream. `on_connect` runs once the subscription holds:
-        every change from then on is yielded (what `wait` uses to not miss an ending)."""
+        stops iterating. `on_connect` runs each time the subscription holds: every change from then on is
+        yielded (what `wait` uses to not miss an ending).
+
+        The stream is read as server-sent events (`httpx-sse`): comments and keep-alives are skipped, and
+        a stream that is cut or closed is opened again after the gateway's `retry` delay with the last
+        event's id in `Last-Event-ID`, so each event is yielded once and none is lost. A gateway that
+        cannot be reached again within `reconnect_for_s` seconds is a VigilError."""
         params = _params(job=job_id)
-        try:
-            with self._http.stream("GET", "/api/v1/events", params=params, timeout=None) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    raise VigilError.of(r)
-                kind: str | None = None
-                for line in r.iter_lines():
-                    if line.startswith(": connected") and on_connect is not None:
-                        on_connect()
-                    elif line.startswith("event: "):
-                        kind = line.removeprefix("event: ")
-                    elif line.startswith("data: ") and kind in ("job.state_changed", "incident.raised"):
-                        yield _EVENT.validate_json(line.removeprefix("data: "))
-        except httpx.TransportError as exc:
-            raise VigilError(f"lost the event stream from {self.url}: {exc}") from exc
+        last_id = ""
+        retry_s = 1.0
+        lost_since: float | None = None  # since when the stream has been down (None while it is up)
+        while True:
+            headers = {"Last-Event-ID": last_id} if last_id else {}
+            why: object = "the gateway closed the stream"
+            try:
+                with connect_sse(
+                    self._http, "GET", "/api/v1/events", params=params, headers=headers, timeout=None
+                ) as source:
+                    answer = source.response
+                    if answer.status_code == 204:  # the spec's "do not reconnect"
+                        return
+                    if answer.status_code >= 400:
+                        answer.read()
+                        if answer.status_code not in _GATEWAY_AWAY:
+                            raise VigilError.of(answer)
+                        why = VigilError.of(answer)
+                    else:
+                        for sse in source.iter_sse():
+                            last_id = sse.id or last_id
+                            if sse.retry is not None:
+                                retry_s = sse.retry / 1000
+                            if sse.event == "connected":
+                                lost_since = None
+                                if on_connect is not None:
+                                    on_connect()
+                            elif sse.event in _EVENT_KINDS:
+                                yield _event(sse.event, sse.data)
+            except SSEError as exc:
+                raise VigilError(f"{self.url}/api/v1/events is not an event stream: {exc}") from exc
+            except httpx.TransportError as exc:
+                if not last_id and isinstance(exc, httpx.ConnectError):  # never reached: say so now
+                    raise VigilError(f"cannot reach the gateway at {self.url} ({exc})") from exc
+                why = exc
+            now = time.monotonic()
+            lost_since = now if lost_since is None else lost_since
+            if now + retry_s - lost_since > reconnect_for_s:
+                raise VigilError(f"lost the event stream from {self.url} for {reconnect_for_s:.0f}s: {why}")
+            time.sleep(retry_s)  # the gateway's retry delay, before connecting again
 
     def wait(self, job_id: str, *, on_event: Callable[[Event], None] | None = None) -> JobDetailOut:
         """Follow a job until it ends (SUCCEEDED, FAILED or CANCELLED) and return it; `on_event` sees each
@@ -305,6 +342,13 @@ class Client:
         if r.status_code >= 400:
             raise VigilError.of(r)
         return r.json()
+
+
+def _event(kind: str, data: str) -> Event:
+    try:
+        return _EVENT.validate_json(data)
+    except ValidationError as exc:
+        raise VigilError(f"the gateway sent a {kind} event that is not one: {exc}") from exc
 
 
 def _params(**given: Any) -> dict[str, Any]:

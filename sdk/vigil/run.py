@@ -36,7 +36,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from vigil.link import AgentLink, Link, NullLink, connect_from_env
 from vigil.preemption import PreemptionNotice
 from vigil_common import events as ev
 from vigil_common import protocol as proto
+from vigil_common.spec import JobSpec
 
 log = logging.getLogger("vigil")
 
@@ -93,6 +94,17 @@ class Identity:
         )
 
 
+def spec_from_env(env: Mapping[str, str]) -> JobSpec | None:
+    """The job's spec the worker put in `VIGIL_JOB_SPEC`; None without one."""
+    text = env.get(proto.JOB_SPEC_ENV)
+    if not text:
+        return None
+    try:
+        return JobSpec.model_validate_json(text)
+    except ValueError as exc:
+        raise ValueError(f"{proto.JOB_SPEC_ENV} is not a job spec: {exc}") from exc
+
+
 def parse_windows(text: str | None) -> list[tuple[int, int]]:
     """`"10:12,40:41"` -> [(10, 12), (40, 41)]; ValueError naming the bad part."""
     windows = []
@@ -118,8 +130,10 @@ class Run:
         keep: int = 5,
         resume_from: Path | None = None,
         skip_windows: list[tuple[int, int]] | None = None,
+        spec: JobSpec | None = None,
     ) -> None:
         self.identity = identity
+        self._spec = spec
         self.link = link
         self.checkpoint_root = checkpoint_root
         self.keep = keep
@@ -149,6 +163,14 @@ class Run:
     @property
     def world_size(self) -> int:
         return self.identity.world_size
+
+    @property
+    def spec(self) -> JobSpec | None:
+        """The job's spec as submitted (read-only: a frozen `vigil_common.spec.JobSpec`), so a program
+        reads `spec.train.steps` or `spec.checkpoint.every` instead of repeating them in its argv; None
+        when the program runs alone (no `VIGIL_JOB_SPEC`). `spec.entrypoint.env` is empty: those
+        variables are in `os.environ`."""
+        return self._spec
 
     def checkpoint_dir(self, step: int) -> Path:
         """Where the checkpoint of `step` goes: `<root>/<job>/step_<step:08d>`."""
@@ -474,7 +496,8 @@ def init() -> Run:
         identity = Identity.from_env()
         if identity is None or not os.environ.get(proto.AGENT_SOCKET_ENV):
             log.warning("vigil: not running under Vigil (no %s): reporting is off", proto.AGENT_SOCKET_ENV)
-            _current = Run(identity or Identity("local", 1, 0, 1, 0, "local"), NullLink())
+            identity = identity or Identity("local", 1, 0, 1, 0, "local")
+            _current = Run(identity, NullLink(), spec=spec_from_env(os.environ))
             return _current
         link: Link = connect_from_env(identity.job_id, identity.attempt, identity.rank) or NullLink()
         env = os.environ
@@ -487,6 +510,7 @@ def init() -> Run:
             keep=int(env.get(proto.CHECKPOINT_KEEP_ENV, "5")),
             resume_from=Path(resume) if resume else None,
             skip_windows=parse_windows(env.get(proto.SKIP_DATA_ENV)),
+            spec=spec_from_env(env),
         )
         if threading.current_thread() is threading.main_thread():
             _current.notice.install()  # SIGUSR1 from the worker: a preemption notice

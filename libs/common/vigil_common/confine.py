@@ -2,7 +2,8 @@
 
 - `within` resolves a user-given path (symlinks followed) and refuses it unless it lies under one of
   the allowed roots: a spec's `data.path` and `data.tokenizer` (roots: `VIGIL_DATA_ROOTS`, by default
-  the data dir), so no spec reads `/etc/shadow` or `/proc/self/environ` through the worker.
+  the data dir) and `entrypoint.workdir` (`VIGIL_CODE_ROOTS`), so no spec reads `/etc/shadow` or
+  `/proc/self/environ` through the worker.
 - `private_dir` makes a folder only its owner can list or enter (0700): the data dir, the token cache.
   Files Vigil writes in them are 0600 (`vigil up` and the services also set umask 077 for what
   libraries write, DeepSpeed's checkpoint shards among them).
@@ -22,12 +23,18 @@ class OutsideRoots(ValueError):
     """A path that resolves outside every allowed root."""
 
 
-def within(path: str | Path, roots: Sequence[Path], *, relative_to: Path | None = None) -> Path:
+def within(
+    path: str | Path,
+    roots: Sequence[Path],
+    *,
+    relative_to: Path | None = None,
+    setting: str = "VIGIL_DATA_ROOTS",
+) -> Path:
     """`path` fully resolved (every symlink followed), if it lies under one of `roots` (themselves
-    resolved); OutsideRoots otherwise. A relative `path` is taken from `relative_to` (default: the first
-    root)."""
+    resolved); OutsideRoots otherwise, naming `setting` (the variable that sets the roots). A relative
+    `path` is taken from `relative_to` (default: the first root)."""
     if not roots:
-        raise OutsideRoots("no allowed roots are configured (VIGIL_DATA_ROOTS)")
+        raise OutsideRoots(f"no allowed roots are configured ({setting})")
     resolved_roots = [Path(r).resolve() for r in roots]
     raw = Path(path)
     if not raw.is_absolute():
@@ -37,9 +44,7 @@ def within(path: str | Path, roots: Sequence[Path], *, relative_to: Path | None 
         if real == root or real.is_relative_to(root):
             return real
     names = ", ".join(str(r) for r in resolved_roots)
-    raise OutsideRoots(
-        f"{path} resolves to {real}, outside the allowed roots ({names}); see VIGIL_DATA_ROOTS"
-    )
+    raise OutsideRoots(f"{path} resolves to {real}, outside the allowed roots ({names}); see {setting}")
 
 
 def private_dir(path: Path) -> Path:

@@ -91,6 +91,9 @@ CHECKPOINT_KEEP_ENV = "VIGIL_CHECKPOINT_KEEP"  # how many the job keeps (its spe
 RESUME_FROM_ENV = "VIGIL_RESUME_FROM"  # the checkpoint this attempt starts from; unset: from scratch
 SKIP_DATA_ENV = "VIGIL_SKIP_DATA"  # data windows to skip, "start:end,start:end" ([start, end) positions)
 EXIT_FILE_ENV = "VIGIL_EXIT_FILE"  # where the rank leaves its exit code (for a restarted worker)
+# the job's spec as JSON (`vigil.Run.spec`); without `entrypoint.env`, which is the environment itself
+# (so that the variable stays well under the kernel's 128 KiB per string with the largest argv)
+JOB_SPEC_ENV = "VIGIL_JOB_SPEC"
 
 
 # --- link frames ---------------------------------------------------------------------------------------

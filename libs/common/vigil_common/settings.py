@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     )
     max_attempts: int = Field(5, ge=1, le=1000, description="launch attempts before a job is FAILED")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
+    sse_keepalive_s: float = Field(
+        15.0, gt=0, le=300, description="an event stream quiet this long gets a keep-alive comment"
+    )
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
     stream_replicas: int = Field(
         1, ge=1, le=5, description="servers each JetStream stream is kept on (3 on a 3-server NATS cluster)"

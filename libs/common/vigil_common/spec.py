@@ -230,8 +230,28 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _RESERVED_ENV_PREFIXES = ("VIGIL_", "NATS_", "LD_", "PYTHONSTARTUP")
 _TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"}  # fmt: skip
-_CREDENTIAL_WORDS = ("PASSWORD", "PASSWD", "SECRET", "TOKEN", "CREDENTIAL", "API_KEY", "APIKEY",
-                     "PRIVATE_KEY", "ACCESS_KEY", "AUTH")  # fmt: skip
+# A credential's name, matched by whole words (split on "_", trailing digits dropped), so that
+# TOKENIZERS_PARALLELISM or MAX_TOKENS pass and HF_TOKEN, DB_PASSWORD2 or AWS_SECRET_ACCESS_KEY do not;
+# a word may also end in one of _CREDENTIAL_ENDINGS (PGPASSWORD, GHTOKEN).
+_CREDENTIAL_WORDS = {"SECRETS", "CREDENTIAL", "CREDENTIALS", "PRIVATEKEY", "COOKIE"}
+_CREDENTIAL_ENDINGS = ("PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "TOKEN", "APIKEY")
+# KEY after one of these words: API_KEY, ACCESS_KEY (and AWS_ACCESS_KEY_ID), PRIVATE_KEY, SSH_KEY, ...
+_KEY_QUALIFIERS = {"API", "ACCESS", "SECRET", "PRIVATE", "SIGNING", "ENCRYPTION", "AUTH", "SSH", "LICENSE",
+                   "MASTER", "CLIENT", "SESSION", "ACCOUNT"}  # fmt: skip
+_NOT_CREDENTIALS = {"HF_HUB_DISABLE_IMPLICIT_TOKEN"}  # a flag that names a credential without holding one
+
+
+def looks_like_credential(name: str) -> bool:
+    """Whether an environment variable's name says it holds a credential (see `_CREDENTIAL_WORDS`)."""
+    upper = name.upper()
+    if upper in _NOT_CREDENTIALS:
+        return False
+    words = [w.rstrip("0123456789") for w in upper.split("_")]
+    return any(w in _CREDENTIAL_WORDS or w.endswith(_CREDENTIAL_ENDINGS) for w in words) or any(
+        w == "KEY" and i > 0 and words[i - 1] in _KEY_QUALIFIERS for i, w in enumerate(words)
+    )
+
+
 _ARGV_BYTES = 64 * 1024
 _ENV_BYTES = 64 * 1024
 
@@ -279,7 +299,7 @@ class EntrypointSpec(StrictModel):
                 raise FieldError(where, f"entrypoint.env: {name[:64]!r} is not a variable name (A-Z, 0-9, _)")
             if upper.startswith(_RESERVED_ENV_PREFIXES) or upper in _TORCHRUN_ENV:
                 raise FieldError(where, f"entrypoint.env: {name} is set by Vigil, not by a job")
-            if any(word in upper for word in _CREDENTIAL_WORDS):
+            if looks_like_credential(name):
                 raise FieldError(
                     where,
                     f"entrypoint.env: {name} looks like a credential; a job spec is no place for secrets",

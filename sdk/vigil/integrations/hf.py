@@ -18,9 +18,9 @@ reported and the job's commands are acted on: a halt waits there; a rollback sto
 code 5 and Vigil relaunches the job with `resume_checkpoint()` set, since the Trainer cannot load a
 checkpoint in place mid-training.
 
-Checkpoints: each `checkpoint-N` folder the Trainer saves (its `save_steps`; match the spec's
-`checkpoint.every`) is moved into Vigil's `step_N` folder and sealed with Vigil's manifest. Under Vigil,
-the Trainer's `output_dir` keeps the final model only.
+Checkpoints: each `checkpoint-N` folder the Trainer saves (its `save_steps`; set it to the spec's
+`checkpoint.every`, `vigil.init().spec.checkpoint.every`) is moved into Vigil's `step_N` folder and sealed
+with Vigil's manifest. Under Vigil, the Trainer's `output_dir` keeps the final model only.
 
 Outside Vigil the callback reports nothing and moves nothing; the finiteness guard still runs.
 """

@@ -129,7 +129,7 @@ def program(
                           "one trust domain"}])  # fmt: skip
     roots = settings.allowed_code_roots
     try:
-        cwd = within(entry.workdir or ".", roots)
+        cwd = within(entry.workdir or ".", roots, setting="VIGIL_CODE_ROOTS")
     except OutsideRoots as exc:
         raise SpecError([{"field": "entrypoint.workdir", "message": str(exc)}]) from exc
     if not cwd.is_dir():
@@ -205,6 +205,7 @@ def rank_env(
     env[proto.EXIT_FILE_ENV] = str(exit_path)
     env[proto.CHECKPOINT_ROOT_ENV] = str(settings.checkpoint_root)
     env[proto.CHECKPOINT_KEEP_ENV] = str(launch.spec.checkpoint.keep)
+    env[proto.JOB_SPEC_ENV] = launch.spec.model_dump_json(exclude={"entrypoint": {"env"}})
     if launch.resume_from:
         env[proto.RESUME_FROM_ENV] = launch.resume_from
     if launch.skip_data:

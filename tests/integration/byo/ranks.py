@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,16 @@ class Rank:
         return json.loads(last)
 
 
-def torchrun(script: str, *args: str, world: int = 2, cwd: Path, timeout_s: float = 240) -> list[Rank]:
-    """Run `examples/byo/<script>` as `world` ranks on this host (gloo, CPU) and wait for all of them."""
+def torchrun(
+    script: str,
+    *args: str,
+    world: int = 2,
+    cwd: Path,
+    timeout_s: float = 240,
+    extra_env: Mapping[str, str] | None = None,
+) -> list[Rank]:
+    """Run `examples/byo/<script>` (or the script at an absolute path) as `world` ranks on this host (gloo,
+    CPU), with `extra_env` added to their environment, and wait for all of them."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_") or k == "VIGIL_LOG_LEVEL"}
     for name in (proto.AGENT_SOCKET_ENV, proto.JOB_ID_ENV, proto.RANK_TOKEN_FD_ENV):
@@ -40,6 +49,7 @@ def torchrun(script: str, *args: str, world: int = 2, cwd: Path, timeout_s: floa
         MASTER_PORT=str(port), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
         DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
     )  # fmt: skip
+    env.update(extra_env or {})
     procs = []
     for rank in range(world):
         log = (cwd / f"rank-{rank}.log").open("w")

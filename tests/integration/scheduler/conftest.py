@@ -108,7 +108,14 @@ async def wait_ready(base_url: str, timeout_s: float = 30.0, task: asyncio.Task[
 
 @pytest.fixture
 async def scheduler(db_url: str, nats_url: str, tmp_path: Path) -> AsyncIterator[Running]:
-    settings = scheduler_settings(db_url, nats_url, tmp_path)
+    async with running(scheduler_settings(db_url, nats_url, tmp_path)) as started:
+        yield started
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings) -> AsyncIterator[Running]:
+    """A scheduler with `settings` (`scheduler_settings`), ready, with an admin's HTTP client."""
+    db_url = settings.database_url or ""
     stop = asyncio.Event()
     task = asyncio.create_task(run(settings, stop))
     pool = await create_pool(db_url, max_size=3)

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from vigil_common.errors import SpecError
@@ -151,3 +153,35 @@ def test_a_jobs_limits_serialise_only_when_set():
         "nodes": 1, "gpus_per_node": 1, "max_processes": 256, "memory_mb": 2048, "cpus": 1.5,
     }  # fmt: skip
     assert JobSpec.model_validate_json(limited.model_dump_json()) == limited
+
+
+CREDENTIALS = [
+    "TOKEN", "GITHUB_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_SESSION_TOKEN", "hf_token",
+    "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "SECRET", "CLIENT_SECRET", "DJANGO_SECRET_KEY",
+    "DB_PASSWORD", "PGPASSWORD", "REDIS_PASSWORD2", "MYSQL_PASSWD", "GPG_PASSPHRASE",
+    "WANDB_API_KEY", "OPENAI_API_KEY", "COMET_APIKEY", "PRIVATE_KEY", "SSH_PRIVATE_KEY", "SIGNING_KEY",
+    "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_CREDENTIAL", "GITHUB_AUTH_TOKEN", "SESSION_COOKIE",
+]  # fmt: skip
+FRAMEWORK_VARIABLES = [
+    "NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_P2P_DISABLE", "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_COMPILE_DEBUG", "TORCHINDUCTOR_CACHE_DIR",
+    "HF_HOME", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_IMPLICIT_TOKEN", "TRANSFORMERS_OFFLINE",
+    "TOKENIZERS_PARALLELISM", "MAX_TOKENS", "WANDB_MODE", "WANDB_PROJECT", "PYTORCH_CUDA_ALLOC_CONF",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS",
+    "AWS_REGION", "AWS_DEFAULT_REGION", "KEY_COLUMN", "PYTHONUNBUFFERED", "TRITON_CACHE_DIR",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CREDENTIALS)
+def test_an_entrypoint_env_that_names_a_credential_is_refused_naming_it(name: str) -> None:
+    spec = {"name": "own", "entrypoint": {"argv": ["python", "t.py"], "env": {name: "x"}}}
+    with pytest.raises(SpecError) as info:
+        parse_spec(json.dumps(spec), content_type="application/json")
+    [error] = info.value.errors
+    assert error["field"] == f"entrypoint.env.{name}" and "looks like a credential" in error["message"]
+
+
+def test_common_framework_variables_pass_the_credential_rule() -> None:
+    env = dict.fromkeys(FRAMEWORK_VARIABLES, "1")
+    spec = parse_spec(json.dumps({"name": "own", "entrypoint": {"argv": ["python", "t.py"], "env": env}}))
+    assert spec.entrypoint is not None and spec.entrypoint.env == env

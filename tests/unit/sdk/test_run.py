@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from vigil import manifest
 from vigil.boundary import Boundary
 from vigil.commands import act
 from vigil.link import NullLink
-from vigil.run import Identity, Restart, Run, init, parse_windows
+from vigil.run import Identity, Restart, Run, init, parse_windows, spec_from_env
 from vigil_common import events as ev
 from vigil_common import protocol as proto
 from vigil_common.errors import MalformedMessage
@@ -156,3 +157,17 @@ def test_importing_the_sdk_pulls_in_no_control_plane():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_jobs_spec_is_read_only_and_none_without_one(monkeypatch):
+    assert spec_from_env({}) is None
+    spec = spec_from_env({proto.JOB_SPEC_ENV: '{"name": "own", "checkpoint": {"every": 7, "keep": 2}}'})
+    assert spec is not None and spec.checkpoint.every == 7
+    with pytest.raises(ValidationError):
+        spec.checkpoint.every = 8  # type: ignore[misc]
+    with pytest.raises(ValueError, match=proto.JOB_SPEC_ENV):
+        spec_from_env({proto.JOB_SPEC_ENV: '{"name": "own", "train": {"steps": "many"}}'})
+    for name in (proto.AGENT_SOCKET_ENV, proto.JOB_ID_ENV, proto.JOB_SPEC_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("vigil.run._current", None)
+    assert init().spec is None  # alone: the program falls back to its own values

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from vigil.run import spec_from_env
 from vigil_common import events as ev
 from vigil_common import protocol as proto
 from vigil_common.errors import SpecError
@@ -119,6 +120,23 @@ def test_a_jobs_own_program_runs_in_its_workdir_under_a_code_root(tmp_path):
     assert (rank.env["HOME"], rank.env["USER"], rank.env["LOGNAME"]) == (str(home), USER.name, USER.name)
 
 
+def test_a_rank_reads_its_jobs_spec_from_the_environment(tmp_path):
+    """`vigil.Run.spec`: the spec as submitted, but for entrypoint.env (the environment itself)."""
+    code = tmp_path / "code"
+    code.mkdir()
+    launch = make_launch(
+        entrypoint={"argv": ["python", "t.py", "x" * 4000], "env": {"MY_FLAG": "1"}},
+        train={"steps": 1234},
+        checkpoint={"every": 50, "keep": 2},
+    )
+    (rank, *_) = prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET, USER)
+    spec = spec_from_env(rank.env)
+    assert spec is not None and (spec.train.steps, spec.checkpoint.every) == (1234, 50)
+    assert launch.spec.entrypoint is not None and spec.entrypoint is not None
+    assert spec.entrypoint.env == {} and rank.env["MY_FLAG"] == "1"
+    assert spec.model_copy(update={"entrypoint": launch.spec.entrypoint}) == launch.spec
+
+
 def test_a_worker_that_cannot_switch_users_runs_a_jobs_program_only_with_shared_trust(tmp_path):
     code = tmp_path / "code"
     code.mkdir()
@@ -153,7 +171,9 @@ def test_a_workdir_outside_the_code_roots_is_refused_naming_the_field(tmp_path, 
     launch = make_launch(entrypoint={"argv": ["python", "x.py"], "workdir": workdir})
     with pytest.raises(SpecError) as err:
         prepare_ranks(launch, settings(tmp_path, code_roots=[code]), "cpu", SOCKET, USER)
-    assert err.value.errors[0]["field"] == "entrypoint.workdir"
+    [error] = err.value.errors
+    assert error["field"] == "entrypoint.workdir"
+    assert error["message"].endswith("see VIGIL_CODE_ROOTS") and "VIGIL_DATA_ROOTS" not in error["message"]
 
 
 def test_entrypoints_can_be_turned_off(tmp_path):

@@ -29,18 +29,33 @@ _STORE_WAIT_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
 class EventStream:
     """Decoded messages from `Bus.watch`, in stream order per subject. Iterate with `async for`, or call
-    `next(timeout)`; a cancelled wait (a timeout, say) loses nothing and the stream goes on."""
+    `next(timeout)`; a cancelled wait (a timeout, say) loses nothing and the stream goes on.
 
-    def __init__(self, queue: asyncio.Queue[Stored], decoder: Callable[[Stored], Message]) -> None:
+    `position` says where the watch stands: per subject watched, the stream sequence of the next message
+    not yet taken. A watch started at it (`Bus.watch(..., resume_at=position)`) yields exactly what this
+    one has not yet (what the gateway's server-sent events carry as their id)."""
+
+    def __init__(
+        self,
+        queue: asyncio.Queue[tuple[int, Stored]],
+        decoder: Callable[[Stored], Message],
+        start: Sequence[int],
+    ) -> None:
         self._queue = queue
         self._decode = decoder
+        self._position = list(start)
+
+    @property
+    def position(self) -> tuple[int, ...]:
+        return tuple(self._position)
 
     def __aiter__(self) -> EventStream:
         return self
 
     async def __anext__(self) -> Message:
         while True:
-            msg = await self._queue.get()
+            index, msg = await self._queue.get()
+            self._position[index] = msg.seq + 1  # taken, decoded or not: a resume starts after it
             try:
                 return self._decode(msg)
             except MalformedMessage as exc:
@@ -57,10 +72,10 @@ class EventStream:
 class Watching(Streams):
     @contextlib.asynccontextmanager
     async def watch(
-        self, *filter_subjects: str, from_start: bool = False
-    ) -> AsyncIterator[AsyncIterator[Message]]:
-        """The messages stored on `filter_subjects` from now on (all of them with `from_start`), in
-        stream order per subject.
+        self, *filter_subjects: str, from_start: bool = False, resume_at: Sequence[int] | None = None
+    ) -> AsyncIterator[EventStream]:
+        """The messages stored on `filter_subjects` from now on (all of them with `from_start`; those
+        from an earlier watch's `EventStream.position` with `resume_at`), in stream order per subject.
 
         Usage: `async with bus.watch(subjects.ALL_INCIDENTS) as events: async for event in events: ...`
 
@@ -72,11 +87,14 @@ class Watching(Streams):
         reaches a watcher (ranks act only on commands from the command stream). Malformed messages
         are logged and skipped (nothing durable depends on a watcher).
         """
-        queue: asyncio.Queue[Stored] = asyncio.Queue()
+        if resume_at is not None and len(resume_at) != len(filter_subjects):
+            raise ValueError(f"resume_at: {len(resume_at)} positions for {len(filter_subjects)} subjects")
+        queue: asyncio.Queue[tuple[int, Stored]] = asyncio.Queue()
         subs: list[Any] = []
         followers: list[asyncio.Task[None]] = []
+        starts: list[int] = []
         try:
-            for subject in filter_subjects:
+            for index, subject in enumerate(filter_subjects):
                 stream = subjects.stream_for(subject).name
                 woken = asyncio.Event()
 
@@ -85,12 +103,16 @@ class Watching(Streams):
 
                 subs.append(await self.nc.subscribe(subject, cb=wake))  # before the start is read
                 start = 1 if from_start else (await self.js.stream_info(stream)).state.last_seq + 1
+                if resume_at is not None:  # never past the stream's end: a later one would skip what comes
+                    start = max(1, min(resume_at[index], start))
+                starts.append(start)
                 followers.append(
                     asyncio.create_task(
-                        self._follow(stream, subject, start, woken, queue), name=f"watch {subject}"
+                        self._follow(stream, subject, start, woken, functools.partial(_put, queue, index)),
+                        name=f"watch {subject}",
                     )
                 )
-            yield EventStream(queue, functools.partial(decode_stored, filter_subjects))
+            yield EventStream(queue, functools.partial(decode_stored, filter_subjects), starts)
         finally:
             await _cancel(followers)
             for sub in subs:
@@ -98,7 +120,7 @@ class Watching(Streams):
                     await sub.unsubscribe()
 
     async def _follow(
-        self, stream: str, subject: str, seq: int, woken: asyncio.Event, out: asyncio.Queue[Stored]
+        self, stream: str, subject: str, seq: int, woken: asyncio.Event, out: Callable[[Stored], None]
     ) -> None:
         """Put every message stored on `subject` from sequence `seq` on into `out`, for ever."""
         delays: list[float] = []  # after a wake-up that found nothing: the message may not be stored yet
@@ -116,7 +138,7 @@ class Watching(Streams):
             if await wait_any(woken, timeout_s=WATCH_RECHECK_S):
                 delays = list(_STORE_WAIT_S)
 
-    async def _read_stored(self, stream: str, subject: str, seq: int, out: asyncio.Queue[Stored]) -> int:
+    async def _read_stored(self, stream: str, subject: str, seq: int, out: Callable[[Stored], None]) -> int:
         """Read the messages stored on `subject` from sequence `seq` into `out`; the next sequence."""
         delay = 0.05
         while True:
@@ -132,7 +154,11 @@ class Watching(Streams):
             if stored is None or stored.seq < seq:
                 return seq
             seq = stored.seq + 1
-            out.put_nowait(stored)
+            out(stored)
+
+
+def _put(queue: asyncio.Queue[tuple[int, Stored]], index: int, stored: Stored) -> None:
+    queue.put_nowait((index, stored))
 
 
 async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:

@@ -14,49 +14,38 @@ and rollbacks as they come on the bus, on the same watch mechanism as the API's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 from litestar.response import ServerSentEventMessage
 
 from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
-from vigil_common.events import IncidentRaised, JobStateChanged, RanksHalted, RollbackCompleted
+from vigil_common.events import IncidentRaised, JobStateChanged, Message, RanksHalted, RollbackCompleted
 from vigil_common.waiting import wait_any
+from vigil_scheduler.gateway import sse
 from vigil_scheduler.queries import Visible
 
-KEEPALIVE_S = 15.0
+KEEPALIVE_S = 15.0  # job_changes's, and console_events's unless told (VIGIL_SSE_KEEPALIVE_S)
+WATCHED = (subjects.ALL_STATUS, subjects.ALL_INCIDENTS)
 SHOWN = (JobStateChanged, IncidentRaised, RanksHalted, RollbackCompleted)  # passed on as they come
 
 
-async def console_events(
-    bus: Bus, closing: asyncio.Event, visible: Visible
+def console_events(
+    bus: Bus,
+    closing: asyncio.Event,
+    visible: Visible,
+    *,
+    resume_at: Sequence[int] | None = None,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> AsyncIterator[ServerSentEventMessage]:
-    """The events of the jobs the reader may see (`visible`), as they come."""
-    async with bus.watch(subjects.ALL_STATUS, subjects.ALL_INCIDENTS) as events:
-        stream = aiter(events)
-        pending = asyncio.ensure_future(anext(stream))
-        stopping = asyncio.ensure_future(closing.wait())
-        try:
-            yield ServerSentEventMessage(comment="connected")
-            while True:
-                done, _ = await asyncio.wait(
-                    {pending, stopping}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
-                )
-                if stopping in done:
-                    return
-                if pending in done:
-                    event = pending.result()
-                    pending = asyncio.ensure_future(anext(stream))
-                    if isinstance(event, SHOWN) and await visible.job(event.job_id):
-                        yield ServerSentEventMessage(
-                            data=event.model_dump_json(), event=event.type, id=event.event_id
-                        )
-                else:
-                    yield ServerSentEventMessage(comment="keep-alive")
-        finally:
-            pending.cancel()
-            stopping.cancel()
+    """The events of the jobs the reader may see (`visible`), as they come; a browser that reconnects
+    resumes after the last it had (`gateway.sse`)."""
+
+    async def shown(event: Message) -> bool:
+        return isinstance(event, SHOWN) and await visible.job(event.job_id)
+
+    return sse.watched_events(bus, closing, WATCHED, shown, resume_at=resume_at, keepalive_s=keepalive_s)
 
 
 async def job_changes(

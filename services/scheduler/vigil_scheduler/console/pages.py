@@ -11,7 +11,7 @@ import anyio
 import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromQuery, QueryParameter
+from litestar.params import FromQuery, HeaderParameter, QueryParameter
 from litestar.response import Redirect, ServerSentEvent, Template
 
 from vigil_common import readmodel
@@ -23,8 +23,9 @@ from vigil_common.spec import parse_spec
 from vigil_scheduler import queries
 from vigil_scheduler.console import jobpage, spans, views
 from vigil_scheduler.console.auth import COOKIE, ConsoleAuth, LoginRefused, check_origin, read_form, safe_next
-from vigil_scheduler.console.live import console_events, job_changes
+from vigil_scheduler.console.live import WATCHED, console_events, job_changes
 from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway import sse
 from vigil_scheduler.gateway.auth import principal
 from vigil_scheduler.gateway.params import JOB_ID, Attempt, DeviceIndex, JobId, NodeName, Step
 from vigil_scheduler.gateway.parsing import off_loop
@@ -211,9 +212,15 @@ class ConsoleDataController(Controller):
 
     @get("/events")
     async def events(
-        self, request: Request, bus: BusDep, pool: Pool, job: JobFilter = None
+        self,
+        request: Request,
+        bus: BusDep,
+        pool: Pool,
+        job: JobFilter = None,
+        last_event_id: Annotated[str | None, HeaderParameter(name=sse.LAST_EVENT_ID)] = None,
     ) -> ServerSentEvent:
-        """With `job`: that job page's `changed` events; without: state changes and incidents as they come."""
+        """With `job`: that job page's `changed` events; without: state changes and incidents as they come,
+        resumed after `Last-Event-ID` when the browser reconnects."""
         closing = request.app.state.closing
         viewer = principal(request)
         if job is not None:
@@ -221,7 +228,16 @@ class ConsoleDataController(Controller):
             if await readmodel.job_version(pool, job) is None:
                 raise NotFound(f"no job {job!r}")
             return ServerSentEvent(job_changes(pool, closing, job))
-        return ServerSentEvent(console_events(bus, closing, queries.Visible(pool, viewer)))
+        resume_at = sse.parse_last_event_id(last_event_id, len(WATCHED))
+        return ServerSentEvent(
+            console_events(
+                bus,
+                closing,
+                queries.Visible(pool, viewer),
+                resume_at=resume_at,
+                keepalive_s=request.app.state.sse_keepalive_s,
+            )
+        )
 
 
 async def _refused(pool: asyncpg.Pool, request: Request, text: str, exc: SpecError) -> Template:

@@ -67,6 +67,7 @@ def create_app(deps: Deps) -> Litestar:
             authenticator=Authenticator(deps.api_token, deps.pool),
             closing=deps.closing,
             parsing=deps.parsing,
+            sse_keepalive_s=deps.settings.sse_keepalive_s,
         )
         try:
             yield

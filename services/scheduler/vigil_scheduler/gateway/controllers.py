@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 import asyncpg
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import FromQuery, QueryParameter, RawBody
-from litestar.response import ServerSentEvent, ServerSentEventMessage
+from litestar.params import FromQuery, HeaderParameter, QueryParameter, RawBody
+from litestar.response import ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_503_SERVICE_UNAVAILABLE
 
 from vigil.api import (
@@ -29,12 +28,12 @@ from vigil.api import (
 )
 from vigil_common import lease, readmodel, subjects
 from vigil_common.bus import Bus
-from vigil_common.events import IncidentRaised, JobStateChanged
+from vigil_common.events import IncidentRaised, JobStateChanged, Message
 from vigil_common.jobstates import JobState
 from vigil_common.spec import parse_spec
-from vigil_common.waiting import STOPPED, unless_stopped
 from vigil_scheduler import audit, idempotency, queries
 from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway import sse
 from vigil_scheduler.gateway.auth import actor, admin_guard, principal
 from vigil_scheduler.gateway.params import (
     Attempt,
@@ -55,7 +54,14 @@ SchedulerDep = NamedDependency[Scheduler]
 StateFilter = Annotated[JobState | None, QueryParameter(name="state", description="only jobs in this state")]
 READ = error_responses(401, 422)
 ONE_JOB = error_responses(401, 404, 422)
-KEEPALIVE_S = 15.0
+WATCHED = (subjects.ALL_STATUS, subjects.ALL_INCIDENTS)  # what /events sends (its ids' order)
+LastEventId = Annotated[
+    str | None,
+    HeaderParameter(
+        name=sse.LAST_EVENT_ID,
+        description="resume after the event with this id (what a client that lost the stream sends)",
+    ),
+]
 
 
 class JobController(Controller):
@@ -221,44 +227,37 @@ class EventsController(Controller):
 
     @get(
         "/events",
-        summary="Server-sent events: job state changes and incidents, live",
+        summary="Server-sent events: job state changes and incidents, live; resumable with Last-Event-ID",
         media_type="text/event-stream",
         responses=READ,
     )
     async def events(
-        self, request: Request, bus: BusDep, pool: Pool, job: FromQuery[str | None] = None
+        self,
+        request: Request,
+        bus: BusDep,
+        pool: Pool,
+        job: FromQuery[str | None] = None,
+        last_event_id: LastEventId = None,
     ) -> ServerSentEvent:
-        closing: asyncio.Event = request.app.state.closing
+        resume_at = sse.parse_last_event_id(last_event_id, len(WATCHED))
         viewer = principal(request)
         if job is not None:
             await queries.require_job(pool, job, viewer)  # a 404, as for a job that does not exist
-        return ServerSentEvent(_live_events(bus, closing, job, queries.Visible(pool, viewer)))
+        visible = queries.Visible(pool, viewer)
 
-
-async def _live_events(
-    bus: Bus, closing: asyncio.Event, job: str | None, visible: queries.Visible
-) -> AsyncIterator[ServerSentEventMessage]:
-    """JobStateChanged and IncidentRaised of the jobs the caller may see as they are published, with a
-    keep-alive comment when idle."""
-    async with bus.watch(subjects.ALL_STATUS, subjects.ALL_INCIDENTS) as events:
-        stream = aiter(events)
-        yield ServerSentEventMessage(comment="connected")
-        while True:
-            try:
-                event = await unless_stopped(anext(stream), closing, timeout_s=KEEPALIVE_S)
-            except TimeoutError:
-                yield ServerSentEventMessage(comment="keep-alive")
-                continue
-            if event is STOPPED:
-                return
-            if (
+        async def shown(event: Message) -> bool:
+            return (
                 isinstance(event, JobStateChanged | IncidentRaised)
                 and job in (None, event.job_id)
                 and await visible.job(event.job_id)
-            ):
-                yield ServerSentEventMessage(
-                    data=event.model_dump_json(), event=event.type, id=event.event_id
-                )
+            )
+
+        state = request.app.state
+        return ServerSentEvent(
+            sse.watched_events(
+                bus, state.closing, WATCHED, shown, resume_at=resume_at, keepalive_s=state.sse_keepalive_s
+            )
+        )
 
 
 class AuditController(Controller):
