@@ -92,3 +92,29 @@ async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stac
     pairs = [(s["attempt"], s["step"]) for s in steps["items"]]
     assert len(pairs) == len(set(pairs)) and {k for _, k in pairs} == set(range(STEPS)), pairs
     assert all(s["ranks"] == 2 for s in steps["items"]), steps["items"]
+
+
+async def test_a_nan_on_the_very_last_step_of_a_user_program_succeeds(stack: Stack):
+    """Issue 32 (4 of 4 stuck ROLLING_BACK on their slots): the NaN is on the last step, so the ranks exit
+    before the guardian's halt and rollback reach them. The program skipped the update (`run.agree`), so
+    the job SUCCEEDS, with an incident saying so when the rollback was outrun, or after rolling back in
+    place when it was not."""
+    spec = example_spec("ddp_loop")
+    argv = spec["entrypoint"]["argv"]
+    argv[argv.index("--nan-at") + 1] = str(STEPS - 1)
+    run = await train(stack, spec, timeout_s=240)  # well inside the sweeper's 300 s bound
+    changes = run.of(JobStateChanged)
+    assert changes[-1].to_state == "SUCCEEDED", [(c.to_state, c.cause) for c in changes]
+    (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
+    assert (nan.rank, nan.step, nan.action) == (1, STEPS - 1, "rollback")
+    assert nan.evidence["skipped"] is True
+    ended = changes[-1].cause
+    outran = [i for i in run.of(IncidentRaised) if i.kind == "lifecycle"]
+    if outran:  # the ranks were gone when the rollback came: no relaunch, the update never applied
+        assert ended.startswith("the ranks finished before the rollback reached them"), ended
+        assert "never applied" in outran[0].message and outran[0].action == "alert"
+    else:
+        assert ended == "all 2 ranks exited 0", ended
+    assert {launch.attempt for launch in run.of(LaunchJob)} == {1}
+    job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
+    assert [r["exit_code"] for r in job["ranks"]] == [0, 0], job["ranks"]

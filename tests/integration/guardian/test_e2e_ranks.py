@@ -276,3 +276,39 @@ async def test_a_spec_its_worker_refuses_fails_at_once_without_a_relaunch(stack:
     assert [launch.attempt for launch in run.of(LaunchJob)] == [1]
     job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
     assert "data.path" in job["reason"] and "outside the allowed roots" in job["reason"], job["reason"]
+
+
+async def test_a_nan_on_the_very_last_step_ends_succeeded_never_stuck(stack: Stack):
+    """Issue 32: the ranks finish before the guardian's halt and rollback reach them. The update of the
+    bad step was skipped (the all-rank finiteness guard), so the job SUCCEEDS: at once when both exits
+    came first, else when the scheduler settles the rollback its ranks outran; never ROLLING_BACK on its
+    slots (the sweeper's bound, 300 s, is past this test's timeout)."""
+    last = 9
+    run = await train(
+        stack,
+        {
+            "name": "e2e-nan-last",
+            "resources": {"nodes": 1, "gpus_per_node": 2},
+            "model": TINY,
+            "train": {**TRAIN, "steps": last + 1},
+            "checkpoint": {"every": 3, "keep": 10},
+            "guardian": {"nan": "rollback", "replay": False},
+            "faults": [{"kind": "nan", "step": last, "rank": 1}],
+        },
+    )
+    changes = run.of(JobStateChanged)
+    assert changes[-1].to_state == "SUCCEEDED", [(c.to_state, c.cause) for c in changes]
+    (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
+    assert (nan.step, nan.action) == (last, "rollback") and nan.evidence["skipped"] is True
+    ended = changes[-1].cause
+    if run.of(RollbackCompleted):  # the rollback reached the ranks in time: in place, then the end
+        assert ended == "all 2 ranks exited 0"
+    else:
+        outran = (
+            "the ranks finished before the rollback reached them; the bad step's update was never applied"
+        )
+        assert ended == "all 2 ranks exited 0" or ended.startswith(outran), ended
+    job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
+    assert [r["exit_code"] for r in job["ranks"]] == [0, 0], job["ranks"]  # rank 1's exit recorded too
+    gpus = (await stack.http.get("/api/v1/gpus")).json()["items"]
+    assert all(g["job_id"] != run.job_id for g in gpus)
