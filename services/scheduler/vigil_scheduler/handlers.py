@@ -20,6 +20,7 @@ import asyncpg
 
 from vigil_common import subjects
 from vigil_common.bus import SENDER_HEADER, Delivery
+from vigil_common.errors import VigilError
 from vigil_common.events import (
     CancelJob,
     CheckpointRefused,
@@ -532,27 +533,35 @@ class Handlers:
             )
         swept = []
         for row in ids:
-            async with self.s.tx() as conn:
-                job = await lifecycle.lock_job(conn, row["id"])
-                if job is None or states.phase(job.state, job.queued) not in states.SWEPT:
-                    continue
-                if await conn.fetchval(
-                    "SELECT progress_at >= now() - make_interval(secs => $2) FROM jobs WHERE id = $1",
-                    job.id,
-                    bound,
-                ):
-                    continue  # it moved meanwhile
-                found = await recovery.exits(conn, job)
-                if job.state == JobState.SCHEDULED:
-                    what = f"attempt {job.attempt} was launched but {found.never_started()} in {bound:g}s"
-                elif job.queued:
-                    what = f"the restart found no placement in {bound:g}s; it waits in the queue"
-                else:
-                    what = recovery.what_stalled(job, found, bound)
-                log.warning("%s attempt %d: %s", job.id, job.attempt, what)
-                await self.apply(conn, job, Happened(JobEvent.TIMED_OUT, what))
-                swept.append(job.id)
+            try:
+                if await self._sweep_one(row["id"], bound):
+                    swept.append(row["id"])
+            except VigilError as exc:  # one job's trouble must not stop the sweep of the others
+                log.error("%s: the transition sweep could not resolve it: %s", row["id"], exc)
         return swept
+
+    async def _sweep_one(self, job_id: str, bound: float) -> bool:
+        """Resolve one stalled job (`TIMED_OUT`); False when it moved meanwhile."""
+        async with self.s.tx() as conn:
+            job = await lifecycle.lock_job(conn, job_id)
+            if job is None or states.phase(job.state, job.queued) not in states.SWEPT:
+                return False
+            if await conn.fetchval(
+                "SELECT progress_at >= now() - make_interval(secs => $2) FROM jobs WHERE id = $1",
+                job.id,
+                bound,
+            ):
+                return False  # it moved meanwhile
+            found = await recovery.exits(conn, job)
+            if job.state == JobState.SCHEDULED:
+                what = f"attempt {job.attempt} was launched but {found.never_started()} in {bound:g}s"
+            elif job.queued:
+                what = f"the restart found no placement in {bound:g}s; it waits in the queue"
+            else:
+                what = recovery.what_stalled(job, found, bound)
+            log.warning("%s attempt %d: %s", job.id, job.attempt, what)
+            await self.apply(conn, job, Happened(JobEvent.TIMED_OUT, what))
+        return True
 
     async def sweep_loop(self, stop: asyncio.Event) -> None:
         tick = min(5.0, max(0.2, self.s.settings.transition_timeout_s / 4))
