@@ -568,7 +568,7 @@ class Handlers:
         while not stop.is_set():
             try:
                 await self.sweep()
-            except (asyncpg.PostgresError, OSError) as exc:
+            except (asyncpg.PostgresError, OSError, VigilError) as exc:
                 log.warning("transition sweep failed, retrying: %s", exc)
             await wait_any(stop, timeout_s=tick)
 
