@@ -19,7 +19,7 @@ import yaml
 from tests.integration.byo.ranks import EXAMPLES
 from tests.integration.guardian.test_e2e_ranks import Stack, train, whole_stack
 from vigil.manifest import MANIFEST
-from vigil_common import readmodel
+from vigil_common import readmodel, subjects
 from vigil_common.events import (
     CheckpointSaved,
     IncidentRaised,
@@ -109,11 +109,16 @@ async def test_a_nan_on_the_very_last_step_of_a_user_program_succeeds(stack: Sta
     assert (nan.rank, nan.step, nan.action) == (1, STEPS - 1, "rollback")
     assert nan.evidence["skipped"] is True
     ended = changes[-1].cause
-    outran = [i for i in run.of(IncidentRaised) if i.kind == "lifecycle"]
-    if outran:  # the ranks were gone when the rollback came: no relaunch, the update never applied
-        assert ended.startswith("the ranks finished before the rollback reached them"), ended
-        assert "never applied" in outran[0].message and outran[0].action == "alert"
-    else:
+    if ended.startswith("the ranks finished before the rollback reached them"):
+        # the ranks were gone when the rollback came: no relaunch, as the update was never applied
+        assert "never applied" in ended, ended
+        async with stack.bus.watch(subjects.incident(run.job_id), from_start=True) as incidents:
+            while (
+                not isinstance(said := await incidents.next(10), IncidentRaised) or said.kind != "lifecycle"
+            ):
+                assert said is not None, "no lifecycle incident"
+        assert said.action == "alert" and "never applied" in said.message, said
+    else:  # both ranks exited before the halt, or the rollback reached them in time
         assert ended == "all 2 ranks exited 0", ended
     assert {launch.attempt for launch in run.of(LaunchJob)} == {1}
     job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()

@@ -303,11 +303,18 @@ async def test_a_nan_on_the_very_last_step_ends_succeeded_never_stuck(stack: Sta
     ended = changes[-1].cause
     if run.of(RollbackCompleted):  # the rollback reached the ranks in time: in place, then the end
         assert ended == "all 2 ranks exited 0"
-    else:
+    elif ended != "all 2 ranks exited 0":  # not both exits before the halt: the ranks outran the rollback
         outran = (
             "the ranks finished before the rollback reached them; the bad step's update was never applied"
         )
-        assert ended == "all 2 ranks exited 0" or ended.startswith(outran), ended
+        assert ended.startswith(outran), ended
+        async with stack.bus.watch(subjects.incident(run.job_id), from_start=True) as incidents:
+            while (
+                not isinstance(said := await incidents.next(10), IncidentRaised) or said.kind != "lifecycle"
+            ):
+                assert said is not None, "no lifecycle incident"
+        assert said.action == "alert" and "never applied" in said.message, said
+    assert {launch.attempt for launch in run.of(LaunchJob)} == {1}  # no relaunch: nothing to redo
     job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
     assert [r["exit_code"] for r in job["ranks"]] == [0, 0], job["ranks"]  # rank 1's exit recorded too
     gpus = (await stack.http.get("/api/v1/gpus")).json()["items"]
