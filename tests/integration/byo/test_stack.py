@@ -71,7 +71,12 @@ async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stac
     assert states[-1] == "SUCCEEDED", states
     (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
     assert (nan.rank, nan.step, nan.action) == (1, NAN_AT, "rollback")
-    if example in RELAUNCHED:  # no loader: every rank stopped, the job relaunched from the checkpoint
+    if run.of(JobStateChanged)[-1].cause.startswith("the ranks finished before the rollback reached them"):
+        # fast steps may all run before the halt reaches the ranks (issue 32): the update was skipped,
+        # so the job SUCCEEDS with nothing to redo (once, this left the job ROLLING_BACK for good)
+        assert "never applied" in run.of(JobStateChanged)[-1].cause
+        assert {launch.attempt for launch in run.of(LaunchJob)} == {1}
+    elif example in RELAUNCHED:  # no loader: every rank stopped, the job relaunched from the checkpoint
         (restart,) = run.of(RestartRequested)
         assert restart.step == 8
         relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
