@@ -48,6 +48,7 @@ IncidentKind = Literal[
     "oom",
     "sdc",
     "report_refused",
+    "lifecycle",  # the scheduler's: a halt or rollback its ranks outran, a transition that timed out
 ]
 # What an incident did: a spec action, or the ranks' own recovery of a held step ("replay": the replay
 # was clean, a transient fault; "skip": the data reproduced it and its window was skipped).

@@ -84,6 +84,13 @@ class Settings(BaseSettings):
         False, description="a stopping worker ends its ranks (vigil up); false: they train on for its restart"
     )
     max_attempts: int = Field(5, ge=1, le=1000, description="launch attempts before a job is FAILED")
+    transition_timeout_s: float = Field(
+        300.0,
+        ge=1,
+        le=86_400,
+        description="a job placed, halting or rolling back with no progress for this long is resolved by the"
+        " scheduler (relaunched or ended, with an incident naming what was missing)",
+    )
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body")
     sse_keepalive_s: float = Field(
         15.0, gt=0, le=300, description="an event stream quiet this long gets a keep-alive comment"

@@ -232,6 +232,7 @@ class Scheduler:
                 skip_data=skip,
             )
             nodes = ", ".join(f"{n} ({sum(r.node == n for r in ranks)} ranks)" for n in placement.nodes)
+            assert states.outcome(job.state, job.queued, states.JobEvent.PLACED) == states.Outcome.SCHEDULE
             await lifecycle.transition(
                 conn,
                 job,
@@ -298,7 +299,10 @@ class Scheduler:
         """Requeue a job whose ranks are gone (inside the caller's transaction), with a node_lost
         incident when a node is to blame."""
         job = await lifecycle.lock_job(conn, job_id)
-        if job is None or not states.holds_devices(job.state) or job.queued:
+        if (
+            job is None
+            or states.outcome(job.state, job.queued, states.JobEvent.RANKS_LOST) != states.Outcome.REQUEUE
+        ):
             return job
         moved = await lifecycle.requeue(conn, job, cause, max_attempts=self.settings.max_attempts)
         failed = moved.state == JobState.FAILED

@@ -1,25 +1,33 @@
-"""What the scheduler does with each event it consumes: heartbeats, status, commands and incidents.
+"""What the scheduler does with each event it consumes: heartbeats, status, commands and incidents, and
+the sweeper that resolves a job stalled in a transition.
 
-Every handler is idempotent under redelivery: events of an older attempt than the job's are
-ignored, and a transition the state machine does not allow is skipped, not an error. The
-scheduler's own JobStateChanged, CancelJob and node_lost incidents come back here and are
-ignored the same way.
+Each handler records what the event says (a rank row, a checkpoint), classifies it as a `JobEvent` and
+does what the one table, `states.OUTCOMES`, says for the job's phase (`Handlers.apply`). Every handler is
+idempotent under redelivery: events of an older attempt than the job's are ignored, a duplicate or late
+event is an `IGNORE` in the table, and no event is refused with a Conflict. The scheduler's own
+JobStateChanged, CancelJob and incidents come back here and are ignored the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import assert_never
 
 import asyncpg
 
+from vigil_common import subjects
 from vigil_common.bus import SENDER_HEADER, Delivery
+from vigil_common.errors import VigilError
 from vigil_common.events import (
     CancelJob,
     CheckpointRefused,
     CheckpointSaved,
     DeviceDiagnosed,
     HaltJob,
+    IncidentAction,
     IncidentRaised,
     Message,
     NodeHeartbeat,
@@ -34,11 +42,26 @@ from vigil_common.events import (
     utcnow,
 )
 from vigil_common.jobstates import PREEMPTED, JobState
-from vigil_scheduler import audit, inventory, lifecycle, states
+from vigil_common.service import wait_any
+from vigil_scheduler import audit, inventory, lifecycle, outbox, recovery, states
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.lifecycle import Job
+from vigil_scheduler.states import JobEvent, Outcome, Settlement
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Happened:
+    """An event, classified, with what its outcome needs: the transition's cause, the reason a job fails
+    or is cancelled for, the halt or rollback command, a relaunch's (step, checkpoint, skip_data)."""
+
+    event: JobEvent
+    cause: str
+    reason: str | None = None
+    command: HaltJob | RollbackJob | None = None
+    target: tuple[int, str, tuple[int, int] | None] | None = None
+    preempted: bool = False
 
 
 class Handlers:
@@ -79,9 +102,9 @@ class Handlers:
 
     async def status(self, event: Message, delivery: Delivery) -> None:
         if isinstance(event, RankStarted):
-            await self._rank_started(event)
+            await self._on_current(event, self._rank_started)
         elif isinstance(event, RankExited):
-            await self._rank_exited(event)
+            await self._on_current(event, self._rank_exited)
         elif isinstance(event, CheckpointSaved):
             await self._checkpoint_saved(event)
         elif isinstance(event, RanksHalted):
@@ -96,91 +119,49 @@ class Handlers:
             await self._device_diagnosed(event)
         # JobStateChanged: our own, or history; nothing to do.
 
-    async def _rank_started(self, event: RankStarted) -> None:
-        async with self.s.tx() as conn:
-            job = await self._current(conn, event)
-            if job is None:
-                return
-            await conn.execute(
-                """INSERT INTO job_ranks (job_id, attempt, rank, node, started_at) VALUES ($1, $2, $3, $4, $5)
-                   ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = $4,
-                       started_at = COALESCE(job_ranks.started_at, $5)""",
-                job.id,
-                job.attempt,
-                event.rank,
-                event.node,
-                event.occurred_at,
-            )
-            started = await conn.fetchval(
-                "SELECT count(*) FROM job_ranks WHERE job_id = $1 AND attempt = $2"
-                " AND started_at IS NOT NULL",
-                job.id,
-                job.attempt,
-            )
-            if job.state == JobState.SCHEDULED and started >= job.world_size:
-                await lifecycle.transition(conn, job, JobState.RUNNING, f"all {job.world_size} ranks started")
+    async def _rank_started(self, conn: asyncpg.Connection, job: Job, event: RankStarted) -> None:
+        if job.queued:  # an attempt not launched yet has no ranks: not recorded (`IMPOSSIBLE`)
+            await self.apply(conn, job, Happened(JobEvent.RANK_STARTED, f"rank {event.rank} started"))
+            return
+        await conn.execute(
+            """INSERT INTO job_ranks (job_id, attempt, rank, node, started_at) VALUES ($1, $2, $3, $4, $5)
+               ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = $4,
+                   started_at = COALESCE(job_ranks.started_at, $5)""",
+            job.id,
+            job.attempt,
+            event.rank,
+            event.node,
+            event.occurred_at,
+        )
+        started = await conn.fetchval(
+            "SELECT count(*) FROM job_ranks WHERE job_id = $1 AND attempt = $2 AND started_at IS NOT NULL",
+            job.id,
+            job.attempt,
+        )
+        if started >= job.world_size:
+            await self.apply(conn, job, Happened(JobEvent.ALL_STARTED, f"all {job.world_size} ranks started"))
+        else:
+            await self.apply(conn, job, Happened(JobEvent.RANK_STARTED, f"rank {event.rank} started"))
 
-    async def _rank_exited(self, event: RankExited) -> None:
-        freed = False
-        async with self.s.tx() as conn:
-            job = await self._current(conn, event)
-            if job is None:
-                return
-            await conn.execute(
-                """INSERT INTO job_ranks (job_id, attempt, rank, node, exited_at, exit_code, failure)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7)
-                   ON CONFLICT (job_id, attempt, rank)
-                   DO UPDATE SET exited_at = $5, exit_code = $6, failure = $7""",
-                job.id,
-                job.attempt,
-                event.rank,
-                event.node,
-                event.occurred_at,
-                event.exit_code,
-                event.failure,
-            )
-            if job.queued or not states.holds_devices(job.state):
-                return
-            if event.exit_code == 0:
-                ok = await conn.fetchval(
-                    "SELECT count(*) FROM job_ranks WHERE job_id = $1 AND attempt = $2 AND exit_code = 0",
-                    job.id,
-                    job.attempt,
-                )
-                if ok >= job.world_size:
-                    await lifecycle.transition(
-                        conn, job, JobState.SUCCEEDED, f"all {job.world_size} ranks exited 0"
-                    )
-                    freed = True
-                return
-            how = f"code {event.exit_code}" if event.exit_code is not None else f"signal {event.signal}"
-            cause = f"rank {event.rank} on {event.node} exited with {how} ({event.failure})"
-            preempted = event.failure == "preempted"  # all ranks saved the emergency checkpoint
-            if preempted:
-                cause = f"{PREEMPTED}: rank {event.rank} on {event.node} checkpointed and exited"
-            elif event.failure == "killed_by_vigil":
-                # A worker ends a rank's siblings when it dies: the rank that died tells us why. Only
-                # when every rank is gone without such a report is this the cause.
-                exited = await conn.fetchval(
-                    "SELECT count(*) FROM job_ranks"
-                    " WHERE job_id = $1 AND attempt = $2 AND exited_at IS NOT NULL",
-                    job.id,
-                    job.attempt,
-                )
-                if exited < job.world_size:
-                    return
-                cause = f"every rank was ended by its worker (last: rank {event.rank} on {event.node})"
-            elif event.failure == "spec":  # another attempt would be refused the same way
-                reason = f"the spec cannot run: {event.log_tail or cause}"[:2000]
-                await lifecycle.fail(conn, job, cause, reason=reason)
-                self.s.want_placement()
-                return
-            await lifecycle.requeue(
-                conn, job, cause, max_attempts=self.s.settings.max_attempts, preempted=preempted
-            )
-            freed = True
-        if freed:
-            self.s.want_placement()
+    async def _rank_exited(self, conn: asyncpg.Connection, job: Job, event: RankExited) -> None:
+        if job.queued:  # an attempt not launched yet has no ranks: not recorded (`IMPOSSIBLE`)
+            cause = f"rank {event.rank} exited ({event.failure})"
+            await self.apply(conn, job, Happened(JobEvent.RANK_FINISHED, cause))
+            return
+        await conn.execute(
+            """INSERT INTO job_ranks (job_id, attempt, rank, node, exited_at, exit_code, failure)
+               VALUES ($1, $2, $3, $4, $5, $6, $7)
+               ON CONFLICT (job_id, attempt, rank)
+               DO UPDATE SET exited_at = $5, exit_code = $6, failure = $7""",
+            job.id,
+            job.attempt,
+            event.rank,
+            event.node,
+            event.occurred_at,
+            event.exit_code,
+            event.failure,
+        )
+        await self.apply(conn, job, await _classify_exit(conn, job, event))
 
     async def _checkpoint_saved(self, event: CheckpointSaved) -> None:
         async with self.s.tx() as conn:
@@ -243,20 +224,21 @@ class Handlers:
             log.warning("device %s:%d marked unhealthy: %s", node, index, why)
 
     async def _ranks_halted(self, conn: asyncpg.Connection, job: Job, event: RanksHalted) -> None:
-        if job.state == JobState.RUNNING:  # the HaltJob itself may still be on its way to us
-            await lifecycle.transition(conn, job, JobState.HALTED, f"ranks halted at step {event.step}")
+        if job.state in (JobState.RUNNING, JobState.HALTED, JobState.ROLLING_BACK) and not job.queued:
+            # they wait there now: for a rollback, a resume or a cancel
+            job = await lifecycle.note_progress(conn, job.id, recovery.under(job, halted_step=event.step))
+        await self.apply(conn, job, Happened(JobEvent.RANKS_HALTED, f"ranks halted at step {event.step}"))
 
     async def _rollback_completed(self, conn: asyncpg.Connection, job: Job, event: RollbackCompleted) -> None:
         await _supersede(conn, job.id, after_step=event.to_step)
-        cause = f"rolled back from step {event.from_step} to {event.to_step} ({event.checkpoint})"
         # Remembered, so a RollbackJob that reaches us after its completion changes nothing.
         await conn.execute(
             "UPDATE jobs SET completed_commands = array_append(completed_commands, $2) WHERE id = $1",
             job.id,
             event.command_id,
         )
-        if job.state in (JobState.ROLLING_BACK, JobState.HALTED):
-            await lifecycle.transition(conn, job, JobState.RUNNING, cause)
+        cause = f"rolled back from step {event.from_step} to {event.to_step} ({event.checkpoint})"
+        await self.apply(conn, job, Happened(JobEvent.ROLLBACK_COMPLETED, cause))
 
     # --- commands (from the guardian, or other tools) ----------------------------------------------------
 
@@ -301,8 +283,7 @@ class Handlers:
             )
 
     async def _halt(self, conn: asyncpg.Connection, job: Job, event: HaltJob) -> None:
-        if job.state in (JobState.RUNNING, JobState.SCHEDULED, JobState.ROLLING_BACK) and not job.queued:
-            await lifecycle.transition(conn, job, JobState.HALTED, f"halted: {event.reason}")
+        await self.apply(conn, job, Happened(JobEvent.HALT, f"halted: {event.reason}", command=event))
 
     async def _restart_requested(self, conn: asyncpg.Connection, job: Job, event: RestartRequested) -> None:
         """Ranks told to roll back in place whose program cannot: relaunch them from the checkpoint."""
@@ -314,63 +295,32 @@ class Handlers:
             event.command_id,
         )
         reason = f"the program cannot roll back in place (command {event.command_id})"
-        await self._relaunch(conn, job, event.step, event.checkpoint, event.skip_data, reason)
+        target = (event.step, event.checkpoint, event.skip_data)
+        await self.apply(conn, job, Happened(JobEvent.RESTART_REQUESTED, reason, target=target))
 
     async def _restart(self, conn: asyncpg.Connection, job: Job, event: RestartJob) -> None:
         """The next attempt, from the checkpoint: the ranks of this one are ended by the new launch."""
         if event.event_id in job.completed_commands:
             return
-        for node, index in event.unhealthy:  # marked first: the relaunch's placement leaves them out
-            await self._mark_from_replays(conn, job.id, node, index, event.reason)
-        await self._relaunch(conn, job, event.step, event.checkpoint, event.skip_data, event.reason)
-
-    async def _relaunch(
-        self,
-        conn: asyncpg.Connection,
-        job: Job,
-        step: int,
-        checkpoint: str,
-        skip_data: tuple[int, int] | None,
-        reason: str,
-    ) -> None:
-        if not states.holds_devices(job.state) or job.queued:
-            return
-        await _supersede(conn, job.id, after_step=step)
-        await lifecycle.requeue(
-            conn,
-            job,
-            f"restart from step {step}: {reason}",
-            max_attempts=self.s.settings.max_attempts,
-            to_state=JobState.ROLLING_BACK,
-            resume_from=checkpoint,
-            skip_data=skip_data,
-        )
-        self.s.want_placement()
+        if states.outcome(job.state, job.queued, JobEvent.RESTART) == Outcome.RELAUNCH:
+            for node, index in event.unhealthy:  # marked first: the relaunch's placement leaves them out
+                await self._mark_from_replays(conn, job.id, node, index, event.reason)
+        target = (event.step, event.checkpoint, event.skip_data)
+        await self.apply(conn, job, Happened(JobEvent.RESTART, event.reason, target=target))
 
     async def _rollback(self, conn: asyncpg.Connection, job: Job, event: RollbackJob) -> None:
         if event.event_id in job.completed_commands:
-            return
-        if job.state in (JobState.RUNNING, JobState.HALTED, JobState.SCHEDULED):
-            await lifecycle.transition(
-                conn, job, JobState.ROLLING_BACK, f"rollback to step {event.step}: {event.reason}"
-            )
+            return  # it completed before it reached us
+        cause = f"rollback to step {event.step}: {event.reason}"
+        await self.apply(conn, job, Happened(JobEvent.ROLLBACK, cause, command=event))
 
     async def _resume(self, conn: asyncpg.Connection, job: Job, event: ResumeJob) -> None:
-        if job.state == JobState.HALTED:
-            await lifecycle.transition(
-                conn, job, JobState.RUNNING, f"resumed: {event.reason or 'by command'}"
-            )
+        await self.apply(conn, job, Happened(JobEvent.RESUME, f"resumed: {event.reason or 'by command'}"))
 
     async def _cancelled(self, conn: asyncpg.Connection, job: Job, event: CancelJob) -> None:
         # Our own cancels are terminal already; this one came from another tool (the guardian).
-        await lifecycle.transition(
-            conn,
-            job,
-            JobState.CANCELLED,
-            f"CancelJob: {event.reason or 'no reason given'}",
-            reason=event.reason,
-        )
-        self.s.want_placement()
+        cause = f"CancelJob: {event.reason or 'no reason given'}"
+        await self.apply(conn, job, Happened(JobEvent.CANCEL, cause, reason=event.reason))
 
     # --- incidents -----------------------------------------------------------------------------------------
 
@@ -384,12 +334,243 @@ class Handlers:
         elif event.kind == "sdc" and event.job_id and event.node is not None and event.device is not None:
             async with self.s.tx() as conn:
                 await self._mark_from_replays(conn, event.job_id, event.node, event.device, event.message)
-        if event.action == "fail":
+        if event.action in ("halt", "rollback") and event.job_id:
+            await self._on_current(event, self._incident_noted)
+        elif event.action == "fail":
             await self._on_current(event, self._fail)
 
+    async def _incident_noted(self, conn: asyncpg.Connection, job: Job, event: IncidentRaised) -> None:
+        """The incident behind a halt or rollback: was the bad step's update applied? A rollback whose ranks
+        finished first waits for this (`states.settlement`)."""
+        unapplied = recovery.incident_unapplied(event)
+        await recovery.note_incident(conn, job.id, event.event_id, unapplied)
+        job = replace(job, recovery_incidents={**job.recovery_incidents, event.event_id: unapplied})
+        what = "never applied" if unapplied else "applied"
+        await self.apply(conn, job, Happened(JobEvent.INCIDENT_NOTED, f"the bad step's update was {what}"))
+
     async def _fail(self, conn: asyncpg.Connection, job: Job, event: IncidentRaised) -> None:
-        await lifecycle.fail(conn, job, f"{event.kind}: {event.message}", reason=event.message)
+        cause = f"{event.kind}: {event.message}"
+        await self.apply(conn, job, Happened(JobEvent.FAIL, cause, reason=event.message))
+
+    # --- the table's outcomes ----------------------------------------------------------------------------
+
+    async def apply(self, conn: asyncpg.Connection, job: Job, happened: Happened) -> Job:
+        """Do what `states.OUTCOMES` says `happened` does to `job` (locked, its current attempt)."""
+        outcome = states.outcome(job.state, job.queued, happened.event)
+        moved = await self._do(conn, job, outcome, happened)
+        if outcome in (Outcome.RUN, Outcome.ROLL_BACK) and (await recovery.exits(conn, moved)).finished:
+            # the ranks finished before the command reached them (or the resume)
+            done = Happened(JobEvent.ALL_FINISHED, f"all {job.world_size} ranks exited 0")
+            moved = await self.apply(conn, moved, done)
+        return moved
+
+    async def _do(  # one case per outcome, as the table lists them
+        self, conn: asyncpg.Connection, job: Job, outcome: Outcome, happened: Happened
+    ) -> Job:
+        cause = happened.cause
+        match outcome:
+            case Outcome.IGNORE:
+                log.debug("%s: %s in %s changes nothing (%s)", job.id, happened.event, job.state, cause)
+                return job
+            case Outcome.WAIT:
+                return await lifecycle.note_progress(conn, job.id)
+            case Outcome.IMPOSSIBLE:
+                where = states.phase(job.state, job.queued)
+                message = f"{happened.event} cannot happen to a {where} job: {cause}"
+                log.error("%s attempt %d: %s; ignored", job.id, job.attempt, message)
+                await recovery.raise_about(conn, job, message, event=str(happened.event))
+                return job
+            case Outcome.SCHEDULE:
+                raise AssertionError("a job is placed by the placement pass, not by an event")
+            case Outcome.RUN:
+                return await lifecycle.transition(conn, job, JobState.RUNNING, cause)
+            case Outcome.HALT:
+                extra = {}
+                if isinstance(happened.command, HaltJob):
+                    extra["recovery"] = recovery.under(job, halt=recovery.halt_record(happened.command))
+                return await lifecycle.transition(conn, job, JobState.HALTED, cause, **extra)
+            case Outcome.ROLL_BACK:
+                assert isinstance(happened.command, RollbackJob)
+                rec = recovery.under(job, rollback=recovery.rollback_record(happened.command))
+                return await lifecycle.transition(conn, job, JobState.ROLLING_BACK, cause, recovery=rec)
+            case Outcome.SUCCEED:
+                moved = await lifecycle.transition(conn, job, JobState.SUCCEEDED, cause)
+                self.s.want_placement()
+                return moved
+            case Outcome.REQUEUE:
+                return await self._requeue(conn, job, happened)
+            case Outcome.RELAUNCH:
+                assert happened.target is not None
+                step, checkpoint, skip = happened.target
+                return await self._relaunch(conn, job, step, checkpoint, skip, cause)
+            case Outcome.SETTLE:
+                return await self._settle(conn, job, happened)
+            case Outcome.UNQUEUE:
+                moved = await lifecycle.transition(conn, job, JobState.PENDING, cause)
+                await recovery.raise_about(conn, job, cause)
+                self.s.want_placement()
+                return moved
+            case Outcome.FAIL:
+                moved = await lifecycle.fail(conn, job, cause, reason=(happened.reason or cause)[:2000])
+                self.s.want_placement()
+                return moved
+            case Outcome.CANCEL:
+                moved = await lifecycle.transition(
+                    conn, job, JobState.CANCELLED, cause, reason=happened.reason
+                )
+                self.s.want_placement()
+                return moved
+            case _:
+                assert_never(outcome)
+
+    async def _requeue(self, conn: asyncpg.Connection, job: Job, happened: Happened) -> Job:
+        """The next attempt, queued: from the rollback under way's checkpoint, if any, else the newest."""
+        resume_from = None
+        if (target := recovery.rollback_target(job)) is not None:
+            await _supersede(conn, job.id, after_step=target[0])
+            resume_from = target[1]
+        moved = await lifecycle.requeue(
+            conn,
+            job,
+            happened.cause,
+            max_attempts=self.s.settings.max_attempts,
+            resume_from=resume_from,
+            preempted=happened.preempted,
+        )
+        if happened.event == JobEvent.TIMED_OUT:
+            action: IncidentAction = "fail" if moved.state == JobState.FAILED else "alert"
+            await recovery.raise_about(conn, job, happened.cause, action=action)
         self.s.want_placement()
+        return moved
+
+    async def _relaunch(
+        self,
+        conn: asyncpg.Connection,
+        job: Job,
+        step: int,
+        checkpoint: str | None,
+        skip_data: tuple[int, int] | None,
+        reason: str,
+    ) -> Job:
+        """The next attempt from `checkpoint` (None: the newest valid), ROLLING_BACK until it is placed."""
+        if checkpoint is not None:
+            await _supersede(conn, job.id, after_step=step)
+        moved = await lifecycle.requeue(
+            conn,
+            job,
+            f"restart from step {step}: {reason}" if checkpoint is not None else f"restart: {reason}",
+            max_attempts=self.s.settings.max_attempts,
+            to_state=JobState.ROLLING_BACK,
+            resume_from=checkpoint,
+            skip_data=skip_data,
+        )
+        self.s.want_placement()
+        return moved
+
+    async def _settle(self, conn: asyncpg.Connection, job: Job, happened: Happened) -> Job:
+        """A halted or rolling-back attempt whose ranks finished, or that made no progress: `settlement`."""
+        found = await recovery.exits(conn, job)
+        timed_out = happened.event == JobEvent.TIMED_OUT
+        rec = job.recovery or {}
+        unapplied = recovery.unapplied(job)
+        decided = states.settlement(
+            finished=found.finished,
+            exited=bool(found.ok),
+            rollback="rollback" in rec,
+            halted="halted_step" in rec,
+            unapplied=unapplied,
+            timed_out=timed_out,
+        )
+        command = "rollback" if "rollback" in rec else "halt"
+        why = happened.cause if timed_out else f"the ranks finished before the {command} reached them"
+        match decided:
+            case Settlement.WAIT:
+                return await lifecycle.note_progress(conn, job.id) if timed_out else job
+            case Settlement.SUCCEED:
+                cause = f"{why}; the bad step's update was never applied (held, or skipped as non-finite)"
+                moved = await lifecycle.transition(conn, job, JobState.SUCCEEDED, cause)
+                if not found.finished:  # a rank whose exit we never heard of: make sure it is gone
+                    await outbox.enqueue(
+                        conn,
+                        subjects.cmd(job.id),
+                        CancelJob(job_id=job.id, attempt=job.attempt, reason=f"succeeded: {cause}"),
+                    )
+                await recovery.raise_about(conn, job, f"SUCCEEDED: {cause}", exited=sorted(found.exited))
+                self.s.want_placement()
+                return moved
+            case Settlement.RELAUNCH:
+                target = recovery.rollback_target(job)
+                step, checkpoint, skip = target if target else (0, None, None)
+                if unapplied is None and found.ok:
+                    why += "; the incident of the bad step never arrived"
+                moved = await self._relaunch(conn, job, step, checkpoint, skip, why)
+                action: IncidentAction = "fail" if moved.state == JobState.FAILED else "alert"
+                where = f"from checkpoint {checkpoint}" if checkpoint else "from the newest valid checkpoint"
+                done = f"relaunched as attempt {moved.attempt} {where}" if action == "alert" else moved.reason
+                await recovery.raise_about(conn, job, f"{why}: {done}", action=action)
+                return moved
+            case Settlement.FAIL:
+                cause = f"{why}; the bad step's update was applied and no rollback was asked for"
+                moved = await lifecycle.fail(conn, job, cause, reason=cause)
+                await recovery.raise_about(conn, job, cause, action="fail")
+                self.s.want_placement()
+                return moved
+            case _:
+                assert_never(decided)
+
+    # --- the sweeper -------------------------------------------------------------------------------------
+
+    async def sweep(self) -> list[str]:
+        """Resolve every job that stayed placed-not-started, halting, rolling back or restarting for longer
+        than VIGIL_TRANSITION_TIMEOUT_S without progress (`states.SWEPT`). The ids of those it acted on."""
+        bound = self.s.settings.transition_timeout_s
+        async with self.s.tx() as conn:
+            ids = await conn.fetch(
+                """SELECT id FROM jobs WHERE state = ANY($1::text[])
+                   AND progress_at < now() - make_interval(secs => $2) ORDER BY progress_at LIMIT 100""",
+                [JobState.SCHEDULED, JobState.HALTED, JobState.ROLLING_BACK],
+                bound,
+            )
+        swept = []
+        for row in ids:
+            try:
+                if await self._sweep_one(row["id"], bound):
+                    swept.append(row["id"])
+            except VigilError as exc:  # one job's trouble must not stop the sweep of the others
+                log.error("%s: the transition sweep could not resolve it: %s", row["id"], exc)
+        return swept
+
+    async def _sweep_one(self, job_id: str, bound: float) -> bool:
+        """Resolve one stalled job (`TIMED_OUT`); False when it moved meanwhile."""
+        async with self.s.tx() as conn:
+            job = await lifecycle.lock_job(conn, job_id)
+            if job is None or states.phase(job.state, job.queued) not in states.SWEPT:
+                return False
+            if await conn.fetchval(
+                "SELECT progress_at >= now() - make_interval(secs => $2) FROM jobs WHERE id = $1",
+                job.id,
+                bound,
+            ):
+                return False  # it moved meanwhile
+            found = await recovery.exits(conn, job)
+            if job.state == JobState.SCHEDULED:
+                what = f"attempt {job.attempt} was launched but {found.never_started()} in {bound:g}s"
+            elif job.queued:
+                what = f"the restart found no placement in {bound:g}s; it waits in the queue"
+            else:
+                what = recovery.what_stalled(job, found, bound)
+            log.warning("%s attempt %d: %s", job.id, job.attempt, what)
+            await self.apply(conn, job, Happened(JobEvent.TIMED_OUT, what))
+        return True
+
+    async def sweep_loop(self, stop: asyncio.Event) -> None:
+        tick = min(5.0, max(0.2, self.s.settings.transition_timeout_s / 4))
+        while not stop.is_set():
+            try:
+                await self.sweep()
+            except (asyncpg.PostgresError, OSError, VigilError) as exc:
+                log.warning("transition sweep failed, retrying: %s", exc)
+            await wait_any(stop, timeout_s=tick)
 
     # --- helpers -------------------------------------------------------------------------------------------
 
@@ -419,6 +600,40 @@ _AUDITED: dict[type[Message], audit.Action] = {
     ResumeJob: "resume",
     CancelJob: "cancel",
 }
+
+
+async def _classify_exit(conn: asyncpg.Connection, job: Job, event: RankExited) -> Happened:
+    """What a rank's exit (already recorded) means for its attempt."""
+    if event.exit_code == 0:
+        ok = await conn.fetchval(
+            "SELECT count(*) FROM job_ranks WHERE job_id = $1 AND attempt = $2 AND exit_code = 0",
+            job.id,
+            job.attempt,
+        )
+        if ok >= job.world_size:
+            return Happened(JobEvent.ALL_FINISHED, f"all {job.world_size} ranks exited 0")
+        return Happened(JobEvent.RANK_FINISHED, f"rank {event.rank} exited 0")
+    how = f"code {event.exit_code}" if event.exit_code is not None else f"signal {event.signal}"
+    cause = f"rank {event.rank} on {event.node} exited with {how} ({event.failure})"
+    if event.failure == "preempted":  # all ranks saved the emergency checkpoint
+        cause = f"{PREEMPTED}: rank {event.rank} on {event.node} checkpointed and exited"
+        return Happened(JobEvent.RANK_PREEMPTED, cause, preempted=True)
+    if event.failure == "killed_by_vigil":
+        # A worker ends a rank's siblings when it dies: the rank that died tells us why. Only when every
+        # rank is gone without such a report is this the cause.
+        exited = await conn.fetchval(
+            "SELECT count(*) FROM job_ranks WHERE job_id = $1 AND attempt = $2 AND exited_at IS NOT NULL",
+            job.id,
+            job.attempt,
+        )
+        if exited < job.world_size:
+            return Happened(JobEvent.RANK_ENDED, cause)
+        cause = f"every rank was ended by its worker (last: rank {event.rank} on {event.node})"
+        return Happened(JobEvent.ALL_ENDED, cause)
+    if event.failure == "spec":  # another attempt would be refused the same way
+        reason = f"the spec cannot run: {event.log_tail or cause}"[:2000]
+        return Happened(JobEvent.SPEC_REFUSED, cause, reason=reason)
+    return Happened(JobEvent.RANK_FAILED, cause)
 
 
 async def _supersede(conn: asyncpg.Connection, job_id: str, *, after_step: int) -> None:

@@ -20,7 +20,8 @@ from vigil_scheduler import outbox, states
 
 JOB_COLUMNS = """id, seq, name, state, priority, spec, world_size, max_nodes, attempt, queued, placement,
     previous_placement, master_addr, master_port, resume_from, skip_data, reason, completed_commands,
-    trace_context, created_at, updated_at, finished_at, owner, team, queue_reason"""
+    trace_context, created_at, updated_at, finished_at, owner, team, queue_reason, progress_at, recovery,
+    recovery_incidents"""
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,19 @@ class Job:
     owner: str  # the user who submitted it (`principals`): it and its team see it, and admins
     team: str | None
     queue_reason: str | None  # why a queued job waits, when not for devices (a quota)
+    progress_at: datetime  # its last transition or rank event: the sweeper's clock (`recovery`)
+    # The HaltJob and RollbackJob the current attempt is under: {"halt": {...}, "rollback": {...},
+    # "halted_step": n}; None when none. Cleared when the job runs again, ends, or starts an attempt.
+    recovery: dict[str, Any] | None
+    # The incidents behind its halts and rollbacks: id -> the bad step's update was never applied.
+    recovery_incidents: dict[str, bool]
 
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> Job:
         data = dict(row)
         data["state"] = JobState(data["state"])
-        for key in ("spec", "placement", "previous_placement", "trace_context"):
+        json_columns = ("spec", "placement", "previous_placement", "trace_context", "recovery")
+        for key in (*json_columns, "recovery_incidents"):
             if isinstance(data[key], str):
                 data[key] = json.loads(data[key])
         data["skip_data"] = list(data["skip_data"]) if data["skip_data"] is not None else None
@@ -119,7 +127,8 @@ async def transition(
     conn: asyncpg.Connection, job: Job, to_state: JobState, cause: str, **updates: Any
 ) -> Job:
     """Move `job` to `to_state` with `cause`; `updates` are other job columns to set at the same time.
-    `queued` follows: true while the job is not ended and has no placement (see `Job.queued`).
+    `queued` follows: true while the job is not ended and has no placement (see `Job.queued`); the
+    recovery under way is forgotten when the job runs again, ends, or starts another attempt.
 
     Raises Conflict when the state machine does not allow the move.
     """
@@ -132,10 +141,15 @@ async def transition(
     }
     if not values["queued"]:
         values["queue_reason"] = None  # placed or ended: it waits for nothing
+    if "recovery" not in values and (
+        to_state == JobState.RUNNING or states.is_terminal(to_state) or "attempt" in values
+    ):
+        values["recovery"] = None
     sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(values, start=2))
     extra = ", finished_at = now()" if states.is_terminal(to_state) else ""
     row = await conn.fetchrow(
-        f"UPDATE jobs SET {sets}, updated_at = now(){extra} WHERE id = $1 RETURNING {JOB_COLUMNS}",
+        f"UPDATE jobs SET {sets}, updated_at = now(), progress_at = now(){extra} WHERE id = $1"
+        f" RETURNING {JOB_COLUMNS}",
         job.id,
         *(_encode(k, v) for k, v in values.items()),
     )
@@ -279,7 +293,23 @@ async def _record(
     await outbox.enqueue(conn, subjects.status(job.id, subjects.CONTROL), event)
 
 
+async def note_progress(conn: asyncpg.Connection, job_id: str, recovery: dict[str, Any] | None = None) -> Job:
+    """The job moved without changing state (a rank started, exited, halted); with `recovery`, the
+    recovery under way is now that."""
+    if recovery is None:
+        row = await conn.fetchrow(
+            f"UPDATE jobs SET progress_at = now() WHERE id = $1 RETURNING {JOB_COLUMNS}", job_id
+        )
+    else:
+        row = await conn.fetchrow(
+            f"UPDATE jobs SET progress_at = now(), recovery = $2 WHERE id = $1 RETURNING {JOB_COLUMNS}",
+            job_id,
+            json.dumps(recovery),
+        )
+    return Job.from_row(row)
+
+
 def _encode(key: str, value: Any) -> Any:
-    if key in ("placement", "previous_placement", "trace_context", "spec") and value is not None:
+    if key in ("placement", "previous_placement", "trace_context", "spec", "recovery") and value is not None:
         return json.dumps(value)
     return value

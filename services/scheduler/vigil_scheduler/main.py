@@ -1,6 +1,6 @@
 """The scheduler service: the Litestar gateway, served by every scheduler process, and, in the one that
-holds the scheduling lock (`vigil_common.lease`), the bus consumers, the placement and node-lost loops and the
-outbox relay; all until `stop` is set."""
+holds the scheduling lock (`vigil_common.lease`), the bus consumers, the placement, node-lost and transition
+sweeper loops and the outbox relay; all until `stop` is set."""
 
 from __future__ import annotations
 
@@ -99,6 +99,7 @@ async def _active(
             tasks.create_task(relay.run(until))
             tasks.create_task(scheduler.liveness_loop(until))
             tasks.create_task(scheduler.placement_loop(until))
+            tasks.create_task(handlers.sweep_loop(until))  # no job stays in a transition past the bound
             tasks.create_task(bus.consume_batches(HEARTBEATS, handlers.heartbeats, until))
             # a rank's start or exit counts only from the node its launch placed it on
             tasks.create_task(bus.consume(STATUS, handlers.status, until, admit=Origins(bus).admit))

@@ -19,7 +19,7 @@ import yaml
 from tests.integration.byo.ranks import EXAMPLES
 from tests.integration.guardian.test_e2e_ranks import Stack, train, whole_stack
 from vigil.manifest import MANIFEST
-from vigil_common import readmodel
+from vigil_common import readmodel, subjects
 from vigil_common.events import (
     CheckpointSaved,
     IncidentRaised,
@@ -71,7 +71,12 @@ async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stac
     assert states[-1] == "SUCCEEDED", states
     (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
     assert (nan.rank, nan.step, nan.action) == (1, NAN_AT, "rollback")
-    if example in RELAUNCHED:  # no loader: every rank stopped, the job relaunched from the checkpoint
+    if run.of(JobStateChanged)[-1].cause.startswith("the ranks finished before the rollback reached them"):
+        # fast steps may all run before the halt reaches the ranks (issue 32): the update was skipped,
+        # so the job SUCCEEDS with nothing to redo (once, this left the job ROLLING_BACK for good)
+        assert "never applied" in run.of(JobStateChanged)[-1].cause
+        assert {launch.attempt for launch in run.of(LaunchJob)} == {1}
+    elif example in RELAUNCHED:  # no loader: every rank stopped, the job relaunched from the checkpoint
         (restart,) = run.of(RestartRequested)
         assert restart.step == 8
         relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
@@ -106,3 +111,34 @@ async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stac
                 assert item["generation"] == 1, item
                 mean = (rerun[(0, item["step"])] + rerun[(1, item["step"])]) / 2
                 assert item["loss"] == pytest.approx(mean, rel=1e-6), item
+
+
+async def test_a_nan_on_the_very_last_step_of_a_user_program_succeeds(stack: Stack):
+    """Issue 32 (4 of 4 stuck ROLLING_BACK on their slots): the NaN is on the last step, so the ranks exit
+    before the guardian's halt and rollback reach them. The program skipped the update (`run.agree`), so
+    the job SUCCEEDS, with an incident saying so when the rollback was outrun, or after rolling back in
+    place when it was not."""
+    spec = example_spec("ddp_loop")
+    argv = spec["entrypoint"]["argv"]
+    argv[argv.index("--nan-at") + 1] = str(STEPS - 1)
+    run = await train(stack, spec, timeout_s=240)  # well inside the sweeper's 300 s bound
+    changes = run.of(JobStateChanged)
+    assert changes[-1].to_state == "SUCCEEDED", [(c.to_state, c.cause) for c in changes]
+    (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
+    assert (nan.rank, nan.step, nan.action) == (1, STEPS - 1, "rollback")
+    assert nan.evidence["skipped"] is True
+    ended = changes[-1].cause
+    if ended.startswith("the ranks finished before the rollback reached them"):
+        # the ranks were gone when the rollback came: no relaunch, as the update was never applied
+        assert "never applied" in ended, ended
+        async with stack.bus.watch(subjects.incident(run.job_id), from_start=True) as incidents:
+            while (
+                not isinstance(said := await incidents.next(10), IncidentRaised) or said.kind != "lifecycle"
+            ):
+                assert said is not None, "no lifecycle incident"
+        assert said.action == "alert" and "never applied" in said.message, said
+    else:  # both ranks exited before the halt, or the rollback reached them in time
+        assert ended == "all 2 ranks exited 0", ended
+    assert {launch.attempt for launch in run.of(LaunchJob)} == {1}
+    job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
+    assert [r["exit_code"] for r in job["ranks"]] == [0, 0], job["ranks"]

@@ -340,3 +340,46 @@ async def test_a_step_run_again_after_an_in_place_rollback_has_two_histories(sta
         left = [runs[(r, s, 0)] for r in (0, 1) if math.isfinite(runs[(r, s, 0)])]  # a NaN: counted apart
         assert abandoned == pytest.approx(sum(left) / len(left), rel=1e-6), s
     assert all(by_step[s][1] is None for s in range(14) if s not in repeated)
+
+
+async def test_a_nan_on_the_very_last_step_ends_succeeded_never_stuck(stack: Stack):
+    """Issue 32: the ranks finish before the guardian's halt and rollback reach them. The update of the
+    bad step was skipped (the all-rank finiteness guard), so the job SUCCEEDS: at once when both exits
+    came first, else when the scheduler settles the rollback its ranks outran; never ROLLING_BACK on its
+    slots (the sweeper's bound, 300 s, is past this test's timeout)."""
+    last = 9
+    run = await train(
+        stack,
+        {
+            "name": "e2e-nan-last",
+            "resources": {"nodes": 1, "gpus_per_node": 2},
+            "model": TINY,
+            "train": {**TRAIN, "steps": last + 1},
+            "checkpoint": {"every": 3, "keep": 10},
+            "guardian": {"nan": "rollback", "replay": False},
+            "faults": [{"kind": "nan", "step": last, "rank": 1}],
+        },
+    )
+    changes = run.of(JobStateChanged)
+    assert changes[-1].to_state == "SUCCEEDED", [(c.to_state, c.cause) for c in changes]
+    (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
+    assert (nan.step, nan.action) == (last, "rollback") and nan.evidence["skipped"] is True
+    ended = changes[-1].cause
+    if run.of(RollbackCompleted):  # the rollback reached the ranks in time: in place, then the end
+        assert ended == "all 2 ranks exited 0"
+    elif ended != "all 2 ranks exited 0":  # not both exits before the halt: the ranks outran the rollback
+        outran = (
+            "the ranks finished before the rollback reached them; the bad step's update was never applied"
+        )
+        assert ended.startswith(outran), ended
+        async with stack.bus.watch(subjects.incident(run.job_id), from_start=True) as incidents:
+            while (
+                not isinstance(said := await incidents.next(10), IncidentRaised) or said.kind != "lifecycle"
+            ):
+                assert said is not None, "no lifecycle incident"
+        assert said.action == "alert" and "never applied" in said.message, said
+    assert {launch.attempt for launch in run.of(LaunchJob)} == {1}  # no relaunch: nothing to redo
+    job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
+    assert [r["exit_code"] for r in job["ranks"]] == [0, 0], job["ranks"]  # rank 1's exit recorded too
+    gpus = (await stack.http.get("/api/v1/gpus")).json()["items"]
+    assert all(g["job_id"] != run.job_id for g in gpus)
