@@ -94,12 +94,21 @@ async def guardian_running(
     server: EmbeddedNats, admin: Bus, migrated: str, tmp_path: Path
 ) -> AsyncIterator[None]:
     """The guardian service as its own NATS user, with a fresh durable consumer."""
+    async with guardian_on(server, admin, migrated, tmp_path):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def guardian_on(
+    server: EmbeddedNats, admin: Bus, database_url: str, tmp_path: Path
+) -> AsyncIterator[None]:
+    """The guardian service as its own NATS user on `database_url`, with a fresh durable consumer."""
     for made in guardian.INPUTS:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await admin.js.delete_consumer(made.stream.name, made.durable)
     settings = Settings.load(
         nats_url=server.url_for(credentials.GUARDIAN),
-        database_url=migrated,
+        database_url=database_url,
         data_dir=tmp_path,
         metrics_port=0,
     )
