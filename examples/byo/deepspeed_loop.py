@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -108,6 +109,13 @@ def main() -> None:
         step = run.after_step(step + 1, ok)
     finite = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
     print(json.dumps({"steps": step, "finite_weights": finite}))
+    # A C++ thread (gloo's, DeepSpeed's) still outlives the interpreter now and then: "terminate called
+    # without an active exception", exit -6, after all the work is done (as in hf_trainer.py). Send what
+    # Vigil has queued, then leave without the interpreter's teardown.
+    run.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ async def test_old_rows_get_the_generation_of_the_rollbacks_before_them(before_0
     await old_steps(pool, [(JOB, 2, s, r, loss(s, 0), 40 + s) for s in range(2) for r in (0, 1)])
     await old_steps(pool, [(OTHER, 1, s, 0, loss(s, 0), 11 + s) for s in range(3)])
 
-    assert await migrate(pool) == [17]
+    assert await migrate(pool, [m for m in load_migrations() if m.version <= 17]) == [17]
 
     got = await pool.fetch(
         "SELECT job_id, attempt, step, rank, generation, loss FROM telemetry_steps ORDER BY occurred_at, rank"
