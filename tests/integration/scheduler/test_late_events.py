@@ -3,30 +3,25 @@ whose rank's exit is never reported is resolved by the sweeper, never left ROLLI
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.db import create_pool
 from vigil_common.events import CancelJob, HaltJob, IncidentRaised, LaunchJob, RollbackJob
-from vigil_scheduler.main import run
 
 from .conftest import (
-    TOKEN,
     Running,
     checkpoint,
     exit_rank,
     launched,
     next_event,
+    running,
     scheduler_settings,
     spec,
     start_ranks,
-    wait_ready,
     wait_state,
 )
 
@@ -39,20 +34,8 @@ TRANSITION_TIMEOUT_S = 2.0
 async def quick(db_url: str, nats_url: str, tmp_path: Path) -> AsyncIterator[Running]:
     """A scheduler whose sweeper resolves a transition after TRANSITION_TIMEOUT_S without progress."""
     settings = scheduler_settings(db_url, nats_url, tmp_path, transition_timeout_s=TRANSITION_TIMEOUT_S)
-    stop = asyncio.Event()
-    task = asyncio.create_task(run(settings, stop))
-    pool = await create_pool(db_url, max_size=3)
-    base = f"http://{settings.http_host}:{settings.http_port}"
-    try:
-        await wait_ready(base, task=task)
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
-        ) as http:
-            yield Running(settings, http, pool)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=20)
-        await pool.close()
+    async with running(settings) as started:
+        yield started
 
 
 async def _running(quick: Running, nodes, bus: Bus) -> tuple[str, LaunchJob, str]:
