@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -119,6 +120,13 @@ def main() -> None:
     print(json.dumps({"steps": step, "finite_weights": finite}))
     if world > 1:
         dist.destroy_process_group()
+    # gloo's C++ threads still outlive the interpreter now and then: "terminate called without an active
+    # exception", exit -6, after all the work is done (as in deepspeed_loop.py). Send what Vigil has
+    # queued, then leave without the interpreter's teardown.
+    run.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

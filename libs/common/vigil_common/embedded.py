@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+from vigil_common import subjects
 from vigil_common.confine import let_traverse
 from vigil_common.credentials import (
     ADMIN,
@@ -51,6 +52,15 @@ def _wait_port(
             return
         time.sleep(0.05)  # polling a port for readiness
     raise RetryableError(f"{what} did not listen on {host}:{port} within {timeout_s}s; see {log}")
+
+
+def _declared_store_bytes() -> int:
+    """The file store the streams declare (`subjects.STREAMS`' `max_bytes`, which JetStream reserves when
+    it creates them), with room for one more of the largest. Without it the server's limit is a share of
+    the disk free when it starts, and a stream is refused ("insufficient storage resources") on a disk
+    with less free than the streams declare, though they hold a few megabytes."""
+    declared = [spec.max_bytes for spec in subjects.STREAMS]
+    return sum(declared) + max(declared)
 
 
 class EmbeddedNats:
@@ -104,7 +114,8 @@ class EmbeddedNats:
         conf = self.data_dir / "nats.conf"
         text = (
             f"host: {self.host}\nport: {self.port}\nmax_payload: 8MB\n"
-            f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n  sync_interval: always\n}}\n"
+            f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n  sync_interval: always\n"
+            f"  max_file_store: {_declared_store_bytes()}\n}}\n"
         )
         if self.users:
             text += authorization_block(self.users)

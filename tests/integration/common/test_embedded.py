@@ -76,3 +76,41 @@ def test_postgres_keeps_data_across_a_restart(server_dir: Path):
         assert asyncio.run(read(again.url)) == 42
     finally:
         again.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 64 MiB filesystem: far less free than the streams declare (25 GiB)."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_nats_makes_every_stream_on_a_disk_with_less_free_than_they_declare(small_disk: Path):
+    """JetStream reserves each stream's max_bytes; the server's own limit would be a share of the free
+    disk, and a CI disk that had filled refused VIGIL_JOBS ("insufficient storage resources")."""
+
+    async def make(url: str) -> list[str]:
+        bus = await Bus.connect(url, "t")
+        try:
+            await bus.ensure_streams()
+            return sorted([info.config.name async for info in _streams(bus)])
+        finally:
+            await bus.close()
+
+    async def _streams(bus: Bus):
+        for spec in subjects.STREAMS:
+            yield await bus.js.stream_info(spec.name)
+
+    with EmbeddedNats(small_disk / "nats") as server:
+        names = asyncio.run(make(server.url))
+    assert names == sorted(spec.name for spec in subjects.STREAMS)
