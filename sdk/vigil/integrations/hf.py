@@ -7,16 +7,19 @@ Two lines in an existing script::
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[VigilCallback()])
     trainer.train(resume_from_checkpoint=resume_checkpoint())  # None unless Vigil relaunched the job
 
-Per optimizer step, on every rank (`on_pre_optimizer_step`, after the gradients are reduced and clipped):
-this rank's loss (read from the model's output, as the Trainer reads it) and the gradients' norm go into
-the step boundary's one all-reduce. Where any rank's step is not finite, every rank drops its gradients,
-so the optimizer leaves the weights alone. Under the Trainer's DeepSpeed integration the engine has
-already stepped by then (inside `backward`): ZeRO stages 1-3 and fp16/bf16 skip a non-finite update
-themselves; ZeRO-0 in fp32 does not, and from such a step on this process adopts no more checkpoints
-(the guardian's rollback relaunches the job from an earlier one). Then (`on_step_end`) the step is
-reported and the job's commands are acted on: a halt waits there; a rollback stops every rank with exit
-code 5 and Vigil relaunches the job with `resume_checkpoint()` set, since the Trainer cannot load a
-checkpoint in place mid-training.
+Per optimizer step, on every rank (`on_pre_optimizer_step`, after the gradients are reduced): this rank's
+loss (read from the model's output, as the Trainer reads it) and the gradients' norm before clipping go
+into the step boundary's one all-reduce. The callback clips in the Trainer's place (it takes
+`max_grad_norm` over for the run, and gives it back at the end), with the norm it reports: the Trainer
+would clip before any callback sees the gradients, so the norm reported would be the clipped one. The
+Trainer's own logged `grad_norm` stays the norm before clipping. Where any rank's step is not finite,
+every rank drops its gradients, so the optimizer leaves the weights alone. Under the Trainer's DeepSpeed
+integration the engine has already stepped by then (inside `backward`): ZeRO stages 1-3 and fp16/bf16 skip
+a non-finite update themselves; ZeRO-0 in fp32 does not, and from such a step on this process adopts no
+more checkpoints (the guardian's rollback relaunches the job from an earlier one). Then (`on_step_end`)
+the step is reported and the job's commands are acted on: a halt waits there; a rollback stops every rank
+with exit code 5 and Vigil relaunches the job with `resume_checkpoint()` set, since the Trainer cannot
+load a checkpoint in place mid-training.
 
 Checkpoints: each `checkpoint-N` folder the Trainer saves (its `save_steps`; set it to the spec's
 `checkpoint.every`, `vigil.init().spec.checkpoint.every`) is moved into Vigil's `step_N` folder and sealed
@@ -67,6 +70,7 @@ class VigilCallback(TrainerCallback):
         self._step: dict[str, Any] = {}
         self._hook: Any = None
         self._scale_losses = False  # the loss was normalised over the whole accumulated batch
+        self._clip: float | None = None  # the Trainer's max_grad_norm, while this callback clips for it
 
     # --- where the loss comes from -----------------------------------------------------------------
 
@@ -76,6 +80,8 @@ class VigilCallback(TrainerCallback):
             raise RuntimeError("vigil: the Trainer passed no model to VigilCallback.on_train_begin")
         if self._hook is None:
             self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        if takes_over_clipping(args) and self._clip is None:
+            self._clip, args.max_grad_norm = float(args.max_grad_norm), 0.0
         if self.run.skip_windows:
             log.warning(
                 "vigil: data windows %s are to be skipped; the Trainer's data loader does not know them",
@@ -99,6 +105,8 @@ class VigilCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._clip is not None:  # the user's arguments as they were
+            args.max_grad_norm, self._clip = self._clip, None
 
     # --- the step boundary ---------------------------------------------------------------------------
 
@@ -108,8 +116,12 @@ class VigilCallback(TrainerCallback):
         loss_sum, count, tokens = self.losses.take()
         deepspeed = bool(getattr(args, "deepspeed", None))
         params = list(model.parameters()) if model is not None else []
-        norm = None if deepspeed else grad_norm(params)  # full gradients, after DDP's all-reduce
+        norm = None if deepspeed else grad_norm(params)  # full gradients, after DDP's all-reduce, unclipped
         boundary = self.run.agree(verdict(loss_sum, norm))  # the step's one sync
+        if self._clip is not None and norm is not None and boundary.all_finite:
+            import torch
+
+            torch.nn.utils.clip_grads_with_norm_(params, self._clip, norm)  # as the Trainer would have
         skipped = False
         if deepspeed:  # the engine stepped inside backward; it skipped an overflow itself, or not
             skipped = bool(getattr(optimizer, "step_was_skipped", False))
@@ -169,6 +181,19 @@ class VigilCallback(TrainerCallback):
             log.error("vigil: not adopting %s: a non-finite update was applied before it", source)
             return
         self.run.save_checkpoint(step, lambda path: adopt(source, path))
+
+
+def takes_over_clipping(args: TrainingArguments) -> bool:
+    """Whether the callback clips for the Trainer: it has a `max_grad_norm` and holds the whole gradients
+    (plain PyTorch or DDP; DeepSpeed clips inside its engine and reports its own norm before clipping,
+    and FSDP's shards would need its own clip)."""
+    max_norm = getattr(args, "max_grad_norm", None)
+    return (
+        bool(max_norm)
+        and max_norm > 0
+        and not getattr(args, "deepspeed", None)
+        and not getattr(args, "fsdp", None)
+    )
 
 
 def adopt(source: Path, target: Path) -> None:

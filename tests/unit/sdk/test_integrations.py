@@ -174,6 +174,42 @@ def test_hf_trainer_skips_a_nan_step_adopts_checkpoints_and_resumes_after_a_roll
     assert saved(root) == [2, 4, 6]
 
 
+def test_hf_trainer_reports_the_norm_before_clipping_and_clips_as_the_trainer_would(tmp_path):
+    """With a max_grad_norm every step exceeds, the callback reports the unclipped norm (the one the
+    Trainer logs), and the weights end where the Trainer's own clipping takes them without Vigil."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from vigil.integrations.hf import VigilCallback
+
+    def train(callbacks: list[Any]) -> tuple[nn.Module, Trainer]:
+        torch.manual_seed(0)
+        config = GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
+        model = GPT2LMHeadModel(config)
+        ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "hf"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+            max_grad_norm=0.01, save_strategy="no", logging_steps=1, report_to=[], use_cpu=True,
+            disable_tqdm=True, lr_scheduler_type="constant",
+        )  # fmt: skip
+        data = [{"input_ids": row, "labels": row} for row in ids]
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+        trainer.train()
+        return model, trainer
+
+    link = Recorder()
+    with_vigil, trainer = train([VigilCallback(a_run(tmp_path / "ckpt", link))])
+    alone, _ = train([])
+    reported = [e.grad_norm for e in link.of(ev.StepCompleted)]
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(reported) == 3 and all(n > 0.01 * 10 for n in reported), reported  # not the clipped norm
+    assert reported == pytest.approx(logged, rel=1e-5)
+    assert trainer.args.max_grad_norm == 0.01, "the Trainer's arguments are given back"
+    for mine, theirs in zip(with_vigil.parameters(), alone.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
 # --- Lightning ---------------------------------------------------------------------------------------
 
 
