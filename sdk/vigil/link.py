@@ -4,7 +4,8 @@
 `AgentLink` talks to the agent that started this rank over its Unix socket, or in a Kubernetes rank pod
 over TCP to its node's worker (`vigil_common.protocol` frames), from a background thread with its own
 asyncio loop: `emit` hands an event over and returns at once; the hand-over queue is bounded, and when it
-is full the event is dropped and counted (never blocking the training loop). Events go out in order and
+is full the event is dropped and counted (never blocking the training loop). The thread is woken once for
+whatever was handed over since it last looked, and sends it in one write. Events go out in order and
 each is acknowledged once the agent has it stored on the bus, or refused: an event out of bounds (a
 field, its size, the rank's rate) comes back with the agent's reason, which the link logs as an error,
 counts (`refused`) and keeps (`last_refusal`); an event too large to send is refused here the same way.
@@ -22,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Protocol
 
@@ -88,6 +89,8 @@ class AgentLink:
         self.last_refusal: str | None = None  # why the last one was refused
         self.last_step: int | None = None  # the last step the agent acknowledged
         self._queue_size = queue_size
+        self._outbox: deque[tuple[int, ev.Message]] = deque()  # handed over, not yet sent (under _cond)
+        self._woken = False  # the thread is told there is something to send (under _cond)
         self._commands: list[ev.Message] = []
         self._arrivals: list[float] = []  # time.monotonic() when each command reached this rank
         self._cond = threading.Condition()
@@ -96,8 +99,8 @@ class AgentLink:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[tuple[int, ev.Message] | None] | None = None
-        self._closing = False
+        self._wakeup: asyncio.Event | None = None
+        self._closing = False  # close() asked: send what is handed over, then say goodbye (under _cond)
         self._thread = threading.Thread(target=self._run, name="vigil-link", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> AgentLink:
@@ -116,13 +119,17 @@ class AgentLink:
         if self._loop is None or self._loop.is_closed():
             return
         with self._cond:
+            if len(self._outbox) >= self._queue_size:
+                self.dropped += 1
+                if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8, ...
+                    log.warning("vigil link: queue full, %d events dropped so far", self.dropped)
+                return
             self._emitted += 1
             self._outstanding += 1
-            item = (self._emitted, event)
-        try:
-            self._loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:  # the loop closed meanwhile
-            self._settle()
+            self._outbox.append((self._emitted, event))
+            wake, self._woken = not self._woken, True
+        if wake:
+            self._wake()
 
     @property
     def latest_seq(self) -> int:
@@ -157,8 +164,9 @@ class AgentLink:
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued (up to `timeout_s`), say goodbye, disconnect."""
         if self._loop is not None and self._thread.is_alive():
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._put, None)
+            with self._cond:
+                self._closing = True
+            self._wake()
             self._thread.join(timeout_s)
         if self.dropped or self.refused:
             log.warning("vigil link: %d events dropped (queue full), %d refused", self.dropped, self.refused)
@@ -176,20 +184,23 @@ class AgentLink:
         self.last_refusal = why
         log.error("vigil link: the agent refused %s: %s", getattr(event, "type", "?"), why)
 
-    def _put(self, item: tuple[int, ev.Message] | None) -> None:
-        assert self._queue is not None
-        if item is None:
-            self._closing = True
-            with contextlib.suppress(asyncio.QueueFull):
-                self._queue.put_nowait(None)
+    def _wake(self) -> None:
+        """Tell the thread there is something to send (or to close)."""
+        loop, wakeup = self._loop, self._wakeup
+        if loop is None or wakeup is None:
             return
-        try:
-            self._queue.put_nowait(item)
-        except asyncio.QueueFull:
-            self.dropped += 1
-            self._settle()
-            if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8, ...
-                log.warning("vigil link: queue full, %d events dropped so far", self.dropped)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing is sent any more
+            loop.call_soon_threadsafe(wakeup.set)
+
+    def _take(self) -> tuple[list[tuple[int, ev.Message]], bool]:
+        """What was handed over since the last look, and whether close() was asked."""
+        assert self._wakeup is not None
+        self._wakeup.clear()
+        with self._cond:
+            items = list(self._outbox)
+            self._outbox.clear()
+            self._woken = False
+            return items, self._closing
 
     def _run(self) -> None:
         try:
@@ -202,8 +213,8 @@ class AgentLink:
                 log.exception("vigil link: background thread failed")
 
     async def _main(self) -> None:
+        self._wakeup = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        self._queue = asyncio.Queue(self._queue_size)
         unacked: OrderedDict[int, ev.Message] = OrderedDict()  # sent, not yet acknowledged
         lost_since: float | None = None
         while True:
@@ -257,29 +268,32 @@ class AgentLink:
             for event_id, event in list(unacked.items()):  # what the last connection left unacknowledged
                 writer.write(proto.encode_frame(proto.Publish(id=event_id, event=event)))
             await writer.drain()
-            assert self._queue is not None
+            assert self._wakeup is not None
             while True:
-                get = asyncio.ensure_future(self._queue.get())
-                finished, _ = await asyncio.wait({get, receiver}, return_when=asyncio.FIRST_COMPLETED)
+                woken = asyncio.ensure_future(self._wakeup.wait())
+                finished, _ = await asyncio.wait({woken, receiver}, return_when=asyncio.FIRST_COMPLETED)
                 if receiver in finished:  # the agent went away
-                    get.cancel()
+                    woken.cancel()
                     receiver.result()
                     return False
-                item = get.result()
-                if item is None:  # closing: say goodbye once everything queued before it is sent
+                items, closing = self._take()
+                frames = []
+                for event_id, event in items:
+                    frame = proto.encode_frame(proto.Publish(id=event_id, event=event))
+                    if len(frame) > proto.MAX_RANK_FRAME_BYTES:  # the agent would refuse it, closing the link
+                        self._refused(event, f"{len(frame)} bytes, over {proto.MAX_RANK_FRAME_BYTES} a frame")
+                        self._settle()
+                        continue
+                    unacked[event_id] = event
+                    frames.append(frame)
+                if frames:
+                    writer.write(b"".join(frames))
+                    await writer.drain()
+                if closing:  # say goodbye once everything handed over before close() is sent
                     writer.write(proto.encode_frame(proto.Bye()))
                     await writer.drain()
                     await receiver  # the agent acks what it holds, then closes
                     return True
-                event_id, event = item
-                frame = proto.encode_frame(proto.Publish(id=event_id, event=event))
-                if len(frame) > proto.MAX_RANK_FRAME_BYTES:  # the agent would refuse it and close the link
-                    self._refused(event, f"{len(frame)} bytes, over {proto.MAX_RANK_FRAME_BYTES} a frame")
-                    self._settle()
-                    continue
-                unacked[event_id] = event
-                writer.write(frame)
-                await writer.drain()
         except (ConnectionError, OSError):
             return False
         finally:

@@ -72,7 +72,7 @@ class PodRelay(Relay):
 
     async def _welcome(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> proto.Hello | None:
+    ) -> tuple[proto.Hello, proto.Welcome] | None:
         try:
             line = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
         except TimeoutError as exc:
@@ -98,9 +98,7 @@ class PodRelay(Relay):
             writer.write(proto.encode_frame(proto.Refused(reason=why)))
             await writer.drain()
             return None
-        writer.write(proto.encode_frame(proto.Welcome(node=self.node, token=minted)))
-        await writer.drain()
-        return frame
+        return frame, proto.Welcome(node=self.node, token=minted)
 
 
 def _peer(writer: asyncio.StreamWriter) -> str | None:

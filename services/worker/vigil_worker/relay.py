@@ -10,13 +10,16 @@ then on:
 - every event the rank sends (`protocol.FromRanks`) is checked against that identity (its job, attempt
   and rank; the node is the agent's own; only rank 0 reports job-wide facts; a checkpoint lies in the
   job's own folder), published on this node's subjects (the only ones the agent's NATS user may publish
-  on), and acknowledged once stored; a rank's events are published one after the other, in order;
+  on), and acknowledged once stored, in the order sent. Steps are pipelined: up to `IN_FLIGHT` of a
+  link's are on their way to the server at once, handed to the connection in order (so stored in
+  order); any other event (a checkpoint, a rollback done, ...) is a fence: it goes once everything
+  before it is stored, and what comes after it, once it is;
 - what a rank sends is bounded: a frame's size (`protocol.MAX_RANK_FRAME_BYTES`), every field of its
   event (the event models' bounds, and the ranks it names lie within the job's world size) and its rate
   (`refusals.TokenBucket`). A refused event is answered with its reason, the link goes on, and the
   guardian hears of it (`ReportRefused`, at most one per job and field every `REPORT_EVERY_S`);
-- the job's commands for ranks (`protocol.ToRanks`), read from the command stream from its start by
-  one ordered consumer per job, go to every rank of the job here, numbered in stream order.
+- the job's commands for ranks (`protocol.ToRanks`) of the rank's attempt, read from the command stream
+  where the job stands (`CommandFeed`), go to every rank of that attempt here, numbered in stream order.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from vigil.manifest import confine
@@ -36,34 +40,125 @@ from vigil_common import events as ev
 from vigil_common import protocol as proto
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.errors import CheckpointError, MalformedMessage
+from vigil_common.errors import CheckpointError, MalformedMessage, RetryableError
 from vigil_worker.procs import RankRecord
 from vigil_worker.refusals import BURST, EVENTS_PER_S, REPORT_EVERY_S, RefusalReports, TokenBucket
 
 log = logging.getLogger("vigil.worker")
 
+IN_FLIGHT = 64  # a link's steps on their way to the server at once; then its frames wait to be read
+
+Answer = str | None | asyncio.Future[str | None]  # a refusal, stored, or a publish on its way
+
+
+class Acks:
+    """A link's answers, written in the order its events came: each an error now, or a publish still
+    on its way. What is answered together goes out in one write."""
+
+    def __init__(self, writer: asyncio.StreamWriter, in_flight: int = IN_FLIGHT) -> None:
+        self.writer = writer
+        self._pending: deque[tuple[int, Answer]] = deque()
+        self._room = asyncio.Semaphore(in_flight)
+        self._more = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task = asyncio.create_task(self._answer(), name="acks")
+
+    async def put(self, event_id: int, answer: Answer) -> None:
+        """Answer `event_id` with `answer` (None: stored) once everything before it is answered; waits
+        while `IN_FLIGHT` are unanswered."""
+        self._check()
+        await self._room.acquire()
+        self._pending.append((event_id, answer))
+        self._idle.clear()
+        self._more.set()
+
+    async def settled(self) -> None:
+        """Return once every answer so far is written."""
+        await self._idle.wait()
+        self._check()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        for _, answer in self._pending:  # stored or not: the rank sends it again on its next link
+            if isinstance(answer, asyncio.Future):
+                answer.cancel()
+
+    def _check(self) -> None:
+        if self._task.done():  # the writer failed: the link is gone
+            self._task.result()
+            raise ConnectionError("the link's answers stopped")
+
+    async def _answer(self) -> None:
+        try:
+            while True:
+                while not self._pending:
+                    self._more.clear()
+                    await self._more.wait()
+                head = self._pending[0][1]
+                if isinstance(head, asyncio.Future):
+                    await asyncio.wait({head})
+                frames = []
+                while self._pending:  # the head, and whatever after it is answered already: one write
+                    event_id, answer = self._pending[0]
+                    if isinstance(answer, asyncio.Future):
+                        if not answer.done():
+                            break
+                        answer = answer.result()
+                    self._pending.popleft()
+                    frames.append(proto.encode_frame(proto.Acked(id=event_id, error=answer)))
+                self.writer.write(b"".join(frames))
+                await self.writer.drain()
+                for _ in frames:
+                    self._room.release()
+                if not self._pending:
+                    self._idle.set()
+        finally:
+            self._idle.set()  # nobody waits on a link that is gone
+
 
 class CommandFeed:
-    """One job's commands for ranks, in stream order, from one ordered consumer; shared by its ranks."""
+    """One attempt's commands for ranks, in stream order, numbered among that attempt's own from 1 (the
+    same numbers on every node, wherever its read began); shared by its ranks here.
 
-    def __init__(self, bus: Bus, job_id: str) -> None:
-        self.bus, self.job_id = bus, job_id
+    The read begins where the job stands: after the job's newest command when that is an earlier
+    attempt's (none of this attempt's can be stored before it), not at the job's first command. Only
+    when this attempt's commands exist already (a rank that joins late, an agent restarted) is the
+    job's whole history read."""
+
+    def __init__(self, bus: Bus, job_id: str, attempt: int) -> None:
+        self.bus, self.job_id, self.attempt = bus, job_id, attempt
         self.commands: list[ev.Message] = []
         self.users = 0
+        self.read_from = 1  # the command stream's sequence the read began at
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._follow(), name=f"commands-{self.job_id}")
+        self._task = asyncio.create_task(self._follow(), name=f"commands-{self.job_id}-{self.attempt}")
         await self._ready.wait()
+
+    async def _start_at(self) -> int:
+        try:
+            newest = await self.bus.last_stored(subjects.COMMANDS.name, subjects.cmd(self.job_id))
+            if newest is None:
+                return 1
+            if ev.decode(newest.data).attempt < self.attempt:
+                return newest.seq + 1
+        except (RetryableError, MalformedMessage) as exc:  # read it all: slower, never wrong
+            log.warning("commands of %s: the newest is unreadable (%s); reading them all", self.job_id, exc)
+        return 1
 
     async def _follow(self) -> None:
         try:
-            async with self.bus.watch(subjects.cmd(self.job_id), from_start=True) as stream:
+            self.read_from = await self._start_at()
+            async with self.bus.watch(subjects.cmd(self.job_id), resume_at=[self.read_from]) as stream:
                 self._ready.set()
                 async for command in stream:
-                    if isinstance(command, proto.TO_RANKS):
+                    if isinstance(command, proto.TO_RANKS) and command.attempt == self.attempt:
                         async with self._changed:
                             self.commands.append(command)
                             self._changed.notify_all()
@@ -106,7 +201,7 @@ class Relay:
         self.bus, self.node, self.socket_path = bus, node, socket_path
         self.checkpoint_root = checkpoint_root
         self.find = find
-        self.feeds: dict[str, CommandFeed] = {}
+        self.feeds: dict[tuple[str, int], CommandFeed] = {}  # by job and attempt
         self.refused = 0  # events refused (logged), for tests and metrics
         self.events_per_s, self.burst = events_per_s, burst
         self.reports = RefusalReports(report_every_s)
@@ -137,26 +232,29 @@ class Relay:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hello: proto.Hello | None = None
         delivering: asyncio.Task[None] | None = None
+        acks: Acks | None = None
         try:
-            hello = await self._welcome(reader, writer)
-            if hello is None:
+            welcomed = await self._welcome(reader, writer)
+            if welcomed is None:
                 return
-            feed = await self._feed(hello.job_id)
+            hello, welcome = welcomed
+            feed = await self._feed(hello)  # reading the commands before the rank is welcomed
+            writer.write(proto.encode_frame(welcome))
+            await writer.drain()
             delivering = asyncio.create_task(feed.deliver(writer.write))
+            acks = Acks(writer)
             while line := await self._line(hello, reader):
                 try:
                     frame = proto.decode_rank_frame(line)
                 except proto.EventRefused as exc:  # out of its model's bounds: answered, the link goes on
                     await self._refuse(hello, exc.report, exc.field, exc.reason)
-                    writer.write(proto.encode_frame(proto.Acked(id=exc.id, error=exc.reason[:2000])))
-                    await writer.drain()
+                    await acks.put(exc.id, exc.reason[:2000])
                     continue
                 match frame:
                     case proto.Publish(id=event_id, event=event):
-                        error = await self._publish(hello, event)
-                        writer.write(proto.encode_frame(proto.Acked(id=event_id, error=error)))
-                        await writer.drain()
+                        await acks.put(event_id, await self._publish(hello, event, acks))
                     case proto.Bye():
+                        await acks.settled()  # every answer out before the link closes
                         break
                     case proto.Hello():
                         raise MalformedMessage("a second hello on one link")
@@ -167,12 +265,14 @@ class Relay:
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
             log.info("rank link %s closed: %s", _who(hello), exc)
         finally:
+            if acks is not None:
+                await acks.close()
             if delivering is not None:
                 delivering.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await delivering
             if hello is not None:
-                await self._release(hello.job_id)
+                await self._release(hello)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -188,7 +288,9 @@ class Relay:
 
     async def _welcome(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> proto.Hello | None:
+    ) -> tuple[proto.Hello, proto.Welcome] | None:
+        """The rank's hello and the welcome to answer it with (sent once its commands are being read), or
+        None once it is refused."""
         frame = proto.decode_rank_frame(await reader.readline())
         if not isinstance(frame, proto.Hello):
             raise MalformedMessage(f"the first frame must be a hello, not {frame.frame!r}")
@@ -205,33 +307,36 @@ class Relay:
             writer.write(proto.encode_frame(proto.Refused(reason="no running rank with that identity")))
             await writer.drain()
             return None
-        writer.write(proto.encode_frame(proto.Welcome(node=self.node)))
-        await writer.drain()
-        return frame
+        return frame, proto.Welcome(node=self.node)
 
-    async def _feed(self, job_id: str) -> CommandFeed:
-        feed = self.feeds.get(job_id)
+    async def _feed(self, hello: proto.Hello) -> CommandFeed:
+        key = (hello.job_id, hello.attempt)
+        feed = self.feeds.get(key)
         if feed is None:
-            feed = self.feeds[job_id] = CommandFeed(self.bus, job_id)
+            feed = self.feeds[key] = CommandFeed(self.bus, *key)
             await feed.start()
         feed.users += 1
         return feed
 
-    async def _release(self, job_id: str) -> None:
-        feed = self.feeds.get(job_id)
+    async def _release(self, hello: proto.Hello) -> None:
+        key = (hello.job_id, hello.attempt)
+        feed = self.feeds.get(key)
         if feed is not None:
             feed.users -= 1
-            if feed.users <= 0:  # the job's last link here: its rate and refusal counts go with it
-                del self.feeds[job_id]
-                for key in [k for k in self._buckets if k[0] == job_id]:
-                    del self._buckets[key]
-                self.reports.forget(job_id)
+            if feed.users <= 0:  # the attempt's last link here: its ranks' rates go with it
+                del self.feeds[key]
+                for bucket in [k for k in self._buckets if k[:2] == key]:
+                    del self._buckets[bucket]
+                if not any(job == hello.job_id for job, _ in self.feeds):  # and the job's last: its counts
+                    self.reports.forget(hello.job_id)
                 await feed.stop()
 
     # --- one event -------------------------------------------------------------------------------------
 
-    async def _publish(self, hello: proto.Hello, event: ev.Message) -> str | None:
-        """Publish `event` for the rank `hello` names; the reason it is refused, or None once stored."""
+    async def _publish(self, hello: proto.Hello, event: ev.Message, acks: Acks) -> Answer:
+        """Publish `event` for the rank `hello` names: the reason it is refused; or, for a step, its
+        publish on its way (None once stored); for any other event, once everything `acks` holds before
+        it is stored, None once it is stored too."""
         key = (hello.job_id, hello.attempt, hello.rank)
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -251,12 +356,29 @@ class Relay:
             if isinstance(event, ev.StepCompleted)
             else subjects.status(job, self.node)
         )
+        if isinstance(event, ev.StepCompleted):
+            try:
+                stored = await self.bus.publish_pipelined(subject, event)
+            except Exception as exc:
+                return self._not_published(hello, event, exc)
+            return asyncio.ensure_future(self._stored(hello, event, stored))
+        await acks.settled()  # a fence: what came before is stored first
         try:
             await self.bus.publish(subject, event)
         except Exception as exc:
-            log.warning("publishing %s from %s failed: %s", event.type, _who(hello), exc)
-            return f"not published: {exc}"
+            return self._not_published(hello, event, exc)
         return None
+
+    async def _stored(self, hello: proto.Hello, event: ev.Message, stored: Awaitable[object]) -> str | None:
+        try:
+            await stored
+        except Exception as exc:
+            return self._not_published(hello, event, exc)
+        return None
+
+    def _not_published(self, hello: proto.Hello, event: ev.Message, exc: Exception) -> str:
+        log.warning("publishing %s from %s failed: %s", event.type, _who(hello), exc)
+        return f"not published: {exc}"
 
     async def _refuse(self, hello: proto.Hello, report: str, field: str, why: str) -> None:
         """Count and log a refusal, and tell the guardian when one of this job's `field` is due."""

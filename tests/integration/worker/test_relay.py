@@ -221,3 +221,69 @@ async def test_a_restarted_agent_is_reconnected_to_and_nothing_is_lost(bus, job_
             await asyncio.to_thread(rank.close)
             await second.close()
     assert [e.step for e in got] == [0, 1]
+
+
+async def stored_in_order(bus, job_id: str, count: int) -> list[ev.Message]:
+    """The first `count` events VIGIL_JOBS stores of `job_id`, in the stream's order."""
+    got: list[ev.Message] = []
+    seq = 1
+    deadline = time.monotonic() + 20
+    while len(got) < count and time.monotonic() < deadline:
+        stored = await bus.next_stored(subjects.JOBS.name, subjects.job_events(job_id), seq)
+        if stored is None:
+            await asyncio.sleep(0.05)  # polling the stream for what is still being stored
+            continue
+        got.append(ev.decode(stored.data))
+        seq = stored.seq + 1
+    return got
+
+
+async def test_steps_are_pipelined_in_order_and_a_checkpoint_is_a_fence_between_them(relay, bus, job_id):
+    """300 steps, a checkpoint, 100 steps from one rank, emitted at once: the relay has many steps on
+    their way to the server, and the stream stores them in the rank's order, the checkpoint between."""
+    r, ranks = relay
+    zero = await link(r, job_id, 0, ranks.add(job_id, 0))
+    for step in range(300):
+        zero.emit(step_event(job_id, step))
+    zero.emit(
+        ev.CheckpointSaved(
+            job_id=job_id, attempt=1, step=300, path=str(r.checkpoint_root / job_id / "step_00000300"),
+            bytes=1, manifest_sha256="0", data_position=300,
+        )
+    )  # fmt: skip
+    for step in range(300, 400):
+        zero.emit(step_event(job_id, step))
+    assert await asyncio.to_thread(zero.flush, 30.0)
+    await asyncio.to_thread(zero.close)
+    assert zero.dropped == 0 and zero.refused == 0 and zero.last_step == 399
+    got = await stored_in_order(bus, job_id, 401)
+    kinds = [e.step if isinstance(e, ev.StepCompleted) else e.type for e in got]
+    assert kinds == [*range(300), "checkpoint.saved", *range(300, 400)]
+
+
+async def test_a_new_attempts_commands_are_read_from_where_the_job_stands(relay, bus, job_id):
+    """Attempt 1's commands are not read again for attempt 2; attempt 2's are numbered from 1, the same
+    on a node whose read began before them and on one whose began after (which reads the job's all)."""
+    r, ranks = relay
+    for reason in ("one", "two", "three"):
+        await bus.publish(subjects.cmd(job_id), ev.HaltJob(job_id=job_id, attempt=1, reason=reason))
+    last_of_one = await bus.last_stored(subjects.COMMANDS.name, subjects.cmd(job_id))
+    early = await link(r, job_id, 0, ranks.add(job_id, 0, attempt=2), attempt=2)
+    try:
+        halt = ev.HaltJob(job_id=job_id, attempt=2, reason="attempt two")
+        await bus.publish(subjects.cmd(job_id), halt)
+        assert (await asyncio.to_thread(early.command, 1, 10.0)).event_id == halt.event_id
+        assert r.feeds[(job_id, 2)].read_from == last_of_one.seq + 1, "attempt 1's commands were read again"
+        folder = Path(tempfile.mkdtemp(prefix="vigil-relay-"))
+        other = await Relay(bus, "other-node", folder / "agent.sock", folder / "ckpt", ranks.find).start()
+        try:
+            late = await link(other, job_id, 1, ranks.add(job_id, 1, attempt=2), attempt=2)
+            assert other.feeds[(job_id, 2)].read_from == 1  # this attempt's command is there: all of it
+            assert (await asyncio.to_thread(late.command, 1, 10.0)).event_id == halt.event_id
+            assert late.latest_seq == 1
+            await asyncio.to_thread(late.close)
+        finally:
+            await other.close()
+        assert early.latest_seq == 1
+    finally:
+        await asyncio.to_thread(early.close)
