@@ -5,7 +5,9 @@
 over TCP to its node's worker (`vigil_common.protocol` frames), from a background thread with its own
 asyncio loop: `emit` hands an event over and returns at once; the hand-over queue is bounded, and when it
 is full the event is dropped and counted (never blocking the training loop). The thread is woken once for
-whatever was handed over since it last looked, and sends it in one write. Events go out in order and
+whatever was handed over since it last looked, and sends it in one write: a step's event waits up to
+`LINK_BATCH_S` (`VIGIL_LINK_BATCH_S`) to go out with the next ones, any other event goes at once with
+what waits before it. Events go out in order and
 each is acknowledged once the agent has it stored on the bus, or refused: an event out of bounds (a
 field, its size, the rank's rate) comes back with the agent's reason, which the link logs as an error,
 counts (`refused`) and keeps (`last_refusal`); an event too large to send is refused here the same way.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -33,6 +36,10 @@ from vigil_common import protocol as proto
 log = logging.getLogger("vigil.rank")
 
 RECONNECT_FOR_S = 120.0  # how long a lost agent is waited for before events are dropped
+# Steps that come faster than this go out together, a batch at most this long after its first (one
+# write, one wake-up of the agent and of NATS for several steps); a step after a longer gap, any other
+# event, a flush and a full batch go at once.
+LINK_BATCH_S = 0.05
 
 
 class Link(Protocol):
@@ -81,8 +88,18 @@ class NullLink:
 class AgentLink:
     """The rank side of the agent's socket, on a background thread with its own event loop."""
 
-    def __init__(self, socket_path: str | Path, hello: proto.Hello, *, queue_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        socket_path: str | Path,
+        hello: proto.Hello,
+        *,
+        queue_size: int = 10_000,
+        batch_s: float | None = None,
+        batch_max: int = 64,
+    ) -> None:
         self.socket_path, self.hello = str(socket_path), hello
+        self.batch_s = batch_from_env() if batch_s is None else batch_s
+        self.batch_max = batch_max
         self.node: str | None = None  # the agent's node, from its Welcome
         self.dropped = 0
         self.refused = 0  # events the agent would not publish (logged)
@@ -90,7 +107,9 @@ class AgentLink:
         self.last_step: int | None = None  # the last step the agent acknowledged
         self._queue_size = queue_size
         self._outbox: deque[tuple[int, ev.Message]] = deque()  # handed over, not yet sent (under _cond)
-        self._woken = False  # the thread is told there is something to send (under _cond)
+        self._woken = False  # the thread looks within batch_s without being woken again (under _cond)
+        self._hurried = False  # ... and that it goes now (under _cond)
+        self._last_step_at = -math.inf  # when the last step was handed over (time.monotonic())
         self._commands: list[ev.Message] = []
         self._arrivals: list[float] = []  # time.monotonic() when each command reached this rank
         self._cond = threading.Condition()
@@ -99,7 +118,8 @@ class AgentLink:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakeup: asyncio.Event | None = None
+        self._wakeup: asyncio.Event | None = None  # something to send
+        self._hurry: asyncio.Event | None = None  # ... now
         self._closing = False  # close() asked: send what is handed over, then say goodbye (under _cond)
         self._thread = threading.Thread(target=self._run, name="vigil-link", daemon=True)
 
@@ -118,6 +138,7 @@ class AgentLink:
         """Queue an event for the agent; never blocks (a full queue drops and counts the event)."""
         if self._loop is None or self._loop.is_closed():
             return
+        now = time.monotonic()
         with self._cond:
             if len(self._outbox) >= self._queue_size:
                 self.dropped += 1
@@ -127,9 +148,16 @@ class AgentLink:
             self._emitted += 1
             self._outstanding += 1
             self._outbox.append((self._emitted, event))
-            wake, self._woken = not self._woken, True
+            gather = False
+            if isinstance(event, ev.StepCompleted):
+                gather = now - self._last_step_at < self.batch_s and len(self._outbox) < self.batch_max
+                self._last_step_at = now
+            if gather and self._woken:
+                return  # the thread looks within batch_s
+            wake = not self._woken or not (gather or self._hurried)
+            self._woken, self._hurried = True, self._hurried or not gather
         if wake:
-            self._wake()
+            self._wake(hurry=not gather)
 
     @property
     def latest_seq(self) -> int:
@@ -154,6 +182,7 @@ class AgentLink:
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every event emitted so far is acknowledged; False after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
+        self._wake(hurry=True)  # what a batch holds goes now
         with self._cond:
             while self._outstanding > 0:
                 left = deadline - time.monotonic()
@@ -166,7 +195,7 @@ class AgentLink:
         if self._loop is not None and self._thread.is_alive():
             with self._cond:
                 self._closing = True
-            self._wake()
+            self._wake(hurry=True)
             self._thread.join(timeout_s)
         if self.dropped or self.refused:
             log.warning("vigil link: %d events dropped (queue full), %d refused", self.dropped, self.refused)
@@ -184,23 +213,32 @@ class AgentLink:
         self.last_refusal = why
         log.error("vigil link: the agent refused %s: %s", getattr(event, "type", "?"), why)
 
-    def _wake(self) -> None:
-        """Tell the thread there is something to send (or to close)."""
-        loop, wakeup = self._loop, self._wakeup
-        if loop is None or wakeup is None:
+    def _wake(self, hurry: bool) -> None:
+        """Tell the thread there is something to send; with `hurry`, to send it now."""
+        loop = self._loop
+        if loop is None:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing is sent any more
-            loop.call_soon_threadsafe(wakeup.set)
+            loop.call_soon_threadsafe(self._set, hurry)
 
-    def _take(self) -> tuple[list[tuple[int, ev.Message]], bool]:
-        """What was handed over since the last look, and whether close() was asked."""
-        assert self._wakeup is not None
+    def _set(self, hurry: bool) -> None:
+        assert self._wakeup is not None and self._hurry is not None
+        self._wakeup.set()
+        if hurry:
+            self._hurry.set()
+
+    def _take(self) -> tuple[list[tuple[int, ev.Message]], bool, bool]:
+        """What was handed over since the last look, whether close() was asked, and whether to look again
+        within batch_s without being woken (something came: more may come as fast)."""
+        assert self._wakeup is not None and self._hurry is not None
         self._wakeup.clear()
+        self._hurry.clear()
         with self._cond:
             items = list(self._outbox)
             self._outbox.clear()
-            self._woken = False
-            return items, self._closing
+            self._hurried = False
+            self._woken = bool(items) and self.batch_s > 0  # woken: emit need not wake it for a step
+            return items, self._closing, self._woken
 
     def _run(self) -> None:
         try:
@@ -213,7 +251,7 @@ class AgentLink:
                 log.exception("vigil link: background thread failed")
 
     async def _main(self) -> None:
-        self._wakeup = asyncio.Event()
+        self._wakeup, self._hurry = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
         unacked: OrderedDict[int, ev.Message] = OrderedDict()  # sent, not yet acknowledged
         lost_since: float | None = None
@@ -268,15 +306,14 @@ class AgentLink:
             for event_id, event in list(unacked.items()):  # what the last connection left unacknowledged
                 writer.write(proto.encode_frame(proto.Publish(id=event_id, event=event)))
             await writer.drain()
-            assert self._wakeup is not None
+            assert self._wakeup is not None and self._hurry is not None
+            looking = False  # steps are coming fast: look again batch_s after the last look, unwoken
             while True:
-                woken = asyncio.ensure_future(self._wakeup.wait())
-                finished, _ = await asyncio.wait({woken, receiver}, return_when=asyncio.FIRST_COMPLETED)
-                if receiver in finished:  # the agent went away
-                    woken.cancel()
-                    receiver.result()
+                if not looking and not await self._until(self._wakeup, receiver):
                     return False
-                items, closing = self._take()
+                if not self._hurry.is_set() and not await self._until(self._hurry, receiver, self.batch_s):
+                    return False  # a batch is open: it goes when hurried or batch_s after it opened
+                items, closing, looking = self._take()
                 frames = []
                 for event_id, event in items:
                     frame = proto.encode_frame(proto.Publish(id=event_id, event=event))
@@ -301,6 +338,20 @@ class AgentLink:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await receiver
 
+    async def _until(
+        self, event: asyncio.Event, receiver: asyncio.Task[None], timeout_s: float | None = None
+    ) -> bool:
+        """Wait for `event` (up to `timeout_s`); False when the agent went away meanwhile."""
+        waiting = asyncio.ensure_future(event.wait())
+        finished, _ = await asyncio.wait(
+            {waiting, receiver}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        waiting.cancel()
+        if receiver in finished:
+            receiver.result()
+            return False
+        return True
+
     async def _receive(self, reader: asyncio.StreamReader, unacked: OrderedDict[int, ev.Message]) -> None:
         while line := await reader.readline():
             match proto.decode_agent_frame(line):
@@ -323,6 +374,21 @@ class AgentLink:
                     return
                 case proto.Welcome():
                     pass
+
+
+def batch_from_env() -> float:
+    """How long a step's event may wait to go out with the next ones (`VIGIL_LINK_BATCH_S`, seconds; 0:
+    each at once)."""
+    text = os.environ.get(proto.LINK_BATCH_ENV)
+    if not text:
+        return LINK_BATCH_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 5:
+        raise ValueError(f"{proto.LINK_BATCH_ENV}={text!r}: a number of seconds from 0 to 5")
+    return value
 
 
 async def _open(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

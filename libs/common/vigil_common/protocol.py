@@ -83,6 +83,7 @@ MAX_RANK_FRAME_BYTES = 128 * 1024
 # WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT.
 RANK_TOKEN_FD_ENV = "VIGIL_RANK_TOKEN_FD"  # an inherited pipe holding the rank's proof of identity
 AGENT_SOCKET_ENV = "VIGIL_AGENT_SOCKET"  # where the agent listens: a Unix socket, or tcp://HOST:PORT (pods)
+LINK_BATCH_ENV = "VIGIL_LINK_BATCH_S"  # how long a step's event may wait to go out with the next (seconds)
 JOB_ID_ENV = "VIGIL_JOB_ID"
 ATTEMPT_ENV = "VIGIL_ATTEMPT"
 NODE_ENV = "VIGIL_NODE_NAME"

@@ -287,3 +287,31 @@ async def test_a_new_attempts_commands_are_read_from_where_the_job_stands(relay,
         assert early.latest_seq == 1
     finally:
         await asyncio.to_thread(early.close)
+
+
+async def test_fast_steps_go_out_in_batches_and_anything_else_or_a_gap_sends_at_once(relay, bus, job_id):
+    """A step after a gap goes at once; steps that follow it fast wait (up to batch_s) to go out
+    together; a checkpoint sends what waits before it, at once."""
+    r, ranks = relay
+    zero = await link(r, job_id, 0, ranks.add(job_id, 0), batch_s=0.6)
+    checkpoint = ev.CheckpointSaved(
+        job_id=job_id, attempt=1, step=3, path=str(r.checkpoint_root / job_id / "step_00000003"), bytes=1,
+        manifest_sha256="0", data_position=3,
+    )  # fmt: skip
+    try:
+        async with bus.watch(subjects.step(job_id, NODE), subjects.status(job_id, NODE)) as stream:
+            zero.emit(step_event(job_id, 0))  # after a gap (the first): at once
+            first = await asyncio.wait_for(anext(stream), 10)
+            t0 = time.monotonic()
+            zero.emit(step_event(job_id, 1))
+            zero.emit(step_event(job_id, 2))
+            with pytest.raises(TimeoutError):  # held for the batch
+                await asyncio.wait_for(anext(stream), 0.3)
+            zero.emit(checkpoint)  # not a step: it and what waits before it go now
+            rest = [await asyncio.wait_for(anext(stream), 10) for _ in range(3)]
+            assert time.monotonic() - t0 < 0.6 + 0.25, "the checkpoint waited for the batch to close"
+    finally:
+        await asyncio.to_thread(zero.close)
+    assert first.step == 0  # (the two subjects are read apart: the stream's order is the test above's)
+    assert sorted(e.step for e in rest if isinstance(e, ev.StepCompleted)) == [1, 2]
+    assert [e.type for e in rest if not isinstance(e, ev.StepCompleted)] == ["checkpoint.saved"]
