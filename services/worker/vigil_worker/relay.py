@@ -32,8 +32,9 @@ import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from vigil.manifest import confine
 from vigil_common import events as ev
@@ -48,15 +49,15 @@ log = logging.getLogger("vigil.worker")
 
 IN_FLIGHT = 64  # a link's steps on their way to the server at once; then its frames wait to be read
 
-Answer = str | None | asyncio.Future[str | None]  # a refusal, stored, or a publish on its way
+Answer = str | None | asyncio.Future[Any]  # a refusal, stored, or a publish on its way
 
 
 class Acks:
     """A link's answers, written in the order its events came: each an error now, or a publish still
     on its way. What is answered together goes out in one write."""
 
-    def __init__(self, writer: asyncio.StreamWriter, in_flight: int = IN_FLIGHT) -> None:
-        self.writer = writer
+    def __init__(self, writer: asyncio.StreamWriter, who: str, in_flight: int = IN_FLIGHT) -> None:
+        self.writer, self.who = writer, who
         self._pending: deque[tuple[int, Answer]] = deque()
         self._room = asyncio.Semaphore(in_flight)
         self._more = asyncio.Event()
@@ -86,6 +87,15 @@ class Acks:
             if isinstance(answer, asyncio.Future):
                 answer.cancel()
 
+    def _outcome(self, published: asyncio.Future[Any]) -> str | None:
+        """None once stored, else why not."""
+        if published.cancelled():
+            return "not published: cancelled"
+        if (exc := published.exception()) is None:
+            return None
+        log.warning("publishing a step from %s failed: %s", self.who, exc)
+        return f"not published: {exc}"
+
     def _check(self) -> None:
         if self._task.done():  # the writer failed: the link is gone
             self._task.result()
@@ -106,7 +116,7 @@ class Acks:
                     if isinstance(answer, asyncio.Future):
                         if not answer.done():
                             break
-                        answer = answer.result()
+                        answer = self._outcome(answer)
                     self._pending.popleft()
                     frames.append(proto.encode_frame(proto.Acked(id=event_id, error=answer)))
                 self.writer.write(b"".join(frames))
@@ -242,7 +252,7 @@ class Relay:
             writer.write(proto.encode_frame(welcome))
             await writer.drain()
             delivering = asyncio.create_task(feed.deliver(writer.write))
-            acks = Acks(writer)
+            acks = Acks(writer, _who(hello))
             while line := await self._line(hello, reader):
                 try:
                     frame = proto.decode_rank_frame(line)
@@ -358,20 +368,12 @@ class Relay:
         )
         if isinstance(event, ev.StepCompleted):
             try:
-                stored = await self.bus.publish_pipelined(subject, event)
+                return await self.bus.publish_pipelined(subject, event)
             except Exception as exc:
                 return self._not_published(hello, event, exc)
-            return asyncio.ensure_future(self._stored(hello, event, stored))
         await acks.settled()  # a fence: what came before is stored first
         try:
             await self.bus.publish(subject, event)
-        except Exception as exc:
-            return self._not_published(hello, event, exc)
-        return None
-
-    async def _stored(self, hello: proto.Hello, event: ev.Message, stored: Awaitable[object]) -> str | None:
-        try:
-            await stored
         except Exception as exc:
             return self._not_published(hello, event, exc)
         return None

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 from urllib.parse import unquote, urlsplit
@@ -174,7 +174,7 @@ class BusClient:
 
     async def publish_pipelined(
         self, subject: str, event: Message, *, timeout_s: float = 10.0
-    ) -> Awaitable[PubAck]:
+    ) -> asyncio.Future[PubAck]:
         """Hand the message to the connection now and return its acknowledgement, to await later: many
         can be in flight. Messages handed over one after the other reach the server in that order on
         this connection, and it stores them in that order. Awaiting the acknowledgement raises what
