@@ -62,7 +62,7 @@ from vigil_common.events import (
     utcnow,
 )
 from vigil_common.jobstates import TERMINAL_STATES
-from vigil_common.lease import Shares
+from vigil_common.lease import Shares, instance
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
@@ -126,6 +126,7 @@ class GuardianService:
         self.pool = pool
         self.notifier = notifier
         self.publish_timeout_s = publish_timeout_s
+        self.fence: store.Fence | None = None  # the share's epoch this service holds (`store.take_epoch`)
         self.judged = 0  # input sequence: every event up to here has had its effect
         self.windowed = 0  # input sequence: every step up to here is in the windows
         self.caught_up = asyncio.Event()  # the input has delivered all it held at start: hangs count
@@ -187,6 +188,11 @@ class GuardianService:
         while True:
             try:
                 return await attempt()
+            except store.Fenced as exc:  # another guardian holds the share now: never again here
+                log.error("guardian: %s; judging it no more", exc)
+                if stop is not None:
+                    stop.set()
+                raise
             except Exception as exc:
                 if stop is None or stop.is_set():
                     raise
@@ -198,6 +204,8 @@ class GuardianService:
 
     async def publish_owed(self) -> None:
         """Publish the decisions owed, oldest first; one that fails stays owed with those after it."""
+        if self._owed and self.fence is not None:  # a holder fenced off decides nothing any more
+            await store.check_fence(self.pool, self.fence)
         while self._owed:
             d = self._owed[0]
             incident = d.incident
@@ -288,6 +296,7 @@ class GuardianService:
                 incidents=incidents,
                 devices=levels,
                 cursor=(cursor_key(self.share), cursor) if cursor else None,
+                fence=self.fence,
             )
             del self._unsaved[: len(incidents)]
             for job_id, snap, terminal in rows:
@@ -428,9 +437,17 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
         async def judge_share(share: int, until: asyncio.Event) -> None:
             service = GuardianService(Guardian(idle_devices=share == 0), bus, pool, notifier, share=share)
+            service.fence = await store.take_epoch(
+                pool, share, instance()
+            )  # holding its lock: before loading
             judging[share] = (service, until)
             try:
                 await judge(service, settings, until)
+            except* store.Fenced as fenced:
+                # Another guardian took the share (this one's lock lapsed: paused, cut off): it judges
+                # no more, and waits for its lease to notice and give the share up.
+                log.error("guardian: %s; judging it no more", fenced.exceptions[0])
+                until.set()
             finally:
                 judging.pop(share, None)
 
@@ -438,6 +455,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             for service, until in list(judging.values()):
                 try:
                     await service.on_gpu(batch, until)
+                except store.Fenced as exc:
+                    log.error("guardian: %s; judging it no more", exc)
+                    until.set()
                 except Exception as exc:  # a share being given up, Postgres away: the next samples come
                     log.warning("guardian: share %d: GPU samples not judged: %s", service.share, exc)
 

@@ -1,6 +1,12 @@
-"""The guardian's state in Postgres (migrations 0004, 0010, 0012): job control state, published incidents,
-sick devices, and how far in its input each share's state stands. A guardian loads one share at a time:
-the jobs whose `subjects.share_of` is that share."""
+"""The guardian's state in Postgres (migrations 0004, 0010, 0012, 0019): job control state, published
+incidents, sick devices, and how far in its input each share's state stands. A guardian loads one share at
+a time: the jobs whose `subjects.share_of` is that share.
+
+Fencing: whoever takes a share's lock takes the share's next epoch (`take_epoch`), and every `save` of
+that share's state checks, in its transaction, that its epoch is still the newest; a holder that lost the
+lock (paused past the lease, its connection gone) and runs on is refused (`Fenced`) instead of writing
+over its successor's state. The epoch row is read FOR SHARE, so a successor's epoch waits for a save in
+flight to commit, and the successor then loads what that save wrote."""
 
 from __future__ import annotations
 
@@ -18,6 +24,42 @@ RECENT_INCIDENTS = 100_000
 RECENT_FINISHED = 10_000
 
 
+class Fenced(Exception):
+    """A share's state written by a holder that is no longer the newest."""
+
+    def __init__(self, share: int, epoch: int, newest: int | None) -> None:
+        super().__init__(f"share {share}: epoch {epoch} is fenced off (the newest is {newest})")
+        self.share, self.epoch, self.newest = share, epoch, newest
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Whose writes a share's state takes: the holder of `epoch`, while it is the newest."""
+
+    share: int
+    epoch: int
+
+
+async def take_epoch(conn: asyncpg.Connection | asyncpg.Pool, share: int, holder: str) -> Fence:
+    """The next epoch of `share`, for the guardian that has just taken its lock (before it loads)."""
+    epoch = await conn.fetchval(
+        """INSERT INTO guardian_share_epochs (share, epoch, holder) VALUES ($1, 1, $2)
+           ON CONFLICT (share) DO UPDATE SET epoch = guardian_share_epochs.epoch + 1,
+               holder = EXCLUDED.holder, taken_at = now()
+           RETURNING epoch""",
+        share,
+        holder,
+    )
+    return Fence(share, int(epoch))
+
+
+async def check_fence(conn: asyncpg.Connection | asyncpg.Pool, fence: Fence) -> None:
+    """Raise `Fenced` unless `fence` holds the share's newest epoch."""
+    newest = await conn.fetchval("SELECT epoch FROM guardian_share_epochs WHERE share = $1", fence.share)
+    if newest != fence.epoch:
+        raise Fenced(fence.share, fence.epoch, newest)
+
+
 @dataclass
 class Saved:
     """What a starting guardian loads."""
@@ -32,17 +74,29 @@ class Saved:
 async def load(pool: asyncpg.Pool, cursor: str, share: int) -> Saved:
     """The saved state of `share`'s jobs, the device levels, and the share's input `cursor`."""
     saved = Saved(cursor=await pool.fetchval("SELECT seq FROM guardian_cursor WHERE stream = $1", cursor))
-    # A job silent for a week (no status, checkpoint or decision) is abandoned, not watched.
-    active = """SELECT job_id, state FROM guardian_jobs
-                WHERE NOT terminal AND updated_at > now() - interval '7 days'"""
-    for r in await pool.fetch(active):
+    # A job silent for a week (no status, checkpoint or decision) is abandoned, not watched. Rows saved
+    # before snapshots carried their share (share IS NULL) are sorted here, and given it.
+    active = """SELECT job_id, state, share FROM guardian_jobs
+                WHERE NOT terminal AND updated_at > now() - interval '7 days'
+                  AND (share = $1 OR share IS NULL)"""
+    unsorted = []
+    for r in await pool.fetch(active, share):
+        if r["share"] is None:
+            unsorted.append(r["job_id"])
         if subjects.share_of(r["job_id"]) == share:
             saved.jobs[r["job_id"]] = json.loads(r["state"])
+    if unsorted:
+        await pool.executemany(
+            "UPDATE guardian_jobs SET share = $2 WHERE job_id = $1 AND share IS NULL",
+            [(job_id, subjects.share_of(job_id)) for job_id in unsorted],
+        )
     saved.finished = [
         r["job_id"]
         for r in await pool.fetch(
-            "SELECT job_id FROM guardian_jobs WHERE terminal ORDER BY updated_at DESC LIMIT $1",
+            """SELECT job_id FROM guardian_jobs WHERE terminal AND (share = $2 OR share IS NULL)
+               ORDER BY updated_at DESC LIMIT $1""",
             RECENT_FINISHED,
+            share,
         )
         if subjects.share_of(r["job_id"]) == share
     ][::-1]
@@ -82,10 +136,18 @@ async def save(
     incidents: Sequence[IncidentRaised] = (),
     devices: dict[tuple[str, int], int] | None = None,
     cursor: tuple[str, int] | None = None,
+    fence: Fence | None = None,
 ) -> None:
     """Write job snapshots (job_id, snapshot, terminal), incidents published, device levels and the
-    input (stream, sequence) they stand at, in one go."""
+    input (stream, sequence) they stand at, in one go; with `fence`, only while its epoch is the share's
+    newest (else `Fenced`, and nothing is written)."""
     async with pool.acquire() as conn, conn.transaction():
+        if fence is not None:  # FOR SHARE: a successor's epoch waits until this commits
+            newest = await conn.fetchval(
+                "SELECT epoch FROM guardian_share_epochs WHERE share = $1 FOR SHARE", fence.share
+            )
+            if newest != fence.epoch:
+                raise Fenced(fence.share, fence.epoch, newest)
         if cursor is not None:
             await conn.execute(
                 """INSERT INTO guardian_cursor (stream, seq) VALUES ($1, $2) ON CONFLICT (stream)
@@ -94,10 +156,14 @@ async def save(
             )
         if jobs:
             await conn.executemany(
-                """INSERT INTO guardian_jobs (job_id, state, terminal, updated_at) VALUES ($1, $2, $3, now())
+                """INSERT INTO guardian_jobs (job_id, state, terminal, share, updated_at)
+                   VALUES ($1, $2, $3, $4, now())
                    ON CONFLICT (job_id) DO UPDATE SET state = EXCLUDED.state, terminal = EXCLUDED.terminal,
-                       updated_at = now()""",
-                [(job_id, json.dumps(snap), terminal) for job_id, snap, terminal in jobs],
+                       share = EXCLUDED.share, updated_at = now()""",
+                [
+                    (job_id, json.dumps(snap), terminal, subjects.share_of(job_id))
+                    for job_id, snap, terminal in jobs
+                ],
             )
         if incidents:
             await conn.executemany(
