@@ -68,6 +68,13 @@ class Settings(BaseSettings):
         None, description="where this node's ranks are reachable; unset: the address it reaches NATS from"
     )
     cpu_slots: int = Field(2, ge=1, le=1024, description="slots on a node without GPUs")
+    warm_ranks: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="built-in trainer processes a worker keeps started, imports done, for its next ranks; "
+        "unset: one per device (enough for a job's ranks here); 0: none",
+    )
     gpu_backend: Literal["auto", "nvml", "amdsmi", "cpu"] = Field(
         "auto", description="a worker's devices: auto (NVML, else amdsmi, else CPU slots) or one forced"
     )

@@ -39,10 +39,11 @@ from vigil_common.settings import Settings
 from vigil_worker import pods, tenancy
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
-from vigil_worker.launch import agent_socket, prepare_ranks
+from vigil_worker.launch import agent_socket, prepare_ranks, warm_argv
 from vigil_worker.procs import Exit, RankRecord, RankTable
 from vigil_worker.relay import Relay
 from vigil_worker.tenancy import Tenancy
+from vigil_worker.warm import WarmRanks
 
 log = logging.getLogger("vigil.worker")
 
@@ -65,6 +66,7 @@ class Worker:
         )  # the ranks' only way to the bus
         # --- Kubernetes: ranks in pods, linked over TCP (VIGIL_RANK_RUNTIME=kubernetes; see pods.py) ---
         self.pods = pods.install(self, settings, bus, inventory.kind)
+        self.warm: WarmRanks | None = None  # built-in trainer ranks kept warm (`start_warm`)
         self.started_at = datetime.now(UTC)
         self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
         self.preempting = False  # a preemption notice came: no new ranks here
@@ -138,30 +140,54 @@ class Worker:
                     launch, p.rank, f"device {p.device} is not on node {self.node}"
                 )
                 continue
-            record = self.table.start(
-                r.argv,
-                r.env,
-                job_id=job,
-                attempt=launch.attempt,
-                rank=p.rank,
-                device=p.device,
-                log_path=r.log_path,
-                exit_path=r.exit_path,
-                token=r.token,
-                cwd=r.cwd,
-                builtin=launch.spec.entrypoint is None,
-                world_size=launch.world_size,
-                uid=None if user is None else user.uid,
-                enter=enter,
-            )
+            standby = self.warm.take(p.device) if self.warm is not None and warm_argv(r.argv) else None
+            if standby is not None:
+                self.table.clear(r.log_path, r.exit_path)
+                try:
+                    standby.hand(r, user, group)
+                except OSError as exc:  # it died since it was ready: start the rank as usual
+                    log.warning("a warm rank could not take rank %d of %s: %s", p.rank, job, exc)
+                    standby.proc.kill()
+                    standby = None
+            if standby is not None:
+                record = self.table.adopt(
+                    standby.proc,
+                    job_id=job,
+                    attempt=launch.attempt,
+                    rank=p.rank,
+                    device=p.device,
+                    log_path=r.log_path,
+                    exit_path=r.exit_path,
+                    token=r.token,
+                    uid=None if user is None else user.uid,
+                    world_size=launch.world_size,
+                )
+            else:
+                record = self.table.start(
+                    r.argv,
+                    r.env,
+                    job_id=job,
+                    attempt=launch.attempt,
+                    rank=p.rank,
+                    device=p.device,
+                    log_path=r.log_path,
+                    exit_path=r.exit_path,
+                    token=r.token,
+                    cwd=r.cwd,
+                    builtin=launch.spec.entrypoint is None,
+                    world_size=launch.world_size,
+                    uid=None if user is None else user.uid,
+                    enter=enter,
+                )
             log.info(
-                "started rank %d of %s attempt %d on device %d: pid %d, uid %s",
+                "started rank %d of %s attempt %d on device %d: pid %d, uid %s%s",
                 p.rank,
                 job,
                 launch.attempt,
                 p.device,
                 record.pid,
                 "the worker's" if user is None else user.uid,
+                " (warm)" if standby is not None else "",
             )
             await self.bus.publish(
                 subjects.status(job, self.node),

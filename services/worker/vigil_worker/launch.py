@@ -46,6 +46,8 @@ PYTHON_NAMES = ("python", "python3")  # an entrypoint's argv[0] that means the w
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (first) IPv4 address
 
+TRAINER_MODULE = "vigil_worker.trainer"  # the built-in trainer: `python -m TRAINER_MODULE`
+
 
 @dataclass(frozen=True)
 class RankLaunch:
@@ -144,7 +146,7 @@ def trainer_argv(launch_file: Path, settings: Settings, cache: Path | None = Non
     """The built-in trainer's command line: every value from Vigil, none from a shell, none secret.
     `cache`: its tokenized data cache (default: the data dir's, shared by the jobs of one trust domain)."""
     argv = [
-        sys.executable, "-m", "vigil_worker.trainer",
+        sys.executable, "-m", TRAINER_MODULE,
         "--launch", str(launch_file),
         "--checkpoint-root", str(settings.checkpoint_root),
         "--cache-dir", str(cache or (settings.data_dir / "cache").resolve()),
@@ -216,6 +218,29 @@ def rank_env(
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
         # share this node's cores among its slots instead of every rank claiming all of them
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.cpu_slots)))
+    return env
+
+
+def warm_argv(argv: list[str]) -> list[str] | None:
+    """The built-in trainer's arguments in a rank's command line (what a warm rank runs), or None for a
+    job's own program (never run by a warm rank: its imports are its own)."""
+    head = [sys.executable, "-m", TRAINER_MODULE]
+    return argv[len(head) :] if argv[: len(head)] == head else None
+
+
+def standby_env(settings: Settings, kind: str, device: int | None) -> dict[str, str]:
+    """A warm rank's environment before its launch: the node's part of `rank_env` only (no job's
+    variable, no secret), so that its imports see what the rank's will (DeepSpeed's accelerator, the
+    threads, a GPU's visibility: the device it waits for)."""
+    env = inherited(settings)
+    env["PYTHONUNBUFFERED"] = "1"
+    if kind == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = str(device)
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() without initialising CUDA
+    else:
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.cpu_slots)))
     return env
 

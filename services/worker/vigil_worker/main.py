@@ -23,6 +23,7 @@ from vigil_common.service import require_urls
 from vigil_common.settings import Settings
 from vigil_worker.agent import Worker, consumers, consumers_ready
 from vigil_worker.inventory import Inventory
+from vigil_worker.warm import WarmRanks
 
 log = logging.getLogger("vigil.worker")
 
@@ -50,6 +51,10 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         await worker.recover()
         await worker.relay.start()  # ranks still running from a previous run reconnect here
         stack.push_async_callback(worker.relay.close)
+        if settings.rank_runtime == "process":  # built-in trainer ranks kept warm for the next launches
+            devices = [d.index for d in inventory.devices]
+            worker.warm = await WarmRanks(settings, inventory.kind, devices).start()
+            stack.push_async_callback(worker.warm.close)
         kinds = {d.kind for d in inventory.devices}
         log.info(
             "worker %s: %d %s device(s)", settings.node_name, len(inventory.devices), "/".join(sorted(kinds))

@@ -131,9 +131,7 @@ class RankTable:
         """Start one rank. `token` reaches it on an inherited pipe (`protocol.RANK_TOKEN_FD_ENV` names the
         descriptor), never in its environment; `enter` runs in the child before exec (its cgroup, its
         user: `tenancy.enter`)."""
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        exit_path.unlink(missing_ok=True)
-        last_step_path(exit_path).unlink(missing_ok=True)
+        self.clear(log_path, exit_path)
         read_end, write_end = os.pipe()
         try:
             os.write(write_end, token.encode())  # a few dozen bytes: far below a pipe's buffer
@@ -153,6 +151,54 @@ class RankTable:
                 )
         finally:
             os.close(read_end)
+        return self._track(
+            proc, job_id=job_id, attempt=attempt, rank=rank, device=device, log_path=log_path,
+            exit_path=exit_path, token=token, uid=uid, builtin=builtin, world_size=world_size,
+        )  # fmt: skip
+
+    @staticmethod
+    def clear(log_path: Path, exit_path: Path) -> None:
+        """Before a rank starts: its log's folder made, a previous attempt's exit files gone."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        exit_path.unlink(missing_ok=True)
+        last_step_path(exit_path).unlink(missing_ok=True)
+
+    def adopt(
+        self,
+        proc: subprocess.Popen[bytes],
+        *,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        device: int,
+        log_path: Path,
+        exit_path: Path,
+        token: str,
+        uid: int | None = None,
+        world_size: int = 0,
+    ) -> RankRecord:
+        """Track a warm rank (`vigil_worker.warm`) just handed its launch (after `clear`), as `start` tracks
+        one it starts."""
+        return self._track(
+            proc, job_id=job_id, attempt=attempt, rank=rank, device=device, log_path=log_path,
+            exit_path=exit_path, token=token, uid=uid, builtin=True, world_size=world_size,
+        )  # fmt: skip
+
+    def _track(
+        self,
+        proc: subprocess.Popen[bytes],
+        *,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        device: int,
+        log_path: Path,
+        exit_path: Path,
+        token: str,
+        uid: int | None,
+        builtin: bool,
+        world_size: int,
+    ) -> RankRecord:
         ticks = start_ticks(proc.pid)
         record = RankRecord(
             job_id=job_id,

@@ -45,8 +45,9 @@ class Cluster:
         return [w.node for w in self.workers]
 
 
-def start_worker(nats_url: str, data_dir: Path, node: str, slots: int) -> WorkerProc:
+def start_worker(nats_url: str, data_dir: Path, node: str, slots: int, **more: str) -> WorkerProc:
     env = dict(os.environ)
+    env.update(more)
     env.update(
         VIGIL_NATS_URL=nats_url,
         VIGIL_DATA_DIR=str(data_dir),

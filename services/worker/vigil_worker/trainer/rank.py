@@ -199,9 +199,10 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
             f"DeepSpeed {deepspeed.__version__} ignores the torch_autocast section: bf16 without ZeRO "
             "would train in fp32; use a DeepSpeed that has it (0.19 does), or set train.zero_stage: 1"
         )
-    if env.world == 1:
+    if env.world == 1 and plan.zero_stage == 0:
         # one rank has nothing to reduce; DeepSpeed would still flatten every gradient, all-reduce it over
-        # a group of one and copy it back, each step (its own switch, which pipeline engines turn off too)
+        # a group of one and copy it back, each step (its own switch, which pipeline engines turn off too).
+        # Not under ZeRO: its optimizer takes the gradients from that reduction's hooks.
         engine.enable_backward_allreduce = False
     compile_engine(engine, spec.train.compile, device, plan.zero_stage)
     ckpt.use_safe_loading(engine)

@@ -1,0 +1,164 @@
+"""Warm ranks: built-in trainer processes a worker keeps started, imports done, for its next ranks.
+
+A relaunch (a crashed rank, a rollback that restarts the job) then takes a warm process instead of
+starting Python, torch and DeepSpeed again (about 3 s on a CPU). How many: `VIGIL_WARM_RANKS` per node
+(unset: one per device, enough for one job's ranks here; 0: none). On a GPU node each waits for one
+device (its CUDA_VISIBLE_DEVICES is set before torch is imported); on a CPU node any serves any slot.
+
+A warm process runs no job's code before its launch (`trainer.standby`), and only the built-in trainer
+is run warm: a job's own program is started as it always is, its imports being its own. One taken is
+replaced a little later, at a low priority, so that its imports do not slow the ranks just launched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from vigil_common.settings import Settings
+from vigil_worker import cgroups
+from vigil_worker.launch import RankLaunch, standby_env, warm_argv
+from vigil_worker.tenancy import JobUser
+from vigil_worker.trainer.standby import READY
+
+log = logging.getLogger("vigil.worker")
+
+STANDBY_MODULE = "vigil_worker.trainer.standby"
+REPLACE_AFTER_S = 5.0  # a taken warm rank is replaced this long after (the launched ranks start first)
+STANDBY_NICE = 10  # its imports wait for the ranks at work
+
+
+@dataclass
+class Standby:
+    """One warm process: `device` the GPU it waits for (None on a CPU node)."""
+
+    proc: subprocess.Popen[bytes]
+    device: int | None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def hand(self, rank: RankLaunch, user: JobUser | None, group: cgroups.JobCgroup | None) -> None:
+        """Make it `rank`: its launch, one JSON line on its stdin (see `trainer.standby.Launch`)."""
+        argv = warm_argv(rank.argv)
+        assert argv is not None, "a warm rank runs the built-in trainer only"
+        rank.log_path.parent.mkdir(parents=True, exist_ok=True)
+        launch = {
+            "argv": argv,
+            "env": rank.env,
+            "cwd": str(rank.cwd) if rank.cwd else None,
+            "log": str(rank.log_path),
+            "token": rank.token,
+            "uid": user.uid if user is not None else None,
+            "gid": user.gid if user is not None else None,
+            "cgroup": [os.fsdecode(p) for p in group.procs_files()] if group is not None else [],
+        }
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(launch).encode() + b"\n")
+        self.proc.stdin.close()  # its launch said: nothing more comes this way
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+class WarmRanks:
+    """This node's warm ranks: `take(device)` one that is ready, or None."""
+
+    def __init__(self, settings: Settings, kind: str, devices: list[int]) -> None:
+        self.settings, self.kind = settings, kind
+        self.count = len(devices) if settings.warm_ranks is None else settings.warm_ranks
+        # which device each keeps waiting for: one per device in turn (a CPU node's serve any slot)
+        self.slots: list[int | None] = [
+            devices[i % len(devices)] if kind == "gpu" and devices else None for i in range(self.count)
+        ]
+        self.log_dir = settings.log_dir / "warm"
+        self.standbys: list[Standby] = []
+        self.taken = 0  # launches served warm
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    async def start(self) -> WarmRanks:
+        for device in self.slots:
+            self._spawn(device)
+        return self
+
+    def take(self, device: int) -> Standby | None:
+        """A ready warm rank for `device` (any, on a CPU node), taken out of the pool, or None."""
+        key = device if self.kind == "gpu" else None
+        for standby in self.standbys:
+            if standby.device == key and standby.ready.is_set() and standby.proc.poll() is None:
+                self.standbys.remove(standby)
+                self.taken += 1
+                self._later(REPLACE_AFTER_S, key)
+                return standby
+        return None
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for standby in self.standbys:
+            with contextlib.suppress(OSError, ValueError):
+                if standby.proc.stdin is not None:
+                    standby.proc.stdin.close()  # let go: it ends
+        for standby in self.standbys:
+            try:
+                await asyncio.to_thread(standby.proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                standby.proc.kill()
+                await asyncio.to_thread(standby.proc.wait)
+        self.standbys.clear()
+
+    # --- keeping the pool ----------------------------------------------------------------------------------
+
+    def _spawn(self, device: int | None) -> None:
+        if self._closed:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with (self.log_dir / f"standby-{len(self.standbys)}.log").open("ab") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", STANDBY_MODULE],
+                env=standby_env(self.settings, self.kind, device),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=_lower_priority,
+            )
+        standby = Standby(proc, device)
+        self.standbys.append(standby)
+        self._track(self._warmed(standby))
+
+    async def _warmed(self, standby: Standby) -> None:
+        assert standby.proc.stdout is not None
+        line = await asyncio.to_thread(standby.proc.stdout.readline)
+        if line == READY:
+            standby.ready.set()
+            ready = sum(s.ready.is_set() for s in self.standbys)
+            if ready == self.count:
+                log.info("%d warm rank(s) ready", ready)
+            return
+        code = await asyncio.to_thread(standby.proc.wait)
+        log.warning("a warm rank ended before it was ready (exit %s); see %s", code, self.log_dir)
+        with contextlib.suppress(ValueError):
+            self.standbys.remove(standby)
+
+    def _later(self, delay_s: float, device: int | None) -> None:
+        async def replace() -> None:
+            await asyncio.sleep(delay_s)  # a delay on purpose: the launched ranks' start goes first
+            self._spawn(device)
+
+        self._track(replace())
+
+    def _track(self, work: object) -> None:
+        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _lower_priority() -> None:
+    os.nice(STANDBY_NICE)

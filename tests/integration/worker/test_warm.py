@@ -1,0 +1,108 @@
+"""Warm ranks: a worker keeps built-in trainer processes started, imports done, and a launch takes them.
+
+One real worker (two CPU slots, two warm ranks), real NATS, real DeepSpeed ranks: a job whose rank 1
+crashes runs warm; its relaunch from the checkpoint (the scheduler's, published here) takes the warm
+ranks the worker started again meanwhile, and trains to the end. As root, a warm rank runs as the job's
+own user, as a started one does; before its launch it held no variable of any job."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.integration.worker.conftest import (
+    launch_on,
+    record,
+    start_worker,
+    stop_worker,
+    tiny_spec,
+    until_exited,
+    wait_heartbeat,
+)
+from vigil_common import events as ev
+from vigil_common import subjects
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def read(path: Path | str) -> bytes:
+    return Path(path).read_bytes()
+
+
+async def log_says(path: Path, text: str, count: int, timeout_s: float = 120.0) -> None:
+    """Wait until the worker's log holds `text` `count` times."""
+    deadline = time.monotonic() + timeout_s
+    while read(path).count(text.encode()) < count:
+        if time.monotonic() > deadline:
+            tail = read(path)[-3000:].decode(errors="replace")
+            raise AssertionError(f"{text!r} not {count} times in the worker's log:\n{tail}")
+        await asyncio.sleep(0.2)  # polling the worker's log file for its line
+
+
+def standby_pids() -> list[int]:
+    return [
+        int(p) for p in os.listdir("/proc")
+        if p.isdigit() and b"vigil_worker.trainer.standby" in read(f"/proc/{p}/cmdline")
+    ]  # fmt: skip
+
+
+def uid_of(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id, tmp_path):
+    node = f"warm-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(nats_url, tmp_path, node, 2, VIGIL_WARM_RANKS="2")
+    try:
+        await wait_heartbeat(bus, node)
+        await log_says(worker.log, "2 warm rank(s) ready", 1)
+        standbys = standby_pids()
+        assert len(standbys) >= 2
+        for pid in standbys:  # what a warm rank started with: no job's variable
+            assert b"VIGIL_JOB_ID" not in read(f"/proc/{pid}/environ")
+
+        placement = [ev.RankPlacement(rank=r, node=node, device=r, local_rank=r) for r in (0, 1)]
+        spec = tiny_spec(steps=8, faults=[{"kind": "crash", "step": 5, "rank": 1, "exit_code": 7}])
+        async with record(bus, job_id) as rec:
+            await bus.publish(subjects.launch(job_id), launch_on(placement, job_id, spec))
+            first = await until_exited(rec, 1, timeout=180)
+            assert first[1].exit_code == 7, rank_logs_of(tmp_path, job_id)
+            await log_says(worker.log, "(warm)", 2)  # both ranks of attempt 1 were warm
+            started = {e.rank: e.pid for e in rec.of(ev.RankStarted, attempt=1)}
+            assert set(started) == {0, 1} and set(started.values()) <= set(standbys)
+
+            # the relaunch, once the worker has its warm ranks again
+            await log_says(worker.log, "2 warm rank(s) ready", 2)
+            (path,) = [e.path for e in rec.of(ev.CheckpointSaved) if e.step == 4]
+            relaunch = launch_on(placement, job_id, tiny_spec(steps=8), attempt=2, resume_from=path)
+            t0 = time.monotonic()
+            await bus.publish(subjects.launch(job_id), relaunch)
+            await rec.until(lambda r: r.of(ev.StepCompleted, attempt=2), timeout=120, fail_on_exit=False)
+            first_step_s = time.monotonic() - t0
+            uids = {e.rank: uid_of(e.pid) for e in rec.of(ev.RankStarted, attempt=2)}
+            second = await until_exited(rec, 2, timeout=180)
+        assert {r: e.exit_code for r, e in second.items()} == {0: 0, 1: 0}, rank_logs_of(tmp_path, job_id)
+        await log_says(worker.log, "(warm)", 4)
+        resumed = sorted({e.step for e in rec.of(ev.StepCompleted, attempt=2)})
+        assert resumed == [4, 5, 6, 7], resumed
+        if os.geteuid() == 0:  # the job's own user, as a started rank's
+            assert all(uid not in (None, 0) for uid in uids.values()), uids
+        print(f"relaunch on warm ranks: launch published to the first step in {first_step_s:.2f}s")
+    finally:
+        stop_worker(worker)
+
+
+def rank_logs_of(data_dir: Path, job_id: str) -> str:
+    logs = sorted((data_dir / "logs" / job_id).glob("*.log"))
+    return "\n".join(p.read_text()[-3000:] for p in logs)
