@@ -14,7 +14,9 @@ environment and working folder, its token comes on a pipe named by `VIGIL_RANK_T
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import json
 import os
 import sys
@@ -40,6 +42,9 @@ def warm_up() -> None:
     import deepspeed  # noqa: F401  (its accelerator from this process's DS_ACCELERATOR)
     import torch
     import torch._dynamo  # noqa: F401  (what DeepSpeed's engine imports on its first call: 2 s on a CPU)
+
+    with contextlib.suppress(ImportError):  # what ZeRO's optimizer check imports (torch.compile, inductor)
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
 
     import vigil.run  # noqa: F401
     import vigil_common.settings  # noqa: F401
