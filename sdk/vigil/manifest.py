@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vigil_common.errors import CheckpointError
+from vigil.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "vigil-checkpoint/1"

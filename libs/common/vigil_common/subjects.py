@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from vigil_common import events as ev
+from vigil import events as ev
 
 PREFIX = "vigil"
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from vigil.errors import ConfigError
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec
-from vigil_common.errors import ConfigError
 from vigil_common.lease import Lease
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
