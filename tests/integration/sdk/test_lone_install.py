@@ -65,9 +65,8 @@ def test_the_sdk_installs_alone_beside_torch_and_is_inert_outside_vigil(tmp_path
     _run([*pip, "install", os.environ.get("VIGIL_TORCH", "torch==2.13.0")], env, tmp_path, 1200)
     _run([*pip, "install", str(sdk)], env, tmp_path, 600)
 
-    installed = {
-        p["name"].lower() for p in json.loads(_run([*pip, "list", "--format=json"], env, tmp_path, 120))
-    }
+    listed = _run([python, "-m", "pip", "list", "--format=json"], env, tmp_path, 120)
+    installed = {p["name"].lower() for p in json.loads(listed)}
     assert {"vigil-training", "torch", "pydantic", "httpx"} <= installed, sorted(installed)
     assert not installed & set(CONTROL_PLANE), sorted(installed & set(CONTROL_PLANE))
 
