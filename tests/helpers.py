@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from vigil.events import LaunchJob, RankPlacement
+from vigil.spec import JobSpec
 from vigil_common import subjects
-from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 
 
 @contextlib.asynccontextmanager

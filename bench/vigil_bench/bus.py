@@ -18,8 +18,8 @@ import uuid
 
 import nats
 
+from vigil import events as ev
 from vigil_bench import measure_on_servers, percentile, request_reply, result
-from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings

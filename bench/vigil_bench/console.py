@@ -25,10 +25,10 @@ from typing import Any
 import asyncpg
 import httpx
 
+from vigil.events import StepCompleted
 from vigil_bench import measure_on_servers, result
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import free_port
-from vigil_common.events import StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry import store
 from vigil_telemetry.main import STEP_BATCH

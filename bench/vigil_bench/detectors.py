@@ -25,12 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from vigil_bench import measure_on_servers, result
-from vigil_bench.guardian import _drained, _until, start_guardian
-from vigil_bench.streams import NOISE_LEVELS, WORLD, Stream, suite
-from vigil_common import subjects
-from vigil_common.bus import Bus
-from vigil_common.events import (
+from vigil.events import (
     IncidentRaised,
     JobStateChanged,
     LaunchJob,
@@ -38,8 +33,13 @@ from vigil_common.events import (
     StepCompleted,
     utcnow,
 )
+from vigil.spec import JobSpec
+from vigil_bench import measure_on_servers, result
+from vigil_bench.guardian import _drained, _until, start_guardian
+from vigil_bench.streams import NOISE_LEVELS, WORLD, Stream, suite
+from vigil_common import subjects
+from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_guardian.main import INPUTS
 
 SEED = 11

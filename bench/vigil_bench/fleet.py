@@ -55,12 +55,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerInfo
 
-from vigil_bench import percentile, result
-from vigil_common import credentials, lease, subjects
-from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, free_port
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     Device,
     GpuSampled,
@@ -72,8 +67,13 @@ from vigil_common.events import (
     StepCompleted,
     utcnow,
 )
+from vigil.spec import JobSpec
+from vigil_bench import percentile, result
+from vigil_common import credentials, lease, subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_guardian.main import job_input, last_copied
 
 DEVICES = 8

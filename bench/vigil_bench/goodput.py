@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
+from vigil import events as ev
 from vigil_bench import measure_on_servers, result
 from vigil_cli.stack import run_services
-from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port

@@ -25,11 +25,7 @@ import sys
 import time
 import uuid
 
-from vigil_bench import measure_on_servers, percentile, request_reply, result
-from vigil_common import subjects
-from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     JobStateChanged,
     LaunchJob,
@@ -38,8 +34,12 @@ from vigil_common.events import (
     ResumeJob,
     StepCompleted,
 )
+from vigil.spec import JobSpec
+from vigil_bench import measure_on_servers, percentile, request_reply, result
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_guardian.main import INPUTS
 
 ROUNDS = 5

@@ -28,13 +28,13 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig
 
+from vigil.events import LaunchJob, RankPlacement, StepCompleted, utcnow
+from vigil.spec import JobSpec
 from vigil_bench import measure_on_servers, result
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
-from vigil_common.events import LaunchJob, RankPlacement, StepCompleted, utcnow
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_telemetry import main as telemetry
 from vigil_telemetry import store
 

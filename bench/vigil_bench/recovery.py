@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
+from vigil import events as ev
 from vigil_bench import result, servers
-from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings

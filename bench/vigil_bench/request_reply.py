@@ -8,9 +8,9 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from vigil.events import Message, decode
 from vigil_common import tracing
 from vigil_common.bus import Bus
-from vigil_common.events import Message, decode
 
 
 async def request(bus: Bus, subject: str, event: Message, *, timeout_s: float = 5.0) -> Message:

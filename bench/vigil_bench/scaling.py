@@ -36,9 +36,9 @@ from typing import Any
 
 import yaml
 
+from vigil.spec import parse_spec
 from vigil_bench import result
 from vigil_common.settings import Settings
-from vigil_common.spec import parse_spec
 from vigil_worker.local import start_ranks
 from vigil_worker.trainer.mfu import flops_per_token, measure_peak, peak_flops
 

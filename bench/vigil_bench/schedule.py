@@ -23,9 +23,9 @@ import uvicorn
 from litestar import Litestar, post
 from litestar.status_codes import HTTP_201_CREATED
 
+from vigil.spec import parse_spec
 from vigil_bench import percentile, result
 from vigil_common.settings import Settings
-from vigil_common.spec import parse_spec
 from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot, place
 
 NODES = 1024

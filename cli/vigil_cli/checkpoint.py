@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from vigil_common.errors import CheckpointError
+from vigil.errors import CheckpointError
 
 
 def register(group: click.Group) -> None:

@@ -17,16 +17,16 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from vigil import events as ev
+from vigil.spec import JobSpec
 from vigil_cli.demo_report import HELD, Recording, plot, summarise
 from vigil_cli.stack import SERVICES, infrastructure, run_services
-from vigil_common import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
 from vigil_common.redact import redact_url
 from vigil_common.service import install_stop_signals
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_common.token import token_path
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vigil_common import events as ev
-from vigil_common.spec import JobSpec
+from vigil import events as ev
+from vigil.spec import JobSpec
 
 # Which incident kinds catch which injected fault.
 CATCHES: dict[str, tuple[str, ...]] = {

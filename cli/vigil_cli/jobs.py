@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from vigil.client import Client, Event, VigilError
-from vigil_common.events import JobStateChanged
-from vigil_common.jobstates import TERMINAL_STATES, JobState
+from vigil.events import JobStateChanged
+from vigil.jobstates import TERMINAL_STATES, JobState
 
 STATE_STYLE: dict[JobState, str] = {
     JobState.PENDING: "yellow",

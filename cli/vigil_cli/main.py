@@ -12,8 +12,8 @@ from typing import Any
 import click
 
 from vigil.client import VigilError as ApiError
+from vigil.errors import VigilError, first_error
 from vigil_cli import bench, checkpoint, demo, jobs, observe, services, slurm, up, users
-from vigil_common.errors import VigilError, first_error
 
 
 class VigilGroup(click.Group):

@@ -9,10 +9,7 @@ from typing import TextIO
 
 import click
 
-from vigil_common import subjects
-from vigil_common.bus import Bus
-from vigil_common.embedded import resolve_urls
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     IncidentRaised,
     JobStateChanged,
@@ -22,6 +19,9 @@ from vigil_common.events import (
     RankStarted,
     RollbackCompleted,
 )
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.embedded import resolve_urls
 from vigil_common.service import install_stop_signals, require_urls, setup_logging
 from vigil_common.settings import Settings
 from vigil_common.waiting import STOPPED, unless_stopped

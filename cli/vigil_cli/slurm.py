@@ -37,11 +37,11 @@ import click
 from rich.console import Console
 
 from vigil.client import Client, VigilError
+from vigil.errors import ConfigError
+from vigil.jobstates import JobState
 from vigil_cli.jobs import connect, follow_job, url_option
 from vigil_cli.services import serve
 from vigil_common.addresses import source_address
-from vigil_common.errors import ConfigError
-from vigil_common.jobstates import JobState
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 WORKER_STOP_GRACE_S = 30.0  # after SIGTERM to the step, before SIGKILL

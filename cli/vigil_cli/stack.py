@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from vigil.errors import ConfigError, first_error
 from vigil_cli.services import SERVICES, nats_user
 from vigil_common import credentials
 from vigil_common.bus import Bus
 from vigil_common.confine import private_dir
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, write_endpoints
-from vigil_common.errors import ConfigError, first_error
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
 

@@ -17,6 +17,10 @@ Importing `vigil` is light: it pulls in neither the control plane nor a bus clie
 its own worker agent over a local socket). Framework integrations live in `vigil.integrations`
 (`hf`, `lightning`, `deepspeed`), each imported only when used; a plain `torch.distributed` (DDP) loop
 needs none: it calls `vigil.init()` and its `Run` directly.
+
+The SDK is its own distribution (`sdk/pyproject.toml`, `pip install ./sdk`), a leaf the control plane
+depends on: it also holds the wire contract both sides share (`events`, `protocol`, `errors`,
+`jobstates`, `spec`) and the HTTP API's models (`api`), and imports nothing of the control plane.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from vigil.api import (
     UserList,
     UserOut,
 )
-from vigil_common.events import IncidentRaised, JobStateChanged
-from vigil_common.jobstates import TERMINAL_STATES
+from vigil.events import IncidentRaised, JobStateChanged
+from vigil.jobstates import TERMINAL_STATES
 
 Event = JobStateChanged | IncidentRaised
 _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
@@ -103,12 +103,9 @@ class Client:
         """The gateway and token the CLI would use on this machine (see the module's docstring)."""
         import os
 
-        from vigil_common.settings import Settings
-        from vigil_common.token import require_token
+        from vigil.access import client_token, gateway_url
 
-        settings = Settings.load()
-        url = url or os.environ.get("VIGIL_API_URL") or f"http://{settings.http_host}:{settings.http_port}"
-        return cls(url, require_token(settings), **kw)
+        return cls(url or gateway_url(os.environ), client_token(os.environ), **kw)
 
     def close(self) -> None:
         self._http.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol, assert_never
 
-from vigil_common import events as ev
+from vigil import events as ev
 
 log = logging.getLogger("vigil.rank")
 

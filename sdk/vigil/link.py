@@ -2,7 +2,7 @@
 
 `NullLink` (outside Vigil) drops events and never has commands, so a program runs alone.
 `AgentLink` talks to the agent that started this rank over its Unix socket, or in a Kubernetes rank pod
-over TCP to its node's worker (`vigil_common.protocol` frames), from a background thread with its own
+over TCP to its node's worker (`vigil.protocol` frames), from a background thread with its own
 asyncio loop: `emit` hands an event over and returns at once; the hand-over queue is bounded, and when it
 is full the event is dropped and counted (never blocking the training loop). The thread is woken once for
 whatever was handed over since it last looked, and sends it in one write: a step's event waits up to
@@ -30,8 +30,8 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Protocol
 
-from vigil_common import events as ev
-from vigil_common import protocol as proto
+from vigil import events as ev
+from vigil import protocol as proto
 
 log = logging.getLogger("vigil.rank")
 

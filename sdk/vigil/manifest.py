@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vigil_common.errors import CheckpointError
+from vigil.errors import CheckpointError
+from vigil.paths import PathRefused, under
 
 MANIFEST = "manifest.json"
 FORMAT = "vigil-checkpoint/1"
@@ -76,29 +77,14 @@ def step_dir(root: Path, job_id: str, step: int) -> Path:
 
 
 def confine(root: Path, path: str | Path) -> Path:
-    """`path` resolved, if it lies under `root`; CheckpointError otherwise.
-
-    Refuses `..` components outright, and any symlink between the root and the path (a link could point out).
-    """
-    raw = Path(path)
-    if ".." in raw.parts:
-        raise CheckpointError(f"checkpoint path {str(path)!r} contains '..'")
-    root_real = Path(root).resolve()
-    candidate = raw if raw.is_absolute() else root_real / raw
-    for base in (root_real, Path(root).absolute()):  # the root may be named through a link of its own
-        try:
-            rel = candidate.relative_to(base)
-            break
-        except ValueError:
-            continue
-    else:
-        raise CheckpointError(f"checkpoint path {str(path)!r} is outside the checkpoint root {root_real}")
-    current = root_real
-    for part in rel.parts:  # walk down from the root: no symlinks on the way
-        current = current / part
-        if current.is_symlink():
-            raise CheckpointError(f"checkpoint path {str(path)!r} goes through a symlink ({current})")
-    return current
+    """`path` resolved, if it lies under `root` with no `..` and no symlink on the way (`vigil.paths`, the
+    rule a spec's paths follow too); CheckpointError naming why otherwise."""
+    try:
+        return under(path, [root])
+    except PathRefused as exc:
+        raise CheckpointError(
+            f"checkpoint path {str(path)!r} {exc} (the checkpoint root is {Path(root).resolve()})"
+        ) from exc
 
 
 def _sha256(path: Path) -> str:

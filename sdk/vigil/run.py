@@ -41,15 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vigil import events as ev
 from vigil import manifest
+from vigil import protocol as proto
 from vigil.boundary import Boundary, agree
 from vigil.commands import act
 from vigil.exits import EXIT_PREEMPTED, EXIT_RESTART, write_last_step
 from vigil.link import AgentLink, Link, NullLink, connect_from_env
 from vigil.preemption import PreemptionNotice
-from vigil_common import events as ev
-from vigil_common import protocol as proto
-from vigil_common.spec import JobSpec
+from vigil.spec import JobSpec
 
 log = logging.getLogger("vigil")
 
@@ -166,7 +166,7 @@ class Run:
 
     @property
     def spec(self) -> JobSpec | None:
-        """The job's spec as submitted (read-only: a frozen `vigil_common.spec.JobSpec`), so a program
+        """The job's spec as submitted (read-only: a frozen `vigil.spec.JobSpec`), so a program
         reads `spec.train.steps` or `spec.checkpoint.every` instead of repeating them in its argv; None
         when the program runs alone (no `VIGIL_JOB_SPEC`). `spec.entrypoint.env` is empty: those
         variables are in `os.environ`."""
@@ -334,7 +334,7 @@ class Run:
     def choose_checkpoint(self, requested: str, requested_step: int | None) -> manifest.Manifest:
         """Rank 0 verifies the checkpoint asked for (or falls back to the newest valid one before it) and
         every rank gets its choice, so all load the same one. CheckpointError when there is none."""
-        from vigil_common.errors import CheckpointError
+        from vigil.errors import CheckpointError
 
         assert self.checkpoint_root is not None
         choice: list[Any] = [None, ""]

@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from tests.helpers import eventually
+from vigil.events import Device, GpuSampled, NodeHeartbeat
+from vigil.jobstates import JobState
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import Device, GpuSampled, NodeHeartbeat
-from vigil_common.jobstates import JobState
 
 from .conftest import Stack
 

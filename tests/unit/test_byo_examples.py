@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vigil_common.spec import parse_spec
+from vigil.spec import parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "byo"
 SPECS = sorted(EXAMPLES.glob("*.yaml"))

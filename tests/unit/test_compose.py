@@ -323,9 +323,9 @@ def test_dockerfile_builds_non_root_images_from_files_in_the_context() -> None:
     assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", worker, re.M)
     order = [
         worker.index(step)
-        for step in ("TORCH_VERSION}", "--no-build-isolation", 'RUN pip install ".[worker]"')
+        for step in ("TORCH_VERSION}", "--no-build-isolation", 'RUN pip install ./sdk ".[worker]"')
     ]
-    assert order == sorted(order), "torch, then DeepSpeed, then Vigil"
+    assert order == sorted(order), "torch, then DeepSpeed, then the SDK and Vigil"
     for name, stage in dockerfile_stages().items():
         if name in ("source", "base"):  # the stages the images are built from
             continue

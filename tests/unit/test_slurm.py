@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from vigil.errors import ConfigError
 from vigil_cli.slurm import Allocation, expand_hostlist, worker_name, worker_overrides, worker_step_argv
-from vigil_common.errors import ConfigError
 from vigil_common.settings import Settings
 
 ENV = {

@@ -1,9 +1,9 @@
 """What a spec or a command may name on disk, and who may read what Vigil writes there.
 
-- `within` resolves a user-given path (symlinks followed) and refuses it unless it lies under one of
-  the allowed roots: a spec's `data.path` and `data.tokenizer` (roots: `VIGIL_DATA_ROOTS`, by default
-  the data dir) and `entrypoint.workdir` (`VIGIL_CODE_ROOTS`), so no spec reads `/etc/shadow` or
-  `/proc/self/environ` through the worker.
+- `within` takes a user-given path only if it lies under one of the allowed roots with no `..` and no
+  symlink on the way (`vigil.paths`, the rule checkpoints follow too): a spec's `data.path` and
+  `data.tokenizer` (roots: `VIGIL_DATA_ROOTS`, by default the data dir) and `entrypoint.workdir`
+  (`VIGIL_CODE_ROOTS`), so no spec reads `/etc/shadow` or `/proc/self/environ` through the worker.
 - `private_dir` makes a folder only its owner can list or enter (0700): the data dir, the token cache.
   Files Vigil writes in them are 0600 (`vigil up` and the services also set umask 077 for what
   libraries write, DeepSpeed's checkpoint shards among them).
@@ -16,11 +16,13 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from vigil.paths import PathRefused, under
+
 PRIVATE_UMASK = 0o077
 
 
 class OutsideRoots(ValueError):
-    """A path that resolves outside every allowed root."""
+    """A path not plainly under an allowed root: outside them, through a symlink, or with `..`."""
 
 
 def within(
@@ -30,21 +32,17 @@ def within(
     relative_to: Path | None = None,
     setting: str = "VIGIL_DATA_ROOTS",
 ) -> Path:
-    """`path` fully resolved (every symlink followed), if it lies under one of `roots` (themselves
-    resolved); OutsideRoots otherwise, naming `setting` (the variable that sets the roots). A relative
-    `path` is taken from `relative_to` (default: the first root)."""
+    """`path` under one of `roots` (themselves resolved) with no `..` and no symlink between the root and
+    it (`vigil.paths.under`); OutsideRoots otherwise, naming why and `setting` (the variable that sets
+    the roots). A relative `path` is taken from `relative_to` (default: the first root)."""
     if not roots:
         raise OutsideRoots(f"no allowed roots are configured ({setting})")
-    resolved_roots = [Path(r).resolve() for r in roots]
-    raw = Path(path)
-    if not raw.is_absolute():
-        raw = (relative_to or resolved_roots[0]) / raw
-    real = raw.resolve()  # after this, a symlink anywhere on the way has been followed
-    for root in resolved_roots:
-        if real == root or real.is_relative_to(root):
-            return real
-    names = ", ".join(str(r) for r in resolved_roots)
-    raise OutsideRoots(f"{path} resolves to {real}, outside the allowed roots ({names}); see {setting}")
+    try:
+        return under(path, roots, relative_to=relative_to)
+    except PathRefused as exc:
+        names = ", ".join(str(Path(r).resolve()) for r in roots)
+        reason = "is outside" if str(exc) == "is outside" else f"{exc}, which counts as outside"
+        raise OutsideRoots(f"{path} {reason} the allowed roots ({names}); see {setting}") from exc
 
 
 def private_dir(path: Path) -> Path:

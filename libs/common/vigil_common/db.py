@@ -16,7 +16,7 @@ from pathlib import Path
 
 import asyncpg
 
-from vigil_common.errors import ConfigError, RetryableError
+from vigil.errors import ConfigError, RetryableError
 from vigil_common.redact import redact_text, redact_url
 
 log = logging.getLogger(__name__)

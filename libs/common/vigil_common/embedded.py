@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+from vigil.errors import ConfigError, RetryableError
 from vigil_common import subjects
 from vigil_common.confine import let_traverse
 from vigil_common.credentials import (
@@ -30,7 +31,6 @@ from vigil_common.credentials import (
     load_or_create,
     with_user,
 )
-from vigil_common.errors import ConfigError, RetryableError
 from vigil_common.redact import has_secret
 from vigil_common.settings import Settings
 

@@ -18,9 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-from vigil_common import subjects
-from vigil_common.errors import MalformedMessage
-from vigil_common.events import (
+from vigil.errors import MalformedMessage
+from vigil.events import (
     CheckpointRefused,
     CheckpointSaved,
     JobStateChanged,
@@ -31,6 +30,7 @@ from vigil_common.events import (
     RollbackCompleted,
     decode,
 )
+from vigil_common import subjects
 
 if TYPE_CHECKING:
     from vigil_common.bus import Bus

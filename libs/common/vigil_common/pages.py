@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, ClassVar, Literal, TypedDict
 
-from vigil_common.errors import PermanentError
+from vigil.errors import PermanentError
 
 MAX_LIMIT = 1000
 MAX_CURSOR_CHARS = 1024  # real cursors are a few dozen characters

@@ -1,4 +1,5 @@
-"""The read side of telemetry's tables (migrations 0003, 0009, 0013), for the gateway.
+"""Telemetry's tables (migrations 0003, 0009, 0013): their step and bucket columns, which the telemetry
+writer stores, and the read side, for the gateway.
 
 Every list is a page (`vigil_common.pages.Page`): `{"items": [...], "next": cursor | None}`,
 in a stable key order, so a cursor never skips or repeats an item.
@@ -12,8 +13,43 @@ from typing import Any
 
 import asyncpg
 
-from vigil_common.events import STEP_FIELDS
 from vigil_common.pages import Page, check_limit, decode_cursor, page
+
+# How a StepCompleted (`vigil.events`) is stored, in one place: the columns of `telemetry_steps`
+# (migrations 0003, 0008, 0009, 0014, 0017) with their Postgres types. The telemetry writer COPYs exactly
+# these, the read model and the benches take their column lists from here, and a test checks the table's
+# columns against it. Every field of the event is stored but STEP_NOT_STORED. (They sit here, beside the
+# reads, and not in the event's module: the SDK that ships the event knows nothing of Postgres.)
+STEP_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("event_id", "text"),
+    ("job_id", "text"),
+    ("attempt", "int"),
+    ("step", "int8"),
+    ("rank", "int"),
+    ("node", "text"),
+    ("loss", "float8"),
+    ("grad_norm", "float8"),
+    ("lr", "float8"),
+    ("tokens", "int8"),
+    ("tokens_per_s", "float8"),
+    ("data_time_s", "float8"),
+    ("forward_time_s", "float8"),
+    ("backward_time_s", "float8"),
+    ("comm_time_s", "float8"),
+    ("optimizer_time_s", "float8"),
+    ("step_time_s", "float8"),
+    ("mem_allocated_bytes", "int8"),
+    ("mem_peak_bytes", "int8"),
+    ("skipped", "bool"),
+    ("data_position", "int8"),
+    ("occurred_at", "timestamptz"),
+    ("flops_per_token", "float8"),
+    ("mfu", "float8"),
+    ("micro_batch", "int"),
+    ("generation", "int"),
+)
+STEP_FIELDS: tuple[str, ...] = tuple(name for name, _ in STEP_COLUMNS)
+STEP_NOT_STORED = frozenset({"type", "schema_version", "local_finite"})  # the envelope's tag, and a v2 flag
 
 _STEP_FIELDS = ", ".join(f for f in STEP_FIELDS if f not in ("event_id", "job_id"))  # a job's page of steps
 

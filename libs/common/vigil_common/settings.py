@@ -14,10 +14,10 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from vigil_common.errors import ConfigError
+from vigil.access import DEFAULT_DATA_DIR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, MIN_TOKEN_LENGTH
+from vigil.errors import ConfigError
 
 _NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-MIN_TOKEN_LENGTH = 16  # the gateway's bearer token, from VIGIL_API_TOKEN or the token file
 # What a rank inherits from its worker's environment: nothing else (no credential, no VIGIL_* setting).
 RANK_ENV_ALLOW = (
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_*", "TZ", "TMPDIR", "TERM",
@@ -43,7 +43,7 @@ class Settings(BaseSettings):
 
     nats_url: str | None = Field(None, description="NATS to use; unset: an embedded server")
     database_url: str | None = Field(None, description="Postgres to use; unset: an embedded server")
-    data_dir: Path = Field(Path(".vigil"), description="embedded servers' data, checkpoints, logs")
+    data_dir: Path = Field(DEFAULT_DATA_DIR, description="embedded servers' data, checkpoints, logs")
     data_roots: list[Path] = Field(
         default_factory=list,
         description="folders a spec's data.path and data.tokenizer may name (JSON list); "
@@ -53,8 +53,8 @@ class Settings(BaseSettings):
         default_factory=list,
         description="folders a spec's entrypoint.workdir may name (JSON list); empty: <data dir>/code",
     )
-    http_host: str = "127.0.0.1"
-    http_port: int = Field(8000, ge=0, le=65535)
+    http_host: str = DEFAULT_HTTP_HOST
+    http_port: int = Field(DEFAULT_HTTP_PORT, ge=0, le=65535)
     api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")
     users_file: Path | None = Field(
         None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from vigil_common import events as ev
+from vigil import events as ev
 
 PREFIX = "vigil"
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -109,7 +109,7 @@ def node_incident(node: str) -> str:
 # The guardians divide the jobs into SHARES shares by a hash of the job id. VIGIL_SHARES holds every
 # event of VIGIL_JOBS, copied by the NATS server itself (a stream source with a subject transform) onto
 # `vigil.share.<share>.job.<job>...`, so each share is one subject space with one durable consumer, in
-# VIGIL_JOBS's order. A guardian holds shares, not jobs (`vigil_guardian.shares`).
+# VIGIL_JOBS's order. A guardian holds shares, not jobs (`vigil_common.lease.Shares`).
 
 SHARES = 16
 SHARE_PREFIX = f"{PREFIX}.share"

@@ -1,4 +1,5 @@
-"""The gateway's bearer token: one rule for the gateway, `vigil up` and the CLI clients.
+"""The gateway's bearer token: one rule for the gateway, `vigil up` and the CLI clients (the token file's
+part of it is the SDK's, `vigil.access`, which `vigil.Client.from_env` reads without these settings).
 
 VIGIL_API_TOKEN when set; otherwise the file `api_token` in the data dir, which `vigil up` (or a
 scheduler run alone) creates once with a random token, mode 0600, and the CLI on the same machine
@@ -10,43 +11,23 @@ from __future__ import annotations
 
 import os
 import secrets
-import stat
 from pathlib import Path
 
-from vigil_common.errors import ConfigError
-from vigil_common.settings import MIN_TOKEN_LENGTH, Settings
-
-TOKEN_FILE = "api_token"
+from vigil.access import read_token_file, token_file
+from vigil.errors import ConfigError
+from vigil_common.settings import Settings
 
 
 def token_path(settings: Settings) -> Path:
-    return settings.data_dir.resolve() / TOKEN_FILE
+    return token_file(settings.data_dir)
 
 
 def read_token(settings: Settings) -> str | None:
     """VIGIL_API_TOKEN, else the token file's contents, else None. Raises ConfigError for a token file
-    holding a token too short to be one, or open to group or others."""
+    holding a token too short to be one, or open to group or others (`vigil.access.read_token_file`)."""
     if settings.api_token:
         return settings.api_token  # its length is checked by Settings
-    path = token_path(settings)
-    try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        token = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise ConfigError(f"cannot read the API token file {path}: {exc.strerror}") from exc
-    if mode & 0o077:
-        raise ConfigError(
-            f"the API token file {path} is open to other users (mode {mode:04o}): "
-            f"`chmod 600 {path}`, or delete it (a new token is made)"
-        )
-    if len(token) < MIN_TOKEN_LENGTH:
-        raise ConfigError(
-            f"the API token in {path} is shorter than {MIN_TOKEN_LENGTH} characters: "
-            "delete the file (a new token is made) or set VIGIL_API_TOKEN"
-        )
-    return token
+    return read_token_file(token_path(settings))
 
 
 def ensure_token(settings: Settings) -> str:

@@ -23,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vigil_common.events import StepCompleted
+from vigil.events import StepCompleted
 from vigil_guardian.verdict import Verdict
 
 # A spread smaller than this is scheduling jitter, not a straggler, however large a share of a

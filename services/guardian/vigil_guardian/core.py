@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from datetime import datetime
 
-from vigil_common.events import (
+from vigil.events import (
     STATUS_EVENTS,
     GpuSampled,
     LaunchJob,

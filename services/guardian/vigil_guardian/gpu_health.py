@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vigil_common.events import GpuSampled
+from vigil.events import GpuSampled
 from vigil_guardian.verdict import Verdict
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from vigil_common.jobstates import JobState
+from vigil.jobstates import JobState
 from vigil_guardian.state import Control
 from vigil_guardian.verdict import Verdict
 

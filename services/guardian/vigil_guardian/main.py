@@ -48,10 +48,8 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 
-from vigil_common import credentials, subjects
-from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.errors import PublishRefused, RetryableError
-from vigil_common.events import (
+from vigil.errors import PublishRefused, RetryableError
+from vigil.events import (
     Command,
     GpuSampled,
     IncidentRaised,
@@ -61,7 +59,9 @@ from vigil_common.events import (
     StepCompleted,
     utcnow,
 )
-from vigil_common.jobstates import TERMINAL_STATES
+from vigil.jobstates import TERMINAL_STATES
+from vigil_common import credentials, subjects
+from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.lease import Shares, instance
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect

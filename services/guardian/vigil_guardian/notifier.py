@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from vigil_common.events import IncidentRaised
+from vigil.events import IncidentRaised
 from vigil_common.waiting import STOPPED, unless_stopped, wait_any
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from vigil_common.events import StepCompleted
+from vigil.events import StepCompleted
 from vigil_common.spike_rule import ABS_SCALE_FLOOR, MAD_TO_SIGMA, SpikeScore, spike_score
 from vigil_guardian.verdict import Verdict
 

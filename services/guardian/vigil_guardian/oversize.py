@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vigil_common.events import IncidentRaised
+from vigil.events import IncidentRaised
 
 MAX_MESSAGE_CHARS = 2000
 MAX_ITEMS = 16  # of a list or dict in the evidence

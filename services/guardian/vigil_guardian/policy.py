@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from vigil.events import Command, HaltJob, IncidentRaised, RestartJob, RollbackJob
+from vigil.spec import Action, GuardianSpec
 from vigil_common import subjects
-from vigil_common.events import Command, HaltJob, IncidentRaised, RestartJob, RollbackJob
-from vigil_common.spec import Action, GuardianSpec
 from vigil_guardian.verdict import Verdict
 
 IN_PLACE = frozenset({"nan", "spike", "divergence"})

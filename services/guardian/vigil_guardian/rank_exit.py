@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vigil_common.events import RankExited
+from vigil.events import RankExited
 from vigil_guardian.verdict import Verdict
 
 

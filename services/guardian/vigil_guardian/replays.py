@@ -20,7 +20,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from vigil_common.events import DeviceDiagnosed, DiagnoseDevice, IncidentRaised, StepReplayed
+from vigil.events import DeviceDiagnosed, DiagnoseDevice, IncidentRaised, StepReplayed
 from vigil_guardian.policy import Decision, incident_id
 from vigil_guardian.state import Control
 from vigil_guardian.verdict import Verdict

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import PlainSerializer, TypeAdapter
 
-from vigil_common.jobstates import TERMINAL_STATES, JobState
-from vigil_common.spec import GuardianSpec
+from vigil.jobstates import TERMINAL_STATES, JobState
+from vigil.spec import GuardianSpec
 
 Ranks = Annotated[set[int], PlainSerializer(sorted, return_type=list[int])]
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import asyncpg
 
+from vigil.events import IncidentRaised
 from vigil_common import subjects
-from vigil_common.events import IncidentRaised
 
 RECENT_INCIDENTS = 100_000
 RECENT_FINISHED = 10_000

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vigil_common.events import IncidentKind
+from vigil.events import IncidentKind
 
 
 @dataclass(frozen=True)

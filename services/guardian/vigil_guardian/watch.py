@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from vigil_common.events import (
+from vigil.events import (
     CheckpointRefused,
     CheckpointSaved,
     DeviceDiagnosed,
@@ -36,7 +36,7 @@ from vigil_common.events import (
     StepCompleted,
     StepReplayed,
 )
-from vigil_common.jobstates import JobState
+from vigil.jobstates import JobState
 from vigil_guardian.hang import job_hang
 from vigil_guardian.policy import Decision, Policy, incident_id
 from vigil_guardian.rank_exit import rank_exit

@@ -19,8 +19,8 @@ import math
 import statistics
 from collections import deque
 
-from vigil_common.events import StepCompleted
-from vigil_common.spec import GuardianSpec
+from vigil.events import StepCompleted
+from vigil.spec import GuardianSpec
 from vigil_common.spike_rule import LossWindows
 from vigil_guardian import numeric
 from vigil_guardian.collective import ImbalanceTracker, StragglerScores

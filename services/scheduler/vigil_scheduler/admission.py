@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from vigil_common.errors import SpecError
+from vigil.errors import SpecError
+from vigil.spec import JobSpec
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 
 
 def check(spec: JobSpec, settings: Settings) -> None:

@@ -18,13 +18,13 @@ import asyncpg
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from vigil.errors import Conflict, NotFound, SpecError
+from vigil.events import IncidentRaised, LaunchJob, RankPlacement
+from vigil.jobstates import TERMINAL_STATES, JobState
+from vigil.spec import JobSpec
 from vigil_common import subjects, tracing
-from vigil_common.errors import Conflict, NotFound, SpecError
-from vigil_common.events import IncidentRaised, LaunchJob, RankPlacement
-from vigil_common.jobstates import TERMINAL_STATES, JobState
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, quotas, states
 from vigil_scheduler import idempotency as idempotency_keys
 from vigil_scheduler.lifecycle import Job

@@ -18,10 +18,8 @@ from typing import assert_never
 
 import asyncpg
 
-from vigil_common import subjects
-from vigil_common.bus import SENDER_HEADER, Delivery
-from vigil_common.errors import VigilError
-from vigil_common.events import (
+from vigil.errors import VigilError
+from vigil.events import (
     CancelJob,
     CheckpointRefused,
     CheckpointSaved,
@@ -41,7 +39,9 @@ from vigil_common.events import (
     RollbackJob,
     utcnow,
 )
-from vigil_common.jobstates import PREEMPTED, JobState
+from vigil.jobstates import PREEMPTED, JobState
+from vigil_common import subjects
+from vigil_common.bus import SENDER_HEADER, Delivery
 from vigil_common.service import wait_any
 from vigil_scheduler import audit, inventory, lifecycle, outbox, recovery, states
 from vigil_scheduler.core import Scheduler

@@ -13,7 +13,7 @@ import re
 
 import asyncpg
 
-from vigil_common.errors import Conflict, SpecError
+from vigil.errors import Conflict, SpecError
 
 HEADER = "Idempotency-Key"
 KEEP = "1 day"

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 import asyncpg
 
-from vigil_common.events import NodeHeartbeat
-from vigil_common.jobstates import JobState
+from vigil.events import NodeHeartbeat
+from vigil.jobstates import JobState
 from vigil_scheduler.placement import Inventory, NodeState, Slot
 
 log = logging.getLogger(__name__)

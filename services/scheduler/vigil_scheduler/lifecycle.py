@@ -12,10 +12,10 @@ from typing import Any
 
 import asyncpg
 
+from vigil.events import CancelJob, IncidentRaised, JobStateChanged
+from vigil.jobstates import JobState
+from vigil.spec import JobSpec
 from vigil_common import subjects
-from vigil_common.events import CancelJob, IncidentRaised, JobStateChanged
-from vigil_common.jobstates import JobState
-from vigil_common.spec import JobSpec
 from vigil_scheduler import outbox, states
 
 JOB_COLUMNS = """id, seq, name, state, priority, spec, world_size, max_nodes, attempt, queued, placement,

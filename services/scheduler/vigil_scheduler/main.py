@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from vigil.errors import ConfigError
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec
-from vigil_common.errors import ConfigError
 from vigil_common.lease import Lease
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
@@ -23,8 +23,8 @@ from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
 from vigil_common.waiting import unless_stopped
 from vigil_scheduler import users
+from vigil_scheduler.app import Deps, create_app
 from vigil_scheduler.core import Scheduler
-from vigil_scheduler.gateway.app import Deps, create_app
 from vigil_scheduler.handlers import BUS_NAME, Handlers
 from vigil_scheduler.outbox import Relay
 from vigil_scheduler.principals import load_users_file

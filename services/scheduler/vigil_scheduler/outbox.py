@@ -17,10 +17,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from vigil.errors import VigilError
+from vigil.events import Message, decode
 from vigil_common import tracing
 from vigil_common.bus import Bus
-from vigil_common.errors import VigilError
-from vigil_common.events import Message, decode
 from vigil_common.service import wait_any
 
 log = logging.getLogger(__name__)

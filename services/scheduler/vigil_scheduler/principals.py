@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from vigil_common.errors import ConfigError
+from vigil.errors import ConfigError
 
 ADMIN = "admin"  # the gateway token's principal; no user may take the name
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"

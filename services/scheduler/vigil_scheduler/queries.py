@@ -12,8 +12,8 @@ from typing import Any
 
 import asyncpg
 
+from vigil.errors import NotFound
 from vigil_common import readmodel
-from vigil_common.errors import NotFound
 from vigil_common.pages import Page, check_limit, decode_cursor, page
 from vigil_scheduler import states
 from vigil_scheduler.inventory import ACTIVE_MARK

@@ -12,8 +12,8 @@ from typing import Any
 
 import asyncpg
 
-from vigil_common.events import HaltJob, IncidentAction, IncidentRaised, RollbackJob
-from vigil_common.jobstates import JobState
+from vigil.events import HaltJob, IncidentAction, IncidentRaised, RollbackJob
+from vigil.jobstates import JobState
 from vigil_scheduler import lifecycle
 from vigil_scheduler.lifecycle import Job
 

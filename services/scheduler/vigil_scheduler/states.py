@@ -10,7 +10,7 @@
     SCHEDULED | RUNNING | HALTED | ROLLING_BACK -> PENDING   (requeued with attempt + 1)
 
 Every non-terminal state may also go to FAILED or CANCELLED. The states themselves, which are
-terminal and which hold devices, are `vigil_common.jobstates`.
+terminal and which hold devices, are `vigil.jobstates`.
 
 `OUTCOMES` is the one table of what an event does to a job, for every (phase, event) pair: late,
 duplicate and reordered events included. The scheduler's handlers classify what they consume into a
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from vigil_common.errors import Conflict
-from vigil_common.jobstates import DEVICE_STATES, TERMINAL_STATES, JobState
+from vigil.errors import Conflict
+from vigil.jobstates import DEVICE_STATES, TERMINAL_STATES, JobState
 
 _ENDS = {JobState.FAILED, JobState.CANCELLED}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import asyncpg
 
-from vigil_common.errors import NotFound, SpecError
+from vigil.errors import NotFound, SpecError
 from vigil_scheduler import audit
 from vigil_scheduler.principals import (
     ADMIN,

@@ -17,10 +17,10 @@ from typing import Any
 import asyncpg
 from opentelemetry import trace
 
+from vigil.errors import RejectedEvents
+from vigil.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
 from vigil_common import subjects, tracing
 from vigil_common.bus import ConsumerSpec, Delivery
-from vigil_common.errors import RejectedEvents
-from vigil_common.events import CheckpointSaved, GpuSampled, IncidentRaised, LaunchJob, Message, StepCompleted
 from vigil_common.origin import Origins
 from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any

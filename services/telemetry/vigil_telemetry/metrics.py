@@ -17,8 +17,8 @@ import logging
 import math
 from collections.abc import Sequence
 
-from vigil_common.events import GpuSampled, IncidentRaised, JobStateChanged, Message, StepCompleted
-from vigil_common.jobstates import TERMINAL_STATES
+from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, Message, StepCompleted
+from vigil.jobstates import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
 

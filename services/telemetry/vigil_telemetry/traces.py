@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Link, SpanContext
 
-from vigil_common.events import CheckpointSaved, LaunchJob, StepCompleted
+from vigil.events import CheckpointSaved, LaunchJob, StepCompleted
 
 PHASES = (
     ("data", "data_time_s"),

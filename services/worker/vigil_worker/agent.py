@@ -18,12 +18,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
-from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
-from vigil_common import credentials, subjects
-from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.errors import RetryableError, SpecError
-from vigil_common.events import (
+from vigil.errors import RetryableError, SpecError
+from vigil.events import (
     CancelJob,
     DeviceDiagnosed,
     DiagnoseDevice,
@@ -34,6 +30,10 @@ from vigil_common.events import (
     RankExited,
     RankStarted,
 )
+from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
+from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
+from vigil_common import credentials, subjects
+from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_worker import pods, tenancy

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vigil_common.events import Device, GpuSampled
+from vigil.events import Device, GpuSampled
 
 log = logging.getLogger(__name__)
 

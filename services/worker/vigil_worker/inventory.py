@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vigil_common.errors import ConfigError
-from vigil_common.events import Device, GpuSampled
+from vigil.errors import ConfigError
+from vigil.events import Device, GpuSampled
 from vigil_worker.amd import AmdGpus, open_amdsmi
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from vigil_common.errors import PermanentError, RetryableError
+from vigil.errors import PermanentError, RetryableError
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TIMEOUT_S = 10.0

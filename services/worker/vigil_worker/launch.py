@@ -7,7 +7,7 @@ A rank runs either the built-in GPT trainer (`python -m vigil_worker.trainer`, t
 job's own program (`entrypoint.argv`, in `entrypoint.workdir` under a code root). Either way its
 command line is an argument list that no shell sees, and its environment is built from scratch:
 torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR,
-MASTER_PORT), what the SDK needs to reach this agent (`vigil_common.protocol`'s names, among them the
+MASTER_PORT), what the SDK needs to reach this agent (`vigil.protocol`'s names, among them the
 token is not there: it reaches the rank on an inherited pipe, `procs.RankTable.start`), the job's
 `entrypoint.env`, and of the worker's own environment only the names in `VIGIL_RANK_ENV_ALLOW` (never a
 credential: a rank holds no bus or database secret). A rank that runs as its job's own user
@@ -35,10 +35,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vigil_common import protocol as proto
+from vigil import protocol as proto
+from vigil.errors import SpecError
+from vigil.events import LaunchJob, RankPlacement
 from vigil_common.confine import OutsideRoots, within
-from vigil_common.errors import SpecError
-from vigil_common.events import LaunchJob, RankPlacement
 from vigil_common.settings import Settings
 from vigil_worker.tenancy import JobUser, job_dir
 

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from vigil_common import protocol as proto
+from vigil import protocol as proto
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
 from vigil_worker.procs import RankRecord

@@ -22,9 +22,9 @@ import logging
 import secrets
 from pathlib import Path
 
-from vigil_common import protocol as proto
+from vigil import protocol as proto
+from vigil.errors import MalformedMessage
 from vigil_common.bus import Bus
-from vigil_common.errors import MalformedMessage
 from vigil_worker.pod_table import PodRankTable
 from vigil_worker.relay import Relay
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vigil.errors import ConfigError, PermanentError, RetryableError
 from vigil.exits import last_step_path
-from vigil_common.errors import ConfigError, PermanentError, RetryableError
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_worker import rank_pod as rp

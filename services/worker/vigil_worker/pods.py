@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vigil.errors import ConfigError
 from vigil_common.bus import Bus
-from vigil_common.errors import ConfigError
 from vigil_common.settings import Settings
 from vigil_worker.pod_relay import PodRelay
 from vigil_worker.pod_table import PodRankTable, pod_table

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vigil import protocol as proto
 from vigil.exits import last_step_path
-from vigil_common import protocol as proto
 
 
 def start_ticks(pid: int) -> int | None:

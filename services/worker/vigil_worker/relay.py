@@ -36,12 +36,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vigil import events as ev
+from vigil import protocol as proto
+from vigil.errors import CheckpointError, MalformedMessage, RetryableError
 from vigil.manifest import confine
-from vigil_common import events as ev
-from vigil_common import protocol as proto
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.errors import CheckpointError, MalformedMessage, RetryableError
 from vigil_worker.procs import RankRecord
 from vigil_worker.refusals import BURST, EVENTS_PER_S, REPORT_EVERY_S, RefusalReports, TokenBucket
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vigil.errors import RetryableError
+from vigil.events import LaunchJob
 from vigil_common.confine import let_traverse
-from vigil_common.errors import RetryableError
-from vigil_common.events import LaunchJob
 from vigil_common.settings import Settings
 from vigil_worker import cgroups
 from vigil_worker.uids import PoolExhausted, UidPool

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vigil_common import protocol as proto
+from vigil import protocol as proto
 from vigil_common.embedded import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "byo"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.byo.ranks import torchrun
-from vigil_common import protocol as proto
+from vigil import protocol as proto
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.byo]
 

@@ -18,9 +18,7 @@ import yaml
 
 from tests.integration.byo.ranks import EXAMPLES
 from tests.integration.guardian.test_e2e_ranks import Stack, train, whole_stack
-from vigil.manifest import MANIFEST
-from vigil_common import readmodel, subjects
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     IncidentRaised,
     JobStateChanged,
@@ -29,6 +27,8 @@ from vigil_common.events import (
     RollbackCompleted,
     StepCompleted,
 )
+from vigil.manifest import MANIFEST
+from vigil_common import readmodel, subjects
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.byo]
 

@@ -147,7 +147,7 @@ async def test_the_control_plane_runs_without_the_worker_dependencies(
 
 def _a_backend_that_finds_no_gpu() -> str | None:
     """A VIGIL_GPU_BACKEND this machine's worker refuses (no GPU through it), or None."""
-    from vigil_common.errors import ConfigError
+    from vigil.errors import ConfigError
     from vigil_worker.inventory import Inventory
 
     for backend in ("nvml", "amdsmi"):

@@ -9,10 +9,10 @@ import uuid
 import nats.js.errors
 import pytest
 
-from vigil_common import events as ev
+from vigil import events as ev
+from vigil.errors import RetryableError
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
-from vigil_common.errors import RetryableError
 
 pytestmark = pytest.mark.integration
 

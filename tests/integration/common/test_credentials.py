@@ -17,11 +17,11 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from tests.helpers import eventually
 from tests.integration.secured import refused, secured_nats
 from tests.unit.common.samples import SAMPLES
+from vigil.errors import RetryableError
+from vigil.events import HaltJob, IncidentRaised, Message, NodeHeartbeat, StepCompleted
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec
 from vigil_common.embedded import EmbeddedNats
-from vigil_common.errors import RetryableError
-from vigil_common.events import HaltJob, IncidentRaised, Message, NodeHeartbeat, StepCompleted
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from vigil.errors import ConfigError
 from vigil_common.db import Migration, create_pool, load_migrations, migrate
-from vigil_common.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 

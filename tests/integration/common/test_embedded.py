@@ -9,7 +9,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from vigil.errors import RetryableError
+from vigil.events import CancelJob
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats
-from vigil_common.errors import RetryableError
-from vigil_common.events import CancelJob
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,10 @@ import yaml
 
 from tests.helpers import eventually
 from tests.unit.deploy_checks import nats_authorization
+from vigil.events import CancelJob
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats, free_port
-from vigil_common.events import CancelJob
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ import nats.js.errors
 import pytest
 
 from tests.unit.deploy_checks import nats_authorization
+from vigil.errors import RetryableError
+from vigil.events import HaltJob
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats, free_port
-from vigil_common.errors import RetryableError
-from vigil_common.events import HaltJob
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,7 @@ from typing import Any
 import pytest
 
 from tests.integration.guardian.test_e2e_ranks import TINY, TRAIN, Run, Stack, whole_stack
-from vigil.manifest import MANIFEST, write_manifest
-from vigil_common import subjects
-from vigil_common.events import (
+from vigil.events import (
     TERMINAL_STATES,
     CheckpointRefused,
     CheckpointSaved,
@@ -30,6 +28,8 @@ from vigil_common.events import (
     LaunchJob,
     StepCompleted,
 )
+from vigil.manifest import MANIFEST, write_manifest
+from vigil_common import subjects
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

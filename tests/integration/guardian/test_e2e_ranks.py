@@ -19,12 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import eventually
-from vigil_cli.stack import run_services
-from vigil_common import readmodel, subjects
-from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import free_port
-from vigil_common.events import (
+from vigil.events import (
     TERMINAL_STATES,
     CheckpointSaved,
     HaltJob,
@@ -37,6 +32,11 @@ from vigil_common.events import (
     RollbackJob,
     StepCompleted,
 )
+from vigil_cli.stack import run_services
+from vigil_common import readmodel, subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
 from vigil_worker.trainer.checkpoint import _deepspeed_safe_globals, safe_load
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.guardian.test_e2e_ranks import TINY, TRAIN, Stack, train, whole_stack
-from vigil_common.events import (
+from vigil.events import (
     IncidentRaised,
     JobStateChanged,
     LaunchJob,

@@ -9,9 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.helpers import eventually, service
-from vigil_common import subjects
-from vigil_common.bus import Bus
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     JobStateChanged,
     LaunchJob,
@@ -20,8 +18,10 @@ from vigil_common.events import (
     RankStarted,
     StepCompleted,
 )
+from vigil.spec import JobSpec
+from vigil_common import subjects
+from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_guardian.main import INPUTS, job_input, last_copied, run
 
 pytestmark = pytest.mark.integration

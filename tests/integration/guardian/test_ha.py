@@ -17,9 +17,9 @@ import pytest
 
 from tests.helpers import ServiceProcess, eventually, launch_on
 from tests.integration.scheduler.conftest import fresh_database
+from vigil.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_common import lease, subjects
 from vigil_common.bus import Bus
-from vigil_common.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_guardian import main as guardian
 
 pytestmark = [pytest.mark.integration, pytest.mark.ha]

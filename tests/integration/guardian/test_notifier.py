@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from vigil.events import IncidentRaised
 from vigil_common.embedded import free_port
-from vigil_common.events import IncidentRaised
 from vigil_guardian.notifier import Notifier
 
 pytestmark = pytest.mark.integration

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.guardian.test_guardian import Job, take
+from vigil.errors import RetryableError
+from vigil.events import Message
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats
-from vigil_common.errors import RetryableError
-from vigil_common.events import Message
 from vigil_guardian.core import Guardian
 from vigil_guardian.main import GuardianService
 from vigil_guardian.notifier import Notifier

@@ -27,12 +27,12 @@ import pytest
 
 from tests.helpers import eventually
 from tests.integration.scheduler.conftest import fresh_database
+from vigil.events import NodeHeartbeat
 from vigil_cli.stack import SERVICES, run_services
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool
 from vigil_common.embedded import EmbeddedNats, free_port
-from vigil_common.events import NodeHeartbeat
 from vigil_common.settings import Settings
 
 from .netns import Host, Network, remove_leftovers

@@ -23,9 +23,9 @@ import pytest
 
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
 from tests.integration.slurm.conftest import BINARIES, COMMON_CONF, SlurmCluster, start_munged, stop_daemon
+from vigil.events import RankStarted, StepCompleted
 from vigil_cli.slurm import worker_name
 from vigil_common import subjects
-from vigil_common.events import RankStarted, StepCompleted
 
 from .conftest import TOKEN, Plane
 from .netns import Host, Network

@@ -14,8 +14,8 @@ import pytest
 from tests.helpers import eventually
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
 from tests.integration.worker.conftest import tiny_spec
+from vigil.events import CheckpointSaved, IncidentRaised, RankStarted, RollbackCompleted
 from vigil_common import subjects
-from vigil_common.events import CheckpointSaved, IncidentRaised, RankStarted, RollbackCompleted
 
 from .conftest import Plane, Workers, heartbeat_of, unique, wait_alive
 from .netns import Host, Network

@@ -17,11 +17,7 @@ import asyncpg
 import httpx
 import pytest
 
-from vigil_common import subjects
-from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import free_port
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     Device,
     JobStateChanged,
@@ -31,6 +27,10 @@ from vigil_common.events import (
     RankExited,
     RankStarted,
 )
+from vigil_common import subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
+from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
 from vigil_scheduler.main import run
 

@@ -7,9 +7,9 @@ import asyncpg
 import pytest
 
 from tests.helpers import eventually
+from vigil.events import HaltJob, RollbackJob
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import HaltJob, RollbackJob
 from vigil_scheduler.audit import token_actor
 
 from .conftest import TOKEN, spec

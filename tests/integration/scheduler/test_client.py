@@ -12,9 +12,9 @@ import pytest
 
 import vigil
 from vigil.api import JobDetailOut, JobOut
+from vigil.events import JobStateChanged
+from vigil.jobstates import JobState
 from vigil_common.bus import Bus
-from vigil_common.events import JobStateChanged
-from vigil_common.jobstates import JobState
 
 from .conftest import TOKEN, exit_rank, launched, start_ranks
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from tests.helpers import service
+from vigil.events import IncidentRaised, RanksHalted, RollbackCompleted, StepCompleted
 from vigil_common import subjects
-from vigil_common.events import IncidentRaised, RanksHalted, RollbackCompleted, StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry.main import run as telemetry
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from vigil.events import CheckpointSaved, NodeHeartbeat, RankStarted, StepCompleted
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import CheckpointSaved, NodeHeartbeat, RankStarted, StepCompleted
 
 from .conftest import launched, next_event, wait_state
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from vigil.events import CheckpointSaved, NodeHeartbeat, RankExited, StepCompleted
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool
-from vigil_common.events import CheckpointSaved, NodeHeartbeat, RankExited, StepCompleted
 from vigil_scheduler.main import run
 
 from .conftest import (

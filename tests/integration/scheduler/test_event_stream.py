@@ -18,12 +18,12 @@ from click.testing import CliRunner
 
 import vigil
 from tests.helpers import eventually
+from vigil.events import JobStateChanged
+from vigil.jobstates import JobState
 from vigil_cli.main import cli
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
-from vigil_common.events import JobStateChanged
-from vigil_common.jobstates import JobState
 
 from .conftest import (
     TOKEN,

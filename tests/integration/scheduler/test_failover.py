@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from tests.helpers import eventually
+from vigil.events import IncidentRaised, StepCompleted
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool
 from vigil_common.embedded import free_port
-from vigil_common.events import IncidentRaised, StepCompleted
 
 from .conftest import (
     HEARTBEAT_S,

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
+from vigil.events import IncidentRaised
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import IncidentRaised
 from vigil_scheduler.main import run
 
 from .conftest import TOKEN, scheduler_settings, spec, wait_ready, wait_state

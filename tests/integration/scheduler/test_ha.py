@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from tests.helpers import ServiceProcess, eventually
+from vigil.events import LaunchJob
+from vigil.jobstates import TERMINAL_STATES
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
-from vigil_common.events import LaunchJob
-from vigil_common.jobstates import TERMINAL_STATES
 
 from .conftest import HEARTBEAT_S, TOKEN, FakeNode, exit_rank, fresh_database, start_ranks
 

@@ -7,7 +7,7 @@ import re
 import asyncpg
 import pytest
 
-from vigil_common.jobstates import JobState
+from vigil.jobstates import JobState
 
 pytestmark = pytest.mark.integration
 

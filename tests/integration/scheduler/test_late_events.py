@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from vigil.events import CancelJob, HaltJob, IncidentRaised, LaunchJob, RollbackJob
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import CancelJob, HaltJob, IncidentRaised, LaunchJob, RollbackJob
 
 from .conftest import (
     Running,

@@ -7,9 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from tests.helpers import eventually
-from vigil_common import subjects
-from vigil_common.bus import Bus
-from vigil_common.events import (
+from vigil.events import (
     CancelJob,
     HaltJob,
     IncidentRaised,
@@ -18,6 +16,8 @@ from vigil_common.events import (
     RollbackCompleted,
     RollbackJob,
 )
+from vigil_common import subjects
+from vigil_common.bus import Bus
 
 from .conftest import checkpoint, exit_rank, launched, spec, start_ranks, wait_state
 

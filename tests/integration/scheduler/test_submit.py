@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from vigil.events import CancelJob, LaunchJob
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import CancelJob, LaunchJob
 
 from .conftest import count_on, next_event, spec, wait_state
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from tests.helpers import eventually
+from vigil.events import HaltJob
 from vigil_common import subjects
 from vigil_common.bus import SENDER_HEADER, Bus
-from vigil_common.events import HaltJob
 from vigil_scheduler.audit import token_actor
 from vigil_scheduler.main import run
 from vigil_scheduler.principals import new_token, token_sha256

@@ -23,10 +23,10 @@ import pytest
 from tests.helpers import eventually, launch_on, service
 from tests.integration.scheduler.conftest import fresh_database
 from tests.integration.security.test_forged_events import dead_letters
+from vigil.events import StepCompleted
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats
-from vigil_common.events import StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry import main as telemetry
 

@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from tests.unit.common.samples import SAMPLES
+from vigil.events import LaunchJob, StepCompleted
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
-from vigil_common.events import LaunchJob, StepCompleted
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 

@@ -31,10 +31,7 @@ from tests.integration.scheduler.conftest import (
     wait_ready,
     wait_state,
 )
-from vigil_common import credentials, subjects
-from vigil_common.bus import Bus, EventStream
-from vigil_common.embedded import EmbeddedNats
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     JobStateChanged,
     MessageDeadLettered,
@@ -42,6 +39,9 @@ from vigil_common.events import (
     RankStarted,
     StepCompleted,
 )
+from vigil_common import credentials, subjects
+from vigil_common.bus import Bus, EventStream
+from vigil_common.embedded import EmbeddedNats
 from vigil_common.settings import Settings
 from vigil_guardian import main as guardian
 from vigil_scheduler import main as scheduler

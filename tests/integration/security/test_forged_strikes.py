@@ -19,8 +19,7 @@ import pytest
 
 from tests.helpers import eventually
 from tests.integration.guardian.test_e2e_ranks import TINY, TRAIN, Stack, whole_stack
-from vigil_common import subjects
-from vigil_common.events import (
+from vigil.events import (
     DeviceDiagnosed,
     DiagnoseDevice,
     IncidentRaised,
@@ -31,6 +30,7 @@ from vigil_common.events import (
     StepCompleted,
     StepReplayed,
 )
+from vigil_common import subjects
 
 pytestmark = [pytest.mark.integration, pytest.mark.security, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.security, pytest.mark.slow]
 FORGER = """
 import time
 import vigil
-from vigil_common import events as ev
+from vigil import events as ev
 
 run = vigil.init()
 me = run.identity

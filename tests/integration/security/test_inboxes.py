@@ -10,10 +10,10 @@ import pytest
 from nats.aio.msg import Msg
 
 from tests.integration.secured import Refusals, raw
+from vigil.events import GpuSampled, Message
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.embedded import EmbeddedNats
-from vigil_common.events import GpuSampled, Message
 from vigil_telemetry.main import GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]

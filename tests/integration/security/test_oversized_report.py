@@ -25,10 +25,7 @@ from tests.integration.security.test_forged_events import (
     guardian_running,  # noqa: F401  (a fixture)
     step,
 )
-from vigil_common import credentials, subjects
-from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
-from vigil_common.events import (
+from vigil.events import (
     MAX_CULPRITS,
     CheckpointSaved,
     IncidentRaised,
@@ -37,6 +34,9 @@ from vigil_common.events import (
     RollbackJob,
     StepReplayed,
 )
+from vigil_common import credentials, subjects
+from vigil_common.bus import Bus
+from vigil_common.db import create_pool, migrate
 from vigil_guardian.core import Guardian
 from vigil_guardian.main import GuardianService, job_input
 from vigil_guardian.notifier import Notifier

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from vigil import events as ev
+from vigil import protocol as proto
 from vigil.link import AgentLink
 from vigil_common import credentials, subjects
-from vigil_common import events as ev
-from vigil_common import protocol as proto
 from vigil_common.bus import Bus
 from vigil_worker.procs import RankRecord
 from vigil_worker.relay import Relay

@@ -16,10 +16,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from tests.helpers import eventually
 from tests.integration.secured import refused
+from vigil.events import CancelJob, HaltJob, Message
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, Delivery
 from vigil_common.embedded import EmbeddedNats
-from vigil_common.events import CancelJob, HaltJob, Message
 from vigil_worker.agent import consumers
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]

@@ -11,11 +11,11 @@ import pytest
 
 from tests.integration.secured import refused
 from tests.unit.common.samples import SAMPLES
+from vigil.errors import RetryableError
+from vigil.events import JobStateChanged, Message, RankExited, StepCompleted
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats
-from vigil_common.errors import RetryableError
-from vigil_common.events import JobStateChanged, Message, RankExited, StepCompleted
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 

@@ -17,12 +17,12 @@ import pytest
 
 from tests.helpers import eventually
 from tests.integration.scheduler.conftest import fresh_database, next_event, wait_state
+from vigil.events import RankStarted, StepCompleted
 from vigil_cli.slurm import worker_name
 from vigil_cli.stack import SERVICES, run_services
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
-from vigil_common.events import RankStarted, StepCompleted
 from vigil_common.settings import Settings
 
 from .conftest import SlurmCluster

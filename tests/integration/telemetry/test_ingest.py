@@ -11,16 +11,15 @@ import httpx
 import pytest
 
 from tests.helpers import eventually, launch_on, service
-from vigil_common import readmodel, subjects
-from vigil_common.embedded import free_port
-from vigil_common.events import (
-    STEP_COLUMNS,
+from vigil.events import (
     CheckpointSaved,
     GpuSampled,
     IncidentRaised,
     RollbackCompleted,
     StepCompleted,
 )
+from vigil_common import readmodel, subjects
+from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
 from vigil_telemetry.main import run
 
@@ -268,7 +267,7 @@ async def test_killed_mid_stream_and_restarted_stores_exactly_one_row_per_event(
 
 
 async def test_the_tables_have_the_columns_the_writer_and_reader_name(pool, migrated):
-    """events.STEP_COLUMNS and readmodel.BUCKET_COLUMNS against a migrated Postgres, types included."""
+    """readmodel.STEP_COLUMNS and readmodel.BUCKET_COLUMNS against a migrated Postgres, types included."""
     udt = {"text": "text", "int4": "int", "int8": "int8", "float8": "float8", "bool": "bool"}
     udt["timestamptz"] = "timestamptz"
 
@@ -282,5 +281,5 @@ async def test_the_tables_have_the_columns_the_writer_and_reader_name(pool, migr
 
     steps = await columns("telemetry_steps")
     assert steps.pop("seq") == "int8"
-    assert steps == dict(STEP_COLUMNS)
+    assert steps == dict(readmodel.STEP_COLUMNS)
     assert await columns("telemetry_step_buckets") == dict(readmodel.BUCKET_COLUMNS)

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from tests.helpers import eventually, launch_on, service
+from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
-from vigil_common.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry.main import run
 

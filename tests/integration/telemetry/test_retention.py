@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from tests.helpers import eventually, launch_on, service
+from vigil.events import StepCompleted
 from vigil_common import readmodel, subjects
-from vigil_common.events import StepCompleted
 from vigil_common.settings import Settings
 from vigil_telemetry import partitions, store
 from vigil_telemetry.main import run

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+from vigil.events import StepCompleted
 from vigil_common import readmodel
 from vigil_common.db import create_pool, load_migrations, migrate
-from vigil_common.events import StepCompleted
 from vigil_telemetry import store
 
 pytestmark = pytest.mark.integration

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from tests.helpers import eventually
+from vigil.events import CheckpointSaved, IncidentRaised, JobStateChanged
 from vigil_cli.observe import format_json, format_line, watch_events
 from vigil_common import subjects
-from vigil_common.events import CheckpointSaved, IncidentRaised, JobStateChanged
 from vigil_common.settings import Settings
 
 pytestmark = pytest.mark.integration

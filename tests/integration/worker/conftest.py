@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from vigil_common import events as ev
+from vigil import events as ev
+from vigil.spec import parse_spec
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import free_port
-from vigil_common.spec import parse_spec
 
 
 @dataclass

@@ -11,9 +11,9 @@ import pytest
 from tests.fakes import amdsmi as fake
 from tests.helpers import service
 from tests.integration.scheduler.conftest import next_event
+from vigil.events import GpuSampled, NodeHeartbeat
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.events import GpuSampled, NodeHeartbeat
 from vigil_common.settings import Settings
 from vigil_worker import inventory
 from vigil_worker.main import run

@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.worker.conftest import launch, rank_logs, record, tiny_spec, until_exited
 from tests.integration.worker.test_rollback import halt, rollback
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_common import subjects
 from vigil_worker.trainer import checkpoint as ckpt
 

@@ -24,10 +24,10 @@ from urllib.parse import parse_qs, urlsplit
 import kubernetes_validate
 import pytest
 
+from vigil import events as ev
+from vigil import protocol as proto
 from vigil.exits import read_last_step
 from vigil.link import AgentLink
-from vigil_common import events as ev
-from vigil_common import protocol as proto
 from vigil_common import subjects
 from vigil_common.settings import Settings
 from vigil_worker import rank_pod as rp

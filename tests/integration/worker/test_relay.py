@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from vigil import events as ev
+from vigil import protocol as proto
 from vigil.link import AgentLink
-from vigil_common import events as ev
-from vigil_common import protocol as proto
 from vigil_common import subjects
 from vigil_worker import tenancy
 from vigil_worker.procs import RankRecord

@@ -18,7 +18,7 @@ from tests.integration.worker.conftest import (
     until_exited,
     wait_heartbeat,
 )
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_common import subjects
 from vigil_worker.procs import start_ticks
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from vigil_common import events as ev
-from vigil_common.spec import JobSpec
+from vigil import events as ev
+from vigil.spec import JobSpec
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
 BASE: dict[str, Any] = {"event_id": "0123456789abcdef0123456789abcdef", "occurred_at": T0}

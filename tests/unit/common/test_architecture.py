@@ -1,4 +1,5 @@
-"""Services talk only through libs/common: the import-linter contracts in pyproject.toml hold."""
+"""Services talk only through libs/common, and the SDK imports nothing of the control plane: the
+import-linter contracts in pyproject.toml hold."""
 
 import shutil
 import subprocess
@@ -18,11 +19,19 @@ def test_services_never_import_each_other():
 def test_every_source_folder_is_a_package_the_install_finds():
     """A folder of modules without `__init__.py` would be left out of the wheel (packages.find skips it),
     and each top-level folder holds one import package, so a module's path names its import."""
+
+    for project in (ROOT, ROOT / "sdk"):  # the control plane, and the SDK's distribution
+        find = tomllib.loads((project / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
+            "find"
+        ]
+        _one_package_per_folder(project, find)
+
+
+def _one_package_per_folder(project: Path, find: dict) -> None:
     from setuptools import find_packages
 
-    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     for where in find["where"]:
-        top = ROOT / where
+        top = (project / where).resolve()
         packages = set(find_packages(str(top), include=find["include"]))
         roots = {p for p in packages if "." not in p}
         assert len(roots) == 1 and (top / roots.pop()).is_dir(), f"{where}: {sorted(packages)}"

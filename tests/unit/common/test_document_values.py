@@ -9,9 +9,9 @@ from datetime import date
 
 import pytest
 
-from vigil_common.documents import MAX_NUMBER_CHARS, DocumentError, load
-from vigil_common.errors import SpecError
-from vigil_common.spec import parse_spec
+from vigil.documents import MAX_NUMBER_CHARS, DocumentError, load
+from vigil.errors import SpecError
+from vigil.spec import parse_spec
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from vigil_common.documents import MAX_DEPTH, MAX_NODES, DocumentError, load
+from vigil.documents import MAX_DEPTH, MAX_NODES, DocumentError, load
 
 
 def refused(text: str, **kw: bool) -> DocumentError:

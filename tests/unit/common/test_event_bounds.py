@@ -7,9 +7,9 @@ import json
 import pytest
 
 from tests.unit.common.samples import SAMPLES
-from vigil_common import events as ev
-from vigil_common import protocol as proto
-from vigil_common.errors import MalformedMessage
+from vigil import events as ev
+from vigil import protocol as proto
+from vigil.errors import MalformedMessage
 
 REPLAYED = SAMPLES[ev.StepReplayed]
 STEP = SAMPLES[ev.StepCompleted]

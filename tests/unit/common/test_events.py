@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.common.samples import SAMPLES
-from vigil_common import events as ev
+from vigil import events as ev
+from vigil.errors import MalformedMessage
 from vigil_common import subjects
-from vigil_common.errors import MalformedMessage
 
 GOLDEN = Path(__file__).parent / "golden"
 

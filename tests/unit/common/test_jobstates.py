@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+from vigil.events import JobStateChanged
+from vigil.jobstates import DEVICE_STATES, TERMINAL_STATES, JobState
 from vigil_cli.jobs import STATE_STYLE
 from vigil_common.db import load_migrations
-from vigil_common.events import JobStateChanged
-from vigil_common.jobstates import DEVICE_STATES, TERMINAL_STATES, JobState
 from vigil_scheduler.states import TRANSITIONS, allowed
 
 _STATE_CHECK = re.compile(r"CHECK \((\w*state) IN \(([^)]*)\)\)")

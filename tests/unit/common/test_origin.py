@@ -12,10 +12,8 @@ import nats.js.errors
 import pytest
 
 from tests.unit.common.samples import SAMPLES
-from vigil_common import subjects
-from vigil_common.bus import Bus
-from vigil_common.errors import RetryableError
-from vigil_common.events import (
+from vigil.errors import RetryableError
+from vigil.events import (
     CheckpointSaved,
     JobStateChanged,
     LaunchJob,
@@ -28,6 +26,8 @@ from vigil_common.events import (
     RollbackCompleted,
     StepCompleted,
 )
+from vigil_common import subjects
+from vigil_common.bus import Bus
 from vigil_common.origin import Origins, refusal
 
 JOB = "j-a"

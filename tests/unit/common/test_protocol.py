@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from vigil_common import events as ev
-from vigil_common import protocol as proto
+from vigil import events as ev
+from vigil import protocol as proto
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf, 2.5])

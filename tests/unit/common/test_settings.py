@@ -1,6 +1,6 @@
 import pytest
 
-from vigil_common.errors import ConfigError
+from vigil.errors import ConfigError
 from vigil_common.settings import Settings
 
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from vigil_common.errors import SpecError
-from vigil_common.spec import PRESETS, JobSpec, parse_spec
+from vigil.errors import SpecError
+from vigil.spec import PRESETS, JobSpec, parse_spec
 
 FULL = """
 name: tiny-gpt

@@ -1,4 +1,4 @@
-"""The step columns are written once: `events.STEP_COLUMNS` (what a StepCompleted is stored as) and
+"""The step columns are written once: `readmodel.STEP_COLUMNS` (what a StepCompleted is stored as) and
 `readmodel.BUCKET_COLUMNS` (the console's downsampled curves). The event, the migrations' tables, the
 telemetry writer and the read model all agree with them, so a column added in one place alone fails
 here. (tests/integration/telemetry/test_ingest.py checks the same against a migrated Postgres.)"""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import itertools
 import re
 
+from vigil.events import StepCompleted
 from vigil_common import readmodel
 from vigil_common.db import load_migrations
-from vigil_common.events import STEP_COLUMNS, STEP_FIELDS, STEP_NOT_STORED, StepCompleted
+from vigil_common.readmodel import STEP_COLUMNS, STEP_FIELDS, STEP_NOT_STORED
 from vigil_telemetry import store
 
 SQL_TYPES = {

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_common import subjects
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vigil_common.errors import ConfigError
+from vigil.errors import ConfigError
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token, read_token, require_token
 

@@ -6,8 +6,8 @@ import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from vigil_common.events import GpuSampled, LaunchJob, RankPlacement, StepCompleted
-from vigil_common.spec import JobSpec
+from vigil.events import GpuSampled, LaunchJob, RankPlacement, StepCompleted
+from vigil.spec import JobSpec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 JOB = "j-000000000001"

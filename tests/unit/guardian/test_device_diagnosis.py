@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from tests.unit.guardian.helpers import JOB, at, launch
 from tests.unit.guardian.test_watch import ckpt, feed, normal_steps, replayed
-from vigil_common.events import DeviceDiagnosed, DiagnoseDevice, LaunchJob
-from vigil_common.spec import JobSpec
+from vigil.events import DeviceDiagnosed, DiagnoseDevice, LaunchJob
+from vigil.spec import JobSpec
 from vigil_guardian.core import Guardian
 from vigil_guardian.replays import DIAGNOSES_MAX
 

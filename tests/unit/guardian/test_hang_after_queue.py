@@ -6,8 +6,8 @@ ranks' first events once saw the whole queue time as silence and halted the job 
 """
 
 from tests.unit.guardian.helpers import JOB, at, launch, step
-from vigil_common.events import JobStateChanged, RankStarted
-from vigil_common.jobstates import JobState
+from vigil.events import JobStateChanged, RankStarted
+from vigil.jobstates import JobState
 from vigil_guardian.core import Guardian
 
 TIMEOUT = 60.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_guardian.core import Guardian
 
 

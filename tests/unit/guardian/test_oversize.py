@@ -1,4 +1,4 @@
-from vigil_common.events import IncidentRaised
+from vigil.events import IncidentRaised
 from vigil_guardian.oversize import MAX_TRUNCATED_BYTES, truncated
 
 
@@ -32,7 +32,7 @@ def test_evidence_too_wide_even_when_cut_keeps_only_its_keys() -> None:
 
 def test_a_refused_report_is_an_alert_naming_the_field_and_the_count() -> None:
     from tests.unit.common.samples import SAMPLES
-    from vigil_common.events import ReportRefused
+    from vigil.events import ReportRefused
     from vigil_guardian.watch import report_refused
 
     fact = SAMPLES[ReportRefused]

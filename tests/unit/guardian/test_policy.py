@@ -1,6 +1,6 @@
 from tests.unit.guardian.helpers import JOB, T0
+from vigil.spec import GuardianSpec
 from vigil_common import subjects
-from vigil_common.spec import GuardianSpec
 from vigil_guardian.policy import Policy, incident_id, rollback_target
 from vigil_guardian.verdict import Verdict
 

@@ -1,6 +1,6 @@
 import pytest
 
-from vigil_common.events import RankExited
+from vigil.events import RankExited
 from vigil_guardian.rank_exit import rank_exit
 
 

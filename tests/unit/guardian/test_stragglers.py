@@ -10,7 +10,7 @@ verdict was dropped while the per-step tracker had a run in progress, and the sc
 import random
 
 from tests.unit.guardian.helpers import step
-from vigil_common.spec import GuardianSpec
+from vigil.spec import GuardianSpec
 from vigil_guardian.collective import spread
 from vigil_guardian.windows import Windows
 

@@ -3,7 +3,7 @@
 import math
 
 from tests.unit.guardian.helpers import JOB, at, gpu, launch, step
-from vigil_common.events import (
+from vigil.events import (
     CheckpointSaved,
     JobStateChanged,
     RankExited,

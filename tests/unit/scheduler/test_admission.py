@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from vigil_common.errors import SpecError
+from vigil.errors import SpecError
+from vigil.spec import JobSpec
 from vigil_common.settings import Settings
-from vigil_common.spec import JobSpec
 from vigil_scheduler import admission
 
 

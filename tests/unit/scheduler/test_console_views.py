@@ -8,8 +8,8 @@ import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from vigil_common.events import StepCompleted
-from vigil_common.jobstates import JobState
+from vigil.events import StepCompleted
+from vigil.jobstates import JobState
 from vigil_common.readmodel import SERIES_METRICS
 from vigil_common.tracing import setup_tracing
 from vigil_scheduler.console import spans, views

@@ -10,7 +10,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath
 from litestar.testing import TestClient
 
-from vigil_common.errors import Conflict, NotFound, RetryableError, SpecError
+from vigil.errors import Conflict, NotFound, RetryableError, SpecError
 from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
 from vigil_scheduler.users import Authenticator

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vigil_common.jobstates import JobState
+from vigil.jobstates import JobState
 from vigil_scheduler import states
 from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot, place, plan
 

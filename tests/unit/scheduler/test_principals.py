@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vigil_common.errors import ConfigError
+from vigil.errors import ConfigError
 from vigil_scheduler.principals import (
     admin_principal,
     new_token,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vigil_common.jobstates import JobState
+from vigil.jobstates import JobState
 from vigil_scheduler.states import (
     OUTCOMES,
     SWEPT,

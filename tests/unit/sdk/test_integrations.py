@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from vigil import events as ev
 from vigil import manifest
 from vigil.integrations._guard import StepLoss, drop_gradients, grad_norm, verdict
 from vigil.run import Identity, Restart, Run
-from vigil_common import events as ev
 
 pytestmark = pytest.mark.byo
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from vigil import link
-from vigil_common import protocol as proto
+from vigil import protocol as proto
 
 
 def test_the_token_is_read_once_from_its_pipe_and_the_pipe_is_closed(monkeypatch: pytest.MonkeyPatch):

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from vigil import events as ev
 from vigil import manifest
+from vigil import protocol as proto
 from vigil.boundary import Boundary
 from vigil.commands import act
+from vigil.errors import MalformedMessage
 from vigil.link import NullLink
 from vigil.run import Identity, Restart, Run, init, parse_windows, spec_from_env
-from vigil_common import events as ev
-from vigil_common import protocol as proto
-from vigil_common.errors import MalformedMessage
 
 
 def test_outside_vigil_init_is_inert_and_says_so_once(monkeypatch, caplog):

@@ -1,8 +1,8 @@
 import json
 from datetime import UTC, datetime
 
+from vigil.events import IncidentRaised, JobStateChanged, RollbackCompleted
 from vigil_cli.observe import format_json, format_line
-from vigil_common.events import IncidentRaised, JobStateChanged, RollbackCompleted
 
 T = datetime(2026, 1, 1, 12, 30, 5, 250000, tzinfo=UTC)
 

@@ -1,6 +1,6 @@
 import math
 
-from vigil_common.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
+from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
 from vigil_telemetry.metrics import Registry
 
 

@@ -5,8 +5,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from vigil_common.events import CheckpointSaved, LaunchJob, RankPlacement, StepCompleted
-from vigil_common.spec import JobSpec
+from vigil.events import CheckpointSaved, LaunchJob, RankPlacement, StepCompleted
+from vigil.spec import JobSpec
 from vigil_telemetry.traces import StepTraces
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fakes import amdsmi as fake
-from vigil_common.errors import ConfigError
+from vigil.errors import ConfigError
 from vigil_common.settings import Settings
 from vigil_worker import inventory
 from vigil_worker.inventory import Inventory

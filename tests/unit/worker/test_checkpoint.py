@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from vigil_common.errors import CheckpointError
+from vigil.errors import CheckpointError
 from vigil_worker.trainer import checkpoint as ckpt
 
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from vigil_common.errors import SpecError
-from vigil_common.spec import parse_spec
+from vigil.errors import SpecError
+from vigil.spec import parse_spec
 from vigil_worker.trainer.compile import should_compile
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from vigil_common.errors import SpecError
+from vigil.errors import SpecError
+from vigil.spec import DataSpec
 from vigil_common.settings import Settings
-from vigil_common.spec import DataSpec
 from vigil_worker.trainer.data import (
     ByteTokenizer,
     batch,

@@ -1,7 +1,7 @@
 import pytest
 
-from vigil_common.errors import SpecError
-from vigil_common.spec import TrainSpec
+from vigil.errors import SpecError
+from vigil.spec import TrainSpec
 from vigil_worker.trainer.ds_config import (
     Hardware,
     build_config,

@@ -1,6 +1,6 @@
 import math
 
-from vigil_common.spec import parse_spec
+from vigil.spec import parse_spec
 from vigil_worker.trainer.faults import FaultInjector
 
 

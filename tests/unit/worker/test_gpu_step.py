@@ -4,7 +4,7 @@ bf16 without ZeRO run it, gives the eager step's loss and gradients, and a secon
 import pytest
 import torch
 
-from vigil_common.spec import parse_spec
+from vigil.spec import parse_spec
 from vigil_worker.trainer.compile import compiled_graphs
 from vigil_worker.trainer.model import GPT
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from vigil import events as ev
+from vigil import protocol as proto
+from vigil.errors import SpecError
 from vigil.run import spec_from_env
-from vigil_common import events as ev
-from vigil_common import protocol as proto
-from vigil_common.errors import SpecError
+from vigil.spec import parse_spec
 from vigil_common.settings import Settings
-from vigil_common.spec import parse_spec
 from vigil_worker.launch import inherited, prepare_ranks
 from vigil_worker.tenancy import JobUser, Tenancy
 

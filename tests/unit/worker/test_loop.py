@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from vigil.events import StepCompleted, StepReplayed
 from vigil.link import NullLink
 from vigil.run import Identity, Run
-from vigil_common.events import StepCompleted, StepReplayed
-from vigil_common.spec import ModelSpec, parse_spec
+from vigil.spec import ModelSpec, parse_spec
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.loop import train

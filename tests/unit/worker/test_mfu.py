@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vigil_common.spec import PRESETS, ModelSpec, MoESpec
+from vigil.spec import PRESETS, ModelSpec, MoESpec
 from vigil_worker.trainer.mfu import Peak, flops_per_token, mfu, peak_flops, table_peak
 from vigil_worker.trainer.model import GPT
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vigil_common.spec import PRESETS, ModelDims, ModelSpec
+from vigil.spec import PRESETS, ModelDims, ModelSpec
 from vigil_worker.trainer.model import GPT, ffn_hidden
 
 

@@ -3,7 +3,7 @@ spec deciding which verdicts hold a step."""
 
 import math
 
-from vigil_common.spec import GuardianSpec
+from vigil.spec import GuardianSpec
 from vigil_common.spike_rule import LossWindows
 from vigil_worker.trainer.step_judge import StepJudge
 

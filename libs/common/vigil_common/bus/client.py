@@ -24,9 +24,9 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from opentelemetry.sdk.trace import TracerProvider
 
+from vigil.errors import PublishRefused, RetryableError
+from vigil.events import Message
 from vigil_common import credentials, tracing
-from vigil_common.errors import PublishRefused, RetryableError
-from vigil_common.events import Message
 from vigil_common.redact import redact_text, redact_url
 
 log = logging.getLogger(__name__)

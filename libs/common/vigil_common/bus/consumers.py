@@ -20,6 +20,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import trace
 
+from vigil.errors import PermanentError, RejectedEvents
+from vigil.events import Message, MessageDeadLettered
 from vigil_common import subjects
 from vigil_common.bus.client import BusClient, unanswered
 from vigil_common.bus.decoding import Admit, admitted
@@ -31,8 +33,6 @@ from vigil_common.bus.deliveries import (
     Handler,
     not_delivered_by,
 )
-from vigil_common.errors import PermanentError, RejectedEvents
-from vigil_common.events import Message, MessageDeadLettered
 from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)

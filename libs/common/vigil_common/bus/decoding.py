@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
 
+from vigil.errors import MalformedMessage
+from vigil.events import Message, decode
 from vigil_common import subjects
 from vigil_common.bus.streams import Stored
-from vigil_common.errors import MalformedMessage
-from vigil_common.events import Message, decode
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
+from vigil.events import Message
 from vigil_common import subjects, tracing
-from vigil_common.events import Message
 from vigil_common.subjects import StreamSpec
 
 Handler = Callable[[Message, "Delivery"], Awaitable[None]]

@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 
+from vigil.errors import MalformedMessage
+from vigil.events import Message
 from vigil_common.bus.client import BusClient
 from vigil_common.bus.decoding import decode_message
-from vigil_common.errors import MalformedMessage
-from vigil_common.events import Message
 from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)

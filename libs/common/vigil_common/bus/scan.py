@@ -14,12 +14,12 @@ from datetime import UTC, datetime, timedelta
 import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from vigil.errors import MalformedMessage, RetryableError
+from vigil.events import Message
 from vigil_common import subjects
 from vigil_common.bus.client import BusClient
 from vigil_common.bus.decoding import Admit, admitted
 from vigil_common.bus.deliveries import not_delivered_by
-from vigil_common.errors import MalformedMessage, RetryableError
-from vigil_common.events import Message
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from vigil.errors import MalformedMessage, RetryableError
+from vigil.events import Message
 from vigil_common import subjects
 from vigil_common.bus.decoding import decode_stored
 from vigil_common.bus.streams import Stored, Streams
-from vigil_common.errors import MalformedMessage, RetryableError
-from vigil_common.events import Message
 from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from vigil_common.jobstates import TERMINAL_STATES, JobState
+from vigil.jobstates import TERMINAL_STATES, JobState
 from vigil_common.settings import Settings
 
 try:

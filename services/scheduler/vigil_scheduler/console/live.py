@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Sequence
 import asyncpg
 from litestar.response import ServerSentEventMessage
 
+from vigil.events import IncidentRaised, JobStateChanged, Message, RanksHalted, RollbackCompleted
 from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
-from vigil_common.events import IncidentRaised, JobStateChanged, Message, RanksHalted, RollbackCompleted
 from vigil_common.waiting import wait_any
 from vigil_scheduler.gateway import sse
 from vigil_scheduler.queries import Visible

@@ -14,12 +14,12 @@ from litestar.di import NamedDependency
 from litestar.params import FromQuery, HeaderParameter, QueryParameter
 from litestar.response import Redirect, ServerSentEvent, Template
 
+from vigil.errors import Conflict, NotFound, SpecError
+from vigil.jobstates import JobState
+from vigil.spec import parse_spec
 from vigil_common import readmodel
 from vigil_common.bus import Bus
-from vigil_common.errors import Conflict, NotFound, SpecError
-from vigil_common.jobstates import JobState
 from vigil_common.settings import Settings
-from vigil_common.spec import parse_spec
 from vigil_scheduler import queries
 from vigil_scheduler.console import jobpage, spans, views
 from vigil_scheduler.console.auth import COOKIE, ConsoleAuth, LoginRefused, check_origin, read_form, safe_next

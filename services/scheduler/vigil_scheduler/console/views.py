@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from vigil_common.jobstates import TERMINAL_STATES, JobState
+from vigil.jobstates import TERMINAL_STATES, JobState
 from vigil_common.readmodel import SERIES_METRICS, shown_width
 
 DEFAULT_POINTS = 1000

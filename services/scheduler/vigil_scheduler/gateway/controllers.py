@@ -26,11 +26,11 @@ from vigil.api import (
     NodePage,
     Page,
 )
+from vigil.events import IncidentRaised, JobStateChanged, Message
+from vigil.jobstates import JobState
+from vigil.spec import parse_spec
 from vigil_common import lease, readmodel, subjects
 from vigil_common.bus import Bus
-from vigil_common.events import IncidentRaised, JobStateChanged, Message
-from vigil_common.jobstates import JobState
-from vigil_common.spec import parse_spec
 from vigil_scheduler import audit, idempotency, queries
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway import sse

@@ -19,7 +19,7 @@ from litestar.status_codes import (
     HTTP_503_SERVICE_UNAVAILABLE,
 )
 
-from vigil_common.errors import Conflict, NotFound, PermanentError, RetryableError, SpecError, VigilError
+from vigil.errors import Conflict, NotFound, PermanentError, RetryableError, SpecError, VigilError
 from vigil_common.pages import BadPageRequest
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from litestar.openapi.spec import (
 from pydantic import BaseModel
 
 from vigil.api import ErrorOut
-from vigil_common.spec import Fault, JobSpec
+from vigil.spec import Fault, JobSpec
 
 _ERRORS = {
     401: "no bearer token, or the wrong one",

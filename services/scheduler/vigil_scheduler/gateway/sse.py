@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from litestar.exceptions import ValidationException
 from litestar.response import ServerSentEventMessage
 
+from vigil.events import Message
 from vigil_common.bus import Bus
-from vigil_common.events import Message
 from vigil_common.waiting import STOPPED, unless_stopped
 
 RETRY_MS = 1000  # how soon a client that lost the stream connects again

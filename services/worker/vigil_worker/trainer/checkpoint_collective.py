@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from vigil_common.errors import CheckpointError
+from vigil.errors import CheckpointError
 from vigil_worker.trainer import checkpoint as ckpt
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position

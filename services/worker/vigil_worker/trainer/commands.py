@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+from vigil import events as ev
 from vigil.commands import act
-from vigil_common import events as ev
 from vigil_worker.trainer.checkpoint_collective import load_checkpoint
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position

@@ -11,7 +11,7 @@ import torch
 
 from vigil.preemption import PreemptionNotice
 from vigil.run import Run
-from vigil_common.spec import JobSpec
+from vigil.spec import JobSpec
 from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
 from vigil_worker.trainer.ds_config import owns_step

@@ -24,9 +24,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from vigil.errors import SpecError
+from vigil.spec import DataSpec
 from vigil_common.confine import OutsideRoots, private_dir, within
-from vigil_common.errors import SpecError
-from vigil_common.spec import DataSpec
 
 BUILTIN_MAX_BYTES = 4 * 1024 * 1024
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vigil_common.errors import SpecError
-from vigil_common.spec import CommSpec, TrainSpec
+from vigil.errors import SpecError
+from vigil.spec import CommSpec, TrainSpec
 
 Resolved = Literal["fp32", "bf16", "fp16"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vigil.exits import write_exit_file
-from vigil_common.spec import (
+from vigil.spec import (
     CrashFault,
     Fault,
     HangFault,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vigil_common.spec import ModelDims
+from vigil.spec import ModelDims
 from vigil_worker.trainer.model import ffn_hidden
 
 # Dense peak TFLOP/s per device and precision, from the vendors' data sheets (fp32: without TF32, which

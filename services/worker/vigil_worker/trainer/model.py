@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vigil_common.spec import ModelDims
+from vigil.spec import ModelDims
 
 MOE_AUX_WEIGHT = 0.01  # weight of the router's load-balancing loss
 

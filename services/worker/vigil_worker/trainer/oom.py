@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_worker.trainer.checkpoint_collective import save_emergency_checkpoint
 from vigil_worker.trainer.commands import halt
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from vigil.run import Run
-    from vigil_common.spec import JobSpec
+    from vigil.spec import JobSpec
     from vigil_worker.trainer.ds_config import DeepSpeedPlan
     from vigil_worker.trainer.mfu import Peak
 
@@ -128,8 +128,8 @@ class Job:
 
 
 def read_job(args: argparse.Namespace, world: int) -> Job:
-    from vigil_common import events as ev
-    from vigil_common.spec import parse_spec
+    from vigil import events as ev
+    from vigil.spec import parse_spec
 
     if args.launch:
         launch = ev.decode(args.launch.read_bytes(), (ev.LaunchJob,))
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
     """Run one rank; `observer` (default: none) hears each step's and each rollback's timing."""
     args = parse_args(argv)
     env = rank_env()
-    from vigil_common.errors import CheckpointError, SpecError
+    from vigil.errors import CheckpointError, SpecError
 
     code = EXIT_ERROR
     try:

@@ -21,7 +21,7 @@ import math
 import time
 from typing import Any
 
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position
 from vigil_worker.trainer.guard import Boundary

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vigil_common import events as ev
+from vigil import events as ev
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.guard import Boundary
 from vigil_worker.trainer.memory import memory_bytes

@@ -56,7 +56,7 @@ def warm_up() -> None:
 
 def become_rank(launch: Launch) -> None:
     """Take on the launched rank's output, cgroup, user, environment, folder and token."""
-    from vigil_common import protocol as proto
+    from vigil import protocol as proto
     from vigil_worker.tenancy import become
 
     log = os.open(launch["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # as the worker's own

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vigil_common.spec import GuardianSpec
+from vigil.spec import GuardianSpec
 from vigil_common.spike_rule import LossWindows
 
 

@@ -30,10 +30,10 @@ from pydantic import (
     field_validator,
 )
 
-from vigil_common.errors import MalformedMessage
-from vigil_common.jobstates import TERMINAL_STATES as TERMINAL_STATES  # re-exported for older importers
-from vigil_common.jobstates import JobState
-from vigil_common.spec import JobSpec
+from vigil.errors import MalformedMessage
+from vigil.jobstates import TERMINAL_STATES as TERMINAL_STATES  # re-exported for older importers
+from vigil.jobstates import JobState
+from vigil.spec import JobSpec
 
 IncidentKind = Literal[
     "nan",
@@ -286,42 +286,6 @@ class StepCompleted(_StepFieldsV2):
     generation: Int4 = Field(
         0, description="in-place rollbacks this rank did in this attempt before this step: 0 on a first run"
     )
-
-
-# How a StepCompleted is stored, in one place: the columns of `telemetry_steps` (migrations 0003, 0008,
-# 0009, 0014, 0017) with their Postgres types. The telemetry writer COPYs exactly these, the read model
-# and the benches take their column lists from here, and a test checks the table's columns against it.
-# Every field of the event is stored but STEP_NOT_STORED.
-STEP_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("event_id", "text"),
-    ("job_id", "text"),
-    ("attempt", "int"),
-    ("step", "int8"),
-    ("rank", "int"),
-    ("node", "text"),
-    ("loss", "float8"),
-    ("grad_norm", "float8"),
-    ("lr", "float8"),
-    ("tokens", "int8"),
-    ("tokens_per_s", "float8"),
-    ("data_time_s", "float8"),
-    ("forward_time_s", "float8"),
-    ("backward_time_s", "float8"),
-    ("comm_time_s", "float8"),
-    ("optimizer_time_s", "float8"),
-    ("step_time_s", "float8"),
-    ("mem_allocated_bytes", "int8"),
-    ("mem_peak_bytes", "int8"),
-    ("skipped", "bool"),
-    ("data_position", "int8"),
-    ("occurred_at", "timestamptz"),
-    ("flops_per_token", "float8"),
-    ("mfu", "float8"),
-    ("micro_batch", "int"),
-    ("generation", "int"),
-)
-STEP_FIELDS: tuple[str, ...] = tuple(name for name, _ in STEP_COLUMNS)
-STEP_NOT_STORED = frozenset({"type", "schema_version", "local_finite"})  # the envelope's tag, and a v2 flag
 
 
 # --- job: status ---------------------------------------------------------------------------------------

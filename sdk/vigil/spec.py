@@ -20,11 +20,11 @@ from pydantic import (
     model_validator,
 )
 
-from vigil_common import documents
-from vigil_common.errors import SpecError
+from vigil import documents
+from vigil.errors import SpecError
 
 # What the guardian does about a fault: a `GuardianSpec` field per kind, and the `action` an
-# `IncidentRaised` reports (`vigil_common.events`).
+# `IncidentRaised` reports (`vigil.events`).
 Action = Literal["alert", "halt", "rollback", "fail"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 ZeroStage = Literal["auto", 0, 1, 2, 3]
@@ -496,7 +496,7 @@ _FAULT_KINDS = {"nan", "spike", "slow_rank", "crash", "hang", "oom"}
 def parse_spec(data: bytes | str | dict[str, Any], *, content_type: str | None = None) -> JobSpec:
     """Parse a spec from YAML, JSON or a dict. Raises SpecError naming each bad field.
 
-    Text is read at a bounded cost (`vigil_common.documents`): nesting, size and duplicate keys are
+    Text is read at a bounded cost (`vigil.documents`): nesting, size and duplicate keys are
     refused before anything is built. CPU-bound for large input: async callers run it in a thread."""
     if isinstance(data, dict):
         raw: Any = data

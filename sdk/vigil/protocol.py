@@ -43,8 +43,8 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from vigil_common import events as ev
-from vigil_common.errors import MalformedMessage
+from vigil import events as ev
+from vigil.errors import MalformedMessage
 
 ToRanks = Annotated[ev.HaltJob | ev.RollbackJob | ev.ResumeJob, Field(discriminator="type")]
 FromRanks = Annotated[

@@ -1,5 +1,8 @@
-"""The app factory: routes, auth, error mapping, body limit, OpenAPI, and a lifespan that puts the
-scheduler's pool, bus and core on `app.state`."""
+"""The app factory: the API (`gateway/`) and the web console (`console/`) on one server, with auth, error
+mapping, body limit, OpenAPI, and a lifespan that puts the scheduler's pool, bus and core on `app.state`.
+
+It sits above both folders: the console builds on the gateway's auth, errors and event streams, and the
+gateway never imports the console (an import-linter contract in pyproject.toml)."""
 
 from __future__ import annotations
 
