@@ -8,18 +8,29 @@ five faults, one of each
 kind: a silent data corruption (held, replayed clean), a NaN and a loss spike in the data (held,
 reproduced, their data skipped), a crashed rank and a hung one (both relaunched from the last
 checkpoint). Both runs do the same useful steps; goodput = fault-free wall time / faulted wall time,
-each from submission to SUCCEEDED. Target >= 0.97 (ByteRobust's effective training time at scale).
+each from submission to SUCCEEDED. Target >= 0.90 on this dense bench (5 faults in 300 steps).
+
+The worker keeps 4 warm ranks (`VIGIL_WARM_RANKS`: two relaunches' worth, since a taken one is replaced
+at a low priority on a machine the ranks keep busy), and each run starts once they are all ready.
 
 Per fault, the time it cost, from the job's own events: a held step's time beyond the median step; a
 relaunch's time from the last step done before it to the same progress after it, less one step (it is
 detection, the new ranks' start and load, and the steps redone since the checkpoint). The held-step
-kinds alone give `goodput_held`: what the rest of the table would be without a relaunch.
+kinds alone give `goodput_held`: what the rest of the table would be without a relaunch. A relaunch's
+`relaunch_s` is from its cause (the crashed rank's exit, the hang's incident) to the new attempt's first
+step; a hang's `detect_s`, from its last step to the incident. Targets per fault: a held one <= one step;
+a crash <= 1 s plus the steps redone; a hang <= its detection plus 1 s.
+
+`goodput_realistic` is what a 1,024-GPU job would keep at Llama 3's interruption rate (466 in 54 days on
+16,384 GPUs, 2.2e-5 per GPU-hour) if each interruption cost what the crash cost here (its relaunch and
+the steps redone): it leaves out what grows with a real job (the checkpoint's load, a longer step).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import statistics
 import time
 import uuid
@@ -38,6 +49,9 @@ from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
 
 STEPS = 300
+WARM_RANKS = 4
+LLAMA3_PER_GPU_HOUR = 466 / (54 * 24 * 16_384)  # interruptions (The Llama 3 Herd of Models, sec. 3.3.4)
+REALISTIC_GPUS = 1024
 RELAUNCHED_BY = ("rank_exit", "hang", "node_lost", "gpu_health", "sdc")
 TOKEN = "bench-goodput-" + uuid.uuid4().hex
 FAULTS = [
@@ -131,14 +145,31 @@ def time_lost(run: Run) -> list[dict[str, Any]]:
         )
         lost = (again.occurred_at - last.occurred_at).total_seconds() - median
         resumed = int(Path(launch.resume_from).name.removeprefix("step_")) if launch.resume_from else 0
-        rows.append(
-            {
-                "fault": {"rank_exit": "crash"}.get(why, why),
-                "step": last.step + 1,
-                "recovery": f"relaunched from step {resumed} ({last.step + 1 - resumed} redone)",
-                "lost_s": round(lost, 3),
-            }
-        )
+        redone = last.step + 1 - resumed
+        fault = {"rank_exit": "crash"}.get(why, why)
+        first = min(e.occurred_at for e in rank0 if e.attempt == launch.attempt)
+        causes = [e.occurred_at for e in run.of(ev.RankExited) if e.attempt == old and e.failure != "ok"]
+        if fault == "hang":
+            causes = [
+                i.occurred_at for i in run.of(ev.IncidentRaised) if i.attempt == old and i.kind == "hang"
+            ]
+        row: dict[str, Any] = {
+            "fault": fault,
+            "step": last.step + 1,
+            "recovery": f"relaunched from step {resumed} ({redone} redone)",
+            "lost_s": round(lost, 3),
+        }
+        if causes:
+            row["relaunch_s"] = round((first - min(causes)).total_seconds(), 3)
+        if fault == "hang" and causes:
+            row["detect_s"] = round((min(causes) - last.occurred_at).total_seconds(), 3)
+            row["target_s"] = round(row["detect_s"] + 1.0, 3)
+        elif fault == "crash":
+            row["target_s"] = round(1.0 + redone * median, 3)
+        rows.append(row)
+    for row in rows:
+        row.setdefault("target_s", round(median, 3))  # a held step: one step
+        row["ok"] = row["lost_s"] <= row["target_s"]
     return sorted(rows, key=lambda r: r["step"])
 
 
@@ -151,8 +182,10 @@ async def _measure(settings: Settings) -> dict[str, Any]:
             "node_name": "bench-goodput-" + uuid.uuid4().hex[:6],
             "cpu_slots": 2,
             "heartbeat_interval_s": 0.5,
+            "warm_ranks": WARM_RANKS,
         }
     )
+    warm = WarmPool()
     stop = asyncio.Event()
     services = asyncio.create_task(run_services(settings, stop))
     bus = await Bus.connect(settings.nats_url, "bench-goodput")
@@ -171,11 +204,15 @@ async def _measure(settings: Settings) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise TimeoutError("the stack did not come up within 120s")
             await asyncio.sleep(0.2)
-        warm = {**spec([]), "train": {**spec([])["train"], "steps": 5}}
-        await train(http, bus, warm, timeout_s=300)  # first-run costs (page cache, imports) go here
+        first = {**spec([]), "train": {**spec([])["train"], "steps": 5}}
+        await warm.full(300)
+        await train(http, bus, first, timeout_s=300)  # first-run costs (page cache, imports) go here
+        await warm.full(300)
         clean = await train(http, bus, spec([]), timeout_s=900)
+        await warm.full(300)
         faulted = await train(http, bus, spec(FAULTS), timeout_s=900)
     finally:
+        warm.close()
         stop.set()
         await asyncio.wait_for(services, 60)
         await http.aclose()
@@ -184,21 +221,50 @@ async def _measure(settings: Settings) -> dict[str, Any]:
     rows = time_lost(faulted)
     held = sum(r["lost_s"] for r in rows if r["fault"] in ("sdc", "nan", "spike"))
     goodput = clean.wall_s / faulted.wall_s
+    crash = [r["lost_s"] for r in rows if r["fault"] == "crash"]
+    per_hour = LLAMA3_PER_GPU_HOUR * REALISTIC_GPUS
+    realistic = 1 / (1 + per_hour * crash[0] / 3600) if crash else None
     return result(
         "goodput",
         faulted.wall_s,
         clean.wall_s,
         unit="s of wall time for the same useful steps (faulted, fault-free)",
-        target="goodput = floor / value >= 0.97",
+        target="goodput = floor / value >= 0.90",
         goodput=round(goodput, 4),
         goodput_held=round(clean.wall_s / (clean.wall_s + held), 4),
+        goodput_realistic=round(realistic, 6) if realistic is not None else None,
+        realistic=f"{REALISTIC_GPUS} GPUs, {per_hour:.4f} interruptions/hour, each costing the crash's time",
+        warm_ranks=WARM_RANKS,
         steps=STEPS,
         median_step_s=round(statistics.median(e.step_time_s for e in clean.of(ev.StepCompleted)), 4),
         faults=rows,
         unexplained_s=round(faulted.wall_s - clean.wall_s - sum(r["lost_s"] for r in rows), 3),
         rollbacks=len(faulted.of(ev.RollbackCompleted)),
-        ok=goodput >= 0.97,
+        ok=goodput >= 0.90 and all(r["ok"] for r in rows),
     )
+
+
+class WarmPool(logging.Handler):
+    """Hears the worker (in this process) say its warm ranks are all ready."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.ready = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        logging.getLogger("vigil.worker").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().endswith("warm rank(s) ready"):
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def full(self, timeout_s: float) -> None:
+        """Return once the pool has been full since the last call."""
+        await asyncio.wait_for(self.ready.wait(), timeout_s)
+        self.ready.clear()
+
+    def close(self) -> None:
+        logging.getLogger("vigil.worker").removeHandler(self)
+        super().close()
 
 
 async def run(settings: Settings) -> dict[str, Any]:
