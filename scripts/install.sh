@@ -46,7 +46,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${PIP[@]}" install "$TORCH_REQ"
 fi
 if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
-    DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
+    DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.19.8,<0.20"
 fi
 # The SDK (`import vigil`) is its own distribution, vigil-training (sdk/pyproject.toml), on no index:
 # installed first, so that the control plane's requirement on it is met here.

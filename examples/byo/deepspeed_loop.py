@@ -13,7 +13,6 @@ marker file in the job's checkpoint folder). The last line printed is JSON.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from torch import nn
 
 import vigil
 from vigil.integrations import deepspeed as vigil_ds
+from vigil.integrations import ds_compat
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,8 +69,8 @@ def main() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    if cpu:  # DeepSpeed's shared-memory op serves inference all-reduces only: skip its JIT build
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if cpu:
+        ds_compat.skip_shm_build()  # DeepSpeed's shared-memory op serves inference only: no JIT build
     vigil.init_process_group()  # DeepSpeed uses the group as it is (its store on MASTER_ADDR only)
     deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", timeout=timedelta(minutes=10))
     run = vigil.init()

@@ -14,7 +14,6 @@ and the step times.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import vigil
+from vigil.integrations import ds_compat
 from vigil.integrations.hf import VigilCallback, resume_checkpoint
 
 
@@ -94,8 +94,7 @@ class StepClock(TrainerCallback):
 
 def deepspeed_config(stage: int) -> dict:
     if not torch.cuda.is_available():
-        # DeepSpeed's shared-memory op serves inference all-reduces only: skip its JIT build on CPU
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        ds_compat.skip_shm_build()  # DeepSpeed's shared-memory op serves inference only: no JIT build
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",

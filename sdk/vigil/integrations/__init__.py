@@ -5,7 +5,8 @@
 - `vigil.integrations.lightning`: Lightning's `Trainer`: `VigilCallback(every=...)`, `trainer_args()`
   and `resume_checkpoint()`.
 - `vigil.integrations.deepspeed`: a loop of your own around a DeepSpeed engine: `step`, `save`,
-  `register_rollback` and `resume`.
+  `register_rollback`, `resume`, and `skip_step` (an update dropped on every rank: the one skip the
+  built-in trainer uses too; `gate` and `ds_compat` are its parts).
 
 A plain `torch.distributed` loop uses `vigil.init()` and its `Run` directly (examples/byo/ddp_loop.py).
 

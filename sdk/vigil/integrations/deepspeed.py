@@ -19,9 +19,10 @@ A few lines in an existing loop::
 
 `step` puts this rank's loss (and, where DeepSpeed steps your optimizer directly, the gradients' norm)
 into the step boundary's one all-reduce before `engine.step()`. A non-finite update is then skipped on
-every rank: DeepSpeed skips it itself under ZeRO 1-3 and fp16/bf16 (its overflow check); under ZeRO-0 in
-fp32 it does not, and `step` drops the gradients and marks the step as an overflow, so the optimizer
-leaves the weights alone and the LR schedule does not move (`engine.was_step_applied()` is False).
+every rank alike, in every ZeRO stage and precision, by `skip_step`: your optimizer's `step()` is gated
+(`vigil.integrations.gate`), so the weights and the optimizer state stay as they were, the LR schedule
+is put back where it was, and `engine.was_step_applied()` is False. It then checks that no parameter
+this rank holds changed, and refuses to go on otherwise.
 
 Checkpoints are DeepSpeed's own files (`engine.save_checkpoint(path, tag="ds")`), every rank writing its
 part into Vigil's `step_<n>` folder. Outside Vigil, `save` saves nothing and `resume` returns 0.
@@ -33,8 +34,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vigil.integrations import ds_compat
 from vigil.integrations._guard import StepLoss, verdict
 from vigil.integrations._guard import grad_norm as _norm
+from vigil.integrations.gate import Sample, gate
 
 if TYPE_CHECKING:
     import torch
@@ -79,31 +82,31 @@ def step(engine: Any, loss: torch.Tensor, run: Run | None = None) -> Boundary | 
     norm = _norm(params) if guard else None  # full gradients, after the all-reduce in backward
     mean = loss_sum / count if loss_sum is not None and count else None
     boundary = run.agree(verdict(mean, norm))  # the step's one sync
-    if boundary.all_finite or not guard:
+    if boundary.all_finite:
         engine.step()
-        if not boundary.all_finite and engine.was_step_applied():
-            raise RuntimeError("vigil: DeepSpeed applied a non-finite update; refusing to go on")
-        return boundary
-    for p in params:  # finite, for DeepSpeed's gradient clipping before the (skipped) update
-        if p.grad is not None:
-            p.grad.zero_()
-    optimizer = engine.optimizer
-    had = {name: vars(optimizer)[name] for name in ("step", "overflow") if name in vars(optimizer)}
-    optimizer.step = _no_update
-    optimizer.overflow = True  # DeepSpeed counts the step as skipped and leaves the LR schedule alone
-    try:
-        engine.step()
-    finally:
-        for name in ("step", "overflow"):
-            if name in had:
-                setattr(optimizer, name, had[name])
-            else:
-                delattr(optimizer, name)
+    else:
+        skip_step(engine)
     return boundary
 
 
-def _no_update(*args: Any, **kwargs: Any) -> None:
-    """The optimizer's step while an update is skipped."""
+def skip_step(engine: Any) -> None:
+    """The accumulation boundary's `engine.step()` with its update dropped (every rank calls it alike):
+    the client optimizer's `step()` gated, the LR schedule put back, the step recorded as skipped
+    (`engine.was_step_applied()` False, `engine.skipped_steps` one more). DeepSpeed reduces and frees the
+    gradients as for any step. Raises RuntimeError when a parameter this rank holds changed all the same.
+    The built-in trainer drops its held and non-finite steps through this same call."""
+    if not engine.is_gradient_accumulation_boundary():
+        raise RuntimeError("vigil: skip_step drops an update: call it at the accumulation boundary only")
+    g = gate(ds_compat.client_optimizer(engine))
+    before, sample, blocked = ds_compat.record(engine), Sample(ds_compat.local_shards(engine)), g.blocked
+    with g.shut():
+        engine.step()
+    # DeepSpeed skipped it itself (a non-finite norm) unless it reached the optimizer, which the gate held
+    ds_compat.undo_step(engine, before, counted=g.blocked == blocked)
+    if engine.was_step_applied():
+        raise RuntimeError("vigil: DeepSpeed applied a skipped update; refusing to go on")
+    if not sample.unchanged():
+        raise RuntimeError("vigil: a skipped step changed this rank's weights; refusing to go on")
 
 
 def grad_norm(engine: Any) -> float | None:

@@ -32,13 +32,14 @@ from vigil.events import (
     RollbackJob,
     StepCompleted,
 )
+from vigil.integrations.ds_compat import checkpoint_safe_globals
 from vigil_cli.stack import run_services
 from vigil_common import readmodel, subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
-from vigil_worker.trainer.checkpoint import _deepspeed_safe_globals, safe_load
+from vigil_worker.trainer.checkpoint import safe_load
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -180,7 +181,7 @@ def all_finite(obj: Any) -> bool:
 def non_finite_files(checkpoints: list[str]) -> list[Path]:
     """The torch files of these checkpoints holding a NaN or Inf anywhere (weights, optimizer state)."""
     bad = []
-    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+    with torch.serialization.safe_globals(checkpoint_safe_globals()):
         for path in checkpoints:
             files = list(Path(path).rglob("*.pt"))
             assert files, f"no torch files in {path}"

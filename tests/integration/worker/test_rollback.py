@@ -12,6 +12,7 @@ import torch
 
 from tests.integration.worker.conftest import launch, rank_logs, record, tiny_spec, until_exited
 from vigil import events as ev
+from vigil.integrations import ds_compat
 from vigil_common import subjects
 from vigil_worker.trainer import checkpoint as ckpt
 
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def weights(step_dir: Path) -> dict[str, torch.Tensor]:
-    with torch.serialization.safe_globals(ckpt._deepspeed_safe_globals()):
+    with torch.serialization.safe_globals(ds_compat.checkpoint_safe_globals()):
         return ckpt.safe_load(step_dir / ckpt.DS_TAG / "mp_rank_00_model_states.pt")["module"]
 
 

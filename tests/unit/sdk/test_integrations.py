@@ -287,24 +287,6 @@ def test_lightning_joins_the_ranks_the_launcher_started(monkeypatch):
 # --- a DeepSpeed loop ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A process group of one (gloo), as DeepSpeed needs one; one for the module, since DeepSpeed keeps
-    the groups it derives from it."""
-    import importlib
-
-    import torch.distributed as dist
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-            mp.setenv(name, value)
-        mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("zero", [0, 1])
 def test_deepspeed_helpers_skip_a_nan_update_save_and_roll_back_in_place(tmp_path, one_rank, zero):
     import deepspeed

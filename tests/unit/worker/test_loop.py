@@ -1,8 +1,10 @@
-"""The loop on one rank with a stand-in for DeepSpeed's engine: the observer and the finiteness guard."""
+"""The loop on one rank, over the trainer's own DeepSpeed engine (gloo, CPU): the observer, the finiteness
+guard, the held and replayed step."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,41 +13,21 @@ import torch
 from vigil.events import StepCompleted, StepReplayed
 from vigil.link import NullLink
 from vigil.run import Identity, Run
-from vigil.spec import ModelSpec, parse_spec
+from vigil.spec import JobSpec, ModelSpec, parse_spec
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.loop import train
-from vigil_worker.trainer.model import GPT, GuardedAdamW
+from vigil_worker.trainer.model import GPT
 from vigil_worker.trainer.observer import RollbackTiming
+from vigil_worker.trainer.rank import RankEnv, build_engine
+
+pytestmark = pytest.mark.usefixtures("one_rank")
 
 
-class FakeEngine:
-    """What the loop uses of DeepSpeed's engine, over a plain model and its optimizer (one rank, no ZeRO)."""
-
-    def __init__(self, model: GPT) -> None:
-        self.module = model
-        self.optimizer = model.configure_optimizers(0.1, 1e-2, betas=(0.9, 0.95))
-        self.applied = False
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.module(x, y)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.applied = not self.optimizer.overflow
-        self.optimizer.zero_grad()
-
-    def was_step_applied(self) -> bool:
-        return self.applied
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> None:
-        return None
+def engine(spec: JobSpec) -> Any:
+    """The trainer's own DeepSpeed engine (`rank.build_engine`) on this one CPU rank."""
+    built, _ = build_engine(spec, RankEnv(rank=0, world=1, local_rank=0, cuda=False), torch.device("cpu"))
+    return built
 
 
 class Recorder:
@@ -61,14 +43,18 @@ class Recorder:
 
 
 def context(
-    tmp_path: Path, steps: int, faults: list[dict] | None = None, guardian: dict | None = None
+    tmp_path: Path,
+    steps: int,
+    faults: list[dict] | None = None,
+    guardian: dict | None = None,
+    zero: int = 0,
 ) -> tuple[RankContext, Recorder]:
     spec = parse_spec(
         {
             "name": "loop",
             "resources": {"gpus_per_node": 1},
             "model": {"preset": "tiny", "n_layer": 1, "seq_len": 16},
-            "train": {"steps": steps, "micro_batch": 2, "zero_stage": 0, "precision": "fp32"},
+            "train": {"steps": steps, "micro_batch": 2, "zero_stage": zero, "precision": "fp32"},
             "checkpoint": {"every": 1_000_000},
             "guardian": guardian or {},
             "faults": faults or [],
@@ -83,10 +69,10 @@ def context(
         world_size=1,
         node="here",
         spec=spec,
-        engine=FakeEngine(GPT(spec.model.resolved())),
+        engine=engine(spec),
         tokens=np.random.default_rng(0).integers(0, 256, 4096).astype(np.uint16),  # a steady loss
         checkpoint_root=tmp_path,
-        zero_stage=0,
+        zero_stage=zero,
         precision="fp32",
         device=torch.device("cpu"),
         faults=FaultInjector(spec.faults, 0, tmp_path / "faults"),
@@ -105,9 +91,10 @@ def test_the_observer_hears_one_step_end_per_step_in_order(tmp_path):
     assert observer.rollbacks == []
 
 
-def test_a_non_finite_step_leaves_the_weights_alone_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_non_finite_step_leaves_the_weights_alone_and_training_goes_on(tmp_path, zero):
     ctx, observer = context(
-        tmp_path, steps=3, faults=[{"kind": "nan", "step": 1}], guardian={"replay": False}
+        tmp_path, steps=3, faults=[{"kind": "nan", "step": 1}], guardian={"replay": False}, zero=zero
     )
     model = ctx.engine.module
     seen: dict[int, dict[str, torch.Tensor]] = {}
@@ -127,7 +114,7 @@ def test_a_non_finite_step_leaves_the_weights_alone_and_training_goes_on(tmp_pat
 def test_configure_optimizers_decays_matrices_and_not_norms_each_parameter_once():
     model = GPT(ModelSpec(preset="tiny", n_layer=2).resolved())
     opt = model.configure_optimizers(0.1, 3e-4, betas=(0.9, 0.95))
-    assert isinstance(opt, GuardedAdamW)
+    assert isinstance(opt, torch.optim.AdamW)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(g["lr"] == 3e-4 and g["betas"] == (0.9, 0.95) for g in opt.param_groups)
@@ -161,11 +148,12 @@ def losses(link: Emitted) -> dict[int, float]:
     return {e.step: e.loss for e in link.events if isinstance(e, StepCompleted)}
 
 
-def test_a_transient_nan_is_replayed_in_place_and_the_run_equals_a_fault_free_one(tmp_path):
-    clean, _ = context(tmp_path / "clean", steps=6)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_transient_nan_is_replayed_in_place_and_the_run_equals_a_fault_free_one(tmp_path, zero):
+    clean, _ = context(tmp_path / "clean", steps=6, zero=zero)
     clean_link = emitting(clean)
     train(clean, TrainState())
-    ctx, _ = context(tmp_path / "sdc", steps=6, faults=[{"kind": "sdc", "step": 3}])
+    ctx, _ = context(tmp_path / "sdc", steps=6, faults=[{"kind": "sdc", "step": 3}], zero=zero)
     link = emitting(ctx)
     st = train(ctx, TrainState())
     assert st.step == 6 and st.skip_windows == []

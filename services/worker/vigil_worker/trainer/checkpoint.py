@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vigil.integrations import ds_compat
 from vigil.manifest import (
     MANIFEST,
     Manifest,
@@ -47,22 +48,13 @@ def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def _deepspeed_safe_globals() -> list[Any]:
-    """The few DeepSpeed classes its checkpoints pickle besides tensors and plain containers."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-
-
 def use_safe_loading(engine: Any) -> None:
     """Make DeepSpeed read checkpoint files with `torch.load(weights_only=True)` (its default engine
     passes weights_only=False), allowing only the DeepSpeed classes its files are known to hold."""
-    allowed = _deepspeed_safe_globals()
+    allowed = ds_compat.checkpoint_safe_globals()
 
     def load(path: str, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(allowed):
             return safe_load(Path(path), map_location=map_location or "cpu")
 
-    engine.checkpoint_engine.load = load
+    ds_compat.read_checkpoints_with(engine, load)

@@ -1,7 +1,7 @@
 """Measuring communication: time spent inside DeepSpeed's collectives.
 
 `CommTimer.install()` wraps the collective methods of DeepSpeed's communication backend
-(`deepspeed.comm.comm.cdb`), through which ZeRO issues every gradient all-reduce / reduce-scatter and
+(`ds_compat.comm_backend()`), through which ZeRO issues every gradient all-reduce / reduce-scatter and
 every parameter all-gather. What is measured, per step:
 
 - synchronous collectives: the wall time of the call (gloo on CPU blocks until the collective is done,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vigil.integrations import ds_compat
 from vigil_worker.trainer.clock import Clock
 
 OPS = (
@@ -64,11 +65,7 @@ class CommTimer:
         self._depth = 0
 
     def install(self) -> CommTimer:
-        from deepspeed.comm import comm as ds_comm
-
-        backend = ds_comm.cdb
-        if backend is None:
-            raise RuntimeError("CommTimer.install() needs deepspeed.init_distributed() first")
+        backend = ds_compat.comm_backend()
         for name in OPS:
             if hasattr(backend, name):
                 setattr(backend, name, self._wrap(getattr(backend, name)))

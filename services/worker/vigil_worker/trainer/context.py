@@ -52,8 +52,8 @@ class RankContext:
 
     @property
     def owns_step(self) -> bool:
-        """DeepSpeed steps our `GuardedAdamW` directly (no ZeRO, fp32 or bf16 autocast): the trainer clips
-        and skips a bad update itself (`guard`, `hold`)."""
+        """DeepSpeed steps our AdamW directly (no ZeRO, fp32 or bf16 autocast): the trainer computes the
+        gradients' norm for the verdict and clips with it (`guard`)."""
         return owns_step(self.zero_stage, self.precision)
 
 

@@ -41,9 +41,9 @@ class DeepSpeedPlan:
     zero_stage: int
     precision: Resolved
     reasons: tuple[str, ...] = field(default_factory=tuple)
-    # DeepSpeed steps the trainer's own optimizer (`GuardedAdamW`) on fp32 weights: ZeRO 0 in fp32, or in
-    # bf16 as torch autocast (`autocast`). Then the trainer clips (with the norm its guard computes
-    # anyway: DeepSpeed's `gradient_clipping` is 0) and skips a bad update itself.
+    # DeepSpeed steps the trainer's own AdamW on fp32 weights: ZeRO 0 in fp32, or in bf16 as torch
+    # autocast (`autocast`). Then the trainer clips, with the norm its guard computes anyway for the
+    # verdict (DeepSpeed's `gradient_clipping` is 0; it checks no norm there).
     owns_step: bool = False
     autocast: bool = False  # the forward runs under torch.autocast(bfloat16); the weights stay fp32
 

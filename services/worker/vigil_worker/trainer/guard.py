@@ -2,11 +2,11 @@
 SDK's (`vigil.boundary`: all finite?, the highest command any rank has, out of memory, preemption, and
 every rank's loss for the step).
 
-A non-finite update then leaves the weights alone: ZeRO stages and DeepSpeed's fp16 already skip a step
-whose gradient norm is not finite; without ZeRO (fp32, or bf16 as autocast over fp32 weights) DeepSpeed
-steps our optimizer directly, so the guard tells `GuardedAdamW` to skip (DeepSpeed reads the same flag
-to count the step as skipped and leave the LR schedule where it is), and clips the gradients with the
-norm it computed for the verdict (DeepSpeed's `gradient_clipping` is 0 there: one norm per step, not two).
+A non-finite update is then dropped on every rank by the SDK's one skip (`skip_step` of
+`vigil.integrations.deepspeed`, in `loop`). Without ZeRO (fp32, or bf16 as autocast over fp32 weights)
+DeepSpeed steps our optimizer directly and checks nothing, so the gradients' norm joins the verdict
+here, and the guard clips the gradients with it (DeepSpeed's `gradient_clipping` is 0 there: one norm
+per step, not two).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def guards_optimizer(ctx: RankContext) -> bool:
-    """True where DeepSpeed steps our optimizer directly (no ZeRO, fp32 or bf16 autocast), so the clip and
-    the skip are ours to make."""
+    """True where DeepSpeed steps our optimizer directly (no ZeRO, fp32 or bf16 autocast): the norm and the
+    clip are ours to make."""
     return ctx.owns_step
 
 
@@ -38,8 +38,8 @@ def agree(
     """All ranks: is the update finite everywhere, which commands have arrived, did any rank run out of
     memory, is any node preempted, and what was every rank's loss (the SDK's boundary)? `finite` is this
     rank's 1.0 or 0.0 for its losses, `loss` its loss for the step, `oom` and `preempt` its own news.
-    Where the step is ours (no ZeRO), the full gradients' norm joins the finiteness verdict, arms
-    `GuardedAdamW`, and clips the gradients: computed once, on the device, read after the step's sync."""
+    Where the step is ours (no ZeRO), the full gradients' norm joins the finiteness verdict and clips the
+    gradients: computed once, on the device, read after the step's sync."""
     norm: torch.Tensor | None = None
     params: list[torch.nn.Parameter] = []
     if guards_optimizer(ctx):
@@ -57,7 +57,6 @@ def agree(
         loss=loss,
     )
     if guards_optimizer(ctx):
-        ctx.engine.optimizer.overflow = not got.all_finite
         clip = ctx.spec.train.grad_clip
         if got.all_finite and clip > 0 and norm is not None:
             # DeepSpeed's clipping is off here; this takes parameters (it scales their .grad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from vigil.integrations.deepspeed import skip_step
 from vigil_worker.trainer import replay
 from vigil_worker.trainer.checkpoint_collective import save_checkpoint, save_emergency_checkpoint
 from vigil_worker.trainer.commands import handle_commands
@@ -45,16 +46,17 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
             handle_commands(ctx, st, agreed.agreed_seq)  # halted: wait for a resume, rollback or cancel
             continue
 
-        # --- optimizer step at the accumulation boundary (skipped when the update is not finite) -------
+        # --- optimizer step at the accumulation boundary (every rank drops a non-finite update alike) ----
         te = ctx.clock.now()
-        engine.step()
+        if agreed.all_finite:
+            engine.step()  # DeepSpeed may still skip it (an fp16 overflow): was_step_applied says
+        else:
+            skip_step(engine)  # the SDK's one skip: the optimizer's step gated, checked, LR not moved
         tf = ctx.clock.now()
         ctx.clock.sync()  # CPU-GPU sync point, the step's one: every phase's marks are readable after it
         t_end = time.perf_counter()
         applied = bool(engine.was_step_applied())
         ctx.observer.on_step_end(step, t_end - t0)
-        if not agreed.all_finite and applied:
-            raise RuntimeError(f"step {step}: a non-finite update was applied; refusing to go on")
         if applied:
             ctx.judge.add(step, agreed.losses)
 

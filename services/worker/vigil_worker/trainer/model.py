@@ -8,7 +8,6 @@ tied input/output embeddings, no biases.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +24,6 @@ def ffn_hidden(dims: ModelDims) -> int:
         return dims.ffn_hidden
     hidden = int(2 * (4 * dims.d_model) / 3)
     return 256 * math.ceil(hidden / 256)
-
-
-class GuardedAdamW(torch.optim.AdamW):
-    """AdamW that skips its step while `overflow` is set (DeepSpeed reads the same flag after the step).
-    Where DeepSpeed steps it directly (fp32 without ZeRO), the step boundary sets it (`guard`, `hold`)."""
-
-    overflow = False
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        if self.overflow:
-            return None
-        return super().step(closure)
 
 
 class RMSNorm(nn.Module):
@@ -174,9 +160,10 @@ class GPT(nn.Module):
 
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas: tuple[float, float]
-    ) -> GuardedAdamW:
+    ) -> torch.optim.AdamW:
         """AdamW with nanoGPT's two groups: every parameter of two or more dimensions (matmul weights,
-        the tied embedding) decays; the rest (norm gains, and biases were there any) does not."""
+        the tied embedding) decays; the rest (norm gains, and biases were there any) does not. DeepSpeed
+        steps it in every ZeRO stage; a dropped update gates its `step()` (`vigil.integrations.gate`)."""
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [
@@ -184,7 +171,7 @@ class GPT(nn.Module):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         # fused: one kernel for the whole update (CUDA and CPU) rather than a loop over the tensors
-        return GuardedAdamW(groups, lr=learning_rate, betas=betas, fused=True)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when `targets` (B, T) is given."""

@@ -4,8 +4,8 @@ A rank that runs out of memory (`torch.OutOfMemoryError`) in a micro-step cannot
 ranks go on into the backward passes whose gradient reductions it must join. So it frees what it can and
 stands in for its remaining micro-steps with a backward of NaN * (sum of the weights): no activations,
 the same hooks and reductions, and gradients that are NaN everywhere once reduced. The step boundary's
-all-reduce (`guard.agree`) then tells every rank that rank r ran out of memory; the update is skipped as
-any non-finite one is (DeepSpeed's and `GuardedAdamW`'s skip), and all ranks retry the same step, with
+all-reduce (`guard.agree`) then tells every rank that rank r ran out of memory; the update is dropped as
+any non-finite one is (the SDK's `skip_step`), and all ranks retry the same step, with
 the same data, split into twice as many micro-steps of half the size (`split`): the global batch, and
 the tokens each rank reads, do not change. Once split, a job stays split; a second out-of-memory is the
 end: the caller writes the emergency checkpoint and halts the job with an `oom` incident.
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from vigil import events as ev
+from vigil.integrations.deepspeed import skip_step
 from vigil_worker.trainer.checkpoint_collective import save_emergency_checkpoint
 from vigil_worker.trainer.commands import halt
 
@@ -73,7 +74,7 @@ def with_retry(
         m, agreed = execute()
         if agreed.oom_rank is None:
             return m, agreed
-        ctx.engine.step()  # the accumulation boundary: DeepSpeed skips a non-finite update
+        skip_step(ctx.engine)  # the accumulation boundary: the poisoned update is dropped
         free_memory(ctx.device)
         if not can_split(B, st.split):
             return m, agreed

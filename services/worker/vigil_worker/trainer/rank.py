@@ -16,7 +16,6 @@ checkpoint); 1 anything else (traceback in the log).
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
@@ -157,6 +156,7 @@ def init_process_group(env: RankEnv) -> torch.device:
     import deepspeed
     import torch
 
+    from vigil.integrations import ds_compat
     from vigil.rendezvous import init_process_group as init_group
 
     if env.cuda:
@@ -165,8 +165,7 @@ def init_process_group(env: RankEnv) -> torch.device:
         device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
-        # DeepSpeed's shared-memory op serves inference all-reduces only; skip its JIT build on CPU
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        ds_compat.skip_shm_build()
     init_group("nccl" if env.cuda else "gloo", timeout_s=600)
     deepspeed.init_distributed(dist_backend="nccl" if env.cuda else "gloo", timeout=timedelta(minutes=10))
     return device
@@ -178,6 +177,7 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     import deepspeed
     import torch
 
+    from vigil.integrations import ds_compat
     from vigil_worker.trainer import checkpoint as ckpt
     from vigil_worker.trainer.compile import compile_engine
     from vigil_worker.trainer.ds_config import Hardware, build_config
@@ -200,10 +200,8 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
             "would train in fp32; use a DeepSpeed that has it (0.19 does), or set train.zero_stage: 1"
         )
     if env.world == 1 and plan.zero_stage == 0:
-        # one rank has nothing to reduce; DeepSpeed would still flatten every gradient, all-reduce it over
-        # a group of one and copy it back, each step (its own switch, which pipeline engines turn off too).
-        # Not under ZeRO: its optimizer takes the gradients from that reduction's hooks.
-        engine.enable_backward_allreduce = False
+        # one rank has nothing to reduce (under ZeRO the reduction also fills its gradient partitions)
+        ds_compat.no_backward_allreduce(engine)
     compile_engine(engine, spec.train.compile, device, plan.zero_stage)
     ckpt.use_safe_loading(engine)
     # WarmupCosineLR starts before step 0 with lr 0; put it at step 0's warm-up value

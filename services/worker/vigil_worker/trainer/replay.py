@@ -1,8 +1,9 @@
 """A held step, replayed once in place to tell a sick device from bad data.
 
-The ranks judged the step bad at its boundary (`step_judge`) and hold it: its update is not applied
-(`hold`). They run it again, on the same ranks, from the same parameters and the same data (the data is
-a pure function of the position):
+The ranks judged the step bad at its boundary (`step_judge`) and hold it: its update is dropped by the
+SDK's one skip (`vigil.integrations.deepspeed.skip_step`: the optimizer's step gated, the LR schedule
+not moved, the weights checked unchanged). They run it again, on the same ranks, from the same
+parameters and the same data (the data is a pure function of the position):
 
 - the replay is clean: a transient fault (a flipped bit, a sick GPU). Its result goes on as the step's;
   the guardian gives the device of the rank that produced the bad value a strike;
@@ -22,10 +23,10 @@ import time
 from typing import Any
 
 from vigil import events as ev
+from vigil.integrations.deepspeed import skip_step
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position
 from vigil_worker.trainer.guard import Boundary
-from vigil_worker.trainer.hold import drop_step
 from vigil_worker.trainer.micro import MicroSteps, execute
 from vigil_worker.trainer.step_judge import Bad
 
@@ -38,7 +39,7 @@ def settle(
     """Hold the step the boundary `held` judged `bad`, replay it, and return the execution that goes on
     (the replay, or the step on the next data after a skip)."""
     t0, pos = time.perf_counter(), st.data_position
-    drop_step(ctx.engine)
+    skip_step(ctx.engine)
     log.warning("step %d: held (%s on ranks %s); replaying it", step, bad.kind, bad.culprits or "unknown")
     m, agreed = execute(ctx, st, step)
     if agreed.oom_rank is not None:
@@ -47,7 +48,7 @@ def settle(
         log.warning("step %d: the replay is clean: a transient fault", step)
         report(ctx, step, bad, "transient", held, agreed, pos, None, time.perf_counter() - t0)
         return m, agreed
-    drop_step(ctx.engine)
+    skip_step(ctx.engine)
     window = (pos, pos + max(1, ctx.spec.guardian.spike_skip_steps))
     st.skip_windows.append(window)
     st.data_position = first_position(pos, st.skip_windows)

@@ -14,9 +14,7 @@ environment and working folder, its token comes on a pipe named by `VIGIL_RANK_T
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import importlib
 import json
 import os
 import sys
@@ -43,8 +41,9 @@ def warm_up() -> None:
     import torch
     import torch._dynamo  # noqa: F401  (what DeepSpeed's engine imports on its first call: 2 s on a CPU)
 
-    with contextlib.suppress(ImportError):  # what ZeRO's optimizer check imports (torch.compile, inductor)
-        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+    from vigil.integrations import ds_compat
+
+    ds_compat.import_lazy_modules()  # what ZeRO's optimizer check imports (torch.compile, inductor)
 
     import vigil.run  # noqa: F401
     import vigil_common.settings  # noqa: F401

@@ -1,0 +1,178 @@
+"""Every place Vigil reaches into DeepSpeed past its documented API, in one module.
+
+DeepSpeed's internals move between releases (0.16's BF16_Optimizer asserted on the very norm 0.19 reads
+as an overflow). Whatever Vigil needs of them is here, each under the name it relies on:
+
+- the torch optimizer DeepSpeed steps, under any wrapper (`engine.basic_optimizer`): Vigil's skip gates
+  its `step()` (`vigil.integrations.gate`);
+- the engine's record of that step (`engine._step_applied`, `engine.skipped_steps`), the LR scheduler's
+  last learning rate (`_last_lr`), and ZeRO's one-time link of its weight fragments to the optimizer
+  state (`_hp_optimizer_states_linked`), which a gated first step must not close;
+- this rank's shard of a ZeRO-3 parameter (`param.ds_tensor`);
+- the backend every ZeRO collective goes through (`deepspeed.comm.comm.cdb`), to time them;
+- the shared-memory op DeepSpeed builds on CPU for inference only (`deepspeed.comm.torch.build_shm_op`);
+- the classes DeepSpeed's checkpoint files pickle, and the engine's checkpoint reader;
+- the engine's backward all-reduce switch (`enable_backward_allreduce`);
+- the modules DeepSpeed imports lazily on a rank's first engine (`LAZY_MODULES`), for a warm rank.
+
+`MODULE_NAMES`, `ENGINE_NAMES` and `PRIVATE_NAMES` list them: tests/unit/sdk/test_ds_compat.py checks that
+the installed DeepSpeed has every one, and that no other module of Vigil (or its examples) uses them.
+DeepSpeed is imported only inside the functions (DS_ACCELERATOR must be set first on a CPU machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# (module, attribute) this module imports or patches
+MODULE_NAMES: tuple[tuple[str, str], ...] = (
+    ("deepspeed.comm.comm", "cdb"),
+    ("deepspeed.comm.torch", "build_shm_op"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.lr_schedules", "WarmupCosineLR"),
+)
+# attributes of a DeepSpeedEngine this module reads or writes (besides its documented methods)
+ENGINE_NAMES: tuple[str, ...] = (
+    "basic_optimizer",
+    "_step_applied",
+    "skipped_steps",
+    "enable_backward_allreduce",
+    "checkpoint_engine",
+    "lr_scheduler",
+)
+# every private (or internal) DeepSpeed name used here; no other module of Vigil may use one
+PRIVATE_NAMES: tuple[str, ...] = (
+    "basic_optimizer",
+    "_step_applied",
+    "skipped_steps",
+    "_hp_optimizer_states_linked",
+    "_last_lr",
+    "ds_tensor",
+    "enable_backward_allreduce",
+    "checkpoint_engine",
+    "cdb",
+    "build_shm_op",
+)
+
+
+# --- the step -----------------------------------------------------------------------------------------
+
+
+def client_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed steps: the program's own (or the one the config names), under ZeRO's,
+    BF16_Optimizer's or FP16_Optimizer's wrapper, or the engine's optimizer itself without one."""
+    opt = engine.basic_optimizer
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"vigil: DeepSpeed steps a {type(opt).__name__}, not a torch optimizer")
+    return opt
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step leaves in the engine and its LR scheduler, taken before it to undo it after."""
+
+    lrs: tuple[float, ...]  # each param group's learning rate
+    scheduler: dict[str, Any] | None  # the scheduler's state_dict
+    last_lr: Any  # the scheduler's last computed learning rates (not in every state_dict)
+    linked: bool | None  # ZeRO's fragments linked to the optimizer state yet (None: no such link)
+
+
+def record(engine: Any) -> StepRecord:
+    sched = engine.lr_scheduler
+    last = getattr(sched, "_last_lr", None)
+    return StepRecord(
+        lrs=tuple(float(g["lr"]) for g in engine.optimizer.param_groups),
+        scheduler=sched.state_dict() if sched is not None else None,
+        last_lr=list(last) if isinstance(last, list) else last,
+        linked=getattr(engine.optimizer, "_hp_optimizer_states_linked", None),
+    )
+
+
+def undo_step(engine: Any, before: StepRecord, *, counted: bool) -> None:
+    """After an `engine.step()` whose update was dropped: the LR schedule back where it was, the step
+    recorded as skipped (`was_step_applied()` False), and, where DeepSpeed itself did not see it as
+    skipped (`counted` False), counted in `engine.skipped_steps` as its own skips are."""
+    sched = engine.lr_scheduler
+    if sched is not None and before.scheduler is not None:
+        sched.load_state_dict(before.scheduler)
+        if before.last_lr is not None:
+            sched._last_lr = before.last_lr
+    for group, lr in zip(engine.optimizer.param_groups, before.lrs, strict=True):
+        group["lr"] = lr
+    if before.linked is False:  # the gated step opened no optimizer state for the link to see
+        engine.optimizer._hp_optimizer_states_linked = False
+    if not counted:
+        engine._step_applied = False
+        engine.skipped_steps += 1
+
+
+def local_shards(engine: Any) -> list[torch.Tensor]:
+    """The parameter data this rank holds: the whole tensor, or its shard under ZeRO 3."""
+    out = []
+    for p in engine.module.parameters():
+        t = getattr(p, "ds_tensor", None)
+        out.append(p.data if t is None else t.data)
+    return out
+
+
+# --- setup ----------------------------------------------------------------------------------------------
+
+
+def skip_shm_build() -> None:
+    """DeepSpeed's shared-memory op serves inference all-reduces only: skip its JIT build on a CPU (call
+    before `deepspeed.init_distributed`)."""
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+# Modules DeepSpeed imports lazily on a rank's first engine: ZeRO's optimizer check imports its Muon
+# optimizer, which torch.compiles at import (inductor: seconds on a CPU). A warm rank imports them early.
+LAZY_MODULES: tuple[str, ...] = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+
+
+def import_lazy_modules() -> None:
+    """Import what DeepSpeed would import on the first engine (`LAZY_MODULES`, those that exist)."""
+    for name in LAZY_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+def no_backward_allreduce(engine: Any) -> None:
+    """One rank has nothing to reduce: DeepSpeed would still flatten every gradient, all-reduce it over a
+    group of one and copy it back each step (its own switch, which pipeline engines turn off too)."""
+    engine.enable_backward_allreduce = False
+
+
+def comm_backend() -> Any:
+    """The backend through which ZeRO issues every collective (after `deepspeed.init_distributed`)."""
+    from deepspeed.comm import comm as ds_comm
+
+    backend = ds_comm.cdb
+    if backend is None:
+        raise RuntimeError("vigil: DeepSpeed's comm backend needs deepspeed.init_distributed() first")
+    return backend
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------
+
+
+def checkpoint_safe_globals() -> list[Any]:
+    """The few DeepSpeed classes its checkpoint files pickle besides tensors and plain containers."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def read_checkpoints_with(engine: Any, load: Callable[[str, Any], Any]) -> None:
+    """Make the engine read its checkpoint files with `load(path, map_location)`."""
+    engine.checkpoint_engine.load = load
