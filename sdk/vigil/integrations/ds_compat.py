@@ -12,7 +12,8 @@ as an overflow). Whatever Vigil needs of them is here, each under the name it re
 - the backend every ZeRO collective goes through (`deepspeed.comm.comm.cdb`), to time them;
 - the shared-memory op DeepSpeed builds on CPU for inference only (`deepspeed.comm.torch.build_shm_op`);
 - the classes DeepSpeed's checkpoint files pickle, and the engine's checkpoint reader;
-- the engine's backward all-reduce switch (`enable_backward_allreduce`);
+- the engine's backward all-reduce switch (`enable_backward_allreduce`), and a ZeRO optimizer's last
+  gradient norm (`_global_grad_norm`, for the Hugging Face callback);
 - the modules DeepSpeed imports lazily on a rank's first engine (`LAZY_MODULES`), for a warm rank.
 
 `MODULE_NAMES`, `ENGINE_NAMES` and `PRIVATE_NAMES` list them: tests/unit/sdk/test_ds_compat.py checks that
@@ -61,6 +62,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "checkpoint_engine",
     "cdb",
     "build_shm_op",
+    "_global_grad_norm",
 )
 
 
@@ -143,6 +145,14 @@ def import_lazy_modules() -> None:
     for name in LAZY_MODULES:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+
+
+def zero_grad_norm(optimizer: Any) -> float | None:
+    """The gradients' global norm, before clipping, that a ZeRO optimizer computed for its last step (the
+    optimizer the Hugging Face Trainer hands its callbacks wraps it as `.optimizer`); None elsewhere."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    norm = getattr(inner, "_global_grad_norm", None)
+    return float(norm) if norm is not None else None
 
 
 def no_backward_allreduce(engine: Any) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from vigil.integrations import ds_compat
 from vigil.integrations._guard import StepLoss, drop_gradients, grad_norm, verdict
 
 if TYPE_CHECKING:
@@ -132,8 +133,7 @@ class VigilCallback(TrainerCallback):
                     "no checkpoint is taken from here on",
                     state.global_step,
                 )
-            ds_norm = getattr(getattr(optimizer, "optimizer", None), "_global_grad_norm", None)
-            norm_value = float(ds_norm) if ds_norm is not None else None
+            norm_value = ds_compat.zero_grad_norm(optimizer)
         else:
             if not boundary.all_finite:
                 drop_gradients(params)

@@ -16,9 +16,7 @@ from vigil.integrations import ds_compat
 ROOT = Path(__file__).resolve().parents[3]
 SCANNED = ("services", "sdk", "libs", "cli", "bench", "examples")  # product code and the user's examples
 COMPAT = ROOT / "sdk" / "vigil" / "integrations" / "ds_compat.py"
-# The Hugging Face callback reads the norm DeepSpeed computed (`_global_grad_norm`): that callback is
-# being reworked under issue 32 section 6, which moves it out; until then it is the one exception.
-EXEMPT = {("sdk/vigil/integrations/hf.py", "_global_grad_norm")}
+EXEMPT: set[tuple[str, str]] = set()  # (file, name) allowed outside ds_compat: none
 ATTR_CALLS = {"getattr", "setattr", "hasattr", "delattr"}
 # internals of DeepSpeed's optimizers that Vigil once shadowed or set: not to come back outside ds_compat
 OPTIMIZER_INTERNALS = {"overflow", "scaled_global_norm", "_get_norm_groups", "get_grads_for_norm"}
