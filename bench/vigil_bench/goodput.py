@@ -251,7 +251,9 @@ class WarmPool(logging.Handler):
         super().__init__(logging.INFO)
         self.ready = asyncio.Event()
         self.loop = asyncio.get_running_loop()
-        logging.getLogger("vigil.worker").addHandler(self)
+        worker = logging.getLogger("vigil.worker")
+        worker.setLevel(logging.INFO)  # its INFO records reach this handler (nothing more is printed)
+        worker.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().endswith("warm rank(s) ready"):
