@@ -331,6 +331,16 @@ class Run:
         _barrier()
         return path
 
+    def resume_checkpoint(self) -> manifest.Manifest | None:
+        """The checkpoint Vigil relaunched this job from (`resume_from`), verified as `choose_checkpoint`
+        verifies one (the same choice on every rank); None when the job starts from scratch. What every
+        integration's resume reads (hf's and lightning's `resume_checkpoint`, deepspeed's `resume`)."""
+        if self.resume_from is None:
+            return None
+        chosen = self.choose_checkpoint(str(self.resume_from), manifest.step_of(self.resume_from))
+        log.info("vigil: resuming from %s (step %d)", chosen.path, chosen.step)
+        return chosen
+
     def choose_checkpoint(self, requested: str, requested_step: int | None) -> manifest.Manifest:
         """Rank 0 verifies the checkpoint asked for (or falls back to the newest valid one before it) and
         every rank gets its choice, so all load the same one. CheckpointError when there is none."""

@@ -148,12 +148,8 @@ def register_rollback(engine: Any, run: Run | None = None) -> None:
 def resume(engine: Any, run: Run | None = None) -> int:
     """Load the checkpoint Vigil relaunched this job from (verified by rank 0, the same on every rank);
     returns its step, or 0 when the job starts from scratch."""
-    run = _run(run)
-    if run.resume_from is None:
+    chosen = _run(run).resume_checkpoint()
+    if chosen is None:
         return 0
-    from vigil import manifest
-
-    chosen = run.choose_checkpoint(str(run.resume_from), manifest.step_of(run.resume_from))
     load(engine, chosen.path)
-    log.info("vigil: resumed from %s at step %d", chosen.path, chosen.step)
     return chosen.step

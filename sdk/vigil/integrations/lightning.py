@@ -174,10 +174,5 @@ def resume_checkpoint(run: Run | None = None) -> str | None:
         import vigil
 
         run = vigil.init()
-    if run.resume_from is None:
-        return None
-    from vigil import manifest
-
-    chosen = run.choose_checkpoint(str(run.resume_from), manifest.step_of(run.resume_from))
-    log.info("vigil: resuming from %s (step %d)", chosen.path, chosen.step)
-    return str(Path(chosen.path) / CHECKPOINT_FILE)
+    chosen = run.resume_checkpoint()
+    return None if chosen is None else str(Path(chosen.path) / CHECKPOINT_FILE)
