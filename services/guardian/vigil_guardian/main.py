@@ -1,7 +1,7 @@
 """The guardian service: judges every job's launch, status and step events, and every GPU sample.
 
-Guardians share the jobs. The jobs fall into `subjects.SHARES` shares by a hash of their id; VIGIL_SHARES
-holds each share's events on its own subjects, in VIGIL_JOBS's order (the NATS server copies them there).
+Guardians share the jobs. The jobs fall into `subjects.SHARES` shares by a hash of their id; VIGIL_JOBS
+stores each event under its share's own subjects (`subjects.stored`: the stream's transform, nothing copied).
 Each running guardian holds a fair part of the shares (`vigil_common.lease.Shares`: an advisory lock per
 share in Postgres, SHARES / live guardians each), and judges each share it holds as one guardian judged
 everything before: its own core, consumer, cursor and hang check. A share whose guardian is gone is taken
@@ -12,9 +12,10 @@ Lifecycle: connect; hear the GPU samples; hold shares, each: restore (saved stat
 each active job's steps that its input has acknowledged) and consume its input, with a hang check on a
 timer, until given up; the webhook notifier; drain and close on `stop`.
 
-One ordered input per share. A share's job events come through one durable consumer of VIGIL_SHARES
-(`share_input`), in the order the server stored them, and are judged in that order: a job's launch before
-its steps, a rank's checkpoint before its next step, a rollback's completion before the steps after it.
+One ordered input per share. A share's job events come through one durable consumer of VIGIL_JOBS
+(`share_input`, filtered on the share's stored subjects), in the order the server stored them, and are
+judged in that order: a job's launch before its steps, a rank's checkpoint before its next step, a
+rollback's completion before the steps after it.
 
 Judged once. Two sequences of that input say where a share stands: `judged` (every event up to it has
 had its effect) and `windowed` (every step up to it is in the detector windows). The judged sequence is
@@ -81,7 +82,7 @@ log = logging.getLogger(__name__)
 def share_input(share: int) -> ConsumerSpec:
     """The durable consumer of one share's job events."""
     return ConsumerSpec(
-        stream=subjects.SHARED,
+        stream=subjects.JOBS,
         durable=credentials.guardian_input(share),
         filter_subject=subjects.share_events(share),
     )
@@ -96,8 +97,10 @@ def job_input(job_id: str) -> ConsumerSpec:
 
 
 def cursor_key(share: int) -> str:
-    """Where a share's judged sequence is saved (`guardian_cursor.stream`)."""
-    return f"{subjects.SHARED.name}/{subjects.check_share(share)}"
+    """Where a share's judged sequence is saved (`guardian_cursor.stream`): a VIGIL_JOBS sequence. (The
+    cursors of the release that read a copy, `VIGIL_SHARES/<share>`, count another stream's sequences:
+    not read, see `restore`.)"""
+    return f"{subjects.JOBS.name}/{subjects.check_share(share)}"
 
 
 HANG_CHECK_S = 0.5
@@ -300,13 +303,13 @@ class GuardianService:
 
     async def hang_loop(self, stop: asyncio.Event) -> None:
         """Check for hangs on a timer, once the input has caught up (before that, the last steps
-        known are old ones, not silences). A job that looks silent is judged only once its share holds
-        every step VIGIL_JOBS holds for it (`_copied`): a copy behind is no silence."""
+        known are old ones, not silences). A job that looks silent is judged only once its share has
+        judged the last event VIGIL_JOBS holds of it (`_judged_last`): an input behind is no silence."""
         while not stop.is_set():
             if self.caught_up.is_set() or await _input_idle(self.bus, self.input):
                 self.caught_up.set()
                 now = utcnow()
-                silent = [job for job in self.core.hang_candidates(now) if await self._copied(job)]
+                silent = [job for job in self.core.hang_candidates(now) if await self._judged_last(job)]
                 self._owed += self.core.check_hangs(now, silent)
                 if self._owed:
                     try:
@@ -316,11 +319,10 @@ class GuardianService:
                         log.warning("guardian: publishing decisions failed, will retry: %s", exc)
             await wait_any(stop, timeout_s=HANG_CHECK_S)
 
-    async def _copied(self, job_id: str) -> bool:
-        """Whether this share has judged the last event VIGIL_JOBS stored of the job: its copy (the copy
-        keeps each message's Nats-Msg-Id) is at or below the judged sequence."""
+    async def _judged_last(self, job_id: str) -> bool:
+        """Whether this share has judged the last event VIGIL_JOBS stored of the job."""
         try:
-            seq = await last_copied(self.bus, job_id)
+            seq = await last_stored(self.bus, job_id)
         except RetryableError:
             return False
         if seq is None or seq > max(self.judged, self.windowed):  # windowed: acked
@@ -329,15 +331,11 @@ class GuardianService:
         return True
 
 
-async def last_copied(bus: Bus, job_id: str) -> int | None:
-    """Where the last event VIGIL_JOBS stored of the job stands in its share's input: the sequence of its
-    copy (the copy keeps each message's Nats-Msg-Id); None while it is not copied (or there is none)."""
-    events = subjects.job_events(job_id)
-    original = await bus.last_stored(subjects.JOBS.name, events)
-    copied = await bus.last_stored(subjects.SHARED.name, subjects.shared(events))
-    if original is None or copied is None:
-        return None
-    return copied.seq if original.msg_id == copied.msg_id else None
+async def last_stored(bus: Bus, job_id: str) -> int | None:
+    """The VIGIL_JOBS sequence of the last event stored of the job (its share's input reads that stream);
+    None when there is none."""
+    last = await bus.last_stored(subjects.JOBS.name, subjects.job_events(job_id))
+    return last.seq if last is not None else None
 
 
 async def _input_idle(bus: Bus, spec: ConsumerSpec) -> bool:
@@ -369,8 +367,9 @@ async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay
     state = await bus.consumer_state(spec)
     if state is None:
         if saved.jobs and saved.cursor is None:
-            # State saved by a guardian before shares (one input for all jobs, its cursor in another
-            # stream): it judged up to now, so this share starts at new events, as that one would have.
+            # State saved by a guardian of an earlier layout (before shares, one input for all jobs; or
+            # reading VIGIL_SHARES, the copy): its cursor counts another stream's sequences. It judged up
+            # to now, so this share starts at new events, as that one would have.
             return dataclasses.replace(spec, deliver_new=True)
         since = utcnow().timestamp() - replay_s
         ended = await _ended_since(bus, since, share)
@@ -410,7 +409,7 @@ async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int, origins:
         return 0
     since = max(watch.control.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S)
     fed = 0
-    steps = subjects.share_job_steps(watch.job_id)
+    steps = subjects.job_steps(watch.job_id)
     name = credentials.guardian_scan(share)
     async for event in bus.scan(name, steps, since=since, upto=upto, admit=origins.admit):
         core.on_event(event, event.occurred_at, quiet=True)

@@ -22,7 +22,7 @@ from vigil_common.events import (
 )
 from vigil_common.settings import Settings
 from vigil_common.spec import JobSpec
-from vigil_guardian.main import INPUTS, job_input, last_copied, run
+from vigil_guardian.main import INPUTS, job_input, last_stored, run
 
 pytestmark = pytest.mark.integration
 
@@ -131,9 +131,8 @@ async def ready(bus: Bus) -> bool:
 
 
 async def judged(bus: Bus, job_id: str) -> bool:
-    """The guardian has acknowledged the last event VIGIL_JOBS stored of the job (its copy in the job's
-    share, the same Nats-Msg-Id)."""
-    seq = await last_copied(bus, job_id)
+    """The guardian has acknowledged the last event VIGIL_JOBS stored of the job (its share's input)."""
+    seq = await last_stored(bus, job_id)
     if seq is None:
         return False
     spec = job_input(job_id)
