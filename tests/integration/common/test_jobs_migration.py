@@ -11,6 +11,7 @@ import uuid
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig, StreamSource, SubjectTransform
 
+from tests.helpers import eventually
 from tests.unit.guardian.helpers import launch, step
 from vigil_common import subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
@@ -138,8 +139,12 @@ async def test_an_old_jobs_stream_is_migrated_in_place_and_readers_see_every_eve
             assert steps_of([e for e, _ in mine]) == [(job, k) for job, k in every_step if job != b]
             seqs = [d.stream_seq for _, d in mine]
             assert seqs == sorted(seqs)
-            state = await bus.consumer_state(share)
-            assert state is not None and state.idle, state  # b's old events were acknowledged, not left
+
+            async def idle() -> bool:  # b's old events were acknowledged, not left pending
+                state = await bus.consumer_state(share)
+                return state is not None and state.idle and state.acked == seqs[-1]
+
+            await eventually(idle, timeout=10, what="the share's consumer acknowledged all it was given")
 
             # a scan, a watch from the start, and the stored reads (origin checks, a hang's last event)
             scanned = [e async for e in bus.scan("test-scan", subjects.job_steps(b), since=0)]
