@@ -31,8 +31,9 @@ a bad subject) is never retried: its incident goes out truncated (`oversize.trun
 does not fit is dead-lettered, so one such message cannot stop the share's judging. Ids are stable
 per fault, so a crash between publishing and saving republishes the same ids (JetStream drops them).
 
-GPU samples are heard (not consumed: every guardian hears all of them) and judged by each share held: a
-sick device running a job of that share is that share's decision; one running no job is share 0's.
+GPU samples are heard (not consumed: every guardian hears all of them) and judged once per guardian
+(`vigil_guardian.devices`): a sick device's verdict goes to the share held whose job runs on it, and
+one that runs no job of a held share to share 0, if held here.
 
 First start. A share with no consumer and no saved state (a new deployment, or one started after its
 jobs) replays the last `guardian_replay_s` of job events, so it judges a running job from its start;
@@ -70,10 +71,12 @@ from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_guardian import store
 from vigil_guardian.core import Guardian
+from vigil_guardian.devices import Devices, owner
 from vigil_guardian.notifier import Notifier
 from vigil_guardian.oversize import truncated
 from vigil_guardian.policy import Decision
 from vigil_guardian.state import Control
+from vigil_guardian.verdict import Verdict
 from vigil_guardian.watch import JobWatch
 
 log = logging.getLogger(__name__)
@@ -163,10 +166,14 @@ class GuardianService:
         if batch and batch[-1][1].num_pending == 0:
             self.caught_up.set()
 
-    async def on_gpu(self, batch: list[Message], stop: asyncio.Event | None = None) -> None:
+    async def on_device_verdicts(
+        self, verdicts: list[tuple[GpuSampled, Verdict]], stop: asyncio.Event | None = None
+    ) -> None:
+        """Decide about the device verdicts handed to this share (its guardian judged the samples once,
+        `vigil_guardian.devices`); publish; share 0 saves the device levels."""
         decided = []
-        for event in batch:
-            decided += self.core.on_event(event, utcnow())
+        for sample, verdict in verdicts:
+            decided += self.core.judge_device(sample, verdict, utcnow())
         for d in decided:
             i = d.incident  # share 0's decision on a device that may run another share's job: theirs
             idle = i.job_id is None and i.node is not None and i.device is not None
@@ -175,7 +182,7 @@ class GuardianService:
             self._owed.append(d)
         if self._owed:
             await self._retrying(self.publish_owed, stop)
-        # share 0 keeps the device levels (every share sees the same samples)
+        # share 0 saves the device levels (its guardian's, one for every share it holds)
         await self._retrying(lambda: self.persist(set(), devices=self.share == 0), stop)
 
     async def handle(self, event: Message) -> None:
@@ -424,9 +431,11 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         bus, pool = conn.bus, conn.pool
         notifier = Notifier(settings.webhook_urls)
         judging: dict[int, tuple[GuardianService, asyncio.Event]] = {}
+        devices = Devices()  # every device's health, judged once for all the shares held
 
         async def judge_share(share: int, until: asyncio.Event) -> None:
-            service = GuardianService(Guardian(idle_devices=share == 0), bus, pool, notifier, share=share)
+            core = Guardian(idle_devices=share == 0, devices=devices)
+            service = GuardianService(core, bus, pool, notifier, share=share)
             judging[share] = (service, until)
             try:
                 await judge(service, settings, until)
@@ -434,9 +443,11 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 judging.pop(share, None)
 
         async def on_gpu(batch: list[Message]) -> None:
-            for service, until in list(judging.values()):
+            held = dict(judging)
+            handed = route(devices, [e for e in batch if isinstance(e, GpuSampled)], held)
+            for share, (service, until) in held.items():
                 try:
-                    await service.on_gpu(batch, until)
+                    await service.on_device_verdicts(handed.get(share, []), until)
                 except Exception as exc:  # a share being given up, Postgres away: the next samples come
                     log.warning("guardian: share %d: GPU samples not judged: %s", service.share, exc)
 
@@ -455,6 +466,19 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             notifier.failed,
             notifier.dropped,
         )
+
+
+def route(
+    devices: Devices, samples: list[GpuSampled], held: dict[int, tuple[GuardianService, asyncio.Event]]
+) -> dict[int, list[tuple[GpuSampled, Verdict]]]:
+    """Judge each sample once (`devices`) and hand each verdict to the share held that owns it."""
+    cores = {share: service.core for share, (service, _) in held.items()}
+    handed: dict[int, list[tuple[GpuSampled, Verdict]]] = {}
+    for sample in samples:
+        verdict = devices.observe(sample)
+        if verdict is not None and (share := owner(sample.node, sample.index, cores)) is not None:
+            handed.setdefault(share, []).append((sample, verdict))
+    return handed
 
 
 async def judge(service: GuardianService, settings: Settings, until: asyncio.Event) -> None:
