@@ -12,8 +12,9 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig, StreamSource, SubjectTransform
 
 from tests.helpers import eventually
+from tests.integration.secured import secured_nats
 from tests.unit.guardian.helpers import launch, step
-from vigil_common import subjects
+from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.bus.streams import LEGACY_THROUGH
 from vigil_common.embedded import EmbeddedNats
@@ -174,3 +175,32 @@ async def test_an_old_jobs_stream_is_migrated_in_place_and_readers_see_every_eve
                 await later.close()
         finally:
             await bus.close()
+
+
+async def test_the_scheduler_stops_the_old_copy_and_leaves_its_deletion_to_the_admin(server_dir) -> None:  # type: ignore[no-untyped-def]
+    """No service role may delete a stream: the scheduler (which manages the streams on Compose and
+    Kubernetes) migrates VIGIL_JOBS and stops VIGIL_SHARES's copying; the admin credential deletes it."""
+    with secured_nats(server_dir, []) as server:
+        admin = await Bus.connect(server.url, "test-admin")
+        scheduler = await Bus.connect(server.url_for(credentials.SCHEDULER), "test-scheduler")
+        try:
+            await admin.js.add_stream(
+                StreamConfig(name=subjects.JOBS.name, subjects=list(subjects.JOBS.subjects))
+            )
+            await admin.js.add_stream(
+                StreamConfig(
+                    name=OLD_SHARES,
+                    sources=[StreamSource(name=subjects.JOBS.name, subject_transforms=[OLD_COPY])],
+                )
+            )
+            await admin.publish(subjects.launch("j-old"), launch().model_copy(update={"job_id": "j-old"}))
+            await scheduler.ensure_streams()
+            jobs = await admin.js.stream_info(subjects.JOBS.name)
+            assert jobs.config.subject_transform is not None and scheduler.legacy_jobs
+            old = await admin.js.stream_info(OLD_SHARES)
+            assert not old.config.sources  # copies nothing, kept for the admin to delete
+            await admin.ensure_streams()
+            assert OLD_SHARES not in {i.config.name for i in await admin.js.streams_info()}
+        finally:
+            await scheduler.close()
+            await admin.close()
