@@ -81,9 +81,10 @@ class Streams(BusClient):
                 info = await self.js.update_stream(config)
                 through = str(info.state.last_seq)
                 log.warning(
-                    "%s: stores each event under its share from now on; messages up to #%s keep their "
-                    "published subjects, read in both forms until the retention drops them",
+                    "%s: stores each event under its share from now on; the %d messages up to #%s keep "
+                    "their published subjects, read in both forms until the retention drops them",
                     spec.name,
+                    info.state.messages,
                     through,
                 )
             config.metadata = {LEGACY_THROUGH: through}
