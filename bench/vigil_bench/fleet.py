@@ -74,7 +74,7 @@ from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from vigil_common.settings import Settings
-from vigil_guardian.main import job_input, last_copied
+from vigil_guardian.main import job_input, last_stored
 
 DEVICES = 8
 HEARTBEAT_S = 2.0
@@ -281,7 +281,7 @@ def _backlog(info: ConsumerInfo) -> int:
 
 async def _guardian_idle(bus: Bus) -> bool:
     """Every share's consumer exists and is caught up."""
-    mine = {c.name: c for c in await _durables(bus, [subjects.SHARED.name])}
+    mine = {c.name: c for c in await _durables(bus, [subjects.JOBS.name])}
     inputs = [credentials.guardian_input(k) for k in range(subjects.SHARES)]
     return all(name in mine and not _backlog(mine[name]) for name in inputs)
 
@@ -295,9 +295,9 @@ async def _guardians_divided(pool: Any, n: int) -> bool:
 
 async def _guardian_has(bus: Bus, job: str) -> bool:
     """The consumer of the job's share has acknowledged every event published of the job so far."""
-    seq = await last_copied(bus, job)
+    seq = await last_stored(bus, job)
     if seq is None:
-        return False  # not copied into the share yet
+        return False  # not stored yet
     spec = job_input(job)
     info = await bus.js.consumer_info(spec.stream.name, spec.durable)
     return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
@@ -307,7 +307,7 @@ async def _judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
     """Per guardian (pid@host), the messages its shares' consumers have had delivered and acknowledged."""
     acked = {
         c.name: c.ack_floor.consumer_seq if c.ack_floor else 0
-        for c in await _durables(bus, [subjects.SHARED.name])
+        for c in await _durables(bus, [subjects.JOBS.name])
     }
     return {
         h.instance: sum(acked.get(credentials.guardian_input(k), 0) for k in h.shares)
@@ -318,26 +318,24 @@ async def _judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
 
 @dataclass
 class _Stages:
-    """Where a probe's time went, from the server's store times: the NaN step stored in VIGIL_JOBS ->
-    its copy stored in VIGIL_SHARES (`copy`) -> the guardian's HaltJob stored in VIGIL_COMMANDS (`judge`:
-    delivery, judging, publishing)."""
+    """Where a probe's time went, from the server's store times: the NaN step stored in VIGIL_JOBS (under
+    its share: no copy since VIGIL_SHARES went) -> the guardian's HaltJob stored in VIGIL_COMMANDS
+    (`judge`: delivery, judging, publishing)."""
 
-    copy: list[float] = field(default_factory=list)
     judge: list[float] = field(default_factory=list)
 
     async def add(self, bus: Bus, job: str) -> None:
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
             step = subjects.step(job, "probe")
-            stored = await bus.js.get_last_msg(subjects.JOBS.name, step)
-            copied = await bus.js.get_last_msg(subjects.SHARED.name, subjects.shared(step))
+            stored = await bus.last_stored(subjects.JOBS.name, step)
             halted = await bus.js.get_last_msg(subjects.COMMANDS.name, subjects.cmd(job))
-            if stored.time and copied.time and halted.time:
-                self.copy.append((copied.time - stored.time).total_seconds())
-                self.judge.append((halted.time - copied.time).total_seconds())
+            raw = await bus.js.get_msg(subjects.JOBS.name, stored.seq) if stored is not None else None
+            if raw is not None and raw.time and halted.time:
+                self.judge.append((halted.time - raw.time).total_seconds())
 
     def summary(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {}
-        for name, values in (("copy", self.copy), ("judge", self.judge)):
+        for name, values in (("judge", self.judge),):
             out[f"{name}_p50_ms"] = round(statistics.median(values) * 1e3, 2) if values else None
             out[f"{name}_p99_ms"] = round(percentile(values, 0.99) * 1e3, 2) if values else None
         return out

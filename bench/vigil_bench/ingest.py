@@ -126,7 +126,7 @@ async def _bare_consumer_rate(settings: Settings, pool: asyncpg.Pool, job: str) 
             try:
                 t = time.perf_counter()
                 sub = await nc.jetstream().subscribe(
-                    subjects.job_steps(job),
+                    subjects.stored(subjects.job_steps(job)),  # as VIGIL_JOBS stores them
                     durable="bench-bare-" + uuid.uuid4().hex[:8],
                     stream=subjects.stream_for(subjects.job_steps(job)).name,
                     cb=on_msg,
@@ -206,7 +206,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         await pool.execute("DELETE FROM telemetry_job_progress WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_step_aggregates WHERE job_id = $1", job)
         await pool.execute("DELETE FROM telemetry_step_buckets WHERE job_id = $1", job)
-        await bus.js.purge_stream(subjects.JOBS.name, subject=subjects.job_steps(job))
+        await bus.js.purge_stream(subjects.JOBS.name, subject=subjects.stored(subjects.job_steps(job)))
     finally:
         await bus.close()
         await pool.close()

@@ -57,7 +57,7 @@ _STREAM_ADMIN = ("$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*")
 
 
 def guardian_input(share: int) -> str:
-    """The durable consumer of one guardian share (VIGIL_SHARES)."""
+    """The durable consumer of one guardian share (VIGIL_JOBS, filtered on the share's stored subjects)."""
     return f"guardian-{subjects.check_share(share)}"
 
 
@@ -94,12 +94,7 @@ def consumers(role: str) -> tuple[tuple[str, str], ...]:
             (incidents, "scheduler-incidents"),
         )
     if role == GUARDIAN:
-        shared = subjects.SHARED.name
-        per_share = [
-            pair
-            for k in range(subjects.SHARES)
-            for pair in ((shared, guardian_input(k)), (shared, guardian_scan(k)), (jobs, guardian_scan(k)))
-        ]
+        per_share = [(jobs, f(k)) for k in range(subjects.SHARES) for f in (guardian_input, guardian_scan)]
         # the consumers of the guardian before shares (one input, one GPU consumer): it deletes them
         return (*per_share, *LEGACY_GUARDIAN)
     if role == TELEMETRY:
@@ -192,8 +187,6 @@ def permissions(role: str) -> dict[str, object]:
     streams = {subjects.stream_for(s).name for s in watches}
     if role in SERVICE_ROLES:
         streams.add(subjects.JOBS.name)
-    if role == "guardian":  # a hang is judged once its job's last event has reached the share's input
-        streams.add(subjects.SHARED.name)
     reads = [f"$JS.API.STREAM.MSG.GET.{name}" for name in sorted(streams)]
     return {
         "publish": {"allow": [*publish, *dead_letters, *_JS_READ, *reads, *owned]},

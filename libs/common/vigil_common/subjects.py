@@ -104,15 +104,27 @@ def node_incident(node: str) -> str:
     return f"{PREFIX}.incident.node_{node_token(node)}"
 
 
-# --- guardian shares ------------------------------------------------------------------------------------
+# --- guardian shares and the stored form of VIGIL_JOBS ---------------------------------------------------
 #
-# The guardians divide the jobs into SHARES shares by a hash of the job id. VIGIL_SHARES holds every
-# event of VIGIL_JOBS, copied by the NATS server itself (a stream source with a subject transform) onto
-# `vigil.share.<share>.job.<job>...`, so each share is one subject space with one durable consumer, in
-# VIGIL_JOBS's order. A guardian holds shares, not jobs (`vigil_common.lease.Shares`).
+# The guardians divide the jobs into SHARES shares by a hash of the job id. VIGIL_JOBS stores each event
+# under its share from the start: the stream's own subject transform (`JOBS.transform`, applied by the
+# server as it stores) turns a published `vigil.job.<job>.<rest>` into the stored
+# `vigil.share.<share>.job.<job>.<rest>`, so each share is one subject space of VIGIL_JOBS with one durable
+# consumer, in VIGIL_JOBS's order, and nothing is copied. Publishers keep the published form; every reader
+# of VIGIL_JOBS (consumers, scans, watches, stored reads) filters on the stored form, which `stored` gives
+# and the bus applies. A guardian holds shares, not jobs (`vigil_common.lease.Shares`).
+#
+# The layout before (VIGIL_JOBS stored the published subjects; the server copied them into a stream
+# VIGIL_SHARES) is migrated in place (`Bus.ensure_streams`): the transform is added to the existing
+# stream, VIGIL_SHARES is deleted, and the messages stored before keep their published subjects until
+# VIGIL_JOBS's retention drops them. While the stream holds such a message, readers read both forms
+# (`reads`): no copy, no window in which a publish fails, one order.
 
 SHARES = 16
 SHARE_PREFIX = f"{PREFIX}.share"
+_JOB_PREFIX = f"{PREFIX}.job"
+# Streams of an earlier release that `Bus.ensure_streams` deletes.
+RETIRED_STREAMS = ("VIGIL_SHARES",)
 
 
 def share_of(job_id: str) -> int:
@@ -125,31 +137,54 @@ def share_of(job_id: str) -> int:
 
 
 def share_events(share: int) -> str:
-    """Every event of the jobs of one share (a wildcard, for that share's consumer)."""
+    """Every event of the jobs of one share, as VIGIL_JOBS stores them (a wildcard, for that share's
+    consumer)."""
     return f"{SHARE_PREFIX}.{check_share(share)}.>"
 
 
 def job_events(job_id: str) -> str:
     """Everything VIGIL_JOBS keeps of one job: launches, status and steps (a wildcard)."""
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.>"
+    return f"{_JOB_PREFIX}.{token(job_id, 'job id')}.>"
 
 
-def shared(subject: str) -> str:
-    """A subject (or wildcard) of VIGIL_JOBS as its job's share holds it in VIGIL_SHARES."""
-    return f"{SHARE_PREFIX}.{share_of(token_at(subject))}.{subject}"
+def stored(subject: str) -> str:
+    """A subject (or wildcard) of VIGIL_JOBS as the stream stores it: `vigil.job.j1.step.n1` ->
+    `vigil.share.<share_of(j1)>.job.j1.step.n1`, `vigil.job.*.status.*` -> `vigil.share.*.job.*.status.*`,
+    `vigil.job.>` -> `vigil.share.*.job.>`. A stored form, and a subject of another stream, as it is."""
+    parts = subject.split(".")
+    if parts[:2] != [PREFIX, "job"] or len(parts) < 3 or parts[3:4] == ["cmd"]:  # commands: VIGIL_COMMANDS
+        return subject
+    job = parts[2]
+    share = "*" if job in ("*", ">") else str(share_of(job))
+    rest = parts[2:] if job != ">" else ["*", ">"]
+    return ".".join([PREFIX, "share", share, "job", *rest])
 
 
-def share_job_steps(job_id: str) -> str:
-    """A job's steps, as its share holds them (a wildcard)."""
-    return shared(job_steps(job_id))
+def published(subject: str) -> str:
+    """A subject (or wildcard) as it was published: `vigil.share.3.job.j1.step.n1` -> `vigil.job.j1.step.n1`,
+    `vigil.share.3.>` -> `vigil.job.>`; any other subject as it is."""
+    parts = subject.split(".")
+    if parts[:2] != [PREFIX, "share"] or len(parts) < 4:
+        return subject
+    if parts[3] == ">":
+        return f"{_JOB_PREFIX}.>"
+    return ".".join([PREFIX, *parts[3:]])
 
 
-def unshared(subject: str) -> str:
-    """A share's subject as VIGIL_JOBS stored it (`vigil.share.3.job.j1.step.n1` -> `vigil.job.j1.step.n1`);
-    any other subject as it is."""
-    if subject.startswith(SHARE_PREFIX + "."):
-        return subject.split(".", 3)[3]
-    return subject
+def reads(pattern: str, *, legacy: bool) -> tuple[str, ...]:
+    """The filter subjects a reader of `pattern` (either form) uses on its stream: the stored form and,
+    with `legacy` (VIGIL_JOBS may still hold messages stored before the transform), the published form
+    those were stored under. A legacy message of a share pattern may be another share's: `holds` says."""
+    pattern_stored = stored(pattern)
+    if not legacy or not pattern_stored.startswith(SHARE_PREFIX + "."):
+        return (pattern_stored,)
+    return (pattern_stored, published(pattern_stored))
+
+
+def holds(pattern: str, subject: str) -> bool:
+    """Whether a message stored on `subject` (either form) is one a reader of `pattern` (either form)
+    wants: its stored form matches the pattern's (a legacy message is placed in its job's share)."""
+    return _matches(stored(pattern), stored(subject))
 
 
 def check_share(share: int) -> int:
@@ -183,8 +218,8 @@ ALL_DEAD_LETTERS = f"{PREFIX}.deadletter.*"
 
 
 def kind_of(subject: str) -> str:
-    """The registry name of a concrete subject (or a share's copy): `vigil.job.j1.step.n1` -> `step`."""
-    parts = unshared(subject).split(".")
+    """The registry name of a concrete subject (either form): `vigil.job.j1.step.n1` -> `step`."""
+    parts = published(subject).split(".")
     if len(parts) == 4 and parts[:2] == [PREFIX, "node"]:
         return parts[3]
     if len(parts) == 4 and parts[:2] == [PREFIX, "job"] and parts[3] in ("launch", "cmd"):
@@ -198,12 +233,12 @@ def kind_of(subject: str) -> str:
 
 def token_at(subject: str, index: int = 2) -> str:
     """The node or job token of a concrete subject (`vigil.job.<job>.step.<node>` -> `<job>`)."""
-    return unshared(subject).split(".")[index]
+    return published(subject).split(".")[index]
 
 
 def origin_of(subject: str) -> str:
     """Where a step or status event came from: its subject's node, or CONTROL."""
-    parts = unshared(subject).split(".")
+    parts = published(subject).split(".")
     if len(parts) != 5 or parts[3] not in ("step", "status"):
         raise ValueError(f"subject {subject!r} carries no origin")
     return parts[4]
@@ -230,22 +265,11 @@ _GIB = 1024**3
 
 
 @dataclass(frozen=True)
-class SourceSpec:
-    """Another stream this one copies (the server does), each subject `src` rewritten to `dest`. A new
-    stream starts copying `backfill_s` back; an existing one keeps its position."""
-
-    stream: str
-    src: str
-    dest: str
-    backfill_s: float
-
-
-@dataclass(frozen=True)
 class StreamSpec:
     """A JetStream stream with explicit limits. Created idempotently at start (`Bus.ensure_streams`)."""
 
     name: str
-    subjects: tuple[str, ...]  # what it listens on (none for a copy of another stream)
+    subjects: tuple[str, ...]  # what it listens on
     max_age_s: float
     max_bytes: int
     max_msgs: int = -1
@@ -254,12 +278,8 @@ class StreamSpec:
     duplicate_window_s: float = 120.0
     description: str = ""
     extra: dict[str, object] = field(default_factory=dict)
-    source: SourceSpec | None = None
-    holds: tuple[str, ...] = ()  # what it stores besides `subjects`: the subjects `source` writes
-
-    @property
-    def patterns(self) -> tuple[str, ...]:
-        return self.subjects + self.holds
+    # The subject transform the server applies as it stores (source, destination): see `stored`.
+    transform: tuple[str, str] | None = None
 
 
 NODES = StreamSpec(
@@ -279,6 +299,11 @@ JOBS = StreamSpec(
     max_age_s=30 * _DAY,
     max_bytes=10 * _GIB,
     description="launches, job/rank status events and one event per rank per training step",
+    # stored under the job's share (`stored`): the server's partition() is `share_of`
+    transform=(
+        f"{_JOB_PREFIX}.*.>",
+        f"{SHARE_PREFIX}.{{{{partition({SHARES},1)}}}}.job.{{{{wildcard(1)}}}}.>",
+    ),
 )
 COMMANDS = StreamSpec(
     name="VIGIL_COMMANDS",
@@ -290,22 +315,6 @@ COMMANDS = StreamSpec(
     # of silently evicting an older command nobody has acted on yet.
     discard_new=True,
     description="halt, rollback, resume and cancel commands",
-)
-# The guardians' input: VIGIL_JOBS, copied by the server onto share subjects (see `SHARES`). A share
-# consumer that stood still a week has lost nothing VIGIL_JOBS still holds within the replay it does.
-SHARED = StreamSpec(
-    name="VIGIL_SHARES",
-    subjects=(),
-    max_age_s=7 * _DAY,
-    max_bytes=10 * _GIB,
-    description="VIGIL_JOBS's events by guardian share (a copy the server makes)",
-    source=SourceSpec(
-        stream=JOBS.name,
-        src=f"{PREFIX}.job.*.>",
-        dest=f"{SHARE_PREFIX}.{{{{partition({SHARES},1)}}}}.{PREFIX}.job.{{{{wildcard(1)}}}}.>",
-        backfill_s=1 * _HOUR,
-    ),
-    holds=(f"{SHARE_PREFIX}.>",),
 )
 INCIDENTS = StreamSpec(
     name="VIGIL_INCIDENTS",
@@ -322,15 +331,16 @@ DEAD_LETTERS = StreamSpec(
     description="messages consumers terminated, with the reason",
 )
 
-STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, SHARED, COMMANDS, INCIDENTS, DEAD_LETTERS)
+STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, COMMANDS, INCIDENTS, DEAD_LETTERS)
 
 
 def stream_for(subject: str) -> StreamSpec:
-    """The stream that stores a concrete subject."""
+    """The stream that stores a concrete subject (either form)."""
     kind = kind_of(subject)
+    as_published = published(subject)
     for spec in STREAMS:
-        for pattern in spec.patterns:
-            if _matches(pattern, subject):
+        for pattern in spec.subjects:
+            if _matches(pattern, as_published):
                 return spec
     raise ValueError(f"no stream stores subject {subject!r} ({kind})")
 

@@ -14,8 +14,10 @@ from vigil.events import (
     Message,
     StepCompleted,
 )
-from vigil_guardian.gpu_health import DeviceHealth, GpuLimits
+from vigil_guardian.devices import Devices
+from vigil_guardian.gpu_health import GpuLimits
 from vigil_guardian.policy import Decision, Policy, incident_id
+from vigil_guardian.verdict import Verdict
 from vigil_guardian.watch import JobWatch
 
 FINISHED_MAX = 10_000
@@ -25,14 +27,18 @@ KNOWN_MAX = 100_000
 class Guardian:
     """The decision core of the guardian service."""
 
-    def __init__(self, limits: GpuLimits | None = None, *, idle_devices: bool = True) -> None:
+    def __init__(
+        self, limits: GpuLimits | None = None, *, idle_devices: bool = True, devices: Devices | None = None
+    ) -> None:
         self.limits = limits or GpuLimits()
         # Judge a sick device that runs none of this core's jobs (a guardian's share 0 does; the others
         # leave it to that one: the device may run a job of another share).
         self.idle_devices = idle_devices
         self.jobs: dict[str, JobWatch] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
-        self.devices: dict[tuple[str, int], DeviceHealth] = {}
+        # The devices' health: this core's own, or its guardian's, shared by the shares it holds (the
+        # guardian then calls `judge_device` with each verdict, see `vigil_guardian.devices`).
+        self.devices = devices if devices is not None else Devices(self.limits)
         self.published: OrderedDict[str, None] = OrderedDict()  # incident ids already out
 
     def job(self, job_id: str) -> JobWatch | None:
@@ -45,7 +51,8 @@ class Guardian:
     def on_event(self, event: Message, now: datetime, *, quiet: bool = False) -> list[Decision]:
         """Feed one event; returns the decisions to publish (none already published)."""
         if isinstance(event, GpuSampled):
-            return self._fresh(self._on_gpu(event, now))
+            verdict = self.devices.observe(event)
+            return self.judge_device(event, verdict, now) if verdict is not None else []
         if event.job_id is None:
             return []
         watch = self.job(event.job_id)
@@ -100,11 +107,12 @@ class Guardian:
                     return watch, rank
         return None
 
-    def _on_gpu(self, sample: GpuSampled, now: datetime) -> list[Decision]:
-        health = self.devices.setdefault((sample.node, sample.index), DeviceHealth(self.limits))
-        verdict = health.observe(sample)
-        if verdict is None:
-            return []
+    def judge_device(self, sample: GpuSampled, verdict: Verdict, now: datetime) -> list[Decision]:
+        """Decide about a device's verdict (from the sample that made it): the job's on it, or, with
+        `idle_devices`, the device's alone."""
+        return self._fresh(self._decide_device(sample, verdict, now))
+
+    def _decide_device(self, sample: GpuSampled, verdict: Verdict, now: datetime) -> list[Decision]:
         found = self.device_job(sample.node, sample.index)
         if found is not None:
             watch, rank = found
@@ -120,8 +128,7 @@ class Guardian:
         ]
 
     def device_levels(self) -> dict[tuple[str, int], int]:
-        return {k: h.level for k, h in self.devices.items() if h.level}
+        return self.devices.levels()
 
     def restore_devices(self, levels: dict[tuple[str, int], int]) -> None:
-        for key, level in levels.items():
-            self.devices.setdefault(key, DeviceHealth(self.limits)).level = level
+        self.devices.restore(levels)

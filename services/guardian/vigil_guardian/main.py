@@ -1,7 +1,7 @@
 """The guardian service: judges every job's launch, status and step events, and every GPU sample.
 
-Guardians share the jobs. The jobs fall into `subjects.SHARES` shares by a hash of their id; VIGIL_SHARES
-holds each share's events on its own subjects, in VIGIL_JOBS's order (the NATS server copies them there).
+Guardians share the jobs. The jobs fall into `subjects.SHARES` shares by a hash of their id; VIGIL_JOBS
+stores each event under its share's own subjects (`subjects.stored`: the stream's transform, nothing copied).
 Each running guardian holds a fair part of the shares (`vigil_common.lease.Shares`: an advisory lock per
 share in Postgres, SHARES / live guardians each), and judges each share it holds as one guardian judged
 everything before: its own core, consumer, cursor and hang check. A share whose guardian is gone is taken
@@ -12,9 +12,10 @@ Lifecycle: connect; hear the GPU samples; hold shares, each: restore (saved stat
 each active job's steps that its input has acknowledged) and consume its input, with a hang check on a
 timer, until given up; the webhook notifier; drain and close on `stop`.
 
-One ordered input per share. A share's job events come through one durable consumer of VIGIL_SHARES
-(`share_input`), in the order the server stored them, and are judged in that order: a job's launch before
-its steps, a rank's checkpoint before its next step, a rollback's completion before the steps after it.
+One ordered input per share. A share's job events come through one durable consumer of VIGIL_JOBS
+(`share_input`, filtered on the share's stored subjects), in the order the server stored them, and are
+judged in that order: a job's launch before its steps, a rank's checkpoint before its next step, a
+rollback's completion before the steps after it.
 
 Judged once. Two sequences of that input say where a share stands: `judged` (every event up to it has
 had its effect) and `windowed` (every step up to it is in the detector windows). The judged sequence is
@@ -30,8 +31,9 @@ a bad subject) is never retried: its incident goes out truncated (`oversize.trun
 does not fit is dead-lettered, so one such message cannot stop the share's judging. Ids are stable
 per fault, so a crash between publishing and saving republishes the same ids (JetStream drops them).
 
-GPU samples are heard (not consumed: every guardian hears all of them) and judged by each share held: a
-sick device running a job of that share is that share's decision; one running no job is share 0's.
+GPU samples are heard (not consumed: every guardian hears all of them) and judged once per guardian
+(`vigil_guardian.devices`): a sick device's verdict goes to the share held whose job runs on it, and
+one that runs no job of a held share to share 0, if held here.
 
 First start. A share with no consumer and no saved state (a new deployment, or one started after its
 jobs) replays the last `guardian_replay_s` of job events, so it judges a running job from its start;
@@ -69,10 +71,12 @@ from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_guardian import store
 from vigil_guardian.core import Guardian
+from vigil_guardian.devices import Devices, owner
 from vigil_guardian.notifier import Notifier
 from vigil_guardian.oversize import truncated
 from vigil_guardian.policy import Decision
 from vigil_guardian.state import Control
+from vigil_guardian.verdict import Verdict
 from vigil_guardian.watch import JobWatch
 
 log = logging.getLogger(__name__)
@@ -81,7 +85,7 @@ log = logging.getLogger(__name__)
 def share_input(share: int) -> ConsumerSpec:
     """The durable consumer of one share's job events."""
     return ConsumerSpec(
-        stream=subjects.SHARED,
+        stream=subjects.JOBS,
         durable=credentials.guardian_input(share),
         filter_subject=subjects.share_events(share),
     )
@@ -96,8 +100,10 @@ def job_input(job_id: str) -> ConsumerSpec:
 
 
 def cursor_key(share: int) -> str:
-    """Where a share's judged sequence is saved (`guardian_cursor.stream`)."""
-    return f"{subjects.SHARED.name}/{subjects.check_share(share)}"
+    """Where a share's judged sequence is saved (`guardian_cursor.stream`): a VIGIL_JOBS sequence. (The
+    cursors of the release that read a copy, `VIGIL_SHARES/<share>`, count another stream's sequences:
+    not read, see `restore`.)"""
+    return f"{subjects.JOBS.name}/{subjects.check_share(share)}"
 
 
 HANG_CHECK_S = 0.5
@@ -161,10 +167,14 @@ class GuardianService:
         if batch and batch[-1][1].num_pending == 0:
             self.caught_up.set()
 
-    async def on_gpu(self, batch: list[Message], stop: asyncio.Event | None = None) -> None:
+    async def on_device_verdicts(
+        self, verdicts: list[tuple[GpuSampled, Verdict]], stop: asyncio.Event | None = None
+    ) -> None:
+        """Decide about the device verdicts handed to this share (its guardian judged the samples once,
+        `vigil_guardian.devices`); publish; share 0 saves the device levels."""
         decided = []
-        for event in batch:
-            decided += self.core.on_event(event, utcnow())
+        for sample, verdict in verdicts:
+            decided += self.core.judge_device(sample, verdict, utcnow())
         for d in decided:
             i = d.incident  # share 0's decision on a device that may run another share's job: theirs
             idle = i.job_id is None and i.node is not None and i.device is not None
@@ -173,7 +183,7 @@ class GuardianService:
             self._owed.append(d)
         if self._owed:
             await self._retrying(self.publish_owed, stop)
-        # share 0 keeps the device levels (every share sees the same samples)
+        # share 0 saves the device levels (its guardian's, one for every share it holds)
         await self._retrying(lambda: self.persist(set(), devices=self.share == 0), stop)
 
     async def handle(self, event: Message) -> None:
@@ -309,13 +319,13 @@ class GuardianService:
 
     async def hang_loop(self, stop: asyncio.Event) -> None:
         """Check for hangs on a timer, once the input has caught up (before that, the last steps
-        known are old ones, not silences). A job that looks silent is judged only once its share holds
-        every step VIGIL_JOBS holds for it (`_copied`): a copy behind is no silence."""
+        known are old ones, not silences). A job that looks silent is judged only once its share has
+        judged the last event VIGIL_JOBS holds of it (`_judged_last`): an input behind is no silence."""
         while not stop.is_set():
             if self.caught_up.is_set() or await _input_idle(self.bus, self.input):
                 self.caught_up.set()
                 now = utcnow()
-                silent = [job for job in self.core.hang_candidates(now) if await self._copied(job)]
+                silent = [job for job in self.core.hang_candidates(now) if await self._judged_last(job)]
                 self._owed += self.core.check_hangs(now, silent)
                 if self._owed:
                     try:
@@ -325,11 +335,10 @@ class GuardianService:
                         log.warning("guardian: publishing decisions failed, will retry: %s", exc)
             await wait_any(stop, timeout_s=HANG_CHECK_S)
 
-    async def _copied(self, job_id: str) -> bool:
-        """Whether this share has judged the last event VIGIL_JOBS stored of the job: its copy (the copy
-        keeps each message's Nats-Msg-Id) is at or below the judged sequence."""
+    async def _judged_last(self, job_id: str) -> bool:
+        """Whether this share has judged the last event VIGIL_JOBS stored of the job."""
         try:
-            seq = await last_copied(self.bus, job_id)
+            seq = await last_stored(self.bus, job_id)
         except RetryableError:
             return False
         if seq is None or seq > max(self.judged, self.windowed):  # windowed: acked
@@ -338,15 +347,11 @@ class GuardianService:
         return True
 
 
-async def last_copied(bus: Bus, job_id: str) -> int | None:
-    """Where the last event VIGIL_JOBS stored of the job stands in its share's input: the sequence of its
-    copy (the copy keeps each message's Nats-Msg-Id); None while it is not copied (or there is none)."""
-    events = subjects.job_events(job_id)
-    original = await bus.last_stored(subjects.JOBS.name, events)
-    copied = await bus.last_stored(subjects.SHARED.name, subjects.shared(events))
-    if original is None or copied is None:
-        return None
-    return copied.seq if original.msg_id == copied.msg_id else None
+async def last_stored(bus: Bus, job_id: str) -> int | None:
+    """The VIGIL_JOBS sequence of the last event stored of the job (its share's input reads that stream);
+    None when there is none."""
+    last = await bus.last_stored(subjects.JOBS.name, subjects.job_events(job_id))
+    return last.seq if last is not None else None
 
 
 async def _input_idle(bus: Bus, spec: ConsumerSpec) -> bool:
@@ -378,8 +383,9 @@ async def restore(service: GuardianService, bus: Bus, pool: asyncpg.Pool, replay
     state = await bus.consumer_state(spec)
     if state is None:
         if saved.jobs and saved.cursor is None:
-            # State saved by a guardian before shares (one input for all jobs, its cursor in another
-            # stream): it judged up to now, so this share starts at new events, as that one would have.
+            # State saved by a guardian of an earlier layout (before shares, one input for all jobs; or
+            # reading VIGIL_SHARES, the copy): its cursor counts another stream's sequences. It judged up
+            # to now, so this share starts at new events, as that one would have.
             return dataclasses.replace(spec, deliver_new=True)
         since = utcnow().timestamp() - replay_s
         ended = await _ended_since(bus, since, share)
@@ -419,7 +425,7 @@ async def _replay(bus: Bus, core: Guardian, watch: JobWatch, upto: int, origins:
         return 0
     since = max(watch.control.replay_from, utcnow().timestamp() - REPLAY_HORIZON_S)
     fed = 0
-    steps = subjects.share_job_steps(watch.job_id)
+    steps = subjects.job_steps(watch.job_id)
     name = credentials.guardian_scan(share)
     async for event in bus.scan(name, steps, since=since, upto=upto, admit=origins.admit):
         core.on_event(event, event.occurred_at, quiet=True)
@@ -434,12 +440,13 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         bus, pool = conn.bus, conn.pool
         notifier = Notifier(settings.webhook_urls)
         judging: dict[int, tuple[GuardianService, asyncio.Event]] = {}
+        devices = Devices()  # every device's health, judged once for all the shares held
 
         async def judge_share(share: int, until: asyncio.Event) -> None:
-            service = GuardianService(Guardian(idle_devices=share == 0), bus, pool, notifier, share=share)
-            service.fence = await store.take_epoch(
-                pool, share, instance()
-            )  # holding its lock: before loading
+            core = Guardian(idle_devices=share == 0, devices=devices)
+            service = GuardianService(core, bus, pool, notifier, share=share)
+            # its epoch, holding the share's lock and before loading the share's state
+            service.fence = await store.take_epoch(pool, share, instance())
             judging[share] = (service, until)
             try:
                 await judge(service, settings, until)
@@ -452,9 +459,11 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 judging.pop(share, None)
 
         async def on_gpu(batch: list[Message]) -> None:
-            for service, until in list(judging.values()):
+            held = dict(judging)
+            handed = route(devices, [e for e in batch if isinstance(e, GpuSampled)], held)
+            for share, (service, until) in held.items():
                 try:
-                    await service.on_gpu(batch, until)
+                    await service.on_device_verdicts(handed.get(share, []), until)
                 except store.Fenced as exc:
                     log.error("guardian: %s; judging it no more", exc)
                     until.set()
@@ -476,6 +485,19 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             notifier.failed,
             notifier.dropped,
         )
+
+
+def route(
+    devices: Devices, samples: list[GpuSampled], held: dict[int, tuple[GuardianService, asyncio.Event]]
+) -> dict[int, list[tuple[GpuSampled, Verdict]]]:
+    """Judge each sample once (`devices`) and hand each verdict to the share held that owns it."""
+    cores = {share: service.core for share, (service, _) in held.items()}
+    handed: dict[int, list[tuple[GpuSampled, Verdict]]] = {}
+    for sample in samples:
+        verdict = devices.observe(sample)
+        if verdict is not None and (share := owner(sample.node, sample.index, cores)) is not None:
+            handed.setdefault(share, []).append((sample, verdict))
+    return handed
 
 
 async def judge(service: GuardianService, settings: Settings, until: asyncio.Event) -> None:

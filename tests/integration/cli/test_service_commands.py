@@ -126,7 +126,7 @@ async def test_the_control_plane_runs_without_the_worker_dependencies(
             async def guardian_consumes() -> bool:
                 assert procs["guardian"].poll() is None, logs["guardian"].read_text()[-3000:]
                 try:
-                    await bus.js.consumer_info(subjects.SHARED.name, credentials.guardian_input(0))
+                    await bus.js.consumer_info(subjects.JOBS.name, credentials.guardian_input(0))
                 except nats.js.errors.NotFoundError:
                     return False
                 return True

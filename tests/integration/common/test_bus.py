@@ -52,6 +52,7 @@ async def settled(bus: Bus, spec: ConsumerSpec, timeout: float = 10.0):
 
 
 async def stream_count(bus: Bus, subject: str) -> int:
+    subject = subjects.stored(subject)  # as its stream stores it
     info = await bus.js.stream_info(subjects.stream_for(subject).name, subjects_filter=subject)
     return (info.state.subjects or {}).get(subject, 0)
 

@@ -50,11 +50,7 @@ async def admin(secured: tuple[EmbeddedNats, Path]) -> AsyncIterator[Bus]:
 
 
 async def stored(admin: Bus, stream: subjects.StreamSpec, subject: str) -> bool:
-    try:
-        await admin.js.get_last_msg(stream.name, subject)
-    except nats.js.errors.NotFoundError:
-        return False
-    return True
+    return await admin.last_stored(stream.name, subject) is not None  # in the form the stream stores
 
 
 def test_credentials_and_server_config_are_0600(secured: tuple[EmbeddedNats, Path]) -> None:

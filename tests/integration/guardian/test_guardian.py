@@ -11,6 +11,7 @@ import pytest
 from tests.helpers import eventually, service
 from vigil.events import (
     CheckpointSaved,
+    GpuSampled,
     JobStateChanged,
     LaunchJob,
     Message,
@@ -22,7 +23,7 @@ from vigil.spec import JobSpec
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_guardian.main import INPUTS, job_input, last_copied, run
+from vigil_guardian.main import INPUTS, job_input, last_stored, run
 
 pytestmark = pytest.mark.integration
 
@@ -131,9 +132,8 @@ async def ready(bus: Bus) -> bool:
 
 
 async def judged(bus: Bus, job_id: str) -> bool:
-    """The guardian has acknowledged the last event VIGIL_JOBS stored of the job (its copy in the job's
-    share, the same Nats-Msg-Id)."""
-    seq = await last_copied(bus, job_id)
+    """The guardian has acknowledged the last event VIGIL_JOBS stored of the job (its share's input)."""
+    seq = await last_stored(bus, job_id)
     if seq is None:
         return False
     spec = job_input(job_id)
@@ -253,3 +253,48 @@ async def test_a_guardian_restart_mid_run_misses_nothing(bus, pool, nats_url, mi
     assert incident.evidence["window"] >= 10
     assert rollback.step == 10 and rollback.skip_data == (18, 19)
     await job.end()
+
+
+async def test_a_sick_device_is_judged_once_for_the_job_on_it_and_an_idle_one_for_its_node(
+    bus, guardian, job_id
+):
+    """The guardian (holding every share) judges each GPU sample once and hands the verdict to the share of
+    the job on the device; a device that runs no job is share 0's."""
+    tag = job_id[-8:]
+    busy, idle = f"gpu-{tag}", f"idle-{tag}"
+    await bus.publish(
+        subjects.launch(job_id),
+        LaunchJob(
+            job_id=job_id,
+            attempt=1,
+            spec=JobSpec(name="synthetic", resources={"nodes": 1, "gpus_per_node": 1}),
+            master_addr="127.0.0.1",
+            master_port=29500,
+            placement=[RankPlacement(rank=0, node=busy, device=0, local_rank=0)],
+        ),
+    )
+    await eventually(lambda: judged(bus, job_id), what="the launch judged")
+
+    def hot(node: str) -> GpuSampled:
+        return GpuSampled(node=node, index=0, device_kind="gpu", uuid=f"GPU-{node}", temperature_c=95.0)
+
+    async with bus.watch(subjects.incident(job_id), subjects.node_incident(idle)) as events:
+        await bus.publish(subjects.gpu(busy), hot(busy))
+        (incident,) = await take(events, 1)
+        assert (incident.kind, incident.job_id, incident.rank, incident.node) == (
+            "gpu_health",
+            job_id,
+            0,
+            busy,
+        )
+        await bus.publish(subjects.gpu(idle), hot(idle))
+        (incident,) = await take(events, 1)
+        assert (incident.kind, incident.job_id, incident.node, incident.device) == (
+            "gpu_health",
+            None,
+            idle,
+            0,
+        )
+        await bus.publish(subjects.gpu(busy), hot(busy))  # still sick: no verdict again
+        with pytest.raises(TimeoutError):
+            await take(events, 1, timeout=1.0)

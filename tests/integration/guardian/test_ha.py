@@ -120,6 +120,7 @@ async def nan_at(bus: Bus, job_id: str, k: int = 6) -> None:
 
 
 async def stored(bus: Bus, stream: subjects.StreamSpec, subject: str) -> int:
+    subject = subjects.stored(subject)  # as the stream stores it
     info = await bus.js.stream_info(stream.name, subjects_filter=subject)
     return (info.state.subjects or {}).get(subject, 0)
 

@@ -15,14 +15,14 @@ from tests.helpers import eventually, service
 from tests.integration.guardian.test_guardian import Job, cfg, judged, ready, take
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_guardian.main import INPUTS, cursor_key, last_copied, run
+from vigil_guardian.main import INPUTS, cursor_key, last_stored, run
 
 pytestmark = pytest.mark.integration
 
 
 async def _stored_seq(bus: Bus, job_id: str) -> int | None:
-    """Where the job's last event (its last step) stands in its share's input, once copied."""
-    return await last_copied(bus, job_id)
+    """Where the job's last event (its last step) stands in VIGIL_JOBS, its share's input."""
+    return await last_stored(bus, job_id)
 
 
 async def _cursor(pool, job_id: str) -> int:  # type: ignore[no-untyped-def]

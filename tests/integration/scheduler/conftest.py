@@ -269,7 +269,7 @@ async def wait_state(
 
 async def count_on(bus: Bus, stream: str, subject: str) -> int:
     """How many messages the stream holds on `subject` (on every subject it matches, for a wildcard)."""
-    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    info = await bus.js.stream_info(stream, subjects_filter=subjects.stored(subject))  # as stored
     return sum((info.state.subjects or {}).values())
 
 

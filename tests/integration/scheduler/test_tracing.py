@@ -43,7 +43,10 @@ async def test_submit_schedule_launch_is_one_trace(
             )
         job_id = r.json()["id"]
         sub = await bus.js.subscribe(
-            subjects.launch(job_id), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+            subjects.stored(subjects.launch(job_id)),  # as VIGIL_JOBS stores it
+            stream=subjects.JOBS.name,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
         )
         try:
             msg = await sub.next_msg(timeout=15)

@@ -20,7 +20,6 @@ from vigil_guardian.main import share_input
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 
 JOBS = subjects.JOBS.name
-SHARED = subjects.SHARED.name
 INPUT = share_input(0)  # one of the guardian's share consumers
 NAME = INPUT.durable
 NOTHING = subjects.launch("j-nothing")  # a filter that matches no job's events
@@ -36,7 +35,7 @@ def refilter(name: str = INPUT.durable) -> bytes:
         "filter_subject": NOTHING,
         "ack_policy": "explicit",
     }
-    return json.dumps({"stream_name": SHARED, "config": config}).encode()
+    return json.dumps({"stream_name": JOBS, "config": config}).encode()
 
 
 @pytest.fixture
@@ -45,7 +44,7 @@ async def guardians(connect: Callable[[str], Awaitable[Bus]], admin: Bus) -> str
     deliver subject."""
     guardian = await connect(credentials.GUARDIAN)
     info = await guardian.js.add_consumer(
-        SHARED,
+        JOBS,
         ConsumerConfig(
             name=INPUT.durable,
             durable_name=INPUT.durable,
@@ -62,18 +61,18 @@ async def guardians(connect: Callable[[str], Awaitable[Bus]], admin: Bus) -> str
     ("role", "subject", "body"),
     [
         # update, with the name and filter in the subject as nats-py sends it
-        (WORKER, f"$JS.API.CONSUMER.CREATE.{SHARED}.{NAME}.{NOTHING}", refilter()),
-        (WORKER, f"$JS.API.CONSUMER.CREATE.{SHARED}.{NAME}", refilter()),
+        (WORKER, f"$JS.API.CONSUMER.CREATE.{JOBS}.{NAME}.{NOTHING}", refilter()),
+        (WORKER, f"$JS.API.CONSUMER.CREATE.{JOBS}.{NAME}", refilter()),
         # the nameless create, whose body may carry any name
-        (WORKER, f"$JS.API.CONSUMER.CREATE.{SHARED}", refilter()),
-        (WORKER, f"$JS.API.CONSUMER.DURABLE.CREATE.{SHARED}.{NAME}", refilter()),
-        (credentials.TELEMETRY, f"$JS.API.CONSUMER.CREATE.{SHARED}.{NAME}.{NOTHING}", refilter()),
-        (credentials.SCHEDULER, f"$JS.API.CONSUMER.CREATE.{SHARED}.{NAME}.{NOTHING}", refilter()),
+        (WORKER, f"$JS.API.CONSUMER.CREATE.{JOBS}", refilter()),
+        (WORKER, f"$JS.API.CONSUMER.DURABLE.CREATE.{JOBS}.{NAME}", refilter()),
+        (credentials.TELEMETRY, f"$JS.API.CONSUMER.CREATE.{JOBS}.{NAME}.{NOTHING}", refilter()),
+        (credentials.SCHEDULER, f"$JS.API.CONSUMER.CREATE.{JOBS}.{NAME}.{NOTHING}", refilter()),
         # delete
-        (credentials.TELEMETRY, f"$JS.API.CONSUMER.DELETE.{SHARED}.{NAME}", b""),
+        (credentials.TELEMETRY, f"$JS.API.CONSUMER.DELETE.{JOBS}.{NAME}", b""),
         # pull from (the guardian's scan), read the state of
         (WORKER, f"$JS.API.CONSUMER.MSG.NEXT.{JOBS}.{credentials.guardian_scan(0)}", b'{"batch": 1}'),
-        (WORKER, f"$JS.API.CONSUMER.INFO.{SHARED}.{NAME}", b""),
+        (WORKER, f"$JS.API.CONSUMER.INFO.{JOBS}.{NAME}", b""),
     ],
 )
 async def test_no_role_creates_updates_pulls_from_or_deletes_the_guardians_consumer(
@@ -84,7 +83,7 @@ async def test_no_role_creates_updates_pulls_from_or_deletes_the_guardians_consu
 
     refusals = await refused(server, role, attempt)
     assert refusals.of("publish", subject), refusals.seen
-    info = await admin.js.consumer_info(SHARED, INPUT.durable)  # still there, as the guardian made it
+    info = await admin.js.consumer_info(JOBS, INPUT.durable)  # still there, as the guardian made it
     assert (info.config.filter_subject, info.config.deliver_subject) == (INPUT.filter_subject, guardians)
 
 

@@ -32,7 +32,7 @@ async def test_another_jobs_launch_id_on_a_workers_own_subject_does_not_suppress
     launch = SAMPLES[LaunchJob].model_copy(update={"event_id": launch_id, "job_id": job_id, "attempt": 1})
     ack = await scheduler.publish(subjects.launch(job_id), launch)
     assert not ack.duplicate
-    stored = await admin.js.get_last_msg(subjects.JOBS.name, subjects.launch(job_id))
-    assert LaunchJob.model_validate_json(stored.data or b"") == launch
+    stored = await admin.last_stored(subjects.JOBS.name, subjects.launch(job_id))
+    assert stored is not None and LaunchJob.model_validate_json(stored.data) == launch
     # and a retry of the launch itself is still de-duplicated
     assert (await scheduler.publish(subjects.launch(job_id), launch)).duplicate

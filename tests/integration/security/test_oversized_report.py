@@ -122,7 +122,7 @@ async def test_sixty_thousand_culprits_are_dead_lettered_and_the_shares_next_nan
     await running_with_a_checkpoint(sched, n2, attacker)
     await running_with_a_checkpoint(sched, n2, victim)
     await eventually(lambda: judged(admin, victim), what="the victim's first steps judged")
-    async with admin.watch(subjects.dead_letter(subjects.SHARED.name)) as letters:
+    async with admin.watch(subjects.dead_letter(subjects.JOBS.name)) as letters:
         # as the worker forwards a rank's report: on its node's status subject
         await n2.publish(subjects.status(attacker, "n2"), probe_report(attacker))
         took = await nan_judged_in(admin, n2, victim)

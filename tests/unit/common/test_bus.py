@@ -46,19 +46,44 @@ def test_a_message_without_a_jetstream_ack_subject_was_not_delivered(reply: str 
     assert why is not None and "no JetStream ack subject" in why
 
 
-def test_a_consumer_drops_what_it_did_not_deliver() -> None:
+async def test_a_consumer_drops_what_it_did_not_deliver() -> None:
     spec = ConsumerSpec(stream=subjects.JOBS, durable="guardian", filter_subject=subjects.ALL_JOB_EVENTS)
     bus = object.__new__(Bus)  # _foreign reads only the spec and the message
 
-    def foreign(subject: str, reply: str | None) -> bool:
-        return bus._foreign(spec, SimpleNamespace(subject=subject, reply=reply))  # type: ignore[arg-type]
+    async def foreign(subject: str, reply: str | None) -> bool:
+        return await bus._foreign(spec, SimpleNamespace(subject=subject, reply=reply))  # type: ignore[arg-type]
 
-    step = subjects.step("j1", "n1")
-    assert not foreign(step, V1)
-    assert foreign(step, None)  # pushed into its inbox
-    assert foreign(step, V1.replace(".guardian.", ".replay."))  # replayed through another consumer
-    assert foreign(step, V1.replace(JOBS, COMMANDS))  # from another stream
-    assert foreign(subjects.heartbeat("n1"), V1)  # outside its filter
+    for step in (subjects.step("j1", "n1"), subjects.stored(subjects.step("j1", "n1"))):  # either form
+        assert not await foreign(step, V1)
+        assert await foreign(step, None)  # pushed into its inbox
+        assert await foreign(step, V1.replace(".guardian.", ".replay."))  # replayed through another consumer
+        assert await foreign(step, V1.replace(JOBS, COMMANDS))  # from another stream
+    assert await foreign(subjects.heartbeat("n1"), V1)  # outside its filter
+
+
+async def test_a_share_acknowledges_and_skips_an_old_message_of_another_share() -> None:
+    """A share's consumer also reads VIGIL_JOBS's messages stored before its transform (every job's)."""
+    share = subjects.share_of("j1")
+    spec = ConsumerSpec(stream=subjects.JOBS, durable="guardian", filter_subject=subjects.share_events(share))
+    bus = object.__new__(Bus)
+    acked: list[str] = []
+
+    def message(subject: str) -> SimpleNamespace:
+        async def ack() -> None:
+            acked.append(subject)
+
+        return SimpleNamespace(subject=subject, reply=V1, ack=ack)
+
+    other = next(j for j in (f"j{k}" for k in range(100)) if subjects.share_of(j) != share)
+    assert not await bus._foreign(spec, message(subjects.step("j1", "n1")))  # its own, old form
+    assert not await bus._foreign(spec, message(subjects.stored(subjects.step("j1", "n1"))))
+    assert await bus._foreign(spec, message(subjects.step(other, "n1")))  # another share's, old form
+    assert acked == [subjects.step(other, "n1")]
+    assert await bus._foreign(spec, message(subjects.stored(subjects.step(other, "n1"))))  # never delivered
+    assert acked == [subjects.step(other, "n1")]  # so not acknowledged either
+    bus.legacy_jobs = False  # the old messages are gone: one of them now would be foreign
+    assert await bus._foreign(spec, message(subjects.step(other, "n1")))
+    assert len(acked) == 1
 
 
 @pytest.mark.parametrize(

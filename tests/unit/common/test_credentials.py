@@ -41,10 +41,7 @@ def used_by(role: str) -> set[tuple[str, str]]:
     if role == credentials.GUARDIAN:
         used |= {(s.stream.name, s.durable) for s in guardian_main.INPUTS}  # one per share
         for k in range(subjects.SHARES):  # Bus.scan at a share's restore: its jobs' ends, their steps
-            used |= {
-                (subjects.JOBS.name, credentials.guardian_scan(k)),
-                (subjects.SHARED.name, credentials.guardian_scan(k)),
-            }
+            used.add((subjects.JOBS.name, credentials.guardian_scan(k)))
         used |= set(credentials.LEGACY_GUARDIAN)  # deleted at start
     return used
 

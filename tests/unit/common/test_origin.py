@@ -150,10 +150,11 @@ def stored_launch(attempt: int, nodes: dict[int, str]) -> LaunchJob:
 
 
 class FakeJetStream:
-    """`get_msg(stream, seq, subject, next=True)` over a list of stored (subject, message)."""
+    """`get_msg(stream, seq, subject, next=True)` over a list of published (subject, message), stored as
+    the server stores them (`subjects.stored`)."""
 
     def __init__(self, stored: list[tuple[str, Message]]) -> None:
-        self.stored = stored
+        self.stored = [(subjects.stored(subject), msg) for subject, msg in stored]
         self.reads = 0
         self.fail: Exception | None = None
 
@@ -172,6 +173,7 @@ def reading(js: FakeJetStream) -> Bus:
     """A bus whose stream reads are `js`'s."""
     bus = object.__new__(Bus)
     bus.js = js  # type: ignore[assignment]
+    bus.legacy_jobs = False  # a stream made with its transform
     return bus
 
 

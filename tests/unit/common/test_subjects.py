@@ -103,3 +103,55 @@ def test_no_subject_is_spelled_outside_the_registry():
                 if literal.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not offenders, "use vigil_common.subjects builders:\n" + "\n".join(offenders)
+
+
+def test_vigil_jobs_stores_each_event_under_its_share():
+    share = subjects.share_of("j1")
+    assert subjects.stored(subjects.step("j1", "n1")) == f"vigil.share.{share}.job.j1.step.n1"
+    assert subjects.stored(subjects.launch("j1")) == f"vigil.share.{share}.job.j1.launch"
+    assert subjects.stored(subjects.job_events("j1")) == f"vigil.share.{share}.job.j1.>"
+    assert subjects.stored(subjects.ALL_STATUS) == "vigil.share.*.job.*.status.*"
+    assert subjects.stored(subjects.ALL_JOB_EVENTS) == "vigil.share.*.job.*.>"
+    for other in (subjects.cmd("j1"), subjects.ALL_CMDS, subjects.gpu("n1"), subjects.incident("j1")):
+        assert subjects.stored(other) == other  # not VIGIL_JOBS's
+    for subject in (subjects.step("j1", "n1"), subjects.status("j1", subjects.CONTROL), subjects.ALL_STEPS):
+        assert subjects.published(subjects.stored(subject)) == subject
+        assert subjects.stored(subjects.stored(subject)) == subjects.stored(subject)
+    assert subjects.published(subjects.share_events(3)) == subjects.ALL_JOB_EVENTS
+    stored_step = subjects.stored(subjects.step("j1", "n1"))
+    assert subjects.kind_of(stored_step) == "step"
+    assert subjects.token_at(stored_step) == "j1"
+    assert subjects.origin_of(stored_step) == "n1"
+    assert subjects.stream_for(stored_step) is subjects.JOBS
+    # what the server's transform writes is what `stored` says (the partition is checked against a
+    # server in tests/integration/common/test_shares.py)
+    src, dest = subjects.JOBS.transform or ("", "")
+    assert src == "vigil.job.*.>" and dest.startswith("vigil.share.{{partition(16,1)}}.job.{{wildcard(1)}}")
+    assert not any(spec.name in subjects.RETIRED_STREAMS for spec in subjects.STREAMS)
+
+
+def test_readers_read_both_forms_while_the_stream_may_hold_the_old_one():
+    share = subjects.share_of("j1")
+    assert subjects.reads(subjects.ALL_STEPS, legacy=False) == ("vigil.share.*.job.*.step.*",)
+    assert subjects.reads(subjects.ALL_STEPS, legacy=True) == (
+        "vigil.share.*.job.*.step.*",
+        subjects.ALL_STEPS,
+    )
+    assert subjects.reads(subjects.job_steps("j1"), legacy=True) == (
+        f"vigil.share.{share}.job.j1.step.*",
+        subjects.job_steps("j1"),
+    )
+    assert subjects.reads(subjects.share_events(share), legacy=True) == (
+        subjects.share_events(share),
+        subjects.ALL_JOB_EVENTS,
+    )
+    assert subjects.reads(subjects.ALL_CMDS, legacy=True) == (subjects.ALL_CMDS,)  # not VIGIL_JOBS's
+    # a share's reader holds its jobs' events in either form, never another share's
+    old, new = subjects.step("j1", "n1"), subjects.stored(subjects.step("j1", "n1"))
+    for subject in (old, new):
+        assert subjects.holds(subjects.share_events(share), subject)
+        assert not subjects.holds(subjects.share_events((share + 1) % subjects.SHARES), subject)
+        assert subjects.holds(subjects.ALL_STEPS, subject)
+        assert subjects.holds(subjects.job_steps("j1"), subject)
+        assert not subjects.holds(subjects.job_steps("j2"), subject)
+        assert not subjects.holds(subjects.ALL_STATUS, subject)

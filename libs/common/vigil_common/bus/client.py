@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from vigil.errors import PublishRefused, RetryableError
 from vigil.events import Message
-from vigil_common import credentials, tracing
+from vigil_common import credentials, subjects, tracing
 from vigil_common.redact import redact_text, redact_url
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ class BusClient:
     """A connected NATS client with JetStream, and publishing. `Bus` adds streams, consumers, watching,
     listening and scans; build it with `await Bus.connect(url, name)`."""
 
+    # VIGIL_JOBS may hold messages stored in the published form: read both until `ensure_streams` knows
+    legacy_jobs: bool = True
+
     def __init__(
         self, nc: NatsClient, name: str, provider: TracerProvider | None = None, user: str | None = None
     ) -> None:
@@ -76,6 +79,10 @@ class BusClient:
         self.inbox_prefix = credentials.inbox_prefix(user)
         self._tracer = tracing.tracer(provider, "vigil.bus")
         self._sending = asyncio.Lock()  # `publish_pipelined`: one message handed to the connection at a time
+
+    def reads(self, pattern: str) -> tuple[str, ...]:
+        """The filter subjects that read `pattern` (either form) from its stream: `subjects.reads`."""
+        return subjects.reads(pattern, legacy=self.legacy_jobs)
 
     @classmethod
     async def connect(

@@ -52,7 +52,7 @@ class Consumers(BusClient):
         """
 
         async def on_msg(msg: Msg) -> None:
-            if self._foreign(spec, msg):
+            if await self._foreign(spec, msg):
                 return
             if stop.is_set():
                 await msg.nak()
@@ -91,7 +91,7 @@ class Consumers(BusClient):
         arrived = asyncio.Event()
 
         async def on_msg(msg: Msg) -> None:
-            if not self._foreign(spec, msg):
+            if not await self._foreign(spec, msg):
                 buffer.append(msg)
                 arrived.set()
 
@@ -145,7 +145,7 @@ class Consumers(BusClient):
             event_id=f"dl-{spec.stream.name}-{spec.durable}-{delivery.stream_seq}",
             stream=spec.stream.name,
             consumer=spec.durable,
-            subject=delivery.subject,
+            subject=subjects.published(delivery.subject),  # as published, whatever the layout stored
             reason=reason[:4000],
             payload=delivery.msg.data.decode("utf-8", errors="replace")[:100_000],
             num_delivered=delivery.num_delivered,
@@ -155,6 +155,7 @@ class Consumers(BusClient):
     # --- the subscription ------------------------------------------------------------------------------
 
     async def _push(self, spec: ConsumerSpec, on_msg: Callable[[Msg], Awaitable[None]]) -> Any:
+        forms = self.reads(spec.filter_subject)  # the stored form (and the published one, see subjects)
         config = ConsumerConfig(
             # Named: the name is in the create request's subject (`$JS.API.CONSUMER.CREATE.<stream>.
             # <name>.<filter>`), where the roles' permissions allow each role its own names only.
@@ -166,7 +167,8 @@ class Consumers(BusClient):
             ack_wait=spec.ack_wait_s,
             max_deliver=spec.max_deliver + 1,
             max_ack_pending=spec.max_ack_pending,
-            filter_subject=spec.filter_subject,
+            filter_subject=forms[0] if len(forms) == 1 else None,
+            filter_subjects=list(forms) if len(forms) > 1 else None,
             deliver_policy=DeliverPolicy.NEW if spec.deliver_new else DeliverPolicy.ALL,
         )
         if spec.replay_s is not None:
@@ -177,7 +179,7 @@ class Consumers(BusClient):
         while True:
             try:
                 return await self.js.subscribe(
-                    spec.filter_subject,
+                    forms[0],
                     durable=spec.durable,
                     stream=spec.stream.name,
                     queue=spec.durable if spec.shared else None,
@@ -198,8 +200,9 @@ class Consumers(BusClient):
 
     async def _replace_if_reshaped(self, spec: ConsumerSpec, config: ConsumerConfig) -> None:
         """A durable created before it was shared (or with another max_ack_pending, or delivering
-        outside this connection's inboxes) cannot be bound as it is now: it is replaced by one that
-        starts after the old one's acknowledged messages."""
+        outside this connection's inboxes, or filtering other subjects: VIGIL_JOBS's layout before its
+        transform) cannot be bound as it is now: it is replaced by one that starts after the old one's
+        acknowledged messages."""
         try:
             info = await self.js.consumer_info(spec.stream.name, spec.durable)
         except nats.js.errors.NotFoundError:
@@ -208,15 +211,19 @@ class Consumers(BusClient):
         # delivered into another prefix's inbox (`_INBOX.`, before each role had its own), which this
         # connection may not read
         inbox = (info.config.deliver_subject or "").startswith(f"{self.inbox_prefix}.")
-        if shared == spec.shared and info.config.max_ack_pending == spec.max_ack_pending and inbox:
+        filters = sorted(info.config.filter_subjects or [info.config.filter_subject or ""])
+        same_filters = filters == sorted(config.filter_subjects or [config.filter_subject or ""])
+        same_shape = shared == spec.shared and info.config.max_ack_pending == spec.max_ack_pending
+        if same_shape and inbox and same_filters:
             return
         start = info.ack_floor.stream_seq + 1 if info.ack_floor else 1
         log.warning(
-            "%s: replacing the durable consumer (shared: %s -> %s, deliver subject %s), from #%d",
+            "%s: replacing the durable consumer (shared: %s -> %s, deliver subject %s, filters %s), from #%d",
             spec.durable,
             shared,
             spec.shared,
             info.config.deliver_subject,
+            filters,
             start,
         )
         with contextlib.suppress(nats.js.errors.NotFoundError):
@@ -224,12 +231,18 @@ class Consumers(BusClient):
         config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
         config.opt_start_seq = start
 
-    def _foreign(self, spec: ConsumerSpec, msg: Msg) -> bool:
+    async def _foreign(self, spec: ConsumerSpec, msg: Msg) -> bool:
         """True (and logged) when `msg` was not delivered by `spec`'s consumer: pushed into its inbox by
         someone else, or delivered by another consumer (a forged or replayed delivery). Such a message
-        is never acted on, acknowledged or dead-lettered: it is not this consumer's to settle."""
+        is never acted on, acknowledged or dead-lettered: it is not this consumer's to settle. A legacy
+        message of another share (`subjects.reads`) is acknowledged and skipped."""
         why = not_delivered_by(msg, spec.stream.name, spec.durable)
-        if why is None and not subjects.matches(spec.filter_subject, msg.subject):
+        if why is None and not subjects.holds(spec.filter_subject, msg.subject):
+            if any(subjects.matches(form, msg.subject) for form in self.reads(spec.filter_subject)):
+                # Stored before VIGIL_JOBS's transform, of another share (a share's filter in the
+                # published form is every job's): acknowledged, another share's consumer acts on it.
+                await msg.ack()
+                return True
             why = f"subject {msg.subject!r} is outside the consumer's filter {spec.filter_subject!r}"
         if why is not None:
             log.error(

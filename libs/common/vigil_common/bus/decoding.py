@@ -31,8 +31,8 @@ def decode_message(msg: Msg | Stored) -> Message:
 
 def decode_stored(filter_subjects: Sequence[str], msg: Stored) -> Message:
     """Decode a stored message only if it was read from the stream that stores one of
-    `filter_subjects`, on a subject they match."""
-    wanted = [f for f in filter_subjects if subjects.matches(f, msg.subject)]
+    `filter_subjects`, on a subject they match (in either form: `subjects.holds`)."""
+    wanted = [f for f in filter_subjects if subjects.holds(f, msg.subject)]
     if not wanted or msg.stream != subjects.stream_for(wanted[0]).name:
         raise MalformedMessage(
             f"{msg.subject!r} was not read from the stream of {', '.join(filter_subjects)} "
@@ -44,7 +44,7 @@ def decode_stored(filter_subjects: Sequence[str], msg: Stored) -> Message:
 async def admitted(msg: Msg | Stored, admit: Admit | None) -> Message:
     """The decoded message, if `admit` (when given) admits it; MalformedMessage if not."""
     event = decode_message(msg)
-    if admit is not None and (why := await admit(subjects.unshared(msg.subject), event)) is not None:
+    if admit is not None and (why := await admit(subjects.published(msg.subject), event)) is not None:
         log.warning("refused a forged %s on %s: %s", event.type, msg.subject, why)
         raise MalformedMessage(f"refused as forged: {why}")
     return event

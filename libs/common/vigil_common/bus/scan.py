@@ -34,18 +34,20 @@ class Scanning(BusClient):
         upto: int | None = None,
         admit: Admit | None = None,
     ) -> AsyncIterator[Message]:
-        """The messages stored on `filter_subject` since `since` (epoch seconds), up to stream sequence
-        `upto`, read through the named pull consumer `name` (made for the scan, deleted after it).
-        Malformed messages are skipped, and so are a message that consumer did not deliver and one
-        `admit` refuses. One scan per name at a time: a scan that finds the name taken (another
+        """The messages stored on `filter_subject` (either form) since `since` (epoch seconds), up to
+        stream sequence `upto`, read through the named pull consumer `name` (made for the scan, deleted
+        after it). Malformed messages are skipped, and so are a message that consumer did not deliver
+        and one `admit` refuses. One scan per name at a time: a scan that finds the name taken (another
         process's scan) waits for it to end."""
         stream = subjects.stream_for(filter_subject).name
+        forms = self.reads(filter_subject)
         config = ConsumerConfig(
             name=name,
             deliver_policy=DeliverPolicy.BY_START_TIME,
             opt_start_time=datetime.fromtimestamp(max(since, 0.0), tz=UTC) - timedelta(seconds=1),
             ack_policy=AckPolicy.NONE,
-            filter_subject=filter_subject,
+            filter_subject=forms[0] if len(forms) == 1 else None,
+            filter_subjects=list(forms) if len(forms) > 1 else None,
             inactive_threshold=5.0,  # a scan left by a process that died goes soon
         )
         await self._create_only(stream, config)
@@ -62,6 +64,8 @@ class Scanning(BusClient):
                         continue
                     if upto is not None and msg.metadata.sequence.stream > upto:
                         return
+                    if not subjects.holds(filter_subject, msg.subject):
+                        continue  # stored before VIGIL_JOBS's transform, of another share
                     try:
                         event = await admitted(msg, admit)
                     except MalformedMessage as exc:
@@ -80,7 +84,9 @@ class Scanning(BusClient):
         """Create the named consumer `config` describes, never updating one that exists (the request's
         `action: create`): while one of that name exists, wait for it to go."""
         assert config.name
-        subject = f"$JS.API.CONSUMER.CREATE.{stream}.{config.name}.{config.filter_subject}"
+        subject = f"$JS.API.CONSUMER.CREATE.{stream}.{config.name}"
+        if config.filter_subject:
+            subject += f".{config.filter_subject}"
         body = json.dumps({"stream_name": stream, "config": config.as_dict(), "action": "create"}).encode()
         deadline = time.monotonic() + timeout_s
         delay = 0.05
