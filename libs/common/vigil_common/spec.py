@@ -324,10 +324,22 @@ class GuardianSpec(StrictModel):
     straggler: Action = "alert"
     hang: Action = "rollback"
     gpu_health: Action = "alert"
-    hang_timeout_s: float = Field(60.0, gt=0, le=86_400)
-    hang_step_multiple: float = Field(
-        20.0, ge=2, le=10_000, description="also hung when no step for this many median step times"
+    hang_timeout_s: float = Field(
+        60.0, gt=0, le=86_400, description="hung after this long without a step, whatever the step time"
     )
+    hang_step_multiple: float = Field(
+        10.0,
+        ge=2,
+        le=10_000,
+        description="k: also hung after k x the job's p99 step time (over `hang_window`) without a step",
+    )
+    hang_floor_s: float = Field(
+        5.0,
+        gt=0,
+        le=86_400,
+        description="the step-time limit never judges a shorter silence a hang (a save, an evaluation)",
+    )
+    hang_window: int = Field(100, ge=10, le=10_000, description="the steps the p99 step time is taken over")
     max_rollbacks: int = Field(3, ge=0, le=1000)
     spike_zscore: float = Field(6.0, gt=0, le=1e6, description="robust z-score over the rolling median/MAD")
     spike_window: int = Field(50, ge=5, le=10_000)
@@ -353,6 +365,18 @@ class GuardianSpec(StrictModel):
     )
     imbalance_threshold: float = Field(0.2, gt=0, lt=10)
     imbalance_steps: int = Field(5, ge=1, le=10_000)
+
+    @model_validator(mode="after")
+    def _floor_below_timeout(self) -> GuardianSpec:
+        # Only a floor the spec sets: the default (5 s) above a short `hang_timeout_s` is the timeout's.
+        if "hang_floor_s" in self.model_fields_set and self.hang_floor_s > self.hang_timeout_s:
+            raise FieldError(
+                "guardian.hang_floor_s",
+                f"guardian.hang_floor_s ({self.hang_floor_s:g}) exceeds guardian.hang_timeout_s "
+                f"({self.hang_timeout_s:g}): the floor is the shortest silence judged a hang, the timeout "
+                "the longest; lower the floor or raise the timeout",
+            )
+        return self
 
 
 class _Fault(StrictModel):
