@@ -42,16 +42,19 @@ async def dump_rank(rank: int, pid: int, timeout_s: float, tool: str | None = No
     tool = tool or py_spy()
     if tool is None:
         return RankStacks(rank=rank, pid=pid, error="py-spy is not installed on this node")
-    proc = await asyncio.create_subprocess_exec(
-        tool,
-        "dump",
-        "--pid",
-        str(pid),
-        "--json",
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            tool,
+            "dump",
+            "--pid",
+            str(pid),
+            "--json",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as exc:
+        return RankStacks(rank=rank, pid=pid, error=f"py-spy did not start: {exc}"[:ERROR_CHARS])
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
