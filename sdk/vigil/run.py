@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vigil import manifest
+from vigil import manifest, stack_dump
 from vigil.boundary import Boundary, agree
 from vigil.commands import act
 from vigil.exits import EXIT_PREEMPTED, EXIT_RESTART, write_last_step
@@ -514,6 +514,7 @@ def init() -> Run:
         )
         if threading.current_thread() is threading.main_thread():
             _current.notice.install()  # SIGUSR1 from the worker: a preemption notice
+        stack_dump.install()  # SIGUSR2 from the worker: every thread's stack (when py-spy cannot read us)
         atexit.register(_current.close)
         if isinstance(link, AgentLink):
             log.info(

@@ -551,6 +551,9 @@ class RankStacks(BaseModel):
     rank: Rank
     pid: int = Field(ge=0, le=MAX_INT4)
     threads: list[ThreadStack] = Field(default_factory=list, max_length=MAX_THREADS)
+    tool: Literal["py-spy", "faulthandler"] | None = Field(
+        None, description="what read them: py-spy, else the rank's own faulthandler (names, not qualnames)"
+    )
     error: Text | None = Field(None, description="why this rank's stacks are missing (py-spy's word)")
 
 

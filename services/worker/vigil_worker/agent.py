@@ -44,7 +44,7 @@ from vigil_worker.inventory import Inventory
 from vigil_worker.launch import agent_socket, prepare_ranks
 from vigil_worker.procs import Exit, RankRecord, RankTable
 from vigil_worker.relay import Relay
-from vigil_worker.stacks import dump_rank, fit
+from vigil_worker.stacks import dump, fit
 from vigil_worker.tenancy import Tenancy
 
 log = logging.getLogger("vigil.worker")
@@ -232,7 +232,7 @@ class Worker:
         and report them (`StacksDumped`) within the command's bound."""
         started = time.monotonic()
         bound = max(0.2, command.within_s * 0.75)  # the rest of the guardian's wait is the trip back
-        dumps = await asyncio.gather(*(dump_rank(r.rank, r.pid, bound) for r in ranks))
+        dumps = await asyncio.gather(*(dump(r.rank, r.pid, r.exit_path, bound) for r in ranks))
         took = time.monotonic() - started
         failed = [d.rank for d in dumps if d.error]
         log.warning("%s: dumped the stacks of ranks %s in %.2fs%s", command.job_id, [r.rank for r in ranks],

@@ -1,23 +1,31 @@
-"""A hung job's stacks: every thread of each of this node's ranks, read with py-spy (`py-spy dump --json`).
+"""A hung job's stacks: every thread of each of this node's ranks, read with py-spy (`py-spy dump --json`),
+else by the rank itself (`vigil.stack_dump`: faulthandler on SIGUSR2, when the rank installed it).
 
 py-spy reads the target's memory (ptrace): a worker running as root reads ranks that run as a job's
 own uid, in the job's cgroup. The process is paused for the read (a few milliseconds), not changed. Each
 rank is read at once, in parallel, within the time the guardian waits (`DumpStacks.within_s`); a rank
 that cannot be read (gone, not Python, py-spy missing or refused) is reported with py-spy's reason, never
 left out silently. The dump is trimmed to fit `events.MAX_STACKS_BYTES` (the outermost frames go first;
-the innermost say where a rank is)."""
+the innermost say where a rank is).
+
+py-spy gets 60 % of the bound, the rank's own dump the rest: py-spy answers in tens of milliseconds, and
+fails as fast where it cannot read a process (no ptrace, no py-spy)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
+import re
 import shutil
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from vigil.stack_dump import SIGNAL, stacks_path
 from vigil_common.events import (
     MAX_FRAMES,
     MAX_STACKS_BYTES,
@@ -28,6 +36,22 @@ from vigil_common.events import (
 )
 
 ERROR_CHARS = 500  # of py-spy's own words, when it fails
+
+
+async def dump(
+    rank: int, pid: int, exit_path: str | Path, bound_s: float, tool: str | None = None
+) -> RankStacks:
+    """One rank's stacks within `bound_s`: py-spy's, else the rank's own faulthandler dump, else py-spy's
+    reason (with the fallback's, when it had one). `tool`: the py-spy to run (default: `py_spy()`)."""
+    read = await dump_rank(rank, pid, bound_s * 0.6, tool)
+    if read.error is None:
+        return read
+    own = await dump_by_signal(rank, pid, exit_path, bound_s * 0.4)
+    if own is None:  # the rank installed no handler: a signal could end it
+        return read
+    if own.error is not None:
+        return read.model_copy(update={"error": f"{read.error}; faulthandler: {own.error}"[:ERROR_CHARS]})
+    return own
 
 
 def py_spy() -> str | None:
@@ -71,7 +95,58 @@ async def dump_rank(rank: int, pid: int, timeout_s: float, tool: str | None = No
     except (ValueError, TypeError, KeyError) as exc:
         why = f"py-spy's output is not what was expected: {exc}"
         return RankStacks(rank=rank, pid=pid, error=why[:ERROR_CHARS])
-    return RankStacks(rank=rank, pid=pid, threads=threads)
+    return RankStacks(rank=rank, pid=pid, threads=threads, tool="py-spy")
+
+
+async def dump_by_signal(rank: int, pid: int, exit_path: str | Path, timeout_s: float) -> RankStacks | None:
+    """The rank's own dump (`vigil.stack_dump`): SIGUSR2, then what it appends to its stacks file within
+    `timeout_s`; None when it has no stacks file (no handler installed)."""
+    path = stacks_path(exit_path)
+    try:
+        before = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    try:
+        os.kill(pid, SIGNAL)
+    except ProcessLookupError:
+        return RankStacks(rank=rank, pid=pid, error="the process is gone")
+    deadline, size = time.monotonic() + timeout_s, before
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.02)  # polling the file the rank's signal handler writes
+        grown = path.stat().st_size
+        if before < grown == size:
+            break  # written, and no longer growing
+        size = grown
+    with path.open("rb") as fh:
+        fh.seek(before)
+        text = fh.read(1 << 20).decode(errors="replace")
+    threads = parse_faulthandler(text)
+    if not threads:
+        return RankStacks(rank=rank, pid=pid, error=f"no stacks written within {timeout_s:.1f}s")
+    return RankStacks(rank=rank, pid=pid, threads=threads, tool="faulthandler")
+
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):$")
+_FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_faulthandler(text: str) -> list[ThreadStack]:
+    """faulthandler's text (per thread, frames innermost first) as `ThreadStack`s. It names no thread, so
+    the one not started by `threading` (its outermost frame is not `_bootstrap`) is `MainThread`, first."""
+    threads: list[tuple[str, list[StackFrame]]] = []
+    for line in text.splitlines():
+        if m := _THREAD.match(line):
+            threads.append((m.group(1), []))
+        elif (m := _FRAME.match(line)) and threads and len(threads[-1][1]) < MAX_FRAMES:
+            threads[-1][1].append(
+                StackFrame(function=m.group(3)[:256], file=m.group(1)[-4096:], line=int(m.group(2)))
+            )
+    out = []
+    for ident, frames in threads:
+        main = bool(frames) and frames[-1].function != "_bootstrap"
+        out.append(ThreadStack(name="MainThread" if main else ident, frames=frames))
+    out.sort(key=lambda t: t.name != "MainThread")
+    return out[:MAX_THREADS]
 
 
 def parse(dump: list[dict[str, Any]]) -> list[ThreadStack]:

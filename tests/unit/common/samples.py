@@ -201,6 +201,7 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
             ev.RankStacks(
                 rank=1,
                 pid=4242,
+                tool="py-spy",
                 threads=[
                     ev.ThreadStack(
                         name="MainThread",
