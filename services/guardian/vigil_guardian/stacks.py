@@ -3,7 +3,8 @@ that stands apart named with its frame. Pure: dumps in, an explanation out.
 
 In a hang, most ranks wait in a collective for the few that do not arrive; those few are somewhere else
 (a data loader, a sleep, a loop). So: group the ranks by main-thread call path; a group whose path goes
-through a collective (`all_reduce`, `barrier`, ... of torch.distributed or DeepSpeed's comm) waits. The
+through a collective (`all_reduce`, `barrier`, ... of torch.distributed or DeepSpeed's comm; autograd's
+`backward`, where DDP's gradient all-reduce runs; a CUDA `synchronize`, where NCCL's is waited for) waits. The
 outlier is the smallest group that waits in no collective (every group waits: the smallest, when there
 is more than one: a rank in another collective); ties go to the group holding the rank the hang detector
 named, then to the lowest rank. A group is named by its innermost collective frame when it waits, else by
@@ -43,9 +44,22 @@ COLLECTIVES = frozenset(
         "isend",
         "irecv",
         "wait",
+        # DDP all-reduces gradients from autograd hooks in C++: a rank waiting for it sits in backward
+        "backward",
+        "_engine_run_backward",
+        "run_backward",
+        # NCCL's collectives are asynchronous: a rank waits for them where the stream is synchronized
+        "synchronize",
     }
 )
-_COMM_FILES = ("torch/distributed/", "deepspeed/comm/", "c10d")
+_COMM_FILES = (
+    "torch/distributed/",
+    "deepspeed/comm/",
+    "c10d",
+    "torch/autograd/",
+    "torch/_tensor.py",
+    "torch/cuda/",
+)
 MAX_GROUPS = 16  # in the incident's evidence; the rest are counted
 PATH_FRAMES = 12  # of each group's call path, innermost first
 

@@ -166,3 +166,19 @@ def test_a_failed_ask_decides_at_once_and_a_step_ends_the_wait():
     assert g2.check_hangs(at(2.2)) == []  # no hang now, no incident
     (again,) = g2.ask_stacks(at(30.0), [JOB], 2.0)  # a later silence is asked about anew
     assert again.event_id != first.event_id
+
+
+def test_a_ddp_rank_waiting_in_backward_waits_and_the_rank_outside_is_the_outlier():
+    autograd = "/venv/lib/python3.11/site-packages/torch/autograd/graph.py"
+    in_backward = [
+        frame("_engine_run_backward", autograd, 768),
+        frame("backward", "/venv/lib/python3.11/site-packages/torch/_tensor.py", 581),
+        frame("train", "/code/byo/prog.py", 44),
+    ]
+    dumps = [dumped("n0", rank(0, in_backward), rank(1, IN_LOADER))]
+    for hint in (0, 1):
+        e = explain(dumps, [0, 1], hint=hint)
+        assert e.rank == 1
+        assert (
+            e.summary() == "rank 1 in `Loader.__next__` (data.py:88); 1 rank waits in `_engine_run_backward`"
+        )
