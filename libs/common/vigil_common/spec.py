@@ -316,6 +316,9 @@ class CheckpointSpec(StrictModel):
     keep: int = Field(5, ge=1, le=1000, description="keep the newest K valid checkpoints")
 
 
+DEFAULT_HANG_FLOOR_S = 5.0  # a checkpoint save or an evaluation can take many times a sub-second step
+
+
 class GuardianSpec(StrictModel):
     nan: Action = "rollback"
     spike: Action = "rollback"
@@ -333,11 +336,12 @@ class GuardianSpec(StrictModel):
         le=10_000,
         description="k: also hung after k x the job's p99 step time (over `hang_window`) without a step",
     )
-    hang_floor_s: float = Field(
-        5.0,
+    hang_floor_s: float | None = Field(
+        None,
         gt=0,
         le=86_400,
-        description="the step-time limit never judges a shorter silence a hang (a save, an evaluation)",
+        description="the step-time limit never judges a shorter silence a hang (a save, an evaluation); "
+        f"null: {DEFAULT_HANG_FLOOR_S:g} s, or hang_timeout_s if that is shorter",
     )
     hang_window: int = Field(100, ge=10, le=10_000, description="the steps the p99 step time is taken over")
     max_rollbacks: int = Field(3, ge=0, le=1000)
@@ -366,10 +370,16 @@ class GuardianSpec(StrictModel):
     imbalance_threshold: float = Field(0.2, gt=0, lt=10)
     imbalance_steps: int = Field(5, ge=1, le=10_000)
 
+    @property
+    def hang_floor(self) -> float:
+        """The floor in effect: `hang_floor_s`, else 5 s (never above `hang_timeout_s`)."""
+        if self.hang_floor_s is not None:
+            return self.hang_floor_s
+        return min(DEFAULT_HANG_FLOOR_S, self.hang_timeout_s)
+
     @model_validator(mode="after")
     def _floor_below_timeout(self) -> GuardianSpec:
-        # Only a floor the spec sets: the default (5 s) above a short `hang_timeout_s` is the timeout's.
-        if "hang_floor_s" in self.model_fields_set and self.hang_floor_s > self.hang_timeout_s:
+        if self.hang_floor_s is not None and self.hang_floor_s > self.hang_timeout_s:
             raise FieldError(
                 "guardian.hang_floor_s",
                 f"guardian.hang_floor_s ({self.hang_floor_s:g}) exceeds guardian.hang_timeout_s "

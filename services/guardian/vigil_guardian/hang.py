@@ -128,7 +128,7 @@ def job_hang(
         p99_step_s,
         timeout_s=c.spec.hang_timeout_s,
         multiple=c.spec.hang_step_multiple,
-        floor_s=c.spec.hang_floor_s,
+        floor_s=c.spec.hang_floor,
         nodes=c.nodes,
     )
     if v is None:

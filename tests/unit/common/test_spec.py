@@ -2,7 +2,9 @@ import json
 
 import pytest
 
+from tests.unit.guardian.helpers import launch
 from vigil_common.errors import SpecError
+from vigil_common.events import decode
 from vigil_common.spec import PRESETS, JobSpec, parse_spec
 
 FULL = """
@@ -189,7 +191,10 @@ def test_common_framework_variables_pass_the_credential_rule() -> None:
 
 def test_the_adaptive_hang_timeout_keeps_the_old_fields_and_refuses_a_floor_above_the_timeout():
     old = parse_spec("name: t\nguardian: {hang_timeout_s: 1.0, hang_step_multiple: 5}").guardian
-    assert (old.hang_timeout_s, old.hang_step_multiple, old.hang_floor_s) == (1.0, 5.0, 5.0)  # as before
+    assert (old.hang_timeout_s, old.hang_step_multiple, old.hang_floor) == (1.0, 5.0, 1.0)  # as before
+    assert JobSpec(name="t").guardian.hang_floor == 5.0
+    # a spec round-trips (a LaunchJob carries it whole): the default floor is no value, never above the timeout
+    assert parse_spec({"name": "t", "guardian": old.model_dump()}).guardian == old
     new = parse_spec("name: t\nguardian: {hang_floor_s: 0.5, hang_step_multiple: 10, hang_window: 50}")
     assert (new.guardian.hang_floor_s, new.guardian.hang_window) == (0.5, 50)
     with pytest.raises(SpecError) as info:
@@ -205,3 +210,10 @@ def test_the_adaptive_hang_timeout_keeps_the_old_fields_and_refuses_a_floor_abov
         ("guardian: {hang_window: 5}", "guardian.hang_window"),
     ]:
         assert field in fields("name: t\n" + text), text
+
+
+def test_a_launch_whose_spec_has_a_short_hang_timeout_decodes():
+    """The floor's default is no value: a spec with a timeout under 5 s, serialised whole in its LaunchJob,
+    still decodes (a default of 5 s above it was once refused on the wire)."""
+    sent = launch(2, hang_timeout_s=1.0)
+    assert decode(sent.to_bytes()) == sent
