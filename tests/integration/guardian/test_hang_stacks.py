@@ -156,6 +156,11 @@ async def test_a_rank_stuck_in_its_data_loader_is_named_with_its_frame(stack: St
     stored = await eventually(lambda: readmodel.incidents(stack.pool, job_id=hang.job_id), what="incidents")
     (row,) = [i for i in stored["items"] if i["kind"] == "hang"]
     assert row["evidence"]["stacks"]["outlier"] == [1] and row["rank"] == 1
+    # the console's job page lists the groups under the incident
+    page = (await stack.http.get(f"/console/data/jobs/{hang.job_id}")).json()
+    (shown,) = [i for i in page["incidents"] if i["kind"] == "hang"]
+    assert shown["stacks"][0] == f"rank 1 (outlier): in Loader.__next__ (prog.py:{line_of('LOADER_STUCK')})"
+    assert shown["stacks"][1].startswith("rank 0: wait in all_reduce (distributed_c10d.py:"), shown["stacks"]
 
 
 async def test_a_rank_stuck_outside_any_collective_is_named_with_its_frame(stack: Stack):
