@@ -5,9 +5,10 @@ reported by every rank, the series judged once per complete step (the cross-rank
 divergence, the global gradient norm for its spikes), the run of imbalanced steps, and recent step
 times (the hang detector's p99). Pure: no I/O.
 
-A step's time, for the hang detector, is the wall time between a rank's consecutive steps (its own
-`step_time_s` for its first): whatever runs between two steps (a checkpoint save, an evaluation, a
-held step's replay) is a silence a healthy job makes, so it counts.
+A step's time, for the hang detector, is the longest wall time any rank took from its previous step to
+this one: whatever runs between two steps (a checkpoint save, an evaluation, a held step's replay) is a
+silence a healthy job makes, so it counts; a rank's first step (imports, rendezvous, warm-up) gives none.
+One time per step, whatever the world size, so `hang_window` is a number of steps.
 
 Which rank made a NaN. After the all-reduce every rank's gradient norm is NaN and every rank skips
 the update, so a rank whose own loss was finite (`local_finite` True) is a witness, not a culprit:
@@ -38,7 +39,8 @@ class Windows:
     def __init__(self, spec: GuardianSpec) -> None:
         self.losses = LossWindows(spec.spike_window, spec.spike_warmup)  # per rank: the spike rule's window
         self.pending: dict[int, dict[int, StepCompleted]] = {}  # step -> rank -> event
-        self.step_times: deque[float] = deque(maxlen=spec.hang_window)
+        self.step_times: deque[float] = deque(maxlen=spec.hang_window)  # one per step: the slowest rank's
+        self._timed_step: int | None = None  # the step of step_times[-1]
         self.progress: dict[int, tuple[float, int | None]] = {}  # rank -> (time of its last step, step)
         self.step_losses: deque[tuple[int, float]] = deque()  # (step, cross-rank median loss)
         self.grad_norms: deque[tuple[int, float]] = deque()  # (step, global gradient norm)
@@ -55,6 +57,15 @@ class Windows:
         self.tracker = ImbalanceTracker(spec.imbalance_threshold, spec.imbalance_steps)
         self.scores = StragglerScores()
 
+    def _step_time(self, step: int, seconds: float) -> None:
+        """One time per step, the slowest rank's (the ranks of a step come together: a straggler of the
+        previous step after a faster rank's next one opens a second entry, which a p99 bears)."""
+        if self.step_times and self._timed_step == step:
+            self.step_times[-1] = max(self.step_times[-1], seconds)
+        else:
+            self.step_times.append(seconds)
+            self._timed_step = step
+
     def p99_step_s(self) -> float | None:
         """The p99 of the recent step times (the hang detector's measure), None before any."""
         return p99(self.step_times)
@@ -65,9 +76,7 @@ class Windows:
         spec, rank, step = self.spec, event.rank, event.step
         t, last = event.occurred_at.timestamp(), self.progress.get(rank)
         if last is not None and last[1] is not None and step == last[1] + 1 and t > last[0]:
-            self.step_times.append(t - last[0])
-        elif last is None and math.isfinite(event.step_time_s) and event.step_time_s > 0:
-            self.step_times.append(event.step_time_s)
+            self._step_time(step, t - last[0])
         self.progress[rank] = (t, step)
 
         verdicts = []
