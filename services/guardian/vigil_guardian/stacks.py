@@ -139,7 +139,7 @@ def explained(
         return dataclasses.replace(
             v, message=f"{v.message}; no stacks: {why}", evidence={**v.evidence, "stacks": {"error": why}}
         )
-    e = explain(dumps, ranks, hint=v.rank)
+    e = explain(dumps, ranks, hint=v.rank, nodes=nodes)
     rank = e.rank if e.rank is not None else v.rank
     return dataclasses.replace(
         v,
@@ -150,13 +150,21 @@ def explained(
     )
 
 
-def explain(dumps: Iterable[StacksDumped], ranks: Iterable[int], hint: int | None = None) -> Explanation:
+def explain(
+    dumps: Iterable[StacksDumped],
+    ranks: Iterable[int],
+    hint: int | None = None,
+    nodes: Mapping[int, str] | None = None,
+) -> Explanation:
     """Group the main-thread stacks of `ranks` (the job's live ranks) from the nodes' dumps; a rank in no
-    dump, or dumped with an error, is missing. `hint`: the rank the hang detector named."""
+    dump, or dumped with an error, is missing. `hint`: the rank the hang detector named. `nodes` (rank ->
+    node, the placement): a node's dump speaks for the ranks placed on it only (a worker cannot speak
+    for another node's ranks)."""
     by_rank: dict[int, RankStacks] = {}
     for d in dumps:
         for r in d.ranks:
-            by_rank[r.rank] = r
+            if nodes is None or nodes.get(r.rank) == d.node:
+                by_rank[r.rank] = r
     missing: dict[int, str] = {}
     paths: dict[tuple[StackFrame, ...], list[int]] = {}
     for rank in sorted(set(ranks)):

@@ -182,3 +182,11 @@ def test_a_ddp_rank_waiting_in_backward_waits_and_the_rank_outside_is_the_outlie
         assert (
             e.summary() == "rank 1 in `Loader.__next__` (data.py:88); 1 rank waits in `_engine_run_backward`"
         )
+
+
+def test_a_nodes_dump_speaks_only_for_the_ranks_placed_on_it():
+    forged = dumped("n0", rank(0, IN_ALL_REDUCE), rank(1, IN_ALL_REDUCE))  # n0 claims n1's rank 1 too
+    e = explain([forged, dumped("n1", rank(1, IN_LOADER))], [0, 1], nodes={0: "n0", 1: "n1"})
+    assert e.rank == 1 and e.summary().startswith("rank 1 in `Loader.__next__`")
+    alone = explain([forged], [0, 1], nodes={0: "n0", 1: "n1"})
+    assert alone.missing == {1: "its node sent no dump"}
