@@ -61,6 +61,7 @@ _COMM_FILES = (
     "torch/cuda/",
 )
 MAX_GROUPS = 16  # in the incident's evidence; the rest are counted
+SUMMARY_GROUPS = 4  # in the incident's message
 PATH_FRAMES = 12  # of each group's call path, innermost first
 
 
@@ -92,11 +93,14 @@ class Explanation:
     def summary(self) -> str:
         """`rank 3 in `Loader.__next__` (data.py:88); 7 ranks wait in `all_reduce``."""
         parts = []
-        for g in self.groups:
+        for g in self.groups[:SUMMARY_GROUPS]:
             who = _ranks(g.ranks) if g is self.outlier or len(self.groups) == 1 else _count(g.ranks)
             if len(self.groups) == 1 and len(g.ranks) > 1:
                 who = f"all {len(g.ranks)} ranks"
             parts.append(f"{who} {_verb(g)} {_name(g)}")
+        if len(self.groups) > SUMMARY_GROUPS:
+            rest = self.groups[SUMMARY_GROUPS:]
+            parts.append(f"{sum(len(g.ranks) for g in rest)} more ranks in {len(rest)} other places")
         if self.missing:
             parts.append(f"no stacks from {_ranks(tuple(sorted(self.missing)))}: {_why(self.missing)}")
         return "; ".join(parts) if parts else "no stacks"

@@ -190,3 +190,10 @@ def test_a_nodes_dump_speaks_only_for_the_ranks_placed_on_it():
     assert e.rank == 1 and e.summary().startswith("rank 1 in `Loader.__next__`")
     alone = explain([forged], [0, 1], nodes={0: "n0", 1: "n1"})
     assert alone.missing == {1: "its node sent no dump"}
+
+
+def test_many_places_keep_the_message_short_and_the_evidence_bounded():
+    spinning = [rank(r, [frame("spin", "/code/byo/prog.py", 100 + r)]) for r in range(40)]
+    e = explain([dumped("n0", *spinning)], range(40))
+    assert e.summary().endswith("; 36 more ranks in 36 other places") and e.summary().count(";") == 4
+    assert len(e.evidence()["groups"]) == 16 and e.evidence()["more_groups"] == 24
