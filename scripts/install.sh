@@ -87,4 +87,6 @@ if [ ! -x /usr/bin/chromium ]; then
         echo "install: no apt-get here: install Chromium at /usr/bin/chromium for the browser tests" >&2
     fi
 fi
-echo "install: done ($(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'))"
+# the worker reads a hung job's stacks with py-spy (a `worker` dependency): fail here, not at the first hang
+.venv/bin/py-spy --version >/dev/null || { echo "install: py-spy missing from .venv/bin" >&2; exit 1; }
+echo "install: done ($(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'), $(.venv/bin/py-spy --version))"

@@ -484,6 +484,63 @@ class DeviceDiagnosed(Message):
     command_id: str = Field(max_length=128, description="the DiagnoseDevice that asked")
 
 
+# --- stacks: a hang explained ---------------------------------------------------------------------------
+
+MAX_STACKS_BYTES = 256 * 1024  # one node's StacksDumped, as JSON: the worker trims the dump to fit
+MAX_THREADS = 64  # threads per rank in a dump
+MAX_FRAMES = 64  # frames per thread (the innermost kept)
+
+
+class StackFrame(BaseModel):
+    """One Python frame, as py-spy names it: the function's qualified name, its file, its line."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    function: Name
+    file: Text
+    line: int | None = Field(None, ge=0, le=MAX_INT4)
+
+
+class ThreadStack(BaseModel):
+    """One thread of a rank, innermost frame first."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Name = Field(description="the thread's name (`MainThread` runs the training loop)")
+    frames: list[StackFrame] = Field(max_length=MAX_FRAMES, description="innermost first")
+
+
+class RankStacks(BaseModel):
+    """Every thread of one rank's Python process, or why it could not be read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rank: Rank
+    pid: int = Field(ge=0, le=MAX_INT4)
+    threads: list[ThreadStack] = Field(default_factory=list, max_length=MAX_THREADS)
+    tool: Literal["py-spy", "faulthandler"] | None = Field(
+        None, description="what read them: py-spy, else the rank's own faulthandler (names, not qualnames)"
+    )
+    error: Text | None = Field(None, description="why this rank's stacks are missing (py-spy's word)")
+
+
+class StacksDumped(Message):
+    """The worker of `node` dumped its ranks' Python stacks (every thread, py-spy) when the guardian judged
+    the job hung (`DumpStacks`); the guardian groups them and names the outlier in the hang incident."""
+
+    type: Literal["ranks.stacks_dumped"] = "ranks.stacks_dumped"
+    schema_version: Literal[1] = 1
+    node: Name
+    command_id: Name = Field(description="the DumpStacks that asked")
+    ranks: list[RankStacks] = Field(max_length=MAX_CULPRITS, description="this node's ranks of the job")
+    duration_s: float = Field(ge=0)
+
+    @field_validator("ranks")
+    @classmethod
+    def _small_dump(cls, ranks: list[RankStacks]) -> list[RankStacks]:
+        size = sum(len(r.model_dump_json()) for r in ranks)
+        if size > MAX_STACKS_BYTES:
+            raise ValueError(f"is {size} bytes as JSON, over the limit of {MAX_STACKS_BYTES}")
+        return ranks
+
+
 class JobStateChanged(Message):
     type: Literal["job.state_changed"] = "job.state_changed"
     schema_version: Literal[1] = 1
@@ -565,6 +622,17 @@ class DiagnoseDevice(Command):
     reason: str = Field(max_length=2000)
 
 
+class DumpStacks(Command):
+    """The guardian judged the job hung: each worker running its ranks dumps their Python stacks within
+    `within_s` and reports them (`StacksDumped`). The hang's action waits for the dumps that long, no
+    longer."""
+
+    type: Literal["job.dump_stacks"] = "job.dump_stacks"
+    schema_version: Literal[1] = 1
+    within_s: float = Field(gt=0, le=60)
+    reason: str = Field(max_length=2000)
+
+
 class ResumeJob(Command):
     type: Literal["job.resume"] = "job.resume"
     schema_version: Literal[1] = 1
@@ -629,12 +697,14 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     ReportRefused,
     CheckpointRefused,
     DeviceDiagnosed,
+    StacksDumped,
     JobStateChanged,
     HaltJob,
     RollbackJob,
     RollbackJobV1,
     RestartJob,
     DiagnoseDevice,
+    DumpStacks,
     ResumeJob,
     CancelJob,
     IncidentRaised,
@@ -658,6 +728,7 @@ STATUS_EVENTS: tuple[type[Message], ...] = (
     ReportRefused,
     CheckpointRefused,
     DeviceDiagnosed,
+    StacksDumped,
     JobStateChanged,
 )
 JOB_COMMANDS: tuple[type[Message], ...] = (
@@ -666,6 +737,7 @@ JOB_COMMANDS: tuple[type[Message], ...] = (
     RollbackJobV1,
     RestartJob,
     DiagnoseDevice,
+    DumpStacks,
     ResumeJob,
     CancelJob,
 )

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from vigil import events as ev
-from vigil import manifest
+from vigil import manifest, stack_dump
 from vigil import protocol as proto
 from vigil.boundary import Boundary, agree
 from vigil.commands import act
@@ -524,6 +524,7 @@ def init() -> Run:
         )
         if threading.current_thread() is threading.main_thread():
             _current.notice.install()  # SIGUSR1 from the worker: a preemption notice
+        stack_dump.install()  # SIGUSR2 from the worker: every thread's stack (when py-spy cannot read us)
         atexit.register(_current.close)
         if isinstance(link, AgentLink):
             log.info(

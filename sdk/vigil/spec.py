@@ -316,6 +316,9 @@ class CheckpointSpec(StrictModel):
     keep: int = Field(5, ge=1, le=1000, description="keep the newest K valid checkpoints")
 
 
+DEFAULT_HANG_FLOOR_S = 5.0  # a checkpoint save or an evaluation can take many times a sub-second step
+
+
 class GuardianSpec(StrictModel):
     nan: Action = "rollback"
     spike: Action = "rollback"
@@ -324,10 +327,23 @@ class GuardianSpec(StrictModel):
     straggler: Action = "alert"
     hang: Action = "rollback"
     gpu_health: Action = "alert"
-    hang_timeout_s: float = Field(60.0, gt=0, le=86_400)
-    hang_step_multiple: float = Field(
-        20.0, ge=2, le=10_000, description="also hung when no step for this many median step times"
+    hang_timeout_s: float = Field(
+        60.0, gt=0, le=86_400, description="hung after this long without a step, whatever the step time"
     )
+    hang_step_multiple: float = Field(
+        10.0,
+        ge=2,
+        le=10_000,
+        description="k: also hung after k x the job's p99 step time (over `hang_window`) without a step",
+    )
+    hang_floor_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="the step-time limit never judges a shorter silence a hang (a save, an evaluation); "
+        f"null: {DEFAULT_HANG_FLOOR_S:g} s, or hang_timeout_s if that is shorter",
+    )
+    hang_window: int = Field(100, ge=10, le=10_000, description="the steps the p99 step time is taken over")
     max_rollbacks: int = Field(3, ge=0, le=1000)
     spike_zscore: float = Field(6.0, gt=0, le=1e6, description="robust z-score over the rolling median/MAD")
     spike_window: int = Field(50, ge=5, le=10_000)
@@ -353,6 +369,24 @@ class GuardianSpec(StrictModel):
     )
     imbalance_threshold: float = Field(0.2, gt=0, lt=10)
     imbalance_steps: int = Field(5, ge=1, le=10_000)
+
+    @property
+    def hang_floor(self) -> float:
+        """The floor in effect: `hang_floor_s`, else 5 s (never above `hang_timeout_s`)."""
+        if self.hang_floor_s is not None:
+            return self.hang_floor_s
+        return min(DEFAULT_HANG_FLOOR_S, self.hang_timeout_s)
+
+    @model_validator(mode="after")
+    def _floor_below_timeout(self) -> GuardianSpec:
+        if self.hang_floor_s is not None and self.hang_floor_s > self.hang_timeout_s:
+            raise FieldError(
+                "guardian.hang_floor_s",
+                f"guardian.hang_floor_s ({self.hang_floor_s:g}) exceeds guardian.hang_timeout_s "
+                f"({self.hang_timeout_s:g}): the floor is the shortest silence judged a hang, the timeout "
+                "the longest; lower the floor or raise the timeout",
+            )
+        return self
 
 
 class _Fault(StrictModel):

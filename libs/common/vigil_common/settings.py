@@ -142,6 +142,12 @@ class Settings(BaseSettings):
     device_marks_per_job: int = Field(
         2, ge=0, le=1024, description="devices one job's replays may mark unhealthy (unconfirmed marks)"
     )
+    hang_stacks_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="on a hang, the guardian waits this long for the ranks' stacks, then acts; 0: no dump",
+    )
     diagnose_timeout_s: float = Field(
         120.0, gt=0, le=3600, description="the worker's known-answer check of a device may run this long"
     )

@@ -9,6 +9,7 @@ from datetime import datetime
 
 from vigil.events import (
     STATUS_EVENTS,
+    DumpStacks,
     GpuSampled,
     LaunchJob,
     Message,
@@ -74,6 +75,16 @@ class Guardian:
     def hang_candidates(self, now: datetime) -> list[str]:
         """The jobs `check_hangs` would decide about now (nothing changes)."""
         return [job_id for job_id, watch in self.jobs.items() if watch.hang_verdict(now) is not None]
+
+    def ask_stacks(self, now: datetime, job_ids: Iterable[str], within_s: float) -> list[DumpStacks]:
+        """The `DumpStacks` commands to send first for the hangs of `job_ids` (see `JobWatch.ask_stacks`)."""
+        out = []
+        for job_id in job_ids:
+            if (watch := self.jobs.get(job_id)) is not None and (
+                command := watch.ask_stacks(now, within_s)
+            ) is not None:
+                out.append(command)
+        return out
 
     def check_hangs(self, now: datetime, job_ids: Iterable[str] | None = None) -> list[Decision]:
         """Hang decisions for every job (or those of `job_ids`)."""

@@ -5,31 +5,43 @@ whose ranks never started, or a rollback that never completes. `hang` measures o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 
 from vigil.jobstates import JobState
 from vigil_guardian.state import Control
 from vigil_guardian.verdict import Verdict
 
-# The step-time multiple never judges a silence shorter than this a hang: a checkpoint save or an
-# evaluation can take many times a sub-second step.
-MIN_HANG_S = 5.0
+
+def p99(samples: Iterable[float]) -> float | None:
+    """The 99th percentile (nearest rank) of `samples`; None when there are none. Under 100 samples it is
+    the largest: a rare slow step (a checkpoint save every 20 steps) counts until the window holds
+    enough steps to say how rare it is."""
+    ordered = sorted(samples)
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def hang_limit(median_step_s: float | None, *, timeout_s: float, multiple: float) -> float:
-    """Seconds of silence that make a hang: `timeout_s`, or `multiple` median steps if that is sooner."""
-    if median_step_s is None:
+def hang_limit(p99_step_s: float | None, *, timeout_s: float, multiple: float, floor_s: float) -> float:
+    """Seconds of silence that make a hang: `multiple` (k) x the p99 step time, never under `floor_s`,
+    never over `timeout_s`; `timeout_s` alone before any step time is known.
+
+    The detection target follows: a hang is judged within max(k x p99, floor) (capped by the timeout)
+    plus the check's period (`vigil_guardian.main.HANG_CHECK_S`)."""
+    if p99_step_s is None:
         return timeout_s
-    return min(timeout_s, max(multiple * median_step_s, MIN_HANG_S))
+    return min(timeout_s, max(multiple * p99_step_s, floor_s))
 
 
 def hang(
     now: float,
     progress: Mapping[int, tuple[float, int | None]],
-    median_step_s: float | None,
+    p99_step_s: float | None,
     *,
     timeout_s: float,
     multiple: float,
+    floor_s: float,
     nodes: Mapping[int, str],
 ) -> Verdict | None:
     """The rank silent the longest, if it has been silent past the limit.
@@ -37,11 +49,11 @@ def hang(
     Args:
         now: the current time (epoch seconds).
         progress: rank -> (time of its last step, or of the start of the wait; its last step or None).
-        median_step_s: the job's median step time, None before any step.
+        p99_step_s: the job's p99 step time over its window, None before any step.
     """
     if not progress:
         return None
-    limit = hang_limit(median_step_s, timeout_s=timeout_s, multiple=multiple)
+    limit = hang_limit(p99_step_s, timeout_s=timeout_s, multiple=multiple, floor_s=floor_s)
     rank = min(progress, key=lambda r: (progress[r][0], r))
     since, last_step = progress[rank]
     silent = now - since
@@ -58,7 +70,7 @@ def hang(
         evidence={
             "silent_s": round(silent, 3),
             "limit_s": limit,
-            "median_step_s": median_step_s,
+            "p99_step_s": p99_step_s,
             "last_step": last_step,
             "last_steps": {str(r): p[1] for r, p in sorted(progress.items())},
         },
@@ -78,15 +90,15 @@ def running(c: Control, progress: Mapping[int, tuple[float, int | None]]) -> boo
 
 
 def job_hang(
-    c: Control, progress: Mapping[int, tuple[float, int | None]], median_step_s: float | None, now: float
+    c: Control, progress: Mapping[int, tuple[float, int | None]], p99_step_s: float | None, now: float
 ) -> Verdict | None:
     """A hang verdict for a job, or None. Three waits can hang:
 
     - a rollback in progress that has not completed within `hang_timeout_s` (loading a checkpoint
       takes what it takes, whatever the step time: the plain timeout only);
-    - a running job's rank with no step for too long: `hang_timeout_s`, or `hang_step_multiple`
-      median steps if that is sooner; once every rank has made the job's last step, the plain
-      timeout only (final saves, leaving the process group and exiting are not steps);
+    - a running job's rank with no step for too long: `hang_step_multiple` (k) x the job's p99 step
+      time, at least `hang_floor_s`, at most `hang_timeout_s`; once every rank has made the job's last
+      step, the plain timeout only (final saves, leaving the process group and exiting are not steps);
     - a launched job's rank that never started, counted from the launch of this attempt, not
       from the attempt's first event: a job waits in the queue with its attempt already numbered,
       and that wait is no silence (plain timeout; none before the launch is seen).
@@ -99,23 +111,24 @@ def job_hang(
         if rec.kind != "rollback":
             return None
         waits = {r: (rec.since, rec.to_step - 1 if rec.to_step else None) for r in ranks}
-        median_step_s = None
+        p99_step_s = None
     elif running(c, progress):
         start = c.running_since or c.launched_at or now
         waits = {r: progress.get(r, (start, None)) for r in ranks}
         if c.final_step is not None and all(s is not None and s >= c.final_step for _, s in waits.values()):
-            median_step_s = None
+            p99_step_s = None
     elif c.state in (None, JobState.SCHEDULED) and c.launched_at is not None:
         waits = {r: (c.launched_at, None) for r in ranks if r not in c.started}
-        median_step_s = None
+        p99_step_s = None
     else:
         return None
     v = hang(
         now,
         waits,
-        median_step_s,
+        p99_step_s,
         timeout_s=c.spec.hang_timeout_s,
         multiple=c.spec.hang_step_multiple,
+        floor_s=c.spec.hang_floor,
         nodes=c.nodes,
     )
     if v is None:

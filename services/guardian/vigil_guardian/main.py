@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 import asyncpg
 
@@ -123,6 +124,7 @@ class GuardianService:
         *,
         share: int = 0,
         publish_timeout_s: float = 10.0,
+        stacks_s: float = 2.0,
     ) -> None:
         self.core = core
         self.share = share
@@ -133,6 +135,7 @@ class GuardianService:
         self.notifier = notifier
         self.publish_timeout_s = publish_timeout_s
         self.fence: store.Fence | None = None  # the share's epoch this service holds (`store.take_epoch`)
+        self.stacks_s = stacks_s  # a hang's action waits this long for the ranks' stacks (0: none asked)
         self.judged = 0  # input sequence: every event up to here has had its effect
         self.windowed = 0  # input sequence: every step up to here is in the windows
         self.caught_up = asyncio.Event()  # the input has delivered all it held at start: hangs count
@@ -326,6 +329,7 @@ class GuardianService:
                 self.caught_up.set()
                 now = utcnow()
                 silent = [job for job in self.core.hang_candidates(now) if await self._judged_last(job)]
+                await self.ask_stacks(now, silent)
                 self._owed += self.core.check_hangs(now, silent)
                 if self._owed:
                     try:
@@ -334,6 +338,18 @@ class GuardianService:
                     except Exception as exc:  # owed still: the next tick tries again
                         log.warning("guardian: publishing decisions failed, will retry: %s", exc)
             await wait_any(stop, timeout_s=HANG_CHECK_S)
+
+    async def ask_stacks(self, now: datetime, job_ids: list[str]) -> None:
+        """Before a hang is decided, ask its workers for the ranks' stacks (`DumpStacks`); the decision
+        waits for them `stacks_s` at most (`JobWatch.check_hang`), and at once when the ask fails."""
+        for command in self.core.ask_stacks(now, job_ids, self.stacks_s):
+            job = str(command.job_id)
+            try:
+                await self.bus.publish(subjects.cmd(job), command, timeout_s=self.stacks_s)
+            except Exception as exc:
+                log.warning("guardian: %s: the stacks were not asked for: %s", job, exc)
+                if (watch := self.core.jobs.get(job)) is not None:
+                    watch.stacks_not_asked(str(exc), now)
 
     async def _judged_last(self, job_id: str) -> bool:
         """Whether this share has judged the last event VIGIL_JOBS stored of the job."""
@@ -444,7 +460,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
         async def judge_share(share: int, until: asyncio.Event) -> None:
             core = Guardian(idle_devices=share == 0, devices=devices)
-            service = GuardianService(core, bus, pool, notifier, share=share)
+            service = GuardianService(core, bus, pool, notifier, share=share, stacks_s=settings.hang_stacks_s)
             # its epoch, holding the share's lock and before loading the share's state
             service.fence = await store.take_epoch(pool, share, instance())
             judging[share] = (service, until)

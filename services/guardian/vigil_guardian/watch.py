@@ -10,17 +10,23 @@ abandoned timeline can still arrive late; they were created before the rollback 
 of this attempt created before `gen_started_at` are dropped. While a rollback or halt is in progress
 (`recovering`), events created after the decision are held back and judged once the rollback
 completes (or the halt ends), so one fault gives one incident.
+
+A hang explained. When a wait lasts too long, the job's stacks are asked for first (`ask_stacks`: a
+`DumpStacks` to its workers) and the hang is decided once every node's `StacksDumped` is in, or the bound
+(`Settings.hang_stacks_s`) has passed, whichever comes first: the action never waits longer. The incident
+names the rank that stands apart and its frame (`vigil_guardian.stacks`), or says why there are no stacks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from vigil.events import (
     CheckpointRefused,
     CheckpointSaved,
     DeviceDiagnosed,
+    DumpStacks,
     IncidentRaised,
     JobStateChanged,
     LaunchJob,
@@ -33,6 +39,7 @@ from vigil.events import (
     RestartJob,
     RollbackCompleted,
     RollbackJob,
+    StacksDumped,
     StepCompleted,
     StepReplayed,
 )
@@ -41,6 +48,7 @@ from vigil_guardian.hang import job_hang
 from vigil_guardian.policy import Decision, Policy, incident_id
 from vigil_guardian.rank_exit import rank_exit
 from vigil_guardian.replays import diagnose, diagnosed_incident, diagnosis_verdict, replay_incident, strike
+from vigil_guardian.stacks import explained
 from vigil_guardian.state import Control, Recovering
 from vigil_guardian.verdict import Verdict
 from vigil_guardian.windows import Windows
@@ -53,6 +61,26 @@ BUFFER_MAX = 20_000  # events held back during a recovery
 class Episode:
     start: int
     last: int
+
+
+@dataclass
+class StackWait:
+    """A hang's `DumpStacks`, out: the nodes' dumps as they come, until all are in or `deadline`."""
+
+    key: tuple[int | None, float]  # the silence asked about: (rank, since)
+    command: DumpStacks
+    deadline: float  # epoch seconds
+    nodes: frozenset[str]
+    dumps: dict[str, StacksDumped] = field(default_factory=dict)
+    error: str | None = None  # why no dump can come (the command was not published)
+
+    @property
+    def complete(self) -> bool:
+        return self.nodes <= self.dumps.keys()
+
+
+def _silence(v: Verdict) -> tuple[int | None, float]:
+    return v.rank, v.evidence["since"]
 
 
 class JobWatch:
@@ -68,6 +96,7 @@ class JobWatch:
         self.episodes: dict[str, Episode] = {}
         self.buffer: list[StepCompleted] = []
         self.hang_raised = False
+        self.stack_wait: StackWait | None = None
 
     def _current(self, event: Message) -> bool:
         """Is the event about the current attempt (starting a newer one if it is newer)?"""
@@ -167,6 +196,8 @@ class JobWatch:
             return [report_refused(event)]
         elif isinstance(event, DeviceDiagnosed):
             return self._on_diagnosed(event, now)
+        elif isinstance(event, StacksDumped):
+            return self._on_stacks(event, now)
         elif isinstance(event, RollbackCompleted):
             return self._on_rollback_completed(event, now)
         return []
@@ -251,16 +282,69 @@ class JobWatch:
         """The hang this job is in now, if one is not raised already (nothing changes)."""
         if self.hang_raised:
             return None
-        return job_hang(self.control, self.windows.progress, self.windows.median_step_s(), now.timestamp())
+        return job_hang(self.control, self.windows.progress, self.windows.p99_step_s(), now.timestamp())
+
+    def ask_stacks(self, now: datetime, within_s: float) -> DumpStacks | None:
+        """The `DumpStacks` to send for the hang this job is in now, once per silence; None when there is
+        no hang, it was asked already, or no node of a live rank is known."""
+        v = self.hang_verdict(now)
+        if v is None or within_s <= 0 or "not_started" in v.evidence:
+            return None
+        if self.stack_wait is not None and self.stack_wait.key == _silence(v):
+            return None
+        c = self.control
+        nodes = frozenset(c.nodes[r] for r in c.live_ranks if r in c.nodes)
+        if not nodes:
+            return None
+        command = DumpStacks(
+            event_id=f"{self._incident_id(v)}-stacks",
+            job_id=self.job_id,
+            attempt=c.attempt,
+            occurred_at=now,
+            within_s=within_s,
+            reason=v.message[:2000],
+        )
+        self.stack_wait = StackWait(_silence(v), command, now.timestamp() + within_s, nodes)
+        return command
+
+    def stacks_not_asked(self, why: str, now: datetime) -> None:
+        """The `DumpStacks` could not be sent: the hang is decided without stacks, at once."""
+        if self.stack_wait is not None:
+            self.stack_wait.error = f"the dump was not asked for: {why}"[:500]
+            self.stack_wait.deadline = now.timestamp()
+
+    def _on_stacks(self, event: StacksDumped, now: datetime) -> list[Decision]:
+        w = self.stack_wait
+        if w is None or event.command_id != w.command.event_id:
+            return []  # a dump for a silence decided already (or one this guardian did not ask)
+        w.dumps[event.node] = event
+        return self.check_hang(now) if w.complete else []
 
     def check_hang(self, now: datetime) -> list[Decision]:
-        """A hang decision if some wait has lasted too long (called on a timer; see `hang.job_hang`)."""
+        """A hang decision if some wait has lasted too long (called on a timer; see `hang.job_hang`), once
+        the stacks asked for are in or their bound has passed."""
         v = self.hang_verdict(now)
         if v is None:
             return []
+        w = self.stack_wait
+        if w is not None and w.key != _silence(v):
+            w = self.stack_wait = None  # asked about an earlier silence
+        if w is not None and not w.complete and now.timestamp() < w.deadline:
+            return []  # the dumps have until the deadline
+        iid = self._incident_id(v)
+        if w is not None:
+            error = w.error or f"no dump came within {w.command.within_s:.1f}s"
+            v = explained(v, w.dumps.values(), self.control.live_ranks, self.control.nodes, error=error)
+        self.stack_wait = None
         self.hang_raised = True
         self.control.recovering = None  # a stuck rollback is abandoned: the hang decision takes over
-        return [self.decide(v, now, anomaly_step=v.step, key=v.evidence["since"])]
+        return [self.decide(v, now, anomaly_step=v.step, key=v.evidence["since"], iid=iid)]
+
+    def _incident_id(self, v: Verdict) -> str:
+        """A hang's incident id, from the silence the detector found (not the rank its stacks name)."""
+        c = self.control
+        since = v.evidence["since"]
+        return incident_id(self.job_id, c.attempt, c.generation, v.kind, since, v.rank, v.node, v.device)
 
     # --- deciding -------------------------------------------------------------------------------------
 
@@ -272,10 +356,12 @@ class JobWatch:
         data_position: int | None = None,
         anomaly_step: int | None = None,
         key: object = None,
+        iid: str | None = None,
     ) -> Decision:
-        """The job's policy's decision on a verdict, its effect applied to the job."""
+        """The job's policy's decision on a verdict, its effect applied to the job (`iid`: its incident's
+        id, when not the one of `key` and the verdict's place)."""
         c = self.control
-        iid = incident_id(self.job_id, c.attempt, c.generation, v.kind, key, v.rank, v.node, v.device)
+        iid = iid or incident_id(self.job_id, c.attempt, c.generation, v.kind, key, v.rank, v.node, v.device)
         d = Policy(c.spec).decide(
             v,
             iid=iid,

@@ -3,7 +3,12 @@
 Per rank, the recent finite losses (the spike window) and its last step; per job, the steps not yet
 reported by every rank, the series judged once per complete step (the cross-rank median loss for
 divergence, the global gradient norm for its spikes), the run of imbalanced steps, and recent step
-times (the hang detector's median). Pure: no I/O.
+times (the hang detector's p99). Pure: no I/O.
+
+A step's time, for the hang detector, is the longest wall time any rank took from its previous step to
+this one: whatever runs between two steps (a checkpoint save, an evaluation, a held step's replay) is a
+silence a healthy job makes, so it counts; a rank's first step (imports, rendezvous, warm-up) gives none.
+One time per step, whatever the world size, so `hang_window` is a number of steps.
 
 Which rank made a NaN. After the all-reduce every rank's gradient norm is NaN and every rank skips
 the update, so a rank whose own loss was finite (`local_finite` True) is a witness, not a culprit:
@@ -24,6 +29,7 @@ from vigil.spec import GuardianSpec
 from vigil_common.spike_rule import LossWindows
 from vigil_guardian import numeric
 from vigil_guardian.collective import ImbalanceTracker, StragglerScores
+from vigil_guardian.hang import p99
 from vigil_guardian.verdict import Verdict
 
 PENDING_MAX = 64  # incomplete steps kept for the detectors judging a whole step
@@ -33,7 +39,8 @@ class Windows:
     def __init__(self, spec: GuardianSpec) -> None:
         self.losses = LossWindows(spec.spike_window, spec.spike_warmup)  # per rank: the spike rule's window
         self.pending: dict[int, dict[int, StepCompleted]] = {}  # step -> rank -> event
-        self.step_times: deque[float] = deque(maxlen=101)
+        self.step_times: deque[float] = deque(maxlen=spec.hang_window)  # one per step: the slowest rank's
+        self._timed_step: int | None = None  # the step of step_times[-1]
         self.progress: dict[int, tuple[float, int | None]] = {}  # rank -> (time of its last step, step)
         self.step_losses: deque[tuple[int, float]] = deque()  # (step, cross-rank median loss)
         self.grad_norms: deque[tuple[int, float]] = deque()  # (step, global gradient norm)
@@ -42,6 +49,7 @@ class Windows:
     def resize(self, spec: GuardianSpec) -> None:
         """Apply a (new) policy's window sizes and thresholds, keeping what has been seen."""
         self.spec = spec
+        self.step_times = deque(self.step_times, maxlen=spec.hang_window)
         self.losses.resize(spec.spike_window, spec.spike_warmup)
         keep_job = numeric.LONG_WINDOWS * spec.divergence_window
         self.step_losses = deque(self.step_losses, maxlen=keep_job)
@@ -49,16 +57,27 @@ class Windows:
         self.tracker = ImbalanceTracker(spec.imbalance_threshold, spec.imbalance_steps)
         self.scores = StragglerScores()
 
-    def median_step_s(self) -> float | None:
-        return statistics.median(self.step_times) if self.step_times else None
+    def _step_time(self, step: int, seconds: float) -> None:
+        """One time per step, the slowest rank's (the ranks of a step come together: a straggler of the
+        previous step after a faster rank's next one opens a second entry, which a p99 bears)."""
+        if self.step_times and self._timed_step == step:
+            self.step_times[-1] = max(self.step_times[-1], seconds)
+        else:
+            self.step_times.append(seconds)
+            self._timed_step = step
+
+    def p99_step_s(self) -> float | None:
+        """The p99 of the recent step times (the hang detector's measure), None before any."""
+        return p99(self.step_times)
 
     def observe(self, event: StepCompleted, world_size: int | None, nodes: dict[int, str]) -> list[Verdict]:
         """Add one rank's step; the verdicts it brings: at most one numeric, and a collective one for
         each complete step judged now."""
         spec, rank, step = self.spec, event.rank, event.step
-        self.progress[rank] = (event.occurred_at.timestamp(), step)
-        if math.isfinite(event.step_time_s) and event.step_time_s > 0:
-            self.step_times.append(event.step_time_s)
+        t, last = event.occurred_at.timestamp(), self.progress.get(rank)
+        if last is not None and last[1] is not None and step == last[1] + 1 and t > last[0]:
+            self._step_time(step, t - last[0])
+        self.progress[rank] = (t, step)
 
         verdicts = []
         verdict = numeric.non_finite(event)

@@ -23,12 +23,14 @@ from vigil.events import (
     CancelJob,
     DeviceDiagnosed,
     DiagnoseDevice,
+    DumpStacks,
     FailureType,
     LaunchJob,
     Message,
     NodeHeartbeat,
     RankExited,
     RankStarted,
+    StacksDumped,
 )
 from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
 from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
@@ -42,6 +44,7 @@ from vigil_worker.inventory import Inventory
 from vigil_worker.launch import agent_socket, prepare_ranks, warm_argv
 from vigil_worker.procs import Exit, RankRecord, RankTable
 from vigil_worker.relay import Relay
+from vigil_worker.stacks import dump, fit
 from vigil_worker.tenancy import Tenancy
 from vigil_worker.warm import WarmRanks
 
@@ -71,6 +74,7 @@ class Worker:
         self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
         self.preempting = False  # a preemption notice came: no new ranks here
         self._checks: dict[str, asyncio.Task[None]] = {}  # DiagnoseDevice event id -> its running check
+        self._dumps: dict[str, asyncio.Task[None]] = {}  # DumpStacks event id -> its dump
 
     # --- startup: the truth about ranks a previous run started ---------------------------------------------
 
@@ -238,8 +242,42 @@ class Worker:
                 self._checks[command.event_id] = task
                 while len(self._checks) > 1000:  # remembered for redeliveries, within bounds
                     self._checks.pop(next(iter(self._checks)))
+            case DumpStacks(job_id=str(job)) if command.event_id not in self._dumps and (
+                ranks := [r for r in self.table.running(job) if r.attempt == command.attempt]
+            ):
+                # in the background, as a check: the consumer goes on to the halt or cancel that follows
+                task = asyncio.create_task(self.dump_stacks(command, ranks), name=f"stacks-{job}")
+                self._dumps[command.event_id] = task
+                while len(self._dumps) > 1000:
+                    self._dumps.pop(next(iter(self._dumps)))
             case _:
                 pass
+
+    async def dump_stacks(self, command: DumpStacks, ranks: list[RankRecord]) -> None:
+        """Read the Python stacks of this node's ranks of the hung job (py-spy, all threads, in parallel)
+        and report them (`StacksDumped`) within the command's bound."""
+        started = time.monotonic()
+        bound = max(0.2, command.within_s * 0.75)  # the rest of the guardian's wait is the trip back
+        dumps = await asyncio.gather(*(dump(r.rank, r.pid, r.exit_path, bound) for r in ranks))
+        took = time.monotonic() - started
+        failed = [d.rank for d in dumps if d.error]
+        log.warning("%s: dumped the stacks of ranks %s in %.2fs%s", command.job_id, [r.rank for r in ranks],
+                    took, f" (not: {failed})" if failed else "")  # fmt: skip
+        try:
+            await self.bus.publish(
+                subjects.status(str(command.job_id), self.node),
+                StacksDumped(
+                    event_id=f"{command.event_id}-{self.node}"[:128],
+                    job_id=command.job_id,
+                    attempt=command.attempt,
+                    node=self.node,
+                    command_id=command.event_id,
+                    ranks=fit(sorted(dumps, key=lambda d: d.rank)),
+                    duration_s=took,
+                ),
+            )
+        except Exception as exc:  # the guardian's wait ends without them: its incident says so
+            log.warning("%s: the stacks were not reported: %s", command.job_id, exc)
 
     async def diagnose(self, command: DiagnoseDevice) -> None:
         """Run the known-answer check on one of this node's devices and report it (`DeviceDiagnosed`)."""

@@ -66,6 +66,12 @@ async def test_bad_specs_are_422_naming_each_field(scheduler) -> None:
     r = await scheduler.http.post("/api/v1/jobs", json=spec(faults=[{"kind": "nan", "step": 1, "rank": 9}]))
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "faults.0.rank"
 
+    r = await scheduler.http.post(
+        "/api/v1/jobs", json=spec(guardian={"hang_timeout_s": 10, "hang_floor_s": 30})
+    )
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "guardian.hang_floor_s", r.text
+    assert "exceeds guardian.hang_timeout_s" in r.json()["fields"][0]["message"]
+
     r = await scheduler.http.get("/api/v1/jobs", params={"limit": 0})
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "limit"
     r = await scheduler.http.get("/api/v1/jobs", params={"cursor": "!!"})

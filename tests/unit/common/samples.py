@@ -193,6 +193,34 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         duration_s=0.5,
         command_id="c3",
     ),
+    ev.StacksDumped: ev.StacksDumped(
+        **JOB,
+        node="n1",
+        command_id="inc-0123456789abcdef0123456789ab-stacks",
+        ranks=[
+            ev.RankStacks(
+                rank=1,
+                pid=4242,
+                tool="py-spy",
+                threads=[
+                    ev.ThreadStack(
+                        name="MainThread",
+                        frames=[
+                            ev.StackFrame(
+                                function="Event.wait", file="/usr/lib/python3.11/threading.py", line=629
+                            ),
+                            ev.StackFrame(function="Loader.__next__", file="/code/byo/data.py", line=88),
+                        ],
+                    )
+                ],
+            ),
+            ev.RankStacks(rank=3, pid=4243, error="py-spy: Permission denied (os error 13)"),
+        ],
+        duration_s=0.12,
+    ),
+    ev.DumpStacks: ev.DumpStacks(
+        **JOB, within_s=2.0, reason="hang: no step from rank 1 on n1 for 3.2s (limit 1.0s; last step 4)"
+    ),
     ev.DiagnoseDevice: ev.DiagnoseDevice(
         **JOB, node="n1", device=1, reason="rank 1 reported a transient fault at step 12"
     ),

@@ -2,7 +2,9 @@ import json
 
 import pytest
 
+from tests.unit.guardian.helpers import launch
 from vigil.errors import SpecError
+from vigil.events import decode
 from vigil.spec import PRESETS, JobSpec, parse_spec
 
 FULL = """
@@ -185,3 +187,33 @@ def test_common_framework_variables_pass_the_credential_rule() -> None:
     env = dict.fromkeys(FRAMEWORK_VARIABLES, "1")
     spec = parse_spec(json.dumps({"name": "own", "entrypoint": {"argv": ["python", "t.py"], "env": env}}))
     assert spec.entrypoint is not None and spec.entrypoint.env == env
+
+
+def test_the_adaptive_hang_timeout_keeps_the_old_fields_and_refuses_a_floor_above_the_timeout():
+    old = parse_spec("name: t\nguardian: {hang_timeout_s: 1.0, hang_step_multiple: 5}").guardian
+    assert (old.hang_timeout_s, old.hang_step_multiple, old.hang_floor) == (1.0, 5.0, 1.0)  # as before
+    assert JobSpec(name="t").guardian.hang_floor == 5.0
+    # a spec round-trips (a LaunchJob carries it whole): the default floor is no value, never above the timeout
+    assert parse_spec({"name": "t", "guardian": old.model_dump()}).guardian == old
+    new = parse_spec("name: t\nguardian: {hang_floor_s: 0.5, hang_step_multiple: 10, hang_window: 50}")
+    assert (new.guardian.hang_floor_s, new.guardian.hang_window) == (0.5, 50)
+    with pytest.raises(SpecError) as info:
+        parse_spec("name: t\nguardian: {hang_timeout_s: 10, hang_floor_s: 30}")
+    (error,) = info.value.errors
+    assert error["field"] == "guardian.hang_floor_s"
+    assert (
+        "exceeds guardian.hang_timeout_s (10)" in error["message"] and "lower the floor" in error["message"]
+    )
+    for text, field in [
+        ("guardian: {hang_floor_s: 0}", "guardian.hang_floor_s"),
+        ("guardian: {hang_step_multiple: 1}", "guardian.hang_step_multiple"),
+        ("guardian: {hang_window: 5}", "guardian.hang_window"),
+    ]:
+        assert field in fields("name: t\n" + text), text
+
+
+def test_a_launch_whose_spec_has_a_short_hang_timeout_decodes():
+    """The floor's default is no value: a spec with a timeout under 5 s, serialised whole in its LaunchJob,
+    still decodes (a default of 5 s above it was once refused on the wire)."""
+    sent = launch(2, hang_timeout_s=1.0)
+    assert decode(sent.to_bytes()) == sent

@@ -8,10 +8,11 @@ import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from vigil.events import StepCompleted
+from vigil.events import RankStacks, StackFrame, StacksDumped, StepCompleted, ThreadStack
 from vigil.jobstates import JobState
 from vigil_common.readmodel import SERIES_METRICS
 from vigil_common.tracing import setup_tracing
+from vigil_guardian.stacks import explain
 from vigil_scheduler.console import spans, views
 from vigil_telemetry.traces import StepTraces
 
@@ -238,3 +239,39 @@ def test_the_step_trace_is_read_back_from_telemetrys_span_lines(tmp_path):
     assert [r["attempt"] for r in spans.read_step_spans(trace_file, "j-trace", 3, 1)] == [1, 1]
     assert spans.read_step_spans(trace_file, "j-other", 3, None) == []
     assert spans.read_step_spans(None, "j-trace", 3, None) is None
+
+
+def test_a_hangs_stack_groups_are_listed_on_its_incident_and_other_incidents_list_none():
+    def ranks(frames: list[StackFrame], *rs: int) -> list[RankStacks]:
+        return [
+            RankStacks(rank=r, pid=r, threads=[ThreadStack(name="MainThread", frames=frames)]) for r in rs
+        ]
+
+    c10d = "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    waiting = [StackFrame(function="all_reduce", file=c10d, line=2501)]
+    loader = [StackFrame(function="Loader.__next__", file="/code/data.py", line=88)]
+    dump = StacksDumped(
+        node="n", command_id="c", ranks=ranks(waiting, 0, 1, 2) + ranks(loader, 3), duration_s=0
+    )
+    evidence = {"silent_s": 3.0, "stacks": explain([dump], range(5)).evidence()}
+    base = {
+        "id": "i",
+        "occurred_at": None,
+        "kind": "hang",
+        "action": "halt",
+        "step": 4,
+        "rank": 3,
+        "node": "n",
+    }
+    (row,) = views.incident_rows([{**base, "message": "hang", "evidence": evidence}])
+    assert row["stacks"] == [
+        "rank 3 (outlier): in Loader.__next__ (data.py:88)",
+        "ranks 0, 1, 2: wait in all_reduce (distributed_c10d.py:2501)",
+        "rank 4: no stacks (its node sent no dump)",
+    ]
+    (failed,) = views.incident_rows(
+        [{**base, "message": "hang", "evidence": {"stacks": {"error": "no dump came"}}}]
+    )
+    assert failed["stacks"] == ["no stacks: no dump came"]
+    (nan,) = views.incident_rows([{**base, "kind": "nan", "message": "nan", "evidence": {"loss": "nan"}}])
+    assert nan["stacks"] == []

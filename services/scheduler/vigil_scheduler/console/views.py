@@ -83,7 +83,29 @@ def checkpoint_rows(checkpoints: Iterable[dict[str, Any]]) -> list[dict[str, Any
 
 def incident_rows(incidents: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     keep = ("id", "occurred_at", "kind", "action", "step", "rank", "node", "message", "evidence")
-    return [{k: i[k] for k in keep} for i in incidents]
+    return [{**{k: i[k] for k in keep}, "stacks": stack_groups(i["evidence"])} for i in incidents]
+
+
+def stack_groups(evidence: Any) -> list[str]:
+    """A hang's stacks as the console lists them, a line per group of ranks that share a call path (the
+    guardian's `stacks` evidence): `rank 3 (outlier): in Loader.__next__ (data.py:88)`, `ranks 0, 1, 2:
+    wait in all_reduce (distributed_c10d.py:2501)`; none for other incidents."""
+    stacks = evidence.get("stacks") if isinstance(evidence, dict) else None
+    if not isinstance(stacks, dict):
+        return []
+    if stacks.get("error"):
+        return [f"no stacks: {stacks['error']}"]
+    outlier, lines = stacks.get("outlier"), []
+    for g in stacks.get("groups") or []:
+        ranks = g.get("ranks") or []
+        who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks[:16])
+        who += ", ..." if len(ranks) > 16 else ""
+        where = f"wait in {g.get('frame')}" if g.get("collective") else f"in {g.get('frame')}"
+        lines.append(f"{who}{' (outlier)' if ranks == outlier else ''}: {where}")
+    if stacks.get("more_groups"):
+        lines.append(f"{stacks['more_groups']} more groups (see the evidence)")
+    lines += [f"rank {r}: no stacks ({why})" for r, why in (stacks.get("missing") or {}).items()]
+    return lines
 
 
 def _number(value: float | None, fmt: str) -> str:

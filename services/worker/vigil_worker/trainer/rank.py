@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vigil import stack_dump
 from vigil.exits import (
     EXIT_CHECKPOINT,
     EXIT_ERROR,
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
     """Run one rank; `observer` (default: none) hears each step's and each rollback's timing."""
     args = parse_args(argv)
     env = rank_env()
+    stack_dump.install()  # the worker's fallback when py-spy cannot read this process
     from vigil.errors import CheckpointError, SpecError
 
     code = EXIT_ERROR

@@ -156,7 +156,8 @@ const Vigil = (() => {
       c.attempt, `<code>${esc(c.path)}</code>`], cls: (c) => (c.valid ? "valid" : "invalid")},
     incidents: {empty: "none", row: (i, jobId) => [time(i.occurred_at), esc(i.kind),
       i.step === null ? "" : `<a href="/jobs/${encodeURIComponent(jobId)}/trace?step=${i.step}">${i.step}</a>`,
-      i.rank ?? "", esc(i.action), esc(i.message),
+      i.rank ?? "", esc(i.action), esc(i.message) + (i.stacks && i.stacks.length
+        ? `<ul class="stacks">${i.stacks.map((g) => `<li>${esc(g)}</li>`).join("")}</ul>` : ""),
       `<details><summary>evidence</summary><pre>${esc(JSON.stringify(i.evidence, null, 2))}</pre></details>`],
       cls: (i) => "incident " + i.kind},
   };
