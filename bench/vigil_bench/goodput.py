@@ -70,7 +70,8 @@ def spec(faults: list[dict[str, Any]]) -> dict[str, Any]:
         "model": {"preset": "tiny", "n_layer": 2, "seq_len": 64},
         "train": {"steps": STEPS, "micro_batch": 4, "lr": 1e-3, "warmup_steps": 2, "zero_stage": 1},
         "checkpoint": {"every": 25, "keep": 3},
-        "guardian": {"hang_step_multiple": 10, "hang_timeout_s": 60, "spike_warmup": 10},
+        # a hang is judged on 10 x the job's p99 step time (about 0.7 s here), no sooner than 1 s
+        "guardian": {"hang_step_multiple": 10, "hang_timeout_s": 60, "hang_floor_s": 1.0, "spike_warmup": 10},
         "faults": faults,
     }
 
