@@ -74,7 +74,7 @@ from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from vigil_common.settings import Settings
-from vigil_guardian.main import job_input, last_stored
+from vigil_guardian.inputs import job_input, last_stored
 
 DEVICES = 8
 HEARTBEAT_S = 2.0

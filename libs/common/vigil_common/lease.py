@@ -7,7 +7,7 @@ relay (every scheduler serves the gateway). The others stand by and try for the 
 
 A lock is a session lock: it goes with its connection. A killed process's connection is closed by
 its kernel at once; a host that vanishes is noticed by the server's TCP keepalives, which the lock's
-connection asks to be short (`_connection_settings`, about `takeover_s`). The holder checks its connection
+connection asks to be short (`connection_settings`, about `takeover_s`). The holder checks its connection
 every `takeover_s / 4` and stops its active work the moment it cannot (a server restart, a network
 cut), so two schedulers are never active at once for longer than that check.
 
@@ -21,9 +21,7 @@ one that is gone are taken within `takeover_s`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -42,7 +40,7 @@ KEYS = {"scheduler": 0x56494749_4C534348, "guardian": 0x56494749_4C475244}  # "V
 SHARE_KEY = KEYS["guardian"] + 1
 
 
-_PREFIX = "vigil-lease-"
+PREFIX = "vigil-lease-"  # the application_name of a lease holder's connection
 
 
 def instance() -> str:
@@ -51,7 +49,7 @@ def instance() -> str:
 
 
 def application_name(role: str) -> str:
-    return f"{_PREFIX}{role}-{instance()}"[:63]  # Postgres keeps 63 bytes of it
+    return f"{PREFIX}{role}-{instance()}"[:63]  # Postgres keeps 63 bytes of it
 
 
 @dataclass(frozen=True)
@@ -74,11 +72,11 @@ async def holders(conn: asyncpg.Connection | asyncpg.Pool) -> list[Holder]:
            WHERE a.application_name LIKE $1
            GROUP BY a.pid, a.application_name, a.client_addr, a.backend_start
            ORDER BY a.application_name""",
-        _PREFIX + "%",
+        PREFIX + "%",
     )
     found = []
     for r in rows:
-        role, _, who = r["name"].removeprefix(_PREFIX).partition("-")
+        role, _, who = r["name"].removeprefix(PREFIX).partition("-")
         keys = set(r["keys"])
         if role == "scheduler" and KEYS[role] in keys:
             found.append(Holder(role, who, r["address"], r["since"]))
@@ -88,7 +86,7 @@ async def holders(conn: asyncpg.Connection | asyncpg.Pool) -> list[Holder]:
     return found
 
 
-def _connection_settings(role: str, takeover_s: float) -> dict[str, str]:
+def connection_settings(role: str, takeover_s: float) -> dict[str, str]:
     """Short TCP keepalives (the server drops a silent peer after about `takeover_s`), and the name
     `holders` reads."""
     idle = max(int(takeover_s / 2), 1)
@@ -107,7 +105,7 @@ class Lease:
         self.role, self.key = role, KEYS[role]
         self.database_url = database_url
         self.check_s = max(takeover_s / 4, 0.1)
-        self._keepalive = _connection_settings(role, takeover_s)
+        self._keepalive = connection_settings(role, takeover_s)
 
     async def hold(self, active: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event) -> None:
         """Until `stop`: wait for the lock, run `active` while it is held (its event is set when the lock
@@ -165,89 +163,3 @@ class Lease:
             await asyncio.wait_for(conn.close(), 5)
         except (asyncpg.PostgresError, OSError, TimeoutError):
             conn.terminate()
-
-
-class Shares:
-    """The shares of the jobs one guardian judges: `hold` runs `judge(share, stop_share)` for each share
-    it holds, and sets `stop_share` (then waits for `judge` to return) before it gives the share up."""
-
-    def __init__(self, database_url: str, takeover_s: float, count: int = subjects.SHARES) -> None:
-        self.database_url, self.count = database_url, count
-        self.check_s = max(takeover_s / 4, 0.1)
-        self._settings = _connection_settings("guardian", takeover_s)
-        self.held: dict[int, tuple[asyncio.Task[None], asyncio.Event]] = {}
-
-    async def hold(self, judge: Callable[[int, asyncio.Event], Awaitable[None]], stop: asyncio.Event) -> None:
-        """Until `stop`: connect (that counts this guardian in), hold a fair part of the shares, give all
-        up when the connection fails, connect again."""
-        while not stop.is_set():
-            try:
-                conn = await asyncpg.connect(self.database_url, server_settings=self._settings, timeout=10)
-            except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
-                log.warning("guardian: cannot reach Postgres for the shares' locks: %s", exc)
-                await wait_any(stop, timeout_s=self.check_s)
-                continue
-            try:
-                await self._divide(conn, judge, stop)
-            finally:
-                for share in sorted(self.held):
-                    await self._give_up(conn, share, unlock=False)
-                try:
-                    await asyncio.wait_for(conn.close(), 5)
-                except (asyncpg.PostgresError, OSError, TimeoutError):
-                    conn.terminate()
-            if not stop.is_set():
-                log.warning("guardian: lost the shares' connection; judging nothing until it is back")
-
-    async def _divide(
-        self,
-        conn: asyncpg.Connection,
-        judge: Callable[[int, asyncio.Event], Awaitable[None]],
-        stop: asyncio.Event,
-    ) -> None:
-        while not stop.is_set():
-            try:
-                live = await asyncio.wait_for(
-                    conn.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
-                        f"{_PREFIX}guardian-%",
-                    ),
-                    self.check_s * 2,
-                )
-            except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
-                log.error("guardian: the shares' connection failed (%s): giving them up", exc)
-                return
-            fair = math.ceil(self.count / max(live, 1))
-            for share in sorted(self.held, reverse=True)[: max(len(self.held) - fair, 0)]:
-                await self._give_up(conn, share)
-            for share in range(self.count):
-                if len(self.held) >= fair:
-                    break
-                if share not in self.held and await conn.fetchval(
-                    "SELECT pg_try_advisory_lock($1)", SHARE_KEY + share
-                ):
-                    until = asyncio.Event()
-                    task = asyncio.create_task(self._judging(judge, share, until), name=f"share-{share}")
-                    self.held[share] = (task, until)
-            await wait_any(stop, timeout_s=self.check_s)
-
-    async def _judging(
-        self, judge: Callable[[int, asyncio.Event], Awaitable[None]], share: int, until: asyncio.Event
-    ) -> None:
-        log.info("guardian: judging share %d", share)
-        while not until.is_set():
-            try:
-                await judge(share, until)
-            except Exception:
-                log.exception("guardian: share %d failed; judging it again", share)
-                await wait_any(until, timeout_s=1.0)
-
-    async def _give_up(self, conn: asyncpg.Connection, share: int, *, unlock: bool = True) -> None:
-        """Stop judging `share`, then release its lock (not before: never two judges of one share)."""
-        task, until = self.held.pop(share)
-        until.set()
-        await asyncio.gather(task, return_exceptions=True)
-        if unlock:
-            with contextlib.suppress(asyncpg.PostgresError, OSError, TimeoutError):
-                await asyncio.wait_for(conn.fetchval("SELECT pg_advisory_unlock($1)", SHARE_KEY + share), 5)
-        log.info("guardian: gave up share %d", share)

@@ -112,7 +112,7 @@ def node_incident(node: str) -> str:
 # `vigil.share.<share>.job.<job>.<rest>`, so each share is one subject space of VIGIL_JOBS with one durable
 # consumer, in VIGIL_JOBS's order, and nothing is copied. Publishers keep the published form; every reader
 # of VIGIL_JOBS (consumers, scans, watches, stored reads) filters on the stored form, which `stored` gives
-# and the bus applies. A guardian holds shares, not jobs (`vigil_common.lease.Shares`).
+# and the bus applies. A guardian holds shares, not jobs (`vigil_guardian.shares.Shares`).
 #
 # The layout before (VIGIL_JOBS stored the published subjects; the server copied them into a stream
 # VIGIL_SHARES) is migrated in place (`Bus.ensure_streams`): the transform is added to the existing

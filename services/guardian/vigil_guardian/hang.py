@@ -28,7 +28,7 @@ def hang_limit(p99_step_s: float | None, *, timeout_s: float, multiple: float, f
     never over `timeout_s`; `timeout_s` alone before any step time is known.
 
     The detection target follows: a hang is judged within max(k x p99, floor) (capped by the timeout)
-    plus the check's period (`vigil_guardian.main.HANG_CHECK_S`)."""
+    plus the check's period (`vigil_guardian.service.HANG_CHECK_S`)."""
     if p99_step_s is None:
         return timeout_s
     return min(timeout_s, max(multiple * p99_step_s, floor_s))

@@ -15,8 +15,8 @@ from tests.integration.guardian.test_publish_failure import own_bus  # noqa: F40
 from vigil_common import subjects
 from vigil_guardian import store
 from vigil_guardian.core import Guardian
-from vigil_guardian.main import GuardianService
 from vigil_guardian.notifier import Notifier
+from vigil_guardian.service import GuardianService
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
 """Guardians share the jobs: two or three `vigil guardian` processes on one database and bus divide the
-shares (`vigil_common.lease.Shares`). One is killed (SIGKILL) mid-job: its shares, with a NaN and a hang in
+shares (`vigil_guardian.shares.Shares`). One is killed (SIGKILL) mid-job: its shares, with a NaN and a hang in
 jobs of those shares, are judged by the survivor within VIGIL_TAKEOVER_S, exactly once; a guardian that
 comes back takes its part again while judging goes on."""
 
@@ -20,7 +20,7 @@ from tests.integration.scheduler.conftest import fresh_database
 from vigil.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_common import lease, subjects
 from vigil_common.bus import Bus
-from vigil_guardian import main as guardian
+from vigil_guardian import inputs as guardian
 
 pytestmark = [pytest.mark.integration, pytest.mark.ha]
 

@@ -19,8 +19,8 @@ from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats
 from vigil_guardian.core import Guardian
-from vigil_guardian.main import GuardianService
 from vigil_guardian.notifier import Notifier
+from vigil_guardian.service import GuardianService
 
 pytestmark = pytest.mark.integration
 

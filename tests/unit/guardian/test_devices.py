@@ -11,7 +11,7 @@ from vigil.events import GpuSampled
 from vigil_common import subjects
 from vigil_guardian.core import Guardian
 from vigil_guardian.devices import Devices, owner
-from vigil_guardian.main import route
+from vigil_guardian.shares import route
 from vigil_guardian.verdict import Verdict
 
 JOB_SHARE = subjects.share_of(JOB)
