@@ -14,6 +14,7 @@ import logging
 from typing import Protocol, assert_never
 
 from vigil import events as ev
+from vigil.protocol import RankCommand
 
 log = logging.getLogger("vigil.rank")
 
@@ -29,7 +30,7 @@ class Handler(Protocol):
 
 
 class Commands(Protocol):
-    def command(self, seq: int, timeout_s: float) -> ev.Message: ...
+    def command(self, seq: int, timeout_s: float) -> RankCommand: ...
 
 
 class Inbox(Protocol):
@@ -53,9 +54,6 @@ def act(link: Commands, inbox: Inbox, agreed_seq: int, attempt: int, handler: Ha
         inbox.handled_seq = seq
         if command.attempt != attempt:
             log.info("ignoring %s of attempt %d (this is attempt %d)", command.type, command.attempt, attempt)
-            continue
-        if not isinstance(command, ev.HaltJob | ev.RollbackJob | ev.ResumeJob):
-            log.warning("ignoring %s: not a command for ranks", command.type)
             continue
         match command:
             case ev.HaltJob() if not inbox.halted:

@@ -50,7 +50,7 @@ class Link(Protocol):
     @property
     def latest_seq(self) -> int: ...
 
-    def command(self, seq: int, timeout_s: float) -> ev.Message: ...
+    def command(self, seq: int, timeout_s: float) -> proto.RankCommand: ...
 
     def arrival(self, seq: int) -> float | None: ...
 
@@ -72,7 +72,7 @@ class NullLink:
     def latest_seq(self) -> int:
         return 0
 
-    def command(self, seq: int, timeout_s: float) -> ev.Message:
+    def command(self, seq: int, timeout_s: float) -> proto.RankCommand:
         raise TimeoutError("no command source")
 
     def arrival(self, seq: int) -> float | None:
@@ -110,7 +110,7 @@ class AgentLink:
         self._woken = False  # the thread looks within batch_s without being woken again (under _cond)
         self._hurried = False  # ... and that it goes now (under _cond)
         self._last_step_at = -math.inf  # when the last step was handed over (time.monotonic())
-        self._commands: list[ev.Message] = []
+        self._commands: list[proto.RankCommand] = []
         self._arrivals: list[float] = []  # time.monotonic() when each command reached this rank
         self._cond = threading.Condition()
         self._emitted = 0  # events handed over (the id of the last one)
@@ -164,7 +164,7 @@ class AgentLink:
         with self._cond:
             return len(self._commands)
 
-    def command(self, seq: int, timeout_s: float) -> ev.Message:
+    def command(self, seq: int, timeout_s: float) -> proto.RankCommand:
         """The command numbered `seq` (1-based), waiting up to `timeout_s` for it to arrive."""
         deadline = time.monotonic() + timeout_s
         with self._cond:

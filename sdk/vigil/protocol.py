@@ -39,15 +39,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, TypeGuard, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from vigil import events as ev
 from vigil.errors import MalformedMessage
 
-ToRanks = Annotated[ev.HaltJob | ev.RollbackJob | ev.ResumeJob, Field(discriminator="type")]
-FromRanks = Annotated[
+# Each union once: its members, the annotated form pydantic validates by `type`, and its classes.
+RankCommand = ev.HaltJob | ev.RollbackJob | ev.ResumeJob  # what ranks act on
+RankReport = (
     ev.StepCompleted
     | ev.CheckpointSaved
     | ev.RanksHalted
@@ -55,23 +56,23 @@ FromRanks = Annotated[
     | ev.RestartRequested
     | ev.OutOfMemoryHalted
     | ev.StepReplayed
-    | ev.CheckpointRefused,
-    Field(discriminator="type"),
-]
-ToAgent = Annotated[ev.LaunchJob | ev.CancelJob, Field(discriminator="type")]
+    | ev.CheckpointRefused
+)  # what ranks report
+AgentCommand = ev.LaunchJob | ev.CancelJob  # what a worker acts on
 
-TO_RANKS: tuple[type[ev.Message], ...] = (ev.HaltJob, ev.RollbackJob, ev.ResumeJob)
-FROM_RANKS: tuple[type[ev.Message], ...] = (
-    ev.StepCompleted,
-    ev.CheckpointSaved,
-    ev.RanksHalted,
-    ev.RollbackCompleted,
-    ev.RestartRequested,
-    ev.OutOfMemoryHalted,
-    ev.StepReplayed,
-    ev.CheckpointRefused,
-)
-TO_AGENT: tuple[type[ev.Message], ...] = (ev.LaunchJob, ev.CancelJob)
+ToRanks = Annotated[RankCommand, Field(discriminator="type")]
+FromRanks = Annotated[RankReport, Field(discriminator="type")]
+ToAgent = Annotated[AgentCommand, Field(discriminator="type")]
+
+TO_RANKS: tuple[type[ev.Message], ...] = get_args(RankCommand)
+FROM_RANKS: tuple[type[ev.Message], ...] = get_args(RankReport)
+TO_AGENT: tuple[type[ev.Message], ...] = get_args(AgentCommand)
+
+
+def for_ranks(message: ev.Message) -> TypeGuard[RankCommand]:
+    """Whether `message` is a command ranks act on (`RankCommand`)."""
+    return isinstance(message, TO_RANKS)
+
 
 MAX_FRAME_BYTES = 1024 * 1024
 # What one frame from a rank may weigh: the largest event a rank sends (a StepReplayed naming

@@ -140,7 +140,7 @@ class CommandFeed:
 
     def __init__(self, bus: Bus, job_id: str, attempt: int) -> None:
         self.bus, self.job_id, self.attempt = bus, job_id, attempt
-        self.commands: list[ev.Message] = []
+        self.commands: list[proto.RankCommand] = []
         self.users = 0
         self.read_from = 1  # the command stream's sequence the read began at
         self._changed = asyncio.Condition()
@@ -168,7 +168,7 @@ class CommandFeed:
             async with self.bus.watch(subjects.cmd(self.job_id), resume_at=[self.read_from]) as stream:
                 self._ready.set()
                 async for command in stream:
-                    if isinstance(command, proto.TO_RANKS) and command.attempt == self.attempt:
+                    if proto.for_ranks(command) and command.attempt == self.attempt:
                         async with self._changed:
                             self.commands.append(command)
                             self._changed.notify_all()
@@ -184,7 +184,7 @@ class CommandFeed:
                 new = self.commands[sent:]
             for command in new:
                 sent += 1
-                send(proto.encode_frame(proto.Delivered(seq=sent, command=command)))  # type: ignore[arg-type]
+                send(proto.encode_frame(proto.Delivered(seq=sent, command=command)))
 
     async def stop(self) -> None:
         if self._task is not None:
