@@ -1,0 +1,172 @@
+"""The high-volume events decoded by msgspec, from a struct derived from their pydantic model.
+
+Every rank sends a `StepCompleted` per step: telemetry stores each one and the guardian judges each one,
+and pydantic's validation was most of what either spent on a message. `struct_of` derives a msgspec
+struct from the pydantic model, field by field (types, defaults, bounds, patterns), so the model stays
+the one definition of the event; a field or constraint it cannot translate is a TypeError at the first
+use, never a silent difference. `FastDecoder.decode` returns the pydantic event, built without a second
+validation, or None when msgspec refuses the bytes: the caller then decodes with pydantic
+(`vigil_common.events.decode`), which upgrades an older version or names the field that is wrong. So
+msgspec only has to accept a subset of what pydantic accepts, with the same values
+(`tests/unit/common/test_msgspec_events.py` checks both on generated messages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import types
+import typing
+from datetime import datetime
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from pydantic import AwareDatetime, BaseModel
+from pydantic.fields import FieldInfo
+
+# How the events serialize a non-finite float (`ser_json_inf_nan="strings"`); pydantic reads them back
+# with float(), so the decoder accepts them on the float fields that have no bounds.
+_NONFINITE = Literal["NaN", "Infinity", "-Infinity"]
+_CONSTRAINTS = ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern")
+
+
+class FastDecoder:
+    """Decode one event class with msgspec (`struct_of`)."""
+
+    def __init__(self, model: type[BaseModel]) -> None:
+        self.model = model
+        self.struct, self._floats = _derive(model)
+        self._decoder = msgspec.json.Decoder(self.struct)
+        self._asdict = msgspec.structs.asdict
+
+    def decode(self, data: bytes) -> BaseModel | None:
+        """The event `data` holds, or None when msgspec refuses it (pydantic then decides, and says why)."""
+        try:
+            values = self._asdict(self._decoder.decode(data))
+        except msgspec.MsgspecError:
+            return None
+        if b'"NaN"' in data or b'inity"' in data:
+            for name in self._floats:
+                if type(values[name]) is str:
+                    values[name] = float(values[name])  # "NaN", "Infinity" or "-Infinity"
+        return built(self.model, values)
+
+
+_setattr = object.__setattr__
+
+
+def built(model: type[BaseModel], values: dict[str, Any]) -> BaseModel:
+    """`model.model_construct(**values)` for values already checked, with all of `model`'s fields: what
+    it sets, without its per-field loop (5 us a step event, more than pydantic's whole validation).
+    pydantic's own names, in this one place (a test compares the result with model_construct's)."""
+    event = model.__new__(model)
+    _setattr(event, "__dict__", values)
+    _setattr(event, "__pydantic_fields_set__", set(values))
+    _setattr(event, "__pydantic_extra__", None)
+    _setattr(event, "__pydantic_private__", None)
+    return event
+
+
+@functools.cache
+def fast_decoder(model: type[BaseModel]) -> FastDecoder:
+    """The decoder of `model` (built once)."""
+    return FastDecoder(model)
+
+
+def struct_of(model: type[BaseModel]) -> type[msgspec.Struct]:
+    """A msgspec struct with `model`'s fields, defaults and constraints, refusing unknown fields."""
+    return _derive(model)[0]
+
+
+def _derive(model: type[BaseModel]) -> tuple[type[msgspec.Struct], tuple[str, ...]]:
+    """The struct, and the float fields that may hold a non-finite number's string."""
+    decorators = model.__pydantic_decorators__
+    own = (decorators.validators, decorators.field_validators, decorators.root_validators)
+    if any(own) or decorators.model_validators or decorators.computed_fields:
+        raise TypeError(f"{model.__name__} has validators of its own: no struct can be derived from it")
+    if model.model_config.get("extra") != "forbid":
+        raise TypeError(f"{model.__name__} does not forbid extra fields: no struct can be derived from it")
+    fields: list[tuple[str, Any, Any]] = []
+    floats: list[str] = []
+    for name, info in model.model_fields.items():
+        where = f"{model.__name__}.{name}"
+        if info.alias not in (None, name) or info.validation_alias not in (None, name):
+            raise TypeError(f"{where}: an alias cannot be derived")
+        tp = _type(info.annotation, _constraints(info.metadata, where), where)
+        if _nonfinite_arm(tp):
+            floats.append(name)
+        if info.is_required():
+            default: Any = msgspec.NODEFAULT
+        elif info.default_factory is not None:
+            default = msgspec.field(default_factory=info.default_factory)  # type: ignore[arg-type]
+        else:
+            default = info.default
+        fields.append((name, tp, default))
+    struct = msgspec.defstruct(
+        f"{model.__name__}Struct", fields, kw_only=True, forbid_unknown_fields=True, module=__name__
+    )
+    return struct, tuple(floats)
+
+
+def _constraints(metadata: typing.Iterable[Any], where: str) -> dict[str, Any]:
+    """The bounds, lengths and pattern `metadata` holds (annotated-types objects, pydantic's
+    StringConstraints or general metadata); TypeError for any other setting (a validator, strictness,
+    `allow_inf_nan`, ...), which the struct would not check."""
+    found: dict[str, Any] = {}
+    for item in metadata:
+        if isinstance(item, FieldInfo):
+            found.update(_constraints(item.metadata, where))
+            continue
+        if dataclasses.is_dataclass(item):
+            attrs = {f.name: getattr(item, f.name) for f in dataclasses.fields(item)}
+        else:
+            attrs = dict(getattr(item, "__dict__", {}))
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        if not attrs or set(attrs) - set(_CONSTRAINTS):
+            raise TypeError(f"{where}: constraint {item!r} cannot be derived")
+        found.update(attrs)
+    if "pattern" in found:
+        found["pattern"] = _whole_string(found["pattern"])
+    return found
+
+
+def _whole_string(pattern: str) -> str:
+    """`pattern` as msgspec must read it to match what pydantic's (Rust) regex does: a final `$` matches
+    only at the end (Python's `$` also matches before a final newline)."""
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1] + r"\Z"
+    re.compile(pattern)
+    return pattern
+
+
+def _type(tp: Any, constraints: dict[str, Any], where: str) -> Any:
+    """The msgspec type of a pydantic annotation with its constraints."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *metadata = typing.get_args(tp)
+        return _type(base, {**constraints, **_constraints(metadata, where)}, where)
+    if origin in (Union, types.UnionType):
+        arms = [a if a is type(None) else _type(a, constraints, where) for a in typing.get_args(tp)]
+        return Union[tuple(arms)]  # noqa: UP007 (a runtime union of computed arms)
+    if origin is Literal:
+        if constraints:
+            raise TypeError(f"{where}: a constrained Literal cannot be derived")
+        return tp
+    if tp is AwareDatetime:
+        if constraints:
+            raise TypeError(f"{where}: a constrained datetime cannot be derived")
+        return Annotated[datetime, msgspec.Meta(tz=True)]
+    if tp is float and not constraints:
+        return Union[float, _NONFINITE]  # noqa: UP007
+    if tp in (int, float, str, bool):
+        if tp is bool and constraints:
+            raise TypeError(f"{where}: a constrained bool cannot be derived")
+        return Annotated[tp, msgspec.Meta(**constraints)] if constraints else tp
+    raise TypeError(f"{where}: type {tp!r} cannot be derived")
+
+
+def _nonfinite_arm(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType) and any(
+        a == _NONFINITE or _nonfinite_arm(a) for a in typing.get_args(tp)
+    )
