@@ -26,7 +26,8 @@ from pydantic import AwareDatetime, BaseModel
 from pydantic.fields import FieldInfo
 
 # How the events serialize a non-finite float (`ser_json_inf_nan="strings"`); pydantic reads them back
-# with float(), so the decoder accepts them on the float fields that have no bounds.
+# with float(). A second struct accepts them on the float fields that have no bounds, for the payloads
+# that hold one (the union costs a third more to decode: the common case goes without it).
 _NONFINITE = Literal["NaN", "Infinity", "-Infinity"]
 _CONSTRAINTS = ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern")
 
@@ -36,17 +37,20 @@ class FastDecoder:
 
     def __init__(self, model: type[BaseModel]) -> None:
         self.model = model
-        self.struct, self._floats = _derive(model)
+        self.struct, _ = _derive(model, nonfinite=False)
         self._decoder = msgspec.json.Decoder(self.struct)
+        nonfinite, self._floats = _derive(model, nonfinite=True)
+        self._nonfinite = msgspec.json.Decoder(nonfinite)
         self._asdict = msgspec.structs.asdict
 
     def decode(self, data: bytes) -> BaseModel | None:
         """The event `data` holds, or None when msgspec refuses it (pydantic then decides, and says why)."""
+        nonfinite = b'"NaN"' in data or b'inity"' in data
         try:
-            values = self._asdict(self._decoder.decode(data))
+            values = self._asdict((self._nonfinite if nonfinite else self._decoder).decode(data))
         except msgspec.MsgspecError:
             return None
-        if b'"NaN"' in data or b'inity"' in data:
+        if nonfinite:
             for name in self._floats:
                 if type(values[name]) is str:
                     values[name] = float(values[name])  # "NaN", "Infinity" or "-Infinity"
@@ -74,12 +78,13 @@ def fast_decoder(model: type[BaseModel]) -> FastDecoder:
     return FastDecoder(model)
 
 
-def struct_of(model: type[BaseModel]) -> type[msgspec.Struct]:
-    """A msgspec struct with `model`'s fields, defaults and constraints, refusing unknown fields."""
-    return _derive(model)[0]
+def struct_of(model: type[BaseModel], *, nonfinite: bool = False) -> type[msgspec.Struct]:
+    """A msgspec struct with `model`'s fields, defaults and constraints, refusing unknown fields;
+    `nonfinite`: its unbounded floats also take "NaN", "Infinity" and "-Infinity"."""
+    return _derive(model, nonfinite=nonfinite)[0]
 
 
-def _derive(model: type[BaseModel]) -> tuple[type[msgspec.Struct], tuple[str, ...]]:
+def _derive(model: type[BaseModel], *, nonfinite: bool) -> tuple[type[msgspec.Struct], tuple[str, ...]]:
     """The struct, and the float fields that may hold a non-finite number's string."""
     decorators = model.__pydantic_decorators__
     own = (decorators.validators, decorators.field_validators, decorators.root_validators)
@@ -93,7 +98,7 @@ def _derive(model: type[BaseModel]) -> tuple[type[msgspec.Struct], tuple[str, ..
         where = f"{model.__name__}.{name}"
         if info.alias not in (None, name) or info.validation_alias not in (None, name):
             raise TypeError(f"{where}: an alias cannot be derived")
-        tp = _type(info.annotation, _constraints(info.metadata, where), where)
+        tp = _type(info.annotation, _constraints(info.metadata, where), where, nonfinite)
         if _nonfinite_arm(tp):
             floats.append(name)
         if info.is_required():
@@ -104,7 +109,11 @@ def _derive(model: type[BaseModel]) -> tuple[type[msgspec.Struct], tuple[str, ..
             default = info.default
         fields.append((name, tp, default))
     struct = msgspec.defstruct(
-        f"{model.__name__}Struct", fields, kw_only=True, forbid_unknown_fields=True, module=__name__
+        f"{model.__name__}{'NonFinite' if nonfinite else ''}Struct",
+        fields,
+        kw_only=True,
+        forbid_unknown_fields=True,
+        module=__name__,
     )
     return struct, tuple(floats)
 
@@ -140,14 +149,16 @@ def _whole_string(pattern: str) -> str:
     return pattern
 
 
-def _type(tp: Any, constraints: dict[str, Any], where: str) -> Any:
+def _type(tp: Any, constraints: dict[str, Any], where: str, nonfinite: bool) -> Any:
     """The msgspec type of a pydantic annotation with its constraints."""
     origin = typing.get_origin(tp)
     if origin is Annotated:
         base, *metadata = typing.get_args(tp)
-        return _type(base, {**constraints, **_constraints(metadata, where)}, where)
+        return _type(base, {**constraints, **_constraints(metadata, where)}, where, nonfinite)
     if origin in (Union, types.UnionType):
-        arms = [a if a is type(None) else _type(a, constraints, where) for a in typing.get_args(tp)]
+        arms = [
+            a if a is type(None) else _type(a, constraints, where, nonfinite) for a in typing.get_args(tp)
+        ]
         return Union[tuple(arms)]  # noqa: UP007 (a runtime union of computed arms)
     if origin is Literal:
         if constraints:
@@ -157,7 +168,7 @@ def _type(tp: Any, constraints: dict[str, Any], where: str) -> Any:
         if constraints:
             raise TypeError(f"{where}: a constrained datetime cannot be derived")
         return Annotated[datetime, msgspec.Meta(tz=True)]
-    if tp is float and not constraints:
+    if tp is float and not constraints and nonfinite:
         return Union[float, _NONFINITE]  # noqa: UP007
     if tp in (int, float, str, bool):
         if tp is bool and constraints:
