@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,9 +34,13 @@ from vigil_common.bus.deliveries import (
 )
 from vigil_common.errors import PermanentError, RejectedEvents
 from vigil_common.events import Message, MessageDeadLettered
-from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)
+
+# Whether a subject is in a consumer's filter, computed once per (filter, subject): subjects repeat.
+_in_filter = functools.lru_cache(maxsize=65_536)(subjects.matches)
+# Messages decoded between two yields to the event loop (`Consumers._decoded`): a few milliseconds.
+_YIELD_EVERY = 250
 
 
 class Consumers(BusClient):
@@ -81,32 +86,55 @@ class Consumers(BusClient):
         acked after the handler returns, or nak'd (dead-lettered past `max_deliver`) if it raises;
         a handler that raises `RejectedEvents` stored the rest: those named are dead-lettered at once
         and the others acked. A message `admit` refuses is dead-lettered as forged and left out of its
-        batch.
+        batch. Batches reach the handler one at a time, in the order delivered.
 
         For volume (every rank's every step): the server pushes into a buffer (at most
-        `max_ack_pending` unacknowledged) while the previous batch is being handled, so
-        receiving and writing overlap. A batch that is not full waits `gather_s` for a burst.
+        `max_ack_pending` unacknowledged) while the previous batch is being handled, and the next
+        batch is decoded then too, so that receiving, decoding and the handler's writes overlap. A
+        batch that is not full waits `gather_s` for a burst. A batch with nothing behind it is handled
+        at once, in this task (no hand-over: a lone message's latency is what matters then).
         """
         buffer: list[Msg] = []
-        arrived = asyncio.Event()
+        wake = asyncio.Event()  # a message arrived, or `stop` was set: one future to wait on, no task
 
         async def on_msg(msg: Msg) -> None:
             if not self._foreign(spec, msg):
                 buffer.append(msg)
-                arrived.set()
+                wake.set()
+
+        async def on_stop() -> None:
+            await stop.wait()
+            wake.set()
 
         sub = await self._push(spec, on_msg)
+        stopping = asyncio.create_task(on_stop())
+        handling: asyncio.Task[None] | None = None  # the previous batch: its handler, then its acks
         try:
             while not stop.is_set():
                 if not buffer:
-                    arrived.clear()
-                    await wait_any(arrived, stop)
+                    wake.clear()
+                    await wake.wait()
                     continue
-                if len(buffer) < max_batch:
+                if len(buffer) < max_batch and gather_s > 0:
                     await asyncio.sleep(gather_s)  # let a burst gather into one batch
                 batch, buffer[:] = buffer[:max_batch], buffer[max_batch:]
-                await self._handle_batch(spec, batch, handler, admit)
+                good = await self._decoded(spec, batch, admit)  # while the previous one is handled
+                if handling is not None:
+                    await handling
+                    handling = None
+                if not good:
+                    continue
+                if buffer:  # more behind it: decode those while this one is handled
+                    handling = asyncio.create_task(self._settle(spec, good, handler))
+                else:
+                    await self._settle(spec, good, handler)
         finally:
+            stopping.cancel()
+            if handling is not None:  # stopped: its handler finishes and acks; cancelled: it goes too
+                if not handling.done() and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    handling.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await handling
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
                 for msg in buffer:  # received but not handled: back to the server at once
@@ -229,7 +257,7 @@ class Consumers(BusClient):
         someone else, or delivered by another consumer (a forged or replayed delivery). Such a message
         is never acted on, acknowledged or dead-lettered: it is not this consumer's to settle."""
         why = not_delivered_by(msg, spec.stream.name, spec.durable)
-        if why is None and not subjects.matches(spec.filter_subject, msg.subject):
+        if why is None and not _in_filter(spec.filter_subject, msg.subject):
             why = f"subject {msg.subject!r} is outside the consumer's filter {spec.filter_subject!r}"
         if why is not None:
             log.error(
@@ -262,18 +290,26 @@ class Consumers(BusClient):
             else:
                 await msg.ack()
 
-    async def _handle_batch(
-        self, spec: ConsumerSpec, batch: list[Msg], handler: BatchHandler, admit: Admit | None
-    ) -> None:
+    async def _decoded(
+        self, spec: ConsumerSpec, batch: list[Msg], admit: Admit | None
+    ) -> list[tuple[Message, Delivery]]:
+        """The batch's events that decode and are admitted; the others are dead-lettered (or nak'd, when
+        the check itself failed). Yields now and then, so that a batch being handled meanwhile goes on."""
         good: list[tuple[Message, Delivery]] = []
-        for msg in batch:
+        for i, msg in enumerate(batch, start=1):
             delivery = Delivery(msg)
             try:
                 good.append((await admitted(msg, admit), delivery))
             except Exception as exc:  # malformed or forged: dead-lettered; a failed check: retried
                 await self._fail(spec, delivery, exc)
-        if not good:
-            return
+            if i % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # let the previous batch's handler read its database's answer
+        return good
+
+    async def _settle(
+        self, spec: ConsumerSpec, good: list[tuple[Message, Delivery]], handler: BatchHandler
+    ) -> None:
+        """Run the handler on a decoded batch, then ack it (or dead-letter the rejected, nak the rest)."""
         try:
             await handler(good)
         except asyncio.CancelledError:
