@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 
 # Whether a subject is in a consumer's filter, computed once per (filter, subject): subjects repeat.
 _in_filter = functools.lru_cache(maxsize=65_536)(subjects.matches)
-# Messages decoded between two yields to the event loop (`Consumers._decoded`): a few milliseconds.
-_YIELD_EVERY = 250
+Batch = list[tuple[Message, Delivery]]
+# Messages decoded between two yields to the event loop (`Consumers._decoded`): under a millisecond, so
+# that the batch being written meanwhile waits no longer than that at each of its round trips.
+_YIELD_EVERY = 50
 
 
 class Consumers(BusClient):
@@ -89,10 +91,11 @@ class Consumers(BusClient):
         batch. Batches reach the handler one at a time, in the order delivered.
 
         For volume (every rank's every step): the server pushes into a buffer (at most
-        `max_ack_pending` unacknowledged) while the previous batch is being handled, and the next
-        batch is decoded then too, so that receiving, decoding and the handler's writes overlap. A
-        batch that is not full waits `gather_s` for a burst. A batch with nothing behind it is handled
-        at once, in this task (no hand-over: a lone message's latency is what matters then).
+        `max_ack_pending` unacknowledged) while the previous batch is being handled, the next batch
+        is decoded then too, and a batch's acks go out while the next one is handled: receiving,
+        decoding, acknowledging and the handler's writes overlap. A batch that is not full waits
+        `gather_s` for a burst. A batch with nothing behind it is handled at once, in this task (no
+        hand-over: a lone message's latency is what matters then).
         """
         buffer: list[Msg] = []
         wake = asyncio.Event()  # a message arrived, or `stop` was set: one future to wait on, no task
@@ -108,7 +111,8 @@ class Consumers(BusClient):
 
         sub = await self._push(spec, on_msg)
         stopping = asyncio.create_task(on_stop())
-        handling: asyncio.Task[None] | None = None  # the previous batch: its handler, then its acks
+        # the previous batch, handed over: its handler's task (what it raised, if it did) and the batch
+        handling: tuple[asyncio.Task[Exception | None], Batch] | None = None
         try:
             while not stop.is_set():
                 if not buffer:
@@ -119,22 +123,25 @@ class Consumers(BusClient):
                     await asyncio.sleep(gather_s)  # let a burst gather into one batch
                 batch, buffer[:] = buffer[:max_batch], buffer[max_batch:]
                 good = await self._decoded(spec, batch, admit)  # while the previous one is handled
+                written = None
                 if handling is not None:
-                    await handling
+                    task, previous = handling
                     handling = None
-                if not good:
-                    continue
-                if buffer:  # more behind it: decode those while this one is handled
-                    handling = asyncio.create_task(self._settle(spec, good, handler))
-                else:
-                    await self._settle(spec, good, handler)
+                    written = (previous, await task)
+                if good and buffer:  # more behind it: hand it over, and decode those meanwhile
+                    handling = (asyncio.create_task(self._handled(handler, good)), good)
+                if written is not None:  # acked while the next batch is being written
+                    await self._settle(spec, *written)
+                if good and handling is None:  # nothing behind it: handled here, at once
+                    await self._settle(spec, good, await self._handled(handler, good))
         finally:
             stopping.cancel()
-            if handling is not None:  # stopped: its handler finishes and acks; cancelled: it goes too
-                if not handling.done() and asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                    handling.cancel()
+            if handling is not None:  # stopped: its handler finishes and it is acked; cancelled: neither
+                task, previous = handling
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    task.cancel()
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await handling
+                    await self._settle(spec, previous, await task)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
                 for msg in buffer:  # received but not handled: back to the server at once
@@ -290,12 +297,10 @@ class Consumers(BusClient):
             else:
                 await msg.ack()
 
-    async def _decoded(
-        self, spec: ConsumerSpec, batch: list[Msg], admit: Admit | None
-    ) -> list[tuple[Message, Delivery]]:
+    async def _decoded(self, spec: ConsumerSpec, batch: list[Msg], admit: Admit | None) -> Batch:
         """The batch's events that decode and are admitted; the others are dead-lettered (or nak'd, when
         the check itself failed). Yields now and then, so that a batch being handled meanwhile goes on."""
-        good: list[tuple[Message, Delivery]] = []
+        good: Batch = []
         for i, msg in enumerate(batch, start=1):
             delivery = Delivery(msg)
             try:
@@ -306,24 +311,29 @@ class Consumers(BusClient):
                 await asyncio.sleep(0)  # let the previous batch's handler read its database's answer
         return good
 
-    async def _settle(
-        self, spec: ConsumerSpec, good: list[tuple[Message, Delivery]], handler: BatchHandler
-    ) -> None:
-        """Run the handler on a decoded batch, then ack it (or dead-letter the rejected, nak the rest)."""
+    @staticmethod
+    async def _handled(handler: BatchHandler, good: Batch) -> Exception | None:
+        """Run the handler on a decoded batch; what it raised, None when it returned."""
         try:
             await handler(good)
         except asyncio.CancelledError:
             raise
-        except RejectedEvents as exc:  # the handler stored the rest: only the rejected are dead letters
+        except Exception as exc:
+            return exc
+        return None
+
+    async def _settle(self, spec: ConsumerSpec, good: Batch, failed: Exception | None) -> None:
+        """After its handler: ack the batch, or dead-letter the rejected (and ack the rest), or nak it."""
+        if isinstance(failed, RejectedEvents):  # the handler stored the rest: only those are dead letters
             for _, delivery in good:
-                if (reason := exc.reasons.get(delivery.stream_seq)) is not None:
+                if (reason := failed.reasons.get(delivery.stream_seq)) is not None:
                     await self.dead_letter(spec, delivery, reason)
                     await delivery.msg.term()
                 else:
                     await delivery.msg.ack()
-        except Exception as exc:
+        elif failed is not None:
             for _, delivery in good:
-                await self._fail(spec, delivery, exc)
+                await self._fail(spec, delivery, failed)
         else:
             for _, delivery in good:
                 await delivery.msg.ack()
