@@ -24,6 +24,11 @@ from vigil_common.credentials import APP_ROLE
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
 
+# Workers here keep no warm ranks unless a test asks for them (tests/integration/worker/test_warm.py): each
+# is a process importing torch, DeepSpeed and inductor (4-8 s of CPU), and the suite starts dozens of
+# workers on two cores, where that load delayed heartbeats past a node's loss.
+os.environ.setdefault("VIGIL_WARM_RANKS", "0")
+
 SHARED_TEMP = Path(tempfile.gettempdir()) / "vigil-pytest"
 KEEP_TEMP = 3  # the newest sessions' folders kept for a look after the run, as pytest keeps its own
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
+import os
+import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -60,3 +63,34 @@ async def measure_on_servers(
         out = await measure(settings)
         out["servers"] = where
         return out
+
+
+async def start_service(settings: Settings, module: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """The service `module` (its `run`) as its own process through `run_service`, as in production, on
+    the bench's servers; and its environment. Its heap is its own (the bench's events are not in it)."""
+    assert settings.nats_url and settings.database_url
+    env = {
+        **os.environ,
+        "VIGIL_NATS_URL": settings.nats_url,
+        "VIGIL_DATABASE_URL": settings.database_url,
+        "VIGIL_DATA_DIR": str(settings.data_dir),
+        "VIGIL_LOG_LEVEL": "ERROR",
+        "VIGIL_WEBHOOK_URLS": "[]",
+        "VIGIL_METRICS_PORT": "0",
+    }
+    code = (
+        "from vigil_common.service import run_service; from vigil_common.settings import Settings; "
+        f"from {module} import run; run_service(run, Settings.load())"
+    )
+    return await asyncio.create_subprocess_exec(sys.executable, "-c", code, env=env), env
+
+
+async def stop_service(proc: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    if proc.returncode is None:
+        proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()

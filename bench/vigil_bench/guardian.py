@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import signal
 import statistics
 import sys
@@ -35,7 +34,7 @@ from vigil.events import (
     StepCompleted,
 )
 from vigil.spec import JobSpec
-from vigil_bench import measure_on_servers, percentile, request_reply, result
+from vigil_bench import measure_on_servers, percentile, request_reply, result, start_service
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
@@ -46,10 +45,6 @@ ROUNDS = 5
 SAMPLES_PER_ROUND = 100
 RR_PER_ROUND = 400
 
-_GUARDIAN = (
-    "from vigil_common.service import run_service; from vigil_common.settings import Settings; "
-    "from vigil_guardian.main import run; run_service(run, Settings.load())"
-)
 _ECHO = "import sys; from vigil_bench.guardian import echo_main; echo_main(sys.argv[1], sys.argv[2])"
 
 
@@ -171,19 +166,11 @@ async def _sample(bus: Bus, arrivals: _Arrivals, spec: JobSpec, jobs: list[str])
 
 async def start_guardian(settings: Settings) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
     """The guardian as its own process on the bench's servers (migrated first), and its environment."""
-    assert settings.nats_url and settings.database_url
+    assert settings.database_url
     pool = await create_pool(settings.database_url)
     await migrate(pool)
     await pool.close()
-    env = {
-        **os.environ,
-        "VIGIL_NATS_URL": settings.nats_url,
-        "VIGIL_DATABASE_URL": settings.database_url,
-        "VIGIL_DATA_DIR": str(settings.data_dir),
-        "VIGIL_LOG_LEVEL": "ERROR",
-        "VIGIL_WEBHOOK_URLS": "[]",
-    }
-    return await asyncio.create_subprocess_exec(sys.executable, "-c", _GUARDIAN, env=env), env
+    return await start_service(settings, "vigil_guardian.main")
 
 
 async def _measure(settings: Settings) -> dict[str, object]:

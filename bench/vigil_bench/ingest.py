@@ -2,8 +2,9 @@
 
 A backlog of N StepCompleted events is published on the steps stream first (not timed). Then
 the telemetry service starts and drains it: pull from JetStream, decode, insert batches
-idempotently, acknowledge. Its rate is the rows stored per second from its first committed
-batch to the last (startup excluded). The floor, in the same run: asyncpg's
+idempotently, acknowledge. Telemetry runs as its own process, as in production (`vigil telemetry`:
+its heap holds its own objects, not the bench's backlog). Its rate is the rows stored per second
+from its first committed batch to the last (startup excluded). The floor, in the same run: asyncpg's
 `copy_records_to_table` of the very same rows into a table shaped like telemetry's (same columns
 and indexes), which is as fast as Postgres ingests from Python. `value`/`floor` are rates, so
 the ratio is telemetry's share of raw COPY speed. Target: ratio >= 0.5.
@@ -30,10 +31,11 @@ from nats.js.api import ConsumerConfig
 
 from vigil.events import LaunchJob, RankPlacement, StepCompleted, utcnow
 from vigil.spec import JobSpec
-from vigil_bench import measure_on_servers, result
+from vigil_bench import measure_on_servers, result, start_service, stop_service
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
+from vigil_common.service import settle_heap
 from vigil_common.settings import Settings
 from vigil_telemetry import main as telemetry
 from vigil_telemetry import store
@@ -159,10 +161,10 @@ async def _bare_consumer_rate(settings: Settings, pool: asyncpg.Pool, job: str) 
 
 
 async def _telemetry_rate(settings: Settings, pool: asyncpg.Pool, job: str) -> tuple[float, int, float]:
-    """(seconds, rows, startup seconds) for telemetry to store the job's backlog."""
-    stop = asyncio.Event()
+    """(seconds, rows, startup seconds) for telemetry, as its own process (as in production), to store
+    the job's backlog."""
     started = time.perf_counter()
-    service = asyncio.create_task(telemetry.run(settings, stop))
+    service, _ = await start_service(settings, "vigil_telemetry.main")
     try:
         first_t = first_n = None
         while True:
@@ -173,13 +175,11 @@ async def _telemetry_rate(settings: Settings, pool: asyncpg.Pool, job: str) -> t
             if n >= N:
                 assert first_t is not None and first_n is not None
                 return now - first_t, N - first_n, first_t - started
-            if service.done():
-                service.result()
-                raise RuntimeError("telemetry stopped early")
+            if service.returncode is not None:
+                raise RuntimeError(f"telemetry stopped early (exit {service.returncode})")
             await asyncio.sleep(0.02)  # polling the row count
     finally:
-        stop.set()
-        await asyncio.wait_for(service, 30)
+        await stop_service(service)
 
 
 async def _measure(settings: Settings) -> dict[str, object]:
@@ -195,6 +195,7 @@ async def _measure(settings: Settings) -> dict[str, object]:
         await bus.publish(subjects.launch(job), _launch(job))
         for i in range(0, N, 1000):
             await asyncio.gather(*(bus.publish(subjects.step(job, e.node), e) for e in events[i : i + 1000]))
+        settle_heap()  # the floors run under the collector settings telemetry's own process has
         copy_s = await _copy_floor(pool, events)
         bare_rate = N / await _bare_consumer_rate(settings, pool, job)
         tele_s, tele_n, startup_s = await _telemetry_rate(settings, pool, job)

@@ -28,6 +28,7 @@ from vigil.events import (
     RankPlacement,
     RestartRequested,
     RollbackCompleted,
+    StepCompleted,
     decode,
 )
 from vigil_common import subjects
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 CONTROL_EVENTS: tuple[type[Message], ...] = (JobStateChanged,)
 
 _STEP = re.compile(r"^step_[0-9]{8,}$")
+STEP_VERDICTS_MAX = 65_536  # remembered per attempt (a job's ranks, and what forgers tried)
 Placement = Mapping[int, str] | Iterable[RankPlacement]  # rank -> node, or the LaunchJob's list
 
 
@@ -107,9 +109,9 @@ def _checkpoint_refusal(event: Message, job: str) -> str | None:
     return f"checkpoint path {path!r} is not <checkpoints>/{job}/{want or 'step_<step>'}"
 
 
-def _nodes(placement: Placement) -> dict[int, str]:
+def _nodes(placement: Placement) -> Mapping[int, str]:
     if isinstance(placement, Mapping):
-        return dict(placement)
+        return placement  # not copied: a step of a 1,000-rank job would copy 1,000 entries
     return {p.rank: p.node for p in placement}
 
 
@@ -121,16 +123,32 @@ class Origins:
     def __init__(self, bus: Bus, size: int = 10_000) -> None:
         self.bus = bus
         self.size = size
-        self._known: OrderedDict[tuple[str, int], dict[int, str]] = OrderedDict()
+        self._known: OrderedDict[tuple[str, int], Mapping[int, str]] = OrderedDict()
+        # A step's verdict depends only on its subject, rank and node once its attempt's placement is
+        # known: kept with that placement (and forgotten with it), so each rank's steps cost one check.
+        self._steps: dict[tuple[str, int], dict[tuple[str, int, str], str | None]] = {}
 
     async def admit(self, subject: str, event: Message) -> str | None:
         """Why `event` on `subject` is refused as forged; None when it is admitted."""
+        step = type(event) is StepCompleted
+        if step:
+            attempt = (event.job_id or "", event.attempt)
+            key = (subject, event.rank, event.node)  # type: ignore[attr-defined]
+            known = self._steps.get(attempt)
+            if known is not None and key in known:
+                self._known.move_to_end(attempt)
+                return known[key]
         placement = None
         if event.job_id and _has_origin(subject) and not isinstance(event, CONTROL_EVENTS):
             placement = await self.placement(event.job_id, event.attempt)
-        return refusal(subject, event, placement)
+        why = refusal(subject, event, placement)
+        if step and placement is not None and attempt in self._known:
+            known = self._steps.setdefault(attempt, {})
+            if len(known) < STEP_VERDICTS_MAX:
+                known[key] = why
+        return why
 
-    async def placement(self, job_id: str, attempt: int) -> dict[int, str] | None:
+    async def placement(self, job_id: str, attempt: int) -> Mapping[int, str] | None:
         """Rank -> node of the job's attempt, from its last LaunchJob of that attempt; None if none."""
         key = (job_id, attempt)
         if key in self._known:
@@ -143,11 +161,13 @@ class Origins:
             self._keep(job_id, launch.attempt, _nodes(launch.placement))
         return found
 
-    def _keep(self, job_id: str, attempt: int, nodes: dict[int, str]) -> None:
+    def _keep(self, job_id: str, attempt: int, nodes: Mapping[int, str]) -> None:
         self._known[(job_id, attempt)] = nodes
         self._known.move_to_end((job_id, attempt))
+        self._steps.pop((job_id, attempt), None)  # judged against the placement read before
         while len(self._known) > self.size:
-            self._known.popitem(last=False)
+            gone, _ = self._known.popitem(last=False)
+            self._steps.pop(gone, None)
 
     async def _launches(self, job_id: str) -> list[LaunchJob]:
         """Every LaunchJob stored for the job, oldest first."""

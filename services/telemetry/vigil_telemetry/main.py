@@ -84,7 +84,10 @@ class Telemetry:
         events stored; RejectedEvents (after the rest is stored) names the bad ones for the bus to
         dead-letter."""
         rejected = await self._stored_apart(writer, batch)
-        events = [e for e, d in batch if d.stream_seq not in rejected]
+        if rejected:
+            events = [e for e, d in batch if d.stream_seq not in rejected]
+        else:  # the common case: no delivery's metadata to parse
+            events = [e for e, _ in batch]
         self.registry.observe(events)
         self.registry.inc("vigil_telemetry_events_total", len(events), consumer=consumer)
         if rejected:

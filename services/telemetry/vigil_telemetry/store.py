@@ -52,8 +52,12 @@ _CLEANED = ", ".join(  # a non-finite value becomes NULL (aggregates skip it) an
     for m in SERIES_METRICS
 )
 _GROUPED = ", ".join(
-    f"COALESCE(sum({m}), 0), count({m})::int, min({m}), max({m}), count(*) FILTER (WHERE {m}_bad)::int"
+    f"COALESCE(sum({m}), 0) AS {m}_sum, count({m})::int AS {m}_n, min({m}) AS {m}_lo, max({m}) AS {m}_hi, "
+    f"count(*) FILTER (WHERE {m}_bad)::int AS {m}_bad"
     for m in SERIES_METRICS
+)
+_ROLLED_UP = ", ".join(
+    f"sum({m}_sum), sum({m}_n)::int, min({m}_lo), max({m}_hi), sum({m}_bad)::int" for m in SERIES_METRICS
 )
 _MERGED = ", ".join(
     f"{m}_sum = b.{m}_sum + EXCLUDED.{m}_sum, {m}_n = b.{m}_n + EXCLUDED.{m}_n, "
@@ -62,17 +66,26 @@ _MERGED = ", ".join(
     for m in SERIES_METRICS
 )
 _METRIC_ARRAYS = ", ".join(f"${i}::float8[]" for i, _ in enumerate(SERIES_METRICS, start=4))
-# Each new step into its bucket at every stored width: the batch grouped by (job, width, rank, bucket),
-# then merged into the stored row (sums and counts add, min and max widen). Rows go in key order, so
-# two writers of the same buckets lock them in the same order.
+# The narrowest width: every stored width is a multiple of it (a test checks), so a wider bucket is a
+# group of its buckets (for steps >= 0, step / width = (step / FINEST) / (width / FINEST)).
+FINEST = BUCKET_WIDTHS[0]
+# Each new step into its bucket at every stored width: the batch grouped by (job, rank, bucket) at the
+# narrowest width, those groups grouped again at every width (sums and counts add, min and max widen:
+# each row is read once, not once per width), then merged into the stored rows the same way. Rows go in
+# key order, so two writers of the same buckets lock them in the same order.
 ADD_TO_BUCKETS = f"""
+    WITH finest AS (
+        SELECT job_id, rank, step / {FINEST} AS bucket, min(step) AS first_step, max(step) AS last_step,
+               {_GROUPED}
+        FROM (SELECT job_id, rank, step, {_CLEANED}
+              FROM unnest($1::text[], $2::int[], $3::int8[], {_METRIC_ARRAYS})
+                   AS u(job_id, rank, step, {", ".join(SERIES_METRICS)})) s
+        GROUP BY job_id, rank, step / {FINEST}
+    )
     INSERT INTO telemetry_step_buckets AS b ({", ".join(name for name, _ in BUCKET_COLUMNS)})
-    SELECT job_id, width, rank, step / width, min(step), max(step), {_GROUPED}
-    FROM (SELECT job_id, rank, step, {_CLEANED}
-          FROM unnest($1::text[], $2::int[], $3::int8[], {_METRIC_ARRAYS})
-               AS u(job_id, rank, step, {", ".join(SERIES_METRICS)})) s
-    CROSS JOIN unnest(${4 + len(SERIES_METRICS)}::int[]) AS w(width)
-    GROUP BY job_id, width, rank, step / width
+    SELECT job_id, width, rank, bucket / (width / {FINEST}), min(first_step), max(last_step), {_ROLLED_UP}
+    FROM finest CROSS JOIN unnest(${4 + len(SERIES_METRICS)}::int[]) AS w(width)
+    GROUP BY job_id, width, rank, bucket / (width / {FINEST})
     ORDER BY 1, 2, 3, 4
     ON CONFLICT (job_id, width, rank, bucket) DO UPDATE SET
         first_step = LEAST(b.first_step, EXCLUDED.first_step),

@@ -290,6 +290,45 @@ async def test_a_batch_is_acked_only_after_its_handler_returns(bus: Bus, job_id:
         await asyncio.wait_for(task, 10)
 
 
+async def test_the_next_batch_is_decoded_while_one_is_handled_and_handled_after_it(bus: Bus, job_id: str):
+    """Decoding overlaps the handler (a malformed message of the next batch is dead-lettered while the
+    handler of the one before still runs); handlers still run one at a time, in order, each batch acked
+    once."""
+    spec = cmd_spec(job_id)
+    subject = subjects.cmd(job_id)
+    sent = [ev.CancelJob(job_id=job_id, attempt=1, reason=str(i)) for i in range(6)]
+    for e in sent[:3]:
+        await bus.publish(subject, e)
+    await bus.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    for e in sent[3:]:
+        await bus.publish(subject, e)
+    got: list[ev.Message] = []
+    running = 0
+    overlapped: list[bool] = []
+    done = asyncio.Event()
+
+    async with bus.watch(subjects.dead_letter(subjects.COMMANDS.name)) as dead:
+
+        async def handler(batch: list[tuple[ev.Message, Delivery]]) -> None:
+            nonlocal running
+            running += 1
+            assert running == 1, "two batches handled at once"
+            if not got:  # the first batch: the next one's malformed message is dead-lettered meanwhile
+                letter = await asyncio.wait_for(anext(dead), 10)
+                overlapped.append(letter.consumer == spec.durable)
+            got.extend(e for e, _ in batch)
+            running -= 1
+            if len(got) >= len(sent):
+                done.set()
+
+        # the consumer's own gathering (0.5 s) lets all 7 arrive before the first batch of 3 is taken
+        await run_batches(bus, spec, handler, done, max_batch=3, gather_s=0.5)
+    assert overlapped == [True]
+    assert got == sent
+    info = await settled(bus, spec)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
 async def test_a_failed_batch_is_redelivered_and_a_malformed_message_dead_lettered(bus: Bus, job_id: str):
     spec = cmd_spec(job_id, backoff_s=(0.05,))
     subject = subjects.cmd(job_id)

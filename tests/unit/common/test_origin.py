@@ -218,3 +218,23 @@ async def test_origins_that_cannot_read_the_launches_asks_for_a_retry() -> None:
     origins = Origins(reading(js))
     with pytest.raises(RetryableError, match=r"reading vigil\.job\.j-a\.launch from VIGIL_JOBS"):
         await origins.admit(subjects.step(JOB, "n2"), nan_step("n2"))
+
+
+async def test_a_steps_verdict_is_kept_with_its_attempts_placement_and_forgotten_with_it() -> None:
+    other = stored_launch(1, {0: "n1"}).model_copy(update={"job_id": "j-b"})
+    js = FakeJetStream([(subjects.launch(JOB), stored_launch(1, ON_N2)), (subjects.launch("j-b"), other)])
+    origins = Origins(reading(js), size=1)
+    for _ in range(3):  # the same verdicts every time, from one read
+        assert await origins.admit(subjects.step(JOB, "n2"), nan_step("n2")) is None
+        refused = await origins.admit(subjects.step(JOB, "n1"), nan_step("n1"))
+        assert refused is not None and "runs on node 'n2'" in refused
+        absent = await origins.admit(subjects.step(JOB, "n2"), nan_step("n2", rank=5))
+        assert absent is not None and "rank 5 is not in attempt 1" in absent
+    reads = js.reads
+    # another attempt takes the only place (size 1): this one's steps are checked against a new read
+    b_step = nan_step("n1").model_copy(update={"job_id": "j-b"})
+    assert await origins.admit(subjects.step("j-b", "n1"), b_step) is None
+    assert await origins.admit(subjects.step(JOB, "n2"), nan_step("n2")) is None
+    assert js.reads > reads + 1
+    refused = await origins.admit(subjects.step(JOB, "n1"), nan_step("n1"))
+    assert refused is not None and "runs on node 'n2'" in refused

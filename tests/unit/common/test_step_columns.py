@@ -78,6 +78,11 @@ def test_the_writer_and_the_readers_take_their_lists_from_the_one_place() -> Non
     assert read == [f for f in STEP_FIELDS if f not in ("event_id", "job_id")]
 
 
+def test_every_bucket_width_is_a_multiple_of_the_finest_the_writer_groups_by_first() -> None:
+    assert min(readmodel.BUCKET_WIDTHS) == store.FINEST
+    assert all(w % store.FINEST == 0 for w in readmodel.BUCKET_WIDTHS)
+
+
 def test_a_shown_width_is_served_by_at_most_two_stored_rows_a_point() -> None:
     widest = readmodel.BUCKET_WIDTHS[-1]
     for wanted in [*range(1, 5000), *range(5000, 600_000, 997)]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,9 +34,15 @@ from vigil_common.bus.deliveries import (
     Handler,
     not_delivered_by,
 )
-from vigil_common.waiting import wait_any
 
 log = logging.getLogger(__name__)
+
+# Whether a subject is in a consumer's filter, computed once per (filter, subject): subjects repeat.
+_in_filter = functools.lru_cache(maxsize=65_536)(subjects.holds)
+Batch = list[tuple[Message, Delivery]]
+# Messages decoded between two yields to the event loop (`Consumers._decoded`): under a millisecond, so
+# that the batch being written meanwhile waits no longer than that at each of its round trips.
+_YIELD_EVERY = 50
 
 
 class Consumers(BusClient):
@@ -81,32 +88,60 @@ class Consumers(BusClient):
         acked after the handler returns, or nak'd (dead-lettered past `max_deliver`) if it raises;
         a handler that raises `RejectedEvents` stored the rest: those named are dead-lettered at once
         and the others acked. A message `admit` refuses is dead-lettered as forged and left out of its
-        batch.
+        batch. Batches reach the handler one at a time, in the order delivered.
 
         For volume (every rank's every step): the server pushes into a buffer (at most
-        `max_ack_pending` unacknowledged) while the previous batch is being handled, so
-        receiving and writing overlap. A batch that is not full waits `gather_s` for a burst.
+        `max_ack_pending` unacknowledged) while the previous batch is being handled, the next batch
+        is decoded then too, and a batch's acks go out while the next one is handled: receiving,
+        decoding, acknowledging and the handler's writes overlap. A batch that is not full waits
+        `gather_s` for a burst. A batch with nothing behind it is handled at once, in this task (no
+        hand-over: a lone message's latency is what matters then).
         """
         buffer: list[Msg] = []
-        arrived = asyncio.Event()
+        wake = asyncio.Event()  # a message arrived, or `stop` was set: one future to wait on, no task
 
         async def on_msg(msg: Msg) -> None:
             if not await self._foreign(spec, msg):
                 buffer.append(msg)
-                arrived.set()
+                wake.set()
+
+        async def on_stop() -> None:
+            await stop.wait()
+            wake.set()
 
         sub = await self._push(spec, on_msg)
+        stopping = asyncio.create_task(on_stop())
+        # the previous batch, handed over: its handler's task (what it raised, if it did) and the batch
+        handling: tuple[asyncio.Task[Exception | None], Batch] | None = None
         try:
             while not stop.is_set():
                 if not buffer:
-                    arrived.clear()
-                    await wait_any(arrived, stop)
+                    wake.clear()
+                    await wake.wait()
                     continue
-                if len(buffer) < max_batch:
+                if len(buffer) < max_batch and gather_s > 0:
                     await asyncio.sleep(gather_s)  # let a burst gather into one batch
                 batch, buffer[:] = buffer[:max_batch], buffer[max_batch:]
-                await self._handle_batch(spec, batch, handler, admit)
+                good = await self._decoded(spec, batch, admit)  # while the previous one is handled
+                written = None
+                if handling is not None:
+                    task, previous = handling
+                    handling = None
+                    written = (previous, await task)
+                if good and buffer:  # more behind it: hand it over, and decode those meanwhile
+                    handling = (asyncio.create_task(self._handled(handler, good)), good)
+                if written is not None:  # acked while the next batch is being written
+                    await self._settle(spec, *written)
+                if good and handling is None:  # nothing behind it: handled here, at once
+                    await self._settle(spec, good, await self._handled(handler, good))
         finally:
+            stopping.cancel()
+            if handling is not None:  # stopped: its handler finishes and it is acked; cancelled: neither
+                task, previous = handling
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    task.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._settle(spec, previous, await task)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
                 for msg in buffer:  # received but not handled: back to the server at once
@@ -237,7 +272,7 @@ class Consumers(BusClient):
         is never acted on, acknowledged or dead-lettered: it is not this consumer's to settle. A legacy
         message of another share (`subjects.reads`) is acknowledged and skipped."""
         why = not_delivered_by(msg, spec.stream.name, spec.durable)
-        if why is None and not subjects.holds(spec.filter_subject, msg.subject):
+        if why is None and not _in_filter(spec.filter_subject, msg.subject):
             if any(subjects.matches(form, msg.subject) for form in self.reads(spec.filter_subject)):
                 # Stored before VIGIL_JOBS's transform, of another share (a share's filter in the
                 # published form is every job's): acknowledged, another share's consumer acts on it.
@@ -275,32 +310,43 @@ class Consumers(BusClient):
             else:
                 await msg.ack()
 
-    async def _handle_batch(
-        self, spec: ConsumerSpec, batch: list[Msg], handler: BatchHandler, admit: Admit | None
-    ) -> None:
-        good: list[tuple[Message, Delivery]] = []
-        for msg in batch:
+    async def _decoded(self, spec: ConsumerSpec, batch: list[Msg], admit: Admit | None) -> Batch:
+        """The batch's events that decode and are admitted; the others are dead-lettered (or nak'd, when
+        the check itself failed). Yields now and then, so that a batch being handled meanwhile goes on."""
+        good: Batch = []
+        for i, msg in enumerate(batch, start=1):
             delivery = Delivery(msg)
             try:
                 good.append((await admitted(msg, admit), delivery))
             except Exception as exc:  # malformed or forged: dead-lettered; a failed check: retried
                 await self._fail(spec, delivery, exc)
-        if not good:
-            return
+            if i % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # let the previous batch's handler read its database's answer
+        return good
+
+    @staticmethod
+    async def _handled(handler: BatchHandler, good: Batch) -> Exception | None:
+        """Run the handler on a decoded batch; what it raised, None when it returned."""
         try:
             await handler(good)
         except asyncio.CancelledError:
             raise
-        except RejectedEvents as exc:  # the handler stored the rest: only the rejected are dead letters
+        except Exception as exc:
+            return exc
+        return None
+
+    async def _settle(self, spec: ConsumerSpec, good: Batch, failed: Exception | None) -> None:
+        """After its handler: ack the batch, or dead-letter the rejected (and ack the rest), or nak it."""
+        if isinstance(failed, RejectedEvents):  # the handler stored the rest: only those are dead letters
             for _, delivery in good:
-                if (reason := exc.reasons.get(delivery.stream_seq)) is not None:
+                if (reason := failed.reasons.get(delivery.stream_seq)) is not None:
                     await self.dead_letter(spec, delivery, reason)
                     await delivery.msg.term()
                 else:
                     await delivery.msg.ack()
-        except Exception as exc:
+        elif failed is not None:
             for _, delivery in good:
-                await self._fail(spec, delivery, exc)
+                await self._fail(spec, delivery, failed)
         else:
             for _, delivery in good:
                 await delivery.msg.ack()

@@ -3,29 +3,47 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
 
 from vigil.errors import MalformedMessage
-from vigil.events import Message, decode
+from vigil.events import Message, StepCompleted, decode
 from vigil_common import subjects
 from vigil_common.bus.streams import Stored
+from vigil_common.msgspec_events import FastDecoder, fast_decoder
 
 log = logging.getLogger(__name__)
+
+# The events decoded by msgspec first (`vigil_common.msgspec_events`): a step per rank per step is most of
+# what telemetry stores and the guardian judges. What msgspec refuses goes to pydantic's `decode`.
+FAST_DECODED: tuple[type[Message], ...] = (StepCompleted,)
 
 # Why an event on a subject is refused as forged, None when it is admitted (`vigil_common.origin`).
 Admit = Callable[[str, Message], Awaitable[str | None]]
 
 
+@functools.lru_cache(maxsize=65_536)
+def _carried(subject: str) -> tuple[tuple[type[Message], ...], FastDecoder | None] | None:
+    """What `subject` carries and its fast decoder; None when it is not in the registry. Parsed once per
+    subject: a job's steps come on one subject per node."""
+    try:
+        carries = subjects.CARRIES[subjects.kind_of(subject)]
+    except (KeyError, ValueError):
+        return None
+    return carries, fast_decoder(carries[0]) if carries[0] in FAST_DECODED else None
+
+
 def decode_message(msg: Msg | Stored) -> Message:
     """The event `msg` carries, if its subject is in the registry and carries that type; else
     MalformedMessage."""
-    try:
-        carries = subjects.CARRIES[subjects.kind_of(msg.subject)]
-    except (KeyError, ValueError) as exc:
-        raise MalformedMessage(f"subject {msg.subject!r} is not in the registry") from exc
+    if (carried := _carried(msg.subject)) is None:
+        raise MalformedMessage(f"subject {msg.subject!r} is not in the registry")
+    carries, fast = carried
+    if fast is not None and (event := fast.decode(msg.data)) is not None:
+        return event  # type: ignore[return-value]
     return decode(msg.data, carries)
 
 
