@@ -7,7 +7,7 @@ device (its CUDA_VISIBLE_DEVICES is set before torch is imported); on a CPU node
 
 A warm process runs no job's code before its launch (`trainer.standby`), and only the built-in trainer
 is run warm: a job's own program is started as it always is, its imports being its own. One taken is
-replaced a little later, at a low priority, so that its imports do not slow the ranks just launched.
+replaced a little later, on idle cycles only (SCHED_IDLE), so that its imports do not slow the ranks.
 """
 
 from __future__ import annotations
@@ -161,4 +161,9 @@ class WarmRanks:
 
 
 def _lower_priority() -> None:
-    os.nice(STANDBY_NICE)
+    """A warm rank imports on idle cycles only (SCHED_IDLE): on a node whose cores its ranks keep busy, a
+    replacement's seconds of imports are not taken from them. Its launch gives it the usual policy back."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux: a low priority instead
+        os.nice(STANDBY_NICE)

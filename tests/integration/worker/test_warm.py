@@ -51,6 +51,13 @@ def standby_pids() -> list[int]:
     ]  # fmt: skip
 
 
+def policy_of(pid: int) -> int | None:
+    try:
+        return os.sched_getscheduler(pid)
+    except OSError:  # ended
+        return None
+
+
 def uid_of(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -91,11 +98,14 @@ async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id,
             await rec.until(lambda r: r.of(ev.StepCompleted, attempt=2), timeout=120, fail_on_exit=False)
             first_step_s = time.monotonic() - t0
             uids = {e.rank: uid_of(e.pid) for e in rec.of(ev.RankStarted, attempt=2)}
+            policies = {e.rank: policy_of(e.pid) for e in rec.of(ev.RankStarted, attempt=2)}
             second = await until_exited(rec, 2, timeout=180)
         assert {r: e.exit_code for r, e in second.items()} == {0: 0, 1: 0}, rank_logs_of(tmp_path, job_id)
         await log_says(worker.log, "(warm)", 4)
         resumed = sorted({e.step for e in rec.of(ev.StepCompleted, attempt=2)})
         assert resumed == [4, 5, 6, 7], resumed
+        # a warm rank imports on idle cycles (SCHED_IDLE); the rank it becomes runs as any process does
+        assert all(p in (None, os.SCHED_OTHER) for p in policies.values()), policies
         if os.geteuid() == 0:  # the job's own user, as a started rank's
             assert all(uid not in (None, 0) for uid in uids.values()), uids
         print(f"relaunch on warm ranks: launch published to the first step in {first_step_s:.2f}s")

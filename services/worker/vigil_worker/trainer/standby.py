@@ -65,7 +65,10 @@ def become_rank(launch: Launch) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    os.setpriority(os.PRIO_PROCESS, 0, 0)  # it waited at a low priority; a rank runs at the usual one
+    # it waited on idle cycles (SCHED_IDLE) or at a low priority; a rank runs as any process does
+    if hasattr(os, "sched_setscheduler"):
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
     read_end, write_end = os.pipe()  # the token, as a started rank finds it: on a descriptor
     os.write(write_end, launch["token"].encode())
     os.close(write_end)
