@@ -153,36 +153,22 @@ class Worker:
                     log.warning("a warm rank could not take rank %d of %s: %s", p.rank, job, exc)
                     standby.proc.kill()
                     standby = None
+            rank_of = dict(
+                job_id=job,
+                attempt=launch.attempt,
+                rank=p.rank,
+                device=p.device,
+                log_path=r.log_path,
+                exit_path=r.exit_path,
+                token=r.token,
+                uid=None if user is None else user.uid,
+                world_size=launch.world_size,
+            )
             if standby is not None:
-                record = self.table.adopt(
-                    standby.proc,
-                    job_id=job,
-                    attempt=launch.attempt,
-                    rank=p.rank,
-                    device=p.device,
-                    log_path=r.log_path,
-                    exit_path=r.exit_path,
-                    token=r.token,
-                    uid=None if user is None else user.uid,
-                    world_size=launch.world_size,
-                )
+                record = self.table.adopt(standby.proc, **rank_of)
             else:
-                record = self.table.start(
-                    r.argv,
-                    r.env,
-                    job_id=job,
-                    attempt=launch.attempt,
-                    rank=p.rank,
-                    device=p.device,
-                    log_path=r.log_path,
-                    exit_path=r.exit_path,
-                    token=r.token,
-                    cwd=r.cwd,
-                    builtin=launch.spec.entrypoint is None,
-                    world_size=launch.world_size,
-                    uid=None if user is None else user.uid,
-                    enter=enter,
-                )
+                builtin = launch.spec.entrypoint is None
+                record = self.table.start(r.argv, r.env, cwd=r.cwd, builtin=builtin, enter=enter, **rank_of)
             log.info(
                 "started rank %d of %s attempt %d on device %d: pid %d, uid %s%s",
                 p.rank,

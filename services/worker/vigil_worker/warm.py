@@ -31,7 +31,6 @@ log = logging.getLogger("vigil.worker")
 
 STANDBY_MODULE = "vigil_worker.trainer.standby"
 REPLACE_AFTER_S = 5.0  # a taken warm rank is replaced this long after (the launched ranks start first)
-STANDBY_NICE = 10  # its imports wait for the ranks at work
 
 
 @dataclass
@@ -127,8 +126,7 @@ class WarmRanks:
                 stderr=err,
                 start_new_session=True,
                 close_fds=True,
-                preexec_fn=_lower_priority,
-            )
+            )  # no preexec_fn: a vfork, not a fork of the worker's whole process; it lowers itself
         standby = Standby(proc, device)
         self.standbys.append(standby)
         self._track(self._warmed(standby))
@@ -158,12 +156,3 @@ class WarmRanks:
         task = asyncio.ensure_future(work)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _lower_priority() -> None:
-    """A warm rank imports on idle cycles only (SCHED_IDLE): on a node whose cores its ranks keep busy, a
-    replacement's seconds of imports are not taken from them. Its launch gives it the usual policy back."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux: a low priority instead
-        os.nice(STANDBY_NICE)

@@ -229,9 +229,14 @@ async def test_nan_is_rolled_back_before_two_more_steps_and_a_slow_rank_is_named
     saved = run.of(CheckpointSaved)
     assert {c.step for c in saved} >= {0, 3, 6, 9, 12}
     assert not non_finite_files([c.path for c in saved])
+
     # telemetry stored the run and the incidents
-    stored = await eventually(lambda: readmodel.incidents(stack.pool, job_id=run.job_id), what="incidents")
-    assert {"nan", "imbalance"} <= {i["kind"] for i in stored["items"]}
+    async def kinds() -> set[str]:  # a dict of items is truthy before the incidents' rows are stored
+        stored = await readmodel.incidents(stack.pool, job_id=run.job_id)
+        found = {i["kind"] for i in stored["items"]}
+        return found if {"nan", "imbalance"} <= found else set()
+
+    await eventually(kinds, what="the nan and imbalance incidents stored")
     steps = await readmodel.steps(stack.pool, run.job_id, aggregate=True, limit=100)
     assert [s["step"] for s in steps["items"]] == list(range(14))
 

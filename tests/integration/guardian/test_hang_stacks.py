@@ -152,9 +152,13 @@ async def test_a_rank_stuck_in_its_data_loader_is_named_with_its_frame(stack: St
     assert [g["ranks"] for g in groups] == [[1], [0]] and groups[1]["collective"] == "all_reduce"
     assert limit == pytest.approx(max(10 * hang.evidence["p99_step_s"], FLOOR_S))
     assert detected <= limit + 0.5 + 0.5, (detected, limit)  # the target, and 0.5 s for a shared machine
+
     # telemetry stored the incident with its groups, as the console shows them
-    stored = await eventually(lambda: readmodel.incidents(stack.pool, job_id=hang.job_id), what="incidents")
-    (row,) = [i for i in stored["items"] if i["kind"] == "hang"]
+    async def hang_rows() -> list[dict]:  # a dict of items is truthy before the hang's row is stored
+        stored = await readmodel.incidents(stack.pool, job_id=hang.job_id)
+        return [i for i in stored["items"] if i["kind"] == "hang"]
+
+    (row,) = await eventually(hang_rows, what="the hang incident stored")
     assert row["evidence"]["stacks"]["outlier"] == [1] and row["rank"] == 1
     # the console's job page lists the groups under the incident
     page = (await stack.http.get(f"/console/data/jobs/{hang.job_id}")).json()
