@@ -151,7 +151,7 @@ class RankTable:
                 )
         finally:
             os.close(read_end)
-        return self._track(
+        return self.adopt(
             proc, job_id=job_id, attempt=attempt, rank=rank, device=device, log_path=log_path,
             exit_path=exit_path, token=token, uid=uid, builtin=builtin, world_size=world_size,
         )  # fmt: skip
@@ -175,30 +175,11 @@ class RankTable:
         exit_path: Path,
         token: str,
         uid: int | None = None,
+        builtin: bool = True,
         world_size: int = 0,
     ) -> RankRecord:
-        """Track a warm rank (`vigil_worker.warm`) just handed its launch (after `clear`), as `start` tracks
-        one it starts."""
-        return self._track(
-            proc, job_id=job_id, attempt=attempt, rank=rank, device=device, log_path=log_path,
-            exit_path=exit_path, token=token, uid=uid, builtin=True, world_size=world_size,
-        )  # fmt: skip
-
-    def _track(
-        self,
-        proc: subprocess.Popen[bytes],
-        *,
-        job_id: str,
-        attempt: int,
-        rank: int,
-        device: int,
-        log_path: Path,
-        exit_path: Path,
-        token: str,
-        uid: int | None,
-        builtin: bool,
-        world_size: int,
-    ) -> RankRecord:
+        """Track a rank process: one `start` started, or a warm rank (`vigil_worker.warm`) just handed its
+        launch (after `clear`)."""
         ticks = start_ticks(proc.pid)
         record = RankRecord(
             job_id=job_id,
