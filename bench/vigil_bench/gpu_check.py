@@ -42,6 +42,8 @@ def _vigil(args: list[str], env: dict[str, str], timeout: float) -> dict[str, An
         raise RuntimeError(
             f"vigil {' '.join(args)}: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}"
         )
+    if "publishing" in out.stderr:  # the relay could not store a rank's event: the run was not Vigil's
+        raise RuntimeError(f"vigil {' '.join(args)}: events not stored\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

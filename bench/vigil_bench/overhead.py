@@ -15,7 +15,6 @@ steps the very engine the trainer builds).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -26,7 +25,6 @@ import torch
 import yaml
 
 from vigil_bench import result, servers
-from vigil_common.bus import Bus
 from vigil_common.settings import Settings
 from vigil_worker.local import LocalAgent, start_ranks
 
@@ -86,12 +84,6 @@ def run(settings: Settings) -> dict[str, object]:
         tmp, url = settings.data_dir, settings.nats_url
         assert url
 
-        async def ensure() -> None:
-            bus = await Bus.connect(url, "bench-overhead")
-            await bus.ensure_streams()
-            await bus.close()
-
-        asyncio.run(ensure())
         agent = stack.enter_context(LocalAgent(url, tmp / "ckpt"))
         cuda = torch.cuda.is_available()
         world, config = (1, GPU_CONFIG) if cuda else (2, CPU_CONFIG)

@@ -13,7 +13,6 @@ without. Target: ratio <= 1.03.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import runpy
@@ -22,7 +21,6 @@ import sys
 from pathlib import Path
 
 from vigil_bench import result, servers
-from vigil_common.bus import Bus
 from vigil_common.settings import Settings
 from vigil_worker.local import LocalAgent, start_ranks
 
@@ -63,12 +61,6 @@ def run(settings: Settings) -> dict[str, object]:
         tmp, url = settings.data_dir, settings.nats_url
         assert url
 
-        async def ensure() -> None:
-            bus = await Bus.connect(url, "bench-sdk")
-            await bus.ensure_streams()
-            await bus.close()
-
-        asyncio.run(ensure())
         agent = stack.enter_context(LocalAgent(url, tmp / "ckpt"))
         on: list[float] = []
         off: list[float] = []

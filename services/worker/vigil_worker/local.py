@@ -50,6 +50,7 @@ class LocalAgent:
 
     async def _start(self) -> None:
         self._bus = await Bus.connect(self.nats_url, name=f"agent-{self.node}")
+        await self._bus.ensure_streams()  # as a worker's start does: the relay's publishes need them
         self._relay = await Relay(
             self._bus, self.node, self.socket_path, self.checkpoint_root, self._find
         ).start()
