@@ -6,6 +6,7 @@ import pytest
 
 from tests.unit.common.samples import SAMPLES
 from vigil import events as ev
+from vigil.client import _event
 from vigil.errors import MalformedMessage
 from vigil_common import subjects
 
@@ -157,3 +158,11 @@ def test_expect_refuses_another_receivers_message_by_name():
     assert ev.expect(status, ev.is_status, "status event") is status
     with pytest.raises(MalformedMessage, match=r"HaltJob \(job.halt\) is not a status event: refused"):
         ev.expect(SAMPLES[ev.HaltJob], ev.is_status, "status event")
+
+
+def test_the_sdk_client_reads_an_older_gateways_v1_incidents_as_v2():
+    golden = json.loads((GOLDEN / "incident.raised.v1.json").read_text())
+    relaunch = {**golden, "evidence": {"restart": True}}
+    assert _event("incident.raised", json.dumps(relaunch)).action == "restart"
+    current = SAMPLES[ev.IncidentRaised]
+    assert _event("incident.raised", current.to_bytes().decode()) == current
