@@ -358,10 +358,16 @@ class Handlers:
         elif event.kind == "sdc" and event.job_id and event.node is not None and event.device is not None:
             async with self.s.tx() as conn:
                 await self._mark_from_replays(conn, event.job_id, event.node, event.device, event.message)
-        if event.action in ("halt", "rollback", "restart") and event.job_id:
-            await self._on_current(event, self._incident_noted)
-        elif event.action == "fail":
-            await self._on_current(event, self._fail)
+        match event.action:
+            case "halt" | "rollback" | "restart":  # the job stops, or goes back: was the update applied?
+                if event.job_id:
+                    await self._on_current(event, self._incident_noted)
+            case "fail":
+                await self._on_current(event, self._fail)
+            case "alert" | "replay" | "skip":
+                pass  # the job runs on
+            case _:
+                assert_never(event.action)
 
     async def _incident_noted(self, conn: asyncpg.Connection, job: Job, event: IncidentRaised) -> None:
         """The incident behind a halt, rollback or restart: was the bad step's update applied? A rollback
