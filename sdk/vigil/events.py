@@ -777,16 +777,17 @@ JOB_COMMANDS: tuple[type[Message], ...] = (*get_args(JobCommand), RollbackJobV1)
 INCIDENTS: tuple[type[Message], ...] = (IncidentRaised, IncidentRaisedV1)
 
 
+# Each union's guard: what a receiver narrows a decoded message with (`expect`).
 def is_status(message: Message) -> TypeGuard[StatusEvent]:
-    return isinstance(message, STATUS_EVENTS)
+    return isinstance(message, StatusEvent)
 
 
 def is_job_command(message: Message) -> TypeGuard[JobCommand]:
-    return isinstance(message, get_args(JobCommand))
+    return isinstance(message, JobCommand)
 
 
 def is_job_stream_event(message: Message) -> TypeGuard[JobStreamEvent]:
-    return isinstance(message, LaunchJob | StepCompleted) or is_status(message)
+    return isinstance(message, JobStreamEvent)
 
 
 def is_incident(message: Message) -> TypeGuard[IncidentRaised]:
@@ -794,11 +795,11 @@ def is_incident(message: Message) -> TypeGuard[IncidentRaised]:
 
 
 def is_guardian_input(message: Message) -> TypeGuard[GuardianInput]:
-    return isinstance(message, GpuSampled) or is_job_stream_event(message)
+    return isinstance(message, GuardianInput)
 
 
 def is_telemetry_input(message: Message) -> TypeGuard[TelemetryInput]:
-    return isinstance(message, StepCompleted | GpuSampled | IncidentRaised | LaunchJob) or is_status(message)
+    return isinstance(message, TelemetryInput)
 
 
 M = TypeVar("M", bound=Message)
