@@ -83,7 +83,7 @@ class Registry:
         self._ended: dict[str, None] = {}  # jobs that ended, oldest first (an ordered set)
         # per job, the labels of its ranks' series: a job's aggregates read its own ranks, not every
         # rank of every job (which cost a batch time in the square of the fleet's size)
-        self._rank_labels: dict[str, set[Labels]] = {}
+        self._rank_labels: dict[str | None, set[Labels]] = {}
 
     def set(self, name: str, value: float | None, **labels: object) -> None:
         if value is not None:
