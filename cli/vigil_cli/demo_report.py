@@ -107,7 +107,9 @@ def summarise(rec: Recording, spec: JobSpec, *, wall_s: float, paths: dict[str, 
         }
         for r in rec.rollbacks
     ]
-    detection = sum(i["fault_to_command_s"] or 0.0 for i in incidents if i["action"] in ("rollback", "halt"))
+    detection = sum(
+        i["fault_to_command_s"] or 0.0 for i in incidents if i["action"] in ("rollback", "restart", "halt")
+    )
     redo = sum((r.from_step - r.to_step) * median_step + r.duration_s for r in rec.rollbacks)
     held = sum(r.held_s for r in rec.replays)
     held_s = {(r.step, r.kind): r.held_s for r in rec.replays}

@@ -46,11 +46,12 @@ from vigil.api import (
     UserList,
     UserOut,
 )
-from vigil.events import IncidentRaised, JobStateChanged
+from vigil.events import IncidentRaised, IncidentRaisedV1, JobStateChanged
 from vigil.jobstates import TERMINAL_STATES
 
 Event = JobStateChanged | IncidentRaised
-_EVENT: TypeAdapter[Event] = TypeAdapter(Event)
+# an older gateway's incidents are v1: read, and upgraded as the bus's decoder upgrades them
+_EVENT: TypeAdapter[Event | IncidentRaisedV1] = TypeAdapter(Event | IncidentRaisedV1)
 _EVENT_KINDS = ("job.state_changed", "incident.raised")
 _GATEWAY_AWAY = (502, 503, 504)  # a proxy's answer while the gateway restarts or fails over
 Spec = Mapping[str, Any] | str | bytes | Path
@@ -343,9 +344,10 @@ class Client:
 
 def _event(kind: str, data: str) -> Event:
     try:
-        return _EVENT.validate_json(data)
+        event = _EVENT.validate_json(data)
     except ValidationError as exc:
         raise VigilError(f"the gateway sent a {kind} event that is not one: {exc}") from exc
+    return event.upgraded() if isinstance(event, IncidentRaisedV1) else event
 
 
 def _params(**given: Any) -> dict[str, Any]:

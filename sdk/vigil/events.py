@@ -17,8 +17,9 @@ import functools
 import json
 import re
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeGuard, TypeVar, get_args
 
 from pydantic import (
     AwareDatetime,
@@ -51,8 +52,11 @@ IncidentKind = Literal[
     "lifecycle",  # the scheduler's: a halt or rollback its ranks outran, a transition that timed out
 ]
 # What an incident did: a spec action, or the ranks' own recovery of a held step ("replay": the replay
-# was clean, a transient fault; "skip": the data reproduced it and its window was skipped).
-IncidentAction = Literal["alert", "halt", "rollback", "fail", "replay", "skip"]
+# was clean, a transient fault; "skip": the data reproduced it and its window was skipped). A spec's
+# `rollback` is done in place ("rollback": `RollbackJob`) or by relaunching the ranks from the checkpoint
+# ("restart": `RestartJob`; IncidentRaised v2, a v1 incident said "rollback" for both).
+IncidentAction = Literal["alert", "halt", "rollback", "restart", "fail", "replay", "skip"]
+IncidentActionV1 = Literal["alert", "halt", "rollback", "fail", "replay", "skip"]
 # What the replay of a held step showed (`StepReplayed`).
 ReplayOutcome = Literal["transient", "reproduced"]
 DeviceKind = Literal["gpu", "cpu"]
@@ -648,17 +652,38 @@ class CancelJob(Command):
 # --- incidents -----------------------------------------------------------------------------------------
 
 
-class IncidentRaised(Message):
+class _IncidentFields(Message):
     type: Literal["incident.raised"] = "incident.raised"
-    schema_version: Literal[1] = 1
     kind: IncidentKind
-    action: IncidentAction
     step: Step | None = None
     rank: int | None = None
     node: str | None = None
     device: int | None = None
     message: str
     evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+class IncidentRaisedV1(_IncidentFields):
+    """Version 1 of IncidentRaised, still read: its action "rollback" meant an in-place rollback or a
+    relaunch (its evidence's `restart` said which); `decode` upgrades it to version 2."""
+
+    schema_version: Literal[1] = 1
+    action: IncidentActionV1
+
+    def upgraded(self) -> IncidentRaised:
+        fields = self.model_dump(exclude={"schema_version", "action"})
+        restart = self.action == "rollback" and self.evidence.get("restart") is True
+        return IncidentRaised(**fields, action="restart" if restart else self.action)
+
+
+class IncidentRaised(_IncidentFields):
+    """A fault the guardian (or the scheduler) found, and what was done about it (`action`).
+
+    Version 2 adds the action "restart": the ranks relaunched from a checkpoint (`RestartJob`), apart
+    from "rollback", the in-place rollback (`RollbackJob`)."""
+
+    schema_version: Literal[2] = 2
+    action: IncidentAction
 
 
 # --- dead letters --------------------------------------------------------------------------------------
@@ -708,6 +733,7 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     ResumeJob,
     CancelJob,
     IncidentRaised,
+    IncidentRaisedV1,
     MessageDeadLettered,
 )
 
@@ -716,31 +742,76 @@ REGISTRY: dict[tuple[str, int], type[Message]] = {
     for cls in EVENT_CLASSES
 }
 
-STATUS_EVENTS: tuple[type[Message], ...] = (
-    RankStarted,
-    RankExited,
-    CheckpointSaved,
-    RanksHalted,
-    RollbackCompleted,
-    RestartRequested,
-    OutOfMemoryHalted,
-    StepReplayed,
-    ReportRefused,
-    CheckpointRefused,
-    DeviceDiagnosed,
-    StacksDumped,
-    JobStateChanged,
+# --- what each subject carries: one union each (current versions), handled with `match` -----------------
+# A receiver narrows what its consumer decoded (`expect`) and matches on the union with `assert_never`
+# in the default branch: an event added to a union and handled by no receiver is a type error.
+
+# `vigil.job.<job>.status.<node>`: what ranks, their agents and the scheduler say about a job.
+StatusEvent = (
+    RankStarted
+    | RankExited
+    | CheckpointSaved
+    | RanksHalted
+    | RollbackCompleted
+    | RestartRequested
+    | OutOfMemoryHalted
+    | StepReplayed
+    | ReportRefused
+    | CheckpointRefused
+    | DeviceDiagnosed
+    | StacksDumped
+    | JobStateChanged
 )
-JOB_COMMANDS: tuple[type[Message], ...] = (
-    HaltJob,
-    RollbackJob,
-    RollbackJobV1,
-    RestartJob,
-    DiagnoseDevice,
-    DumpStacks,
-    ResumeJob,
-    CancelJob,
-)
+# `vigil.job.<job>.cmd`: commands about a running job (the scheduler's input from the guardian and tools).
+JobCommand = HaltJob | RollbackJob | RestartJob | DiagnoseDevice | DumpStacks | ResumeJob | CancelJob
+# VIGIL_JOBS (launches, steps, status, in one order): a guardian share's input.
+JobStreamEvent = LaunchJob | StepCompleted | StatusEvent
+# What the guardian's decision core judges: its shares' job events and the devices' samples.
+GuardianInput = JobStreamEvent | GpuSampled
+# What telemetry stores (and counts in its metrics).
+TelemetryInput = StepCompleted | GpuSampled | StatusEvent | IncidentRaised | LaunchJob
+
+STATUS_EVENTS: tuple[type[Message], ...] = get_args(StatusEvent)
+# older versions decoded and upgraded to a member of the union (RollbackJob v1: RollbackJob or RestartJob)
+JOB_COMMANDS: tuple[type[Message], ...] = (*get_args(JobCommand), RollbackJobV1)
+INCIDENTS: tuple[type[Message], ...] = (IncidentRaised, IncidentRaisedV1)
+
+
+# Each union's guard: what a receiver narrows a decoded message with (`expect`).
+def is_status(message: Message) -> TypeGuard[StatusEvent]:
+    return isinstance(message, StatusEvent)
+
+
+def is_job_command(message: Message) -> TypeGuard[JobCommand]:
+    return isinstance(message, JobCommand)
+
+
+def is_job_stream_event(message: Message) -> TypeGuard[JobStreamEvent]:
+    return isinstance(message, JobStreamEvent)
+
+
+def is_incident(message: Message) -> TypeGuard[IncidentRaised]:
+    return isinstance(message, IncidentRaised)
+
+
+def is_guardian_input(message: Message) -> TypeGuard[GuardianInput]:
+    return isinstance(message, GuardianInput)
+
+
+def is_telemetry_input(message: Message) -> TypeGuard[TelemetryInput]:
+    return isinstance(message, TelemetryInput)
+
+
+M = TypeVar("M", bound=Message)
+
+
+def expect(message: Message, member: Callable[[Message], TypeGuard[M]], union: str) -> M:
+    """`message` as a member of a receiver's union (`member` is its guard); MalformedMessage naming the
+    type when it is not. A consumer decodes only what its subject carries (`subjects.CARRIES`), so this
+    refuses only a message some other path handed to the wrong receiver."""
+    if member(message):
+        return message
+    raise MalformedMessage(f"{type(message).__name__} ({message.type}) is not a {union}: refused")
 
 
 _TYPE = re.compile(rb'"type":\s*"([^"]+)"')

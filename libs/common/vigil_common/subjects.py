@@ -252,7 +252,7 @@ CARRIES: dict[str, tuple[type[ev.Message], ...]] = {
     "step": (ev.StepCompleted, ev.StepCompletedV2, ev.StepCompletedV1),  # current version first
     "status": ev.STATUS_EVENTS,
     "cmd": ev.JOB_COMMANDS,
-    "incident": (ev.IncidentRaised,),
+    "incident": ev.INCIDENTS,
     "deadletter": (ev.MessageDeadLettered,),
 }
 

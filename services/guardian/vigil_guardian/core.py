@@ -7,14 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from datetime import datetime
 
-from vigil.events import (
-    STATUS_EVENTS,
-    DumpStacks,
-    GpuSampled,
-    LaunchJob,
-    Message,
-    StepCompleted,
-)
+from vigil.events import DumpStacks, GpuSampled, GuardianInput, LaunchJob, StepCompleted
 from vigil_guardian.devices import Devices
 from vigil_guardian.gpu_health import GpuLimits
 from vigil_guardian.policy import Decision, Policy, incident_id
@@ -49,25 +42,21 @@ class Guardian:
             self.jobs[job_id] = JobWatch(job_id)
         return self.jobs[job_id]
 
-    def on_event(self, event: Message, now: datetime, *, quiet: bool = False) -> list[Decision]:
+    def on_event(self, event: GuardianInput, now: datetime, *, quiet: bool = False) -> list[Decision]:
         """Feed one event; returns the decisions to publish (none already published)."""
-        if isinstance(event, GpuSampled):
+        if isinstance(event, GpuSampled):  # a device's, not a job's
             verdict = self.devices.observe(event)
             return self.judge_device(event, verdict, now) if verdict is not None else []
-        if event.job_id is None:
+        if event.job_id is None or (watch := self.job(event.job_id)) is None:
             return []
-        watch = self.job(event.job_id)
-        if watch is None:
-            return []
-        if isinstance(event, StepCompleted):
-            out = watch.on_step(event, now, quiet=quiet)
-        elif isinstance(event, LaunchJob):
-            watch.on_launch(event)
-            out = []
-        elif isinstance(event, STATUS_EVENTS):
-            out = watch.on_status(event, now)
-        else:
-            out = []
+        out: list[Decision] = []
+        match event:
+            case StepCompleted():
+                out = watch.on_step(event, now, quiet=quiet)
+            case LaunchJob():
+                watch.on_launch(event)
+            case _:
+                out = watch.on_status(event, now)  # the rest of the union: StatusEvent
         if watch.control.terminal:
             self.finish(event.job_id)
         return self._fresh(out)

@@ -8,8 +8,9 @@
   or NaN (a fault in the data comes back with it);
   for faults a rollback in place cannot cure (a hang, a sick GPU, a straggler, a device with too
   many silent data corruptions: `sdc`, whose device the relaunch leaves out) a `RestartJob`,
-  relaunching the ranks. After `max_rollbacks` rollbacks the next one
-  becomes `fail`; with no checkpoint to go back to, it becomes `halt`.
+  relaunching the ranks: the incident's action is then "restart", not "rollback". After
+  `max_rollbacks` rollbacks (restarts count) the next one becomes `fail`; with no checkpoint to go
+  back to, it becomes `halt`.
 - `fail`: the incident alone (action "fail"); the scheduler turns it into FAILED and cancels the ranks.
 
 Ids are derived from the incident's identity, so re-deciding the same fault (a redelivered event,
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from vigil.events import Command, HaltJob, IncidentRaised, RestartJob, RollbackJob
+from vigil.events import Command, HaltJob, IncidentAction, IncidentRaised, RestartJob, RollbackJob
 from vigil.spec import Action, GuardianSpec
 from vigil_common import subjects
 from vigil_guardian.verdict import Verdict
@@ -40,7 +41,7 @@ class Decision:
     commands: tuple[Command, ...] = ()
 
     @property
-    def action(self) -> Action:
+    def action(self) -> IncidentAction:
         return self.incident.action
 
     def messages(self) -> list[tuple[str, IncidentRaised | Command]]:
@@ -120,6 +121,7 @@ class Policy:
             evidence["no_checkpoint"] = f"no valid checkpoint at or before step {anomaly}"
 
         common = {"job_id": job_id, "attempt": attempt, "occurred_at": now, "incident_id": iid}
+        done: IncidentAction = action
         if action == "rollback" and target is not None:
             step, path = target
             in_place = verdict.kind in IN_PLACE
@@ -132,8 +134,10 @@ class Policy:
             if in_place:
                 commands.append(RollbackJob(event_id=f"{iid}-rollback", **fields))
             else:  # a device found to corrupt results is relaunched without (marked unhealthy first)
-                sick = [(verdict.node, verdict.device)] if verdict.kind == "sdc" and verdict.node else []
-                commands.append(RestartJob(event_id=f"{iid}-rollback", unhealthy=sick, **fields))
+                node, device = verdict.node, verdict.device
+                sick = [(node, device)] if verdict.kind == "sdc" and node and device is not None else []
+                commands.append(RestartJob(event_id=f"{iid}-restart", unhealthy=sick, **fields))
+                done = "restart"
             evidence.update(
                 checkpoint=path,
                 checkpoint_step=step,
@@ -151,7 +155,7 @@ class Policy:
             attempt=attempt,
             occurred_at=now,
             kind=verdict.kind,
-            action=action,
+            action=done,
             step=verdict.step,
             rank=verdict.rank,
             node=verdict.node,

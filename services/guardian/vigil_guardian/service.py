@@ -33,6 +33,8 @@ from vigil.events import (
     Message,
     MessageDeadLettered,
     StepCompleted,
+    expect,
+    is_guardian_input,
     utcnow,
 )
 from vigil_common import subjects
@@ -100,6 +102,14 @@ class GuardianService:
             quiet = seq <= self.judged
             if quiet and not isinstance(event, StepCompleted):
                 continue  # its effect is in the saved state
+            if not is_guardian_input(event):  # the input decodes only job events (`subjects.CARRIES`)
+                log.error(
+                    "guardian: %s %s on %s is no job event: not judged",
+                    event.type,
+                    event.event_id,
+                    delivery.subject,
+                )
+                continue
             decisions = self.core.on_event(event, utcnow(), quiet=quiet)
             self.judged = max(self.judged, seq)
             if event.job_id:
@@ -132,7 +142,7 @@ class GuardianService:
 
     async def handle(self, event: Message) -> None:
         """Judge one event outside the input (tests, tools): publish and save what it decides."""
-        self._owed += self.core.on_event(event, utcnow())
+        self._owed += self.core.on_event(expect(event, is_guardian_input, "guardian input"), utcnow())
         await self.publish_owed()
         await self.persist({event.job_id} if event.job_id else set(), devices=isinstance(event, GpuSampled))
 

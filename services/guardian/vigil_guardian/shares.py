@@ -32,6 +32,7 @@ import asyncpg
 from vigil.events import (
     GpuSampled,
     JobStateChanged,
+    StepCompleted,
     utcnow,
 )
 from vigil.jobstates import TERMINAL_STATES
@@ -205,8 +206,9 @@ async def refeed(bus: Bus, core: Guardian, watch: JobWatch, upto: int, origins: 
     steps = subjects.job_steps(watch.job_id)
     name = credentials.guardian_scan(share)
     async for event in bus.scan(name, steps, since=since, upto=upto, admit=origins.admit):
-        core.on_event(event, event.occurred_at, quiet=True)
-        fed += 1
+        if isinstance(event, StepCompleted):  # all a step subject carries (`subjects.CARRIES`)
+            core.on_event(event, event.occurred_at, quiet=True)
+            fed += 1
     return fed
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import assert_never
 
 from vigil.events import (
     CheckpointRefused,
@@ -37,9 +38,11 @@ from vigil.events import (
     RankStarted,
     ReportRefused,
     RestartJob,
+    RestartRequested,
     RollbackCompleted,
     RollbackJob,
     StacksDumped,
+    StatusEvent,
     StepCompleted,
     StepReplayed,
 )
@@ -163,44 +166,50 @@ class JobWatch:
         self.episodes[v.kind] = Episode(step, step)
         return True
 
-    def on_status(self, event: Message, now: datetime) -> list[Decision]:
+    def on_status(self, event: StatusEvent, now: datetime) -> list[Decision]:
         c = self.control
-        if isinstance(event, CheckpointSaved):
-            c.checkpoints[event.step] = event.path  # a saved checkpoint outlives its attempt
-            return []
-        if isinstance(event, CheckpointRefused):  # it did not load: never a rollback's target again
-            c.checkpoints.pop(event.step, None)
-            return []
-        if c.terminal:
-            return []
-        if isinstance(event, JobStateChanged):
-            return self._on_state(event, now)
-        if not self._current(event):
-            return []
-        if isinstance(event, RankStarted):
-            c.started.add(event.rank)
-            if c.world_size and len(c.started) >= c.world_size and c.running_since is None:
-                c.running_since = event.occurred_at.timestamp()
-        elif isinstance(event, RankExited):
-            c.exited.add(event.rank)
-            self.windows.progress.pop(event.rank, None)
-            if v := rank_exit(event):
-                return [self.decide(v, now, key=event.rank)]
-        elif isinstance(event, RanksHalted):
-            c.state = JobState.HALTED
-        elif isinstance(event, OutOfMemoryHalted):
-            return [out_of_memory(event)]
-        elif isinstance(event, StepReplayed):
-            return self._on_replayed(event, now)
-        elif isinstance(event, ReportRefused):
-            return [report_refused(event)]
-        elif isinstance(event, DeviceDiagnosed):
-            return self._on_diagnosed(event, now)
-        elif isinstance(event, StacksDumped):
-            return self._on_stacks(event, now)
-        elif isinstance(event, RollbackCompleted):
-            return self._on_rollback_completed(event, now)
-        return []
+        match event:
+            case CheckpointSaved():  # a saved checkpoint outlives its attempt
+                c.checkpoints[event.step] = event.path
+                return []
+            case CheckpointRefused():  # it did not load: never a rollback's target again
+                c.checkpoints.pop(event.step, None)
+                return []
+            case _ if c.terminal:
+                return []
+            case JobStateChanged():
+                return self._on_state(event, now)
+            case _ if not self._current(event):
+                return []
+            case RankStarted():
+                c.started.add(event.rank)
+                if c.world_size and len(c.started) >= c.world_size and c.running_since is None:
+                    c.running_since = event.occurred_at.timestamp()
+                return []
+            case RankExited():
+                c.exited.add(event.rank)
+                self.windows.progress.pop(event.rank, None)
+                v = rank_exit(event)
+                return [self.decide(v, now, key=event.rank)] if v else []
+            case RanksHalted():
+                c.state = JobState.HALTED
+                return []
+            case OutOfMemoryHalted():
+                return [out_of_memory(event)]
+            case StepReplayed():
+                return self._on_replayed(event, now)
+            case ReportRefused():
+                return [report_refused(event)]
+            case DeviceDiagnosed():
+                return self._on_diagnosed(event, now)
+            case StacksDumped():
+                return self._on_stacks(event, now)
+            case RollbackCompleted():
+                return self._on_rollback_completed(event, now)
+            case RestartRequested():
+                return []  # the scheduler relaunches the ranks: the next attempt's events start anew
+            case _:
+                assert_never(event)
 
     def _on_replayed(self, event: StepReplayed, now: datetime) -> list[Decision]:
         """The ranks held a step and replayed it: the incident, and for a transient fault a strike on each
@@ -373,13 +382,17 @@ class JobWatch:
             anomaly_step=anomaly_step,
             data_position=data_position,
         )
-        if d.action == "rollback":
-            c.rollbacks += 1
-            target = next(cmd for cmd in d.commands if isinstance(cmd, RollbackJob | RestartJob))
-            kind = "restart" if isinstance(target, RestartJob) else "rollback"
-            c.recovering = Recovering(kind, now.timestamp(), target.step, target.checkpoint)
-        elif d.action in ("halt", "fail"):
-            c.recovering = Recovering(d.action, now.timestamp())  # type: ignore[arg-type]
+        match d.action:
+            case "rollback" | "restart":  # one recovery toward max_rollbacks, in place or relaunched
+                c.rollbacks += 1
+                target = next(cmd for cmd in d.commands if isinstance(cmd, RollbackJob | RestartJob))
+                c.recovering = Recovering(d.action, now.timestamp(), target.step, target.checkpoint)
+            case "halt" | "fail":
+                c.recovering = Recovering(d.action, now.timestamp())
+            case "alert" | "replay" | "skip":
+                pass
+            case _:
+                assert_never(d.action)
         return d
 
 

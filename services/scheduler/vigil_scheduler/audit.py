@@ -23,7 +23,17 @@ from vigil_common import credentials
 from vigil_common.pages import Page, check_limit, decode_cursor, page
 
 Action = Literal[
-    "submit", "cancel", "halt", "rollback", "resume", "clear_device_mark", "user", "token", "revoke", "quota"
+    "submit",
+    "cancel",
+    "halt",
+    "rollback",
+    "restart",
+    "resume",
+    "clear_device_mark",
+    "user",
+    "token",
+    "revoke",
+    "quota",
 ]
 
 

@@ -24,19 +24,31 @@ from vigil.events import (
     CheckpointRefused,
     CheckpointSaved,
     DeviceDiagnosed,
+    DiagnoseDevice,
+    DumpStacks,
     HaltJob,
     IncidentAction,
     IncidentRaised,
+    JobCommand,
+    JobStateChanged,
     Message,
     NodeHeartbeat,
+    OutOfMemoryHalted,
     RankExited,
     RanksHalted,
     RankStarted,
+    ReportRefused,
     RestartJob,
     RestartRequested,
     ResumeJob,
     RollbackCompleted,
     RollbackJob,
+    StacksDumped,
+    StepReplayed,
+    expect,
+    is_incident,
+    is_job_command,
+    is_status,
     utcnow,
 )
 from vigil.jobstates import PREEMPTED, JobState
@@ -101,23 +113,30 @@ class Handlers:
     # --- status: ranks, checkpoints, rollbacks ------------------------------------------------------------
 
     async def status(self, event: Message, delivery: Delivery) -> None:
-        if isinstance(event, RankStarted):
-            await self._on_current(event, self._rank_started)
-        elif isinstance(event, RankExited):
-            await self._on_current(event, self._rank_exited)
-        elif isinstance(event, CheckpointSaved):
-            await self._checkpoint_saved(event)
-        elif isinstance(event, RanksHalted):
-            await self._on_current(event, self._ranks_halted)
-        elif isinstance(event, RollbackCompleted):
-            await self._on_current(event, self._rollback_completed)
-        elif isinstance(event, RestartRequested):
-            await self._on_current(event, self._restart_requested)
-        elif isinstance(event, CheckpointRefused):
-            await self._checkpoint_refused(event)
-        elif isinstance(event, DeviceDiagnosed):
-            await self._device_diagnosed(event)
-        # JobStateChanged: our own, or history; nothing to do.
+        status = expect(event, is_status, "status event")
+        match status:
+            case RankStarted():
+                await self._on_current(status, self._rank_started)
+            case RankExited():
+                await self._on_current(status, self._rank_exited)
+            case CheckpointSaved():
+                await self._checkpoint_saved(status)
+            case RanksHalted():
+                await self._on_current(status, self._ranks_halted)
+            case RollbackCompleted():
+                await self._on_current(status, self._rollback_completed)
+            case RestartRequested():
+                await self._on_current(status, self._restart_requested)
+            case CheckpointRefused():
+                await self._checkpoint_refused(status)
+            case DeviceDiagnosed():
+                await self._device_diagnosed(status)
+            case JobStateChanged():
+                pass  # our own, or history
+            case OutOfMemoryHalted() | StepReplayed() | ReportRefused() | StacksDumped():
+                pass  # the guardian's to judge: its incident or command comes back here if it acts
+            case _:
+                assert_never(status)
 
     async def _rank_started(self, conn: asyncpg.Connection, job: Job, event: RankStarted) -> None:
         if job.queued:  # an attempt not launched yet has no ranks: not recorded (`IMPOSSIBLE`)
@@ -243,19 +262,25 @@ class Handlers:
     # --- commands (from the guardian, or other tools) ----------------------------------------------------
 
     async def commands(self, event: Message, delivery: Delivery) -> None:
-        await self._audit(event, delivery)
-        if isinstance(event, HaltJob):
-            await self._on_current(event, self._halt)
-        elif isinstance(event, RollbackJob):
-            await self._on_current(event, self._rollback)
-        elif isinstance(event, RestartJob):
-            await self._on_current(event, self._restart)
-        elif isinstance(event, ResumeJob):
-            await self._on_current(event, self._resume)
-        elif isinstance(event, CancelJob):
-            await self._on_current(event, self._cancelled)
+        command = expect(event, is_job_command, "job command")
+        await self._audit(command, delivery)
+        match command:
+            case HaltJob():
+                await self._on_current(command, self._halt)
+            case RollbackJob():
+                await self._on_current(command, self._rollback)
+            case RestartJob():
+                await self._on_current(command, self._restart)
+            case ResumeJob():
+                await self._on_current(command, self._resume)
+            case CancelJob():
+                await self._on_current(command, self._cancelled)
+            case DiagnoseDevice() | DumpStacks():
+                pass  # the workers': the scheduler keeps no state about them
+            case _:
+                assert_never(command)
 
-    async def _audit(self, event: Message, delivery: Delivery) -> None:
+    async def _audit(self, event: JobCommand, delivery: Delivery) -> None:
         """Who asked for a command seen on the bus (`audit.service_actor`). A CancelJob of a job already
         ended changes nothing and is not recorded: the scheduler's own (asked through the API, and
         recorded there with the principal) come after the job is CANCELLED or FAILED. Which header a
@@ -324,9 +349,8 @@ class Handlers:
 
     # --- incidents -----------------------------------------------------------------------------------------
 
-    async def incidents(self, event: Message, delivery: Delivery) -> None:
-        if not isinstance(event, IncidentRaised):
-            return
+    async def incidents(self, message: Message, delivery: Delivery) -> None:
+        event = expect(message, is_incident, "incident")
         if event.kind == "gpu_health" and event.node is not None and event.device is not None:
             async with self.s.tx() as conn:  # the worker's NVML samples: confirmed
                 if await inventory.mark_unhealthy(conn, event.node, event.device, event.message):
@@ -334,14 +358,20 @@ class Handlers:
         elif event.kind == "sdc" and event.job_id and event.node is not None and event.device is not None:
             async with self.s.tx() as conn:
                 await self._mark_from_replays(conn, event.job_id, event.node, event.device, event.message)
-        if event.action in ("halt", "rollback") and event.job_id:
-            await self._on_current(event, self._incident_noted)
-        elif event.action == "fail":
-            await self._on_current(event, self._fail)
+        match event.action:
+            case "halt" | "rollback" | "restart":  # the job stops, or goes back: was the update applied?
+                if event.job_id:
+                    await self._on_current(event, self._incident_noted)
+            case "fail":
+                await self._on_current(event, self._fail)
+            case "alert" | "replay" | "skip":
+                pass  # the job runs on
+            case _:
+                assert_never(event.action)
 
     async def _incident_noted(self, conn: asyncpg.Connection, job: Job, event: IncidentRaised) -> None:
-        """The incident behind a halt or rollback: was the bad step's update applied? A rollback whose ranks
-        finished first waits for this (`states.settlement`)."""
+        """The incident behind a halt, rollback or restart: was the bad step's update applied? A rollback
+        whose ranks finished first waits for this (`states.settlement`)."""
         unapplied = recovery.incident_unapplied(event)
         await recovery.note_incident(conn, job.id, event.event_id, unapplied)
         job = replace(job, recovery_incidents={**job.recovery_incidents, event.event_id: unapplied})
@@ -596,7 +626,7 @@ BUS_NAME = "scheduler"  # the scheduler's own bus connection (vigil_scheduler.ma
 _AUDITED: dict[type[Message], audit.Action] = {
     HaltJob: "halt",
     RollbackJob: "rollback",
-    RestartJob: "rollback",
+    RestartJob: "restart",
     ResumeJob: "resume",
     CancelJob: "cancel",
 }

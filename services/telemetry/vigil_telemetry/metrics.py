@@ -16,8 +16,29 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
+from typing import assert_never
 
-from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, Message, StepCompleted
+from vigil.events import (
+    CheckpointRefused,
+    CheckpointSaved,
+    DeviceDiagnosed,
+    GpuSampled,
+    IncidentRaised,
+    JobStateChanged,
+    LaunchJob,
+    Message,
+    OutOfMemoryHalted,
+    RankExited,
+    RanksHalted,
+    RankStarted,
+    ReportRefused,
+    RestartRequested,
+    RollbackCompleted,
+    StacksDumped,
+    StepCompleted,
+    StepReplayed,
+    is_telemetry_input,
+)
 from vigil.jobstates import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
@@ -62,7 +83,7 @@ class Registry:
         self._ended: dict[str, None] = {}  # jobs that ended, oldest first (an ordered set)
         # per job, the labels of its ranks' series: a job's aggregates read its own ranks, not every
         # rank of every job (which cost a batch time in the square of the fleet's size)
-        self._rank_labels: dict[str, set[Labels]] = {}
+        self._rank_labels: dict[str | None, set[Labels]] = {}
 
     def set(self, name: str, value: float | None, **labels: object) -> None:
         if value is not None:
@@ -95,27 +116,54 @@ class Registry:
         steps: dict[str | None, int] = {}  # per job, counted once a batch (labels cost more than events)
         ended = self._ended  # late events of an ended job (steps and status come on separate consumers)
         for e in reversed(events):  # gauges show each rank's (device's) newest value; older ones only count
-            if isinstance(e, StepCompleted):
-                steps[e.job_id] = steps.get(e.job_id, 0) + 1
-                if (e.job_id, e.rank) in newest or e.job_id in ended:
-                    continue
-                newest.add((e.job_id, e.rank))
-                key = _labels({"job": e.job_id, "rank": e.rank})
-                self._rank_labels.setdefault(e.job_id, set()).add(key)
-                for name, value in _rank_fields(e).items():
-                    if value is not None:
-                        self._values[name][key] = float(value)
-            elif isinstance(e, GpuSampled):
-                if (e.node, e.index) in newest:
-                    continue
-                newest.add((e.node, e.index))
-                self._gpu(e)
-            elif isinstance(e, IncidentRaised):
-                self.inc("vigil_incidents_total", kind=e.kind, action=e.action)
-                if e.job_id and e.job_id not in ended:
-                    self.inc("vigil_job_incidents_total", job=e.job_id, kind=e.kind, action=e.action)
-            elif isinstance(e, JobStateChanged) and e.to_state in TERMINAL_STATES and e.job_id:
-                self._end(e.job_id)  # events before this one (read newest first) are about an ended job
+            if not is_telemetry_input(e):  # the consumers decode only these (`subjects.CARRIES`)
+                log.error(
+                    "telemetry: %s %s is not an event telemetry stores: not counted", e.type, e.event_id
+                )
+                continue
+            match e:
+                case StepCompleted():
+                    steps[e.job_id] = steps.get(e.job_id, 0) + 1
+                    if (e.job_id, e.rank) in newest or e.job_id in ended:
+                        continue
+                    newest.add((e.job_id, e.rank))
+                    key = _labels({"job": e.job_id, "rank": e.rank})
+                    self._rank_labels.setdefault(e.job_id, set()).add(key)
+                    for name, value in _rank_fields(e).items():
+                        if value is not None:
+                            self._values[name][key] = float(value)
+                case GpuSampled():
+                    if (e.node, e.index) in newest:
+                        continue
+                    newest.add((e.node, e.index))
+                    self._gpu(e)
+                case IncidentRaised():
+                    self.inc("vigil_incidents_total", kind=e.kind, action=e.action)
+                    if e.job_id and e.job_id not in ended:
+                        self.inc("vigil_job_incidents_total", job=e.job_id, kind=e.kind, action=e.action)
+                case JobStateChanged():
+                    if e.to_state in TERMINAL_STATES and e.job_id:
+                        self._end(
+                            e.job_id
+                        )  # events before this one (read newest first) are about an ended job
+                case (
+                    LaunchJob()
+                    | RankStarted()
+                    | RankExited()
+                    | CheckpointSaved()
+                    | RanksHalted()
+                    | RollbackCompleted()
+                    | RestartRequested()
+                    | OutOfMemoryHalted()
+                    | StepReplayed()
+                    | ReportRefused()
+                    | CheckpointRefused()
+                    | DeviceDiagnosed()
+                    | StacksDumped()
+                ):
+                    pass  # stored, counted by `vigil_telemetry_events_total` only
+                case _:
+                    assert_never(e)
         for job, n in steps.items():
             if job not in ended:
                 self.inc("vigil_steps_total", n, job=job)

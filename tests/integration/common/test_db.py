@@ -77,3 +77,34 @@ def test_migration_files_are_numbered_without_gaps_or_clashes():
     versions = [m.version for m in load_migrations()]
     assert versions == sorted(set(versions)) and versions[0] == 1
     assert all(Path(__file__).exists() for _ in versions)
+
+
+async def test_the_restart_action_migration_keeps_old_rows_and_reads_old_relaunches_as_restarts(
+    database_url: str,
+):
+    url = await fresh_database(database_url)
+    pool = await create_pool(url)
+    before = [m for m in load_migrations() if m.version < 20]
+    try:
+        await migrate(pool, before)
+        insert = """INSERT INTO telemetry_incidents (id, job_id, attempt, kind, action, message, evidence,
+                        occurred_at) VALUES ($1, 'j-1', 1, $2, 'rollback', 'm', $3::jsonb, now())"""
+        await pool.execute(insert, "relaunch", "hang", '{"restart": true, "checkpoint_step": 4}')
+        await pool.execute(insert, "in-place", "nan", '{"restart": false, "checkpoint_step": 4}')
+        await pool.execute(insert, "oldest", "spike", "{}")  # before the evidence said which
+        audit = "INSERT INTO audit_log (action, actor, job_id) VALUES ($1, 'service:guardian', 'j-1')"
+        await pool.execute(audit, "rollback")
+        with pytest.raises(asyncpg.CheckViolationError):
+            await pool.execute(audit, "restart")
+        assert await migrate(pool) == [m.version for m in load_migrations() if m.version >= 20]
+        rows = await pool.fetch("SELECT id, action FROM telemetry_incidents ORDER BY id")
+        assert {r["id"]: r["action"] for r in rows} == {
+            "in-place": "rollback",
+            "oldest": "rollback",
+            "relaunch": "restart",
+        }
+        await pool.execute(audit, "restart")  # allowed now, and the old row is still there
+        actions = await pool.fetch("SELECT action FROM audit_log ORDER BY seq")
+        assert [r["action"] for r in actions] == ["rollback", "restart"]
+    finally:
+        await pool.close()

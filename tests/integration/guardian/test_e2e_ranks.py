@@ -256,12 +256,12 @@ async def test_a_hung_rank_gives_a_hang_incident_and_a_relaunch_that_finishes(st
     )
     assert run.of(JobStateChanged)[-1].to_state == "SUCCEEDED"
     (hang,) = [i for i in run.of(IncidentRaised) if i.kind == "hang"]
-    assert hang.action == "rollback" and hang.step == 5
+    assert hang.action == "restart" and hang.step == 5
     # the stacks name the hung rank and where it is, whichever rank the silence was noticed on first
     assert hang.rank == 1 and "rank 1 in `FaultInjector.act` (faults.py:" in hang.message, hang.message
     assert "1 rank waits in `" in hang.message, hang.message
     (restart,) = run.of(RestartJob)
-    assert restart.step == 3
+    assert restart.step == 3 and restart.event_id == f"{hang.event_id}-restart"
     relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
     assert relaunch and relaunch[0].resume_from and relaunch[0].resume_from.endswith("step_00000003")
     assert max(e.step for e in run.of(StepCompleted) if e.attempt == 2) == 9

@@ -55,7 +55,7 @@ async def test_two_transient_faults_on_one_device_exclude_it_and_the_job_succeed
     assert [(i.step, i.rank, (i.node, i.device)) for i in strikes] == [(2, 1, sick), (7, 1, sick)]
     assert "replay clean" in strikes[0].message
     (sdc,) = [i for i in incidents if i.kind == "sdc"]
-    assert (sdc.node, sdc.device, sdc.action) == (*sick, "rollback") and sdc.evidence["strikes"] == [2, 7]
+    assert (sdc.node, sdc.device, sdc.action) == (*sick, "restart") and sdc.evidence["strikes"] == [2, 7]
     (restart,) = run.of(RestartJob)
     assert restart.unhealthy == [sick] and restart.step == 6
     relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]

@@ -212,19 +212,20 @@ async def test_missing_steps_give_a_hang_incident_then_the_policys_action(bus, g
     await job.steps(0, 3)
     async with bus.watch(subjects.cmd(job_id), subjects.incident(job_id)) as events:
         await job.step(3, 0)  # rank 1 never reports step 3
-        ask, rollback, incident = await take(events, 3)
-    assert (incident.kind, incident.rank, incident.action, incident.step) == ("hang", 1, "rollback", 3)
+        ask, restart, incident = await take(events, 3)
+    assert (incident.kind, incident.rank, incident.action, incident.step) == ("hang", 1, "restart", 3)
     assert incident.evidence["silent_s"] > 1.0
     # the stacks were asked for first; no worker runs these ranks, so the action waited for them at most
     # its bound (VIGIL_HANG_STACKS_S, 2 s), and the incident says none came
     assert ask.type == "job.dump_stacks" and ask.event_id == f"{incident.event_id}-stacks"
-    waited = (rollback.occurred_at - ask.occurred_at).total_seconds()
+    waited = (restart.occurred_at - ask.occurred_at).total_seconds()
     assert ask.within_s <= waited <= ask.within_s + 1.0, waited
     assert incident.message.endswith("; no stacks: no dump came within 2.0s"), incident.message
     assert (
-        rollback.type == "job.restart"
-        and rollback.step == 0
-        and rollback.checkpoint.endswith("step_00000000")
+        restart.type == "job.restart"
+        and restart.event_id == f"{incident.event_id}-restart"
+        and restart.step == 0
+        and restart.checkpoint.endswith("step_00000000")
     )
     await job.end()
 

@@ -1,5 +1,5 @@
-"""The audit record: submit and cancel through the API name the token's fingerprint, halt and rollback
-seen on the bus name the publishing service; the record is readable as a page and cannot be changed."""
+"""The audit record: submit and cancel through the API name the token's fingerprint, halt, rollback and
+restart seen on the bus name the publishing service; the record is readable as a page and cannot be changed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncpg
 import pytest
 
 from tests.helpers import eventually
-from vigil.events import HaltJob, RollbackJob
+from vigil.events import HaltJob, RestartJob, RollbackJob
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_scheduler.audit import token_actor
@@ -27,25 +27,29 @@ async def test_submit_cancel_halt_rollback_are_recorded_with_who_asked(scheduler
         await guardian.publish(
             subjects.cmd(job), RollbackJob(job_id=job, attempt=1, reason="nan", step=5, checkpoint="/ckpt/5")
         )
+        # a relaunch is recorded as what it is, not as a rollback
+        restart = RestartJob(job_id=job, attempt=1, reason="hang", step=5, checkpoint="/ckpt/5")
+        await guardian.publish(subjects.cmd(job), restart)
     finally:
         await guardian.close()
 
     async def recorded() -> list[dict]:
         items = (await scheduler.http.get("/api/v1/audit", params={"job_id": job})).json()["items"]
-        return items if len(items) >= 3 else []
+        return items if len(items) >= 4 else []
 
-    await eventually(recorded, what="submit, halt and rollback in the audit record")
+    await eventually(recorded, what="submit, halt, rollback and restart in the audit record")
     assert (await scheduler.http.post(f"/api/v1/jobs/{job}/cancel")).status_code == 200
     items = (await scheduler.http.get("/api/v1/audit", params={"job_id": job, "limit": 2})).json()
     rest = (await scheduler.http.get("/api/v1/audit", params={"job_id": job, "cursor": items["next"]})).json()
     records = items["items"] + rest["items"]  # newest first, two pages
     assert [(r["action"], r["actor"]) for r in records] == [
         ("cancel", token_actor(TOKEN)),
+        ("restart", "service:guardian"),
         ("rollback", "service:guardian"),
         ("halt", "service:guardian"),
         ("submit", token_actor(TOKEN)),
     ]
-    assert TOKEN not in str(records) and records[2]["detail"]["reason"] == "nan at step 7"
+    assert TOKEN not in str(records) and records[3]["detail"]["reason"] == "nan at step 7"
     # the scheduler's own CancelJob on the bus is not a second cancel record
     assert rest["next"] is None
     assert (

@@ -226,7 +226,7 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
     ),
     ev.ResumeJob: ev.ResumeJob(**JOB, reason="operator"),
     ev.CancelJob: ev.CancelJob(**JOB, reason="user"),
-    ev.IncidentRaised: ev.IncidentRaised(
+    ev.IncidentRaisedV1: ev.IncidentRaisedV1(
         **JOB,
         kind="spike",
         action="rollback",
@@ -236,6 +236,17 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
         device=None,
         message="loss 40.1 is 9.3 MADs above the median 2.4",
         evidence={"z": 9.3, "median": 2.4},
+    ),
+    ev.IncidentRaised: ev.IncidentRaised(
+        **JOB,
+        kind="hang",
+        action="restart",
+        step=5,
+        rank=1,
+        node="n2",
+        device=None,
+        message="hang: no step from rank 1 on n2 for 3.2s (limit 1.0s; last step 4)",
+        evidence={"checkpoint_step": 4, "restart": True},
     ),
     ev.MessageDeadLettered: ev.MessageDeadLettered(
         **BASE,

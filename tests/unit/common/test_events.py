@@ -6,6 +6,7 @@ import pytest
 
 from tests.unit.common.samples import SAMPLES
 from vigil import events as ev
+from vigil.client import _event
 from vigil.errors import MalformedMessage
 from vigil_common import subjects
 
@@ -105,3 +106,63 @@ def test_envelope_defaults_are_fresh_and_utc():
 def test_job_id_must_be_a_subject_token():
     with pytest.raises(ValueError, match="job_id"):
         ev.CancelJob(job_id="bad.id")
+
+
+def test_incident_v1_is_read_as_v2_a_relaunch_as_a_restart():
+    golden = json.loads((GOLDEN / "incident.raised.v1.json").read_text())
+    rollback = ev.decode(json.dumps(golden).encode(), ev.INCIDENTS)
+    assert isinstance(rollback, ev.IncidentRaised) and rollback.schema_version == 2
+    assert rollback.action == "rollback"  # in place: its evidence does not say restart
+    # v1 said "rollback" for a relaunch too, and its evidence said which: read as v2's "restart"
+    relaunch = {**golden, "kind": "hang", "evidence": {"restart": True, "checkpoint_step": 4}}
+    restart = ev.decode(json.dumps(relaunch).encode(), ev.INCIDENTS)
+    assert (restart.action, restart.kind, restart.event_id) == ("restart", "hang", golden["event_id"])
+    assert ev.decode(json.dumps({**golden, "action": "halt"}).encode(), ev.INCIDENTS).action == "halt"
+    with pytest.raises(MalformedMessage, match="action"):  # v1 never carried "restart"
+        ev.decode(json.dumps({**golden, "action": "restart"}).encode(), ev.INCIDENTS)
+
+
+# Older versions a subject still carries: each is read as a member of its subject's union.
+OLDER = {ev.StepCompletedV1, ev.StepCompletedV2, ev.RollbackJobV1, ev.IncidentRaisedV1}
+
+
+@pytest.mark.parametrize(
+    "union, members",
+    [
+        (ev.StatusEvent, ev.STATUS_EVENTS),
+        (ev.JobCommand, ev.JOB_COMMANDS),
+        (ev.IncidentRaised, ev.INCIDENTS),
+    ],
+    ids=["status", "cmd", "incident"],
+)
+def test_each_subject_carries_its_union_and_older_versions_only(union, members):
+    current = set(getattr(union, "__args__", (union,)))
+    assert set(members) - OLDER == current
+    for cls in set(members) & OLDER:  # an older version's sample upgrades to a member of the union
+        assert type(SAMPLES[cls].upgraded()) in current
+
+
+def test_every_status_event_and_command_is_in_a_receivers_union():
+    stream = set(ev.JobStreamEvent.__args__)
+    assert set(ev.STATUS_EVENTS) | {ev.LaunchJob, ev.StepCompleted} == stream
+    assert stream | {ev.GpuSampled} == set(ev.GuardianInput.__args__)
+    for sample in SAMPLES.values():
+        current = sample.upgraded()
+        assert ev.is_status(current) == isinstance(current, ev.STATUS_EVENTS)
+        assert ev.is_guardian_input(current) == (type(current) in set(ev.GuardianInput.__args__))
+        assert ev.is_telemetry_input(current) == (type(current) in set(ev.TelemetryInput.__args__))
+
+
+def test_expect_refuses_another_receivers_message_by_name():
+    status = SAMPLES[ev.RankStarted]
+    assert ev.expect(status, ev.is_status, "status event") is status
+    with pytest.raises(MalformedMessage, match=r"HaltJob \(job.halt\) is not a status event: refused"):
+        ev.expect(SAMPLES[ev.HaltJob], ev.is_status, "status event")
+
+
+def test_the_sdk_client_reads_an_older_gateways_v1_incidents_as_v2():
+    golden = json.loads((GOLDEN / "incident.raised.v1.json").read_text())
+    relaunch = {**golden, "evidence": {"restart": True}}
+    assert _event("incident.raised", json.dumps(relaunch)).action == "restart"
+    current = SAMPLES[ev.IncidentRaised]
+    assert _event("incident.raised", current.to_bytes().decode()) == current

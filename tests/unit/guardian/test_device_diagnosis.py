@@ -68,7 +68,7 @@ def test_a_failed_check_relaunches_the_job_without_the_device():
     g = started_user_program()
     feed(g, [replayed(6, t=0.7)])
     (d,) = feed(g, [diagnosed(False)])
-    assert (d.incident.kind, d.action) == ("sdc", "rollback")
+    assert (d.incident.kind, d.action) == ("sdc", "restart")
     (restart,) = d.commands
     assert restart.type == "job.restart" and restart.unhealthy == [("n1", 0)] and restart.step == 5
     assert "failed the worker's known-answer check" in d.incident.message
@@ -97,5 +97,5 @@ def test_the_built_in_trainers_replays_still_strike():
     feed(g, [launch(2, sdc_strikes=2), ckpt(0), ckpt(5, 0.55)])
     feed(g, normal_steps(0, 12))
     out = feed(g, [replayed(6, t=0.7)]) + feed(g, [replayed(11, t=1.2)])
-    assert [d.action for d in out] == ["replay", "replay", "rollback"]
+    assert [d.action for d in out] == ["replay", "replay", "restart"]
     assert all(not isinstance(c, DiagnoseDevice) for d in out for c in d.commands)

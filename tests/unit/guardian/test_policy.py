@@ -49,6 +49,21 @@ def test_spike_skips_its_data_window():
 def test_hang_restarts_instead():
     d = run("hang", 8)
     assert [c.type for c in d.commands] == ["job.restart"]
+    # a relaunch is its own action, with an id of its own: neither says "rollback"
+    (restart,) = d.commands
+    assert d.action == "restart" and restart.event_id == f"{d.incident.event_id}-restart"
+    assert d.incident.evidence["restart"] is True and d.incident.evidence["rollback"] == 1
+
+
+def test_an_in_place_rollback_stays_a_rollback():
+    d = run("spike", 12)
+    assert d.action == "rollback" and d.commands[1].event_id == f"{d.incident.event_id}-rollback"
+    assert d.incident.evidence["restart"] is False
+
+
+def test_restarts_count_toward_max_rollbacks():
+    assert run("hang", 8, rollbacks=2, max_rollbacks=3).action == "restart"
+    assert run("hang", 8, rollbacks=3, max_rollbacks=3).action == "fail"
 
 
 def test_actions_from_the_spec():

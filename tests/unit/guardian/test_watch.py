@@ -154,9 +154,10 @@ def test_missing_steps_give_a_hang_then_the_policys_action():
         "hang",
         1,
         6,
-        "rollback",
+        "restart",
     )
     assert [c.type for c in d.commands] == ["job.restart"]
+    assert g.jobs[JOB].control.recovering.kind == "restart" and g.jobs[JOB].control.rollbacks == 1
     assert d.commands[0].step == 5
     for dd in out:
         g.mark_published(dd.incident.event_id)
@@ -322,7 +323,7 @@ def test_a_second_transient_fault_on_one_device_relaunches_the_job_without_it():
     assert [d.action for d in feed(g, [replayed(6, t=0.7)])] == ["replay"]
     assert [d.action for d in feed(g, [replayed(7, rank=0, t=0.8)])] == ["replay"]  # another device
     replay, excluded = feed(g, [replayed(11, t=1.2)])
-    assert replay.action == "replay" and excluded.incident.kind == "sdc" and excluded.action == "rollback"
+    assert replay.action == "replay" and excluded.incident.kind == "sdc" and excluded.action == "restart"
     (restart,) = excluded.commands
     assert restart.type == "job.restart" and restart.unhealthy == [("n1", 0)] and restart.step == 5
     assert excluded.incident.evidence["strikes"] == [6, 11] and excluded.incident.device == 0

@@ -1,5 +1,8 @@
 import math
+from typing import get_args
 
+from tests.unit.common.samples import SAMPLES
+from vigil import events as ev
 from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
 from vigil_telemetry.metrics import Registry
 
@@ -142,3 +145,9 @@ def test_every_sampled_gpu_field_is_a_series_and_throttling_clears():
     assert r.get("vigil_gpu_throttled", reason="sw_power_cap", **gpu) == 1
     r.observe([GpuSampled(**sample)])
     assert r.get("vigil_gpu_throttled", reason="sw_power_cap", **gpu) == 0
+
+
+def test_every_event_telemetry_stores_has_its_branch_in_observe():
+    r = Registry()
+    r.observe([SAMPLES[cls] for cls in get_args(ev.TelemetryInput)])  # none reaches assert_never
+    assert r.get("vigil_incidents_total", kind="hang", action="restart") == 1

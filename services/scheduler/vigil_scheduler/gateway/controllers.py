@@ -266,7 +266,7 @@ class AuditController(Controller):
 
     @get(
         "/",
-        summary="Who asked for each submit, cancel, halt, rollback and resume; newest first",
+        summary="Who asked for each submit, cancel, halt, rollback, restart and resume; newest first",
         responses=READ,
     )
     async def list_audit(
