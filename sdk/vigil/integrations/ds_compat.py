@@ -219,7 +219,9 @@ def engine_state(engine: Any) -> dict[str, Any]:
 
 def load_engine_state(engine: Any, state: dict[str, Any]) -> None:
     """Load what `engine_state` returned into the running engine, as its `load_checkpoint` loads a
-    checkpoint (the module, then the optimizer from its fp32 partition, the scheduler, the counters)."""
+    checkpoint (the module, then the optimizer from its fp32 partition, the scheduler, the counters).
+    The optimizer keeps the tensors it is given (torch's `load_state_dict` does not copy them): pass
+    a state nobody else holds."""
     import torch.distributed as dist
 
     engine.module.load_state_dict(state["module"], strict=True)

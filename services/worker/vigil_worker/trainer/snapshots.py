@@ -4,7 +4,7 @@ loading one on a relaunch or an in-place rollback.
 A rank's snapshot holds what its part of the disk checkpoint holds (`ds_compat.engine_state`: the
 module, its ZeRO optimizer partition, the LR scheduler, the step counters) and the RNG; its manifest the
 step, data position and skip windows. `checkpoint.memory_every` says how often ("auto": every step while
-a snapshot blocks the step for under 2 % of it, measured on the first ones and agreed by all ranks).
+a snapshot costs under 2 % of it, measured on the process's first ones and agreed by all ranks).
 Disk checkpoints stay as they are: a snapshot on /dev/shm does not outlive its node.
 """
 
@@ -24,13 +24,14 @@ from vigil.snapshot import (
     auto_interval,
     deserialize,
     snapshot_folder_from_env,
+    to_host,
 )
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position
 
 log = logging.getLogger("vigil.rank")
 
-AUTO_PROBE = 3  # "auto" snapshots every step until this step, then agrees on its interval
+AUTO_PROBE = 3  # "auto" takes this many snapshots in a process (every step), then agrees on its interval
 
 
 def open_snapshots(ctx: RankContext, local_world: int) -> Snapshots | None:
@@ -88,8 +89,8 @@ def take_snapshot(ctx: RankContext, st: TrainState, step_s: float, *, pin: bool 
     if snaps is None:
         return
     snaps.wait()
-    if ctx.spec.checkpoint.memory_every == "auto" and st.step == AUTO_PROBE and snaps.cost.taken:
-        _agree_interval(ctx, snaps, step_s)
+    if ctx.spec.checkpoint.memory_every == "auto" and not snaps.tuned and snaps.cost.taken >= AUTO_PROBE:
+        _agree_interval(ctx, snaps, step_s)  # every rank took as many: they agree at the same boundary
     if pin or st.step % snaps.every == 0:
         snaps.take(
             st.step,
@@ -108,7 +109,7 @@ def _agree_interval(ctx: RankContext, snaps: Snapshots, step_s: float) -> None:
     n = torch.tensor([auto_interval(snaps.cost.each_s, step_s)], dtype=torch.int64, device=ctx.device)
     if dist.is_initialized() and ctx.world_size > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    snaps.every = int(n.item())
+    snaps.every, snaps.tuned = int(n.item()), True
     if ctx.rank == 0:
         log.info(
             "in-memory snapshots (auto): every %d step(s) (one costs %.1f ms against a %.1f ms step)",
@@ -132,7 +133,7 @@ def rollback_from_memory(ctx: RankContext, st: TrainState, step: int) -> float |
         return None
     assert held is not None
     t0 = time.perf_counter()
-    load_rank_state(ctx, st, held.state, held.manifest)
+    load_rank_state(ctx, st, to_host(held.state), held.manifest)  # a copy: the optimizer keeps what it loads
     return time.perf_counter() - t0
 
 
@@ -148,8 +149,8 @@ def resume_from_memory(ctx: RankContext, st: TrainState, resume_from: str, skip:
         return False
     m, data = got
     state = deserialize(data, ds_compat.checkpoint_safe_globals())
+    snaps.held[m.step] = Held(to_host(state), m)  # an in-place rollback to it reads nothing
     load_rank_state(ctx, st, state, m)
-    snaps.held[m.step] = Held(state, m)  # an in-place rollback to it reads nothing
     log.warning(
         "resumed from the in-memory snapshot of step %d in %.3fs (relaunched from %s)",
         st.step,
