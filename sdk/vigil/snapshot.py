@@ -12,9 +12,10 @@ Layout under the job's snapshot folder on a node: `rank_<r>/step_<S>.bin` (rank 
 position, skip windows, bytes, SHA-256), written last by an atomic rename: a torn snapshot has none
 and is never whole. The newest `KEEP` of each are kept.
 
-The newest host copies also stay in the process (`held`): an in-place rollback to a step held there
-reads nothing. A relaunch (`agree`/`fetch`) takes the newest step every rank has whole, its own copy
-or the one its peer holds. The choice is `choose_step`, pure like everything above `Snapshots`.
+The host copy of the newest disk checkpoint's step also stays in the process (`held`): an in-place
+rollback to it (a rollback goes to a disk checkpoint's step) reads nothing. A relaunch (`resume`)
+takes the newest step every rank has whole, its own copy or the one its peer holds. The choice is
+`choose_step`, pure like everything above `Snapshots`.
 """
 
 from __future__ import annotations
@@ -281,8 +282,7 @@ class Snapshots:
         self.partner = ring_partner(rank, local_world, world) if group is not None else None
         self.source = ring_source(rank, local_world, world) if group is not None else None
         self.group = group
-        self.held: dict[int, Held] = {}
-        self.pinned: int | None = None  # a step kept in the process besides the newest (a disk checkpoint's)
+        self.held: dict[int, Held] = {}  # the newest disk checkpoint's step, in this process
         self.cost = SnapshotCost()
         self._pending: threading.Thread | None = None  # a daemon: a rank that dies does not wait for it
         self._error: BaseException | None = None
@@ -298,8 +298,9 @@ class Snapshots:
         skip_windows: list[tuple[int, int]],
         pin: bool = False,
     ) -> float:
-        """Every rank at the same step: copy `state` (references to the live tensors) to host memory, keep
-        it here, and persist and exchange it in the background. Returns the seconds the step was held."""
+        """Every rank at the same step: copy `state` (references to the live tensors) to host memory, and
+        persist and exchange it in the background; `pin` (the step of a disk checkpoint): keep the copy
+        in the process too, for an in-place rollback to it. Returns the seconds the step was held."""
         waited = self.wait()
         t0 = time.perf_counter()
         host = to_host(state)
@@ -313,11 +314,8 @@ class Snapshots:
             bytes=0,
             sha256="0" * 64,
         )
-        self.held[step] = Held(host, m)
-        if pin:
-            self.pinned = step
-        keep = set(sorted(self.held)[-KEEP:]) | {self.pinned}
-        self.held = {s: h for s, h in self.held.items() if s in keep}
+        if pin:  # a rollback goes to a disk checkpoint's step: the newest one stays here, no other
+            self.held = {step: Held(host, m)}
         self.cost.taken += 1
         self.cost.copy_s += copied
         if self.folder is not None:
@@ -387,8 +385,6 @@ class Snapshots:
         """Forget every snapshot newer than `step` (a rollback's abandoned steps), here and on the node."""
         self.wait()
         self.held = {s: h for s, h in self.held.items() if s <= step}
-        if self.pinned is not None and self.pinned > step:
-            self.pinned = None
         if self.folder is None:
             return
         shards: list[tuple[Literal["rank", "peer"], int]] = [("rank", self.rank)]

@@ -124,7 +124,7 @@ def test_one_rank_takes_keeps_drops_and_resumes_its_snapshots(tmp_path):
         w += 1
         snaps.take(step, {"w": w}, data_position=step, skip_windows=[], pin=step == 2)
     snaps.wait()
-    assert sorted(snaps.held) == [2, 4, 5]  # the newest two and the pinned one (a disk checkpoint's)
+    assert sorted(snaps.held) == [2]  # the pinned one (a disk checkpoint's) stays in the process
     assert torch.equal(snaps.in_process(2).state["w"], torch.full((2,), 2.0))  # type: ignore[union-attr]
     assert folder.steps("rank", 0) == [4, 5]
     assert snaps.cost.taken == 5
@@ -142,9 +142,10 @@ def test_one_rank_takes_keeps_drops_and_resumes_its_snapshots(tmp_path):
     assert again.resume(step_dir(root, "j", 2), root, skip=True) is None
     assert folder.steps("rank", 0) == []  # the abandoned steps' snapshots dropped
 
-    snaps.take(6, {"w": w}, data_position=6, skip_windows=[(1, 2)])
+    snaps.take(6, {"w": w}, data_position=6, skip_windows=[(1, 2)], pin=True)
+    assert sorted(snaps.held) == [6]
     snaps.drop_after(5)
-    assert 6 not in snaps.held and folder.steps("rank", 0) == []
-    snaps.take(7, {"w": w}, data_position=7, skip_windows=[])
+    assert not snaps.held and folder.steps("rank", 0) == []
+    snaps.take(7, {"w": w}, data_position=7, skip_windows=[], pin=True)
     snaps.remove_all()
     assert not (tmp_path / "shm" / "rank_0").exists() and not snaps.held

@@ -18,7 +18,6 @@ import torch
 
 from vigil.integrations import ds_compat
 from vigil.snapshot import (
-    Held,
     SnapshotManifest,
     Snapshots,
     auto_interval,
@@ -149,7 +148,6 @@ def resume_from_memory(ctx: RankContext, st: TrainState, resume_from: str, skip:
         return False
     m, data = got
     state = deserialize(data, ds_compat.checkpoint_safe_globals())
-    snaps.held[m.step] = Held(to_host(state), m)  # an in-place rollback to it reads nothing
     load_rank_state(ctx, st, state, m)
     log.warning(
         "resumed from the in-memory snapshot of step %d in %.3fs (relaunched from %s)",
