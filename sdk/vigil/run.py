@@ -333,7 +333,7 @@ class Run:
     def _open_snapshots(self) -> snap.Snapshots:
         """Made once, by every rank together (the peer exchange's gloo group)."""
         if self._snapshots is None:
-            folder = snap.snapshot_folder_from_env(self.identity.job_id) if self.active else None
+            folder = snap.snapshot_folder_from_env(self.identity.job_id)
             group = None
             if folder is not None and _distributed():
                 import torch.distributed as dist

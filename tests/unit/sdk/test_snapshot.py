@@ -149,3 +149,30 @@ def test_one_rank_takes_keeps_drops_and_resumes_its_snapshots(tmp_path):
     snaps.take(7, {"w": w}, data_position=7, skip_windows=[], pin=True)
     snaps.remove_all()
     assert not (tmp_path / "shm" / "rank_0").exists() and not snaps.held
+
+
+def test_a_program_snapshots_through_its_run_and_restores_on_a_relaunch(tmp_path, monkeypatch):
+    from vigil import protocol as proto
+    from vigil.boundary import Boundary
+    from vigil.link import NullLink
+    from vigil.run import Identity, Run
+
+    monkeypatch.setenv(proto.SNAPSHOT_DIR_ENV, str(tmp_path / "shm"))
+    root, who = tmp_path / "ckpt", Identity("j", 1, 0, 1, 0, "n")
+    run = Run(who, NullLink(), checkpoint_root=root)
+    w = torch.zeros(2)
+    run.snapshot(lambda: {"w": w}, every=2)
+    step = 0
+    while step < 5:
+        w += 1
+        step = run.after_step(step + 1, Boundary(all_finite=True, agreed_seq=0))
+    run._snapshots.wait()  # type: ignore[union-attr]
+    d = step_dir(root, "j", 2)
+    d.mkdir(parents=True)
+    (d / MANIFEST).write_text("{}")
+
+    relaunched = Run(who, NullLink(), checkpoint_root=root, resume_from=d)
+    got = relaunched.restore()
+    assert got is not None and got.step == 4 and got.data_position == 4
+    assert torch.equal(got.state["w"], torch.full((2,), 4.0))  # what the state was after step 3
+    assert Run(who, NullLink(), checkpoint_root=root).restore() is None  # a first launch: nothing
