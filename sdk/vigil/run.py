@@ -314,9 +314,15 @@ class Run:
             raise ValueError(f"vigil: snapshot every must be 0 (never) or more (got {every})")
         self._open_snapshots().every = every or 2**62
 
-    def restore(self) -> snap.Restored | None:
+    @property
+    def snapshotting(self) -> bool:
+        """`snapshot` was called: `after_step` takes in-memory snapshots."""
+        return self._snapshot_fn is not None
+
+    def restore(self, *, safe_globals: list[Any] | None = None) -> snap.Restored | None:
         """Every rank, on a relaunch: the newest in-memory snapshot every rank has whole (its own copy, or
-        the one its peer holds), no older than `resume_from`; None: none, load `resume_from` from disk."""
+        the one its peer holds), no older than `resume_from`; None: none, load `resume_from` from disk.
+        The state is read with `weights_only=True`: tensors, plain containers and `safe_globals`."""
         if self.resume_from is None or self.checkpoint_root is None:
             return None
         got = self._open_snapshots().resume(
@@ -325,7 +331,7 @@ class Run:
         if got is None:
             return None
         m, data = got
-        state = snap.deserialize(data)
+        state = snap.deserialize(data, safe_globals)
         self.skip_windows = [tuple(w) for w in m.skip_windows]  # type: ignore[misc]
         log.info("vigil: restoring the in-memory snapshot of step %d", m.step)
         return snap.Restored(step=m.step, state=state, data_position=m.data_position)
