@@ -501,6 +501,8 @@ class _RunHandler:
 
     def rollback(self, command: ev.RollbackJob, seq: int) -> None:
         run = self.run
+        if run._snapshots is not None:  # the steps after the checkpoint are abandoned, in memory too
+            run._snapshots.drop_after(command.step)
         if run._loader is None:  # no way to load in place: stop, and be relaunched from the checkpoint
             if run.rank == 0:
                 run.emit(
@@ -522,6 +524,8 @@ class _RunHandler:
         from_step = max(run._next_step - 1, 0)
         m = run.choose_checkpoint(command.checkpoint, command.step)
         run._loader(m.path)
+        if run._snapshots is not None:  # an older one than asked, where that one was refused
+            run._snapshots.drop_after(m.step)
         run.skip_windows = list(m.skip_windows)
         if command.skip_data:
             run.skip_windows.append(tuple(command.skip_data))  # type: ignore[arg-type]
