@@ -207,15 +207,16 @@ def to_host(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
-def serialize(state: Any) -> bytes:
+def serialize(state: Any) -> memoryview:
+    """`state` as torch.save writes it, in a buffer of its own (no further copy)."""
     import torch
 
     buf = io.BytesIO()
     torch.save(state, buf)
-    return buf.getvalue()
+    return buf.getbuffer()
 
 
-def deserialize(data: bytes, safe_globals: list[Any] | None = None) -> Any:
+def deserialize(data: bytes | memoryview, safe_globals: list[Any] | None = None) -> Any:
     """Tensors and plain containers only (plus `safe_globals`), as Vigil reads any checkpoint."""
     import torch
 
@@ -360,14 +361,15 @@ class Snapshots:
             peer_m, peer_data = self._exchange(m, data)
             self.folder.write("peer", peer_m, peer_data)
 
-    def _exchange(self, m: SnapshotManifest, data: bytes) -> tuple[SnapshotManifest, bytes]:
-        """Send this shard to the partner and receive the source's, on the snapshot group."""
+    def _exchange(self, m: SnapshotManifest, data: memoryview) -> tuple[SnapshotManifest, memoryview]:
+        """Send this shard to the partner and receive the source's, on the snapshot group. Its hash is
+        checked when it is loaded (as every snapshot's), not here: one SHA-256 less per snapshot."""
         head = m.model_dump_json().encode()
         got_head = _swap(head, self.partner, self.source, self.group)
-        peer_m = SnapshotManifest.model_validate_json(got_head)
+        peer_m = SnapshotManifest.model_validate_json(bytes(got_head))
         peer_data = _swap(data, self.partner, self.source, self.group)
-        if len(peer_data) != peer_m.bytes or _sha256(peer_data) != peer_m.sha256:
-            raise CheckpointError(f"the peer copy of rank {peer_m.rank} step {peer_m.step} arrived corrupt")
+        if len(peer_data) != peer_m.bytes or (peer_m.job_id, peer_m.rank) != (self.job_id, self.source):
+            raise CheckpointError(f"the peer copy of rank {peer_m.rank} step {peer_m.step} arrived cut short")
         return peer_m, peer_data
 
     # --- what this rank holds -------------------------------------------------------------------------
@@ -461,8 +463,8 @@ class Snapshots:
                     _send(m.model_dump_json().encode(), r, self.group)
                     _send(data, r, self.group)
                 else:
-                    m = SnapshotManifest.model_validate_json(_recv(src, self.group))
-                    data = _recv(src, self.group)
+                    m = SnapshotManifest.model_validate_json(bytes(_recv(src, self.group)))
+                    data = bytes(_recv(src, self.group))
                     if len(data) != m.bytes or _sha256(data) != m.sha256 or (m.rank, m.step) != (r, step):
                         raise CheckpointError(f"the peer copy of rank {r} step {step} arrived corrupt")
                     mine = (m, data)
@@ -471,15 +473,15 @@ class Snapshots:
         return mine
 
 
-def _send(data: bytes, dst: int, group: Any) -> None:
+def _send(data: bytes | memoryview, dst: int, group: Any) -> None:
     import torch
     import torch.distributed as dist
 
     dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
-    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
+    dist.send(_tensor(data), dst, group=group)
 
 
-def _recv(src: int, group: Any) -> bytes:
+def _recv(src: int, group: Any) -> memoryview:
     import torch
     import torch.distributed as dist
 
@@ -487,11 +489,11 @@ def _recv(src: int, group: Any) -> bytes:
     dist.recv(n, src, group=group)
     buf = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.recv(buf, src, group=group)
-    return buf.numpy().tobytes()
+    return memoryview(buf.numpy())
 
 
-def _swap(data: bytes, dst: int | None, src: int | None, group: Any) -> bytes:
-    """Send `data` to `dst` while receiving from `src` (both may be the same rank)."""
+def _swap(data: bytes | memoryview, dst: int | None, src: int | None, group: Any) -> memoryview:
+    """Send `data` to `dst` while receiving from `src` (both may be the same rank); no copy of either."""
     import torch
     import torch.distributed as dist
 
@@ -501,12 +503,23 @@ def _swap(data: bytes, dst: int | None, src: int | None, group: Any) -> bytes:
     req = dist.isend(n_out, dst, group=group)
     dist.recv(n_in, src, group=group)
     req.wait()
-    out = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    out = _tensor(data)
     buf = torch.empty(int(n_in.item()), dtype=torch.uint8)
     req = dist.isend(out, dst, group=group)
     dist.recv(buf, src, group=group)
     req.wait()
-    return buf.numpy().tobytes()
+    return memoryview(buf.numpy())
+
+
+def _tensor(data: bytes | memoryview) -> Any:
+    """A uint8 tensor over `data`'s own memory where it is writable (a serialized snapshot), else a copy."""
+    import torch
+
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def snapshot_folder_from_env(job_id: str) -> SnapshotFolder | None:
