@@ -318,7 +318,7 @@ class CheckpointSpec(StrictModel):
         "auto",
         description="in-memory snapshot every N steps (host memory, with a peer copy on another node; a "
         "relaunch or rollback loads the newest whole one); auto: every step where it costs under 2 % of "
-        "the step, else as often as that allows; 0: none",
+        "the step, else every N steps keeping it under 1 % per step; 0: none",
     )
 
     @field_validator("memory_every")

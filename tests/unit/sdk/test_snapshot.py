@@ -51,10 +51,11 @@ def test_the_newest_step_every_rank_can_load_own_or_from_its_peer():
     assert choose_step([Holdings(0, (6,))], 2, lo=0) is None  # rank 1 said nothing
 
 
-def test_auto_takes_one_every_step_under_two_percent_of_the_step_else_spaces_them():
+def test_auto_takes_one_every_step_under_two_percent_of_the_step_else_spaces_them_under_one():
     assert auto_interval(0.001, 0.1) == 1
     assert auto_interval(0.002, 0.1) == 1
-    assert auto_interval(0.005, 0.1) == 3  # 5 ms per 100 ms step: every 3 steps is 1.7 %
+    assert auto_interval(0.0021, 0.1) == 3  # 2.1 ms per 100 ms step: every 3 steps is 0.7 %
+    assert auto_interval(0.005, 0.1) == 5  # 5 ms: every 5 steps is 1 %
     assert auto_interval(0.5, 0.0) == 1
 
 

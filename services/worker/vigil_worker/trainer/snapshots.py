@@ -3,8 +3,9 @@ loading one on a relaunch or an in-place rollback.
 
 A rank's snapshot holds what its part of the disk checkpoint holds (`ds_compat.engine_state`: the
 module, its ZeRO optimizer partition, the LR scheduler, the step counters) and the RNG; its manifest the
-step, data position and skip windows. `checkpoint.memory_every` says how often ("auto": every step while
-a snapshot costs under 2 % of it, measured on the process's first ones and agreed by all ranks).
+step, data position and skip windows. `checkpoint.memory_every` says how often ("auto": every step where
+one costs under 2 % of it, else every N steps keeping it under 1 % per step; measured on the process's
+first ones and agreed by all ranks).
 Disk checkpoints stay as they are: a snapshot on /dev/shm does not outlive its node.
 """
 
