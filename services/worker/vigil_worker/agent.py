@@ -92,6 +92,8 @@ class Worker:
                     r.pid,
                 )
             # ranks that ended while no worker watched are reported by the monitor's first pass
+        if swept := self.tenancy.sweep_snapshots({r.job_id for r in self.table.running()}):
+            log.info("removed the in-memory snapshots of %d job(s) with no rank here", len(swept))
         await self.monitor_once()
 
     # --- launches ------------------------------------------------------------------------------------------

@@ -164,6 +164,18 @@ class Tenancy:
         if (snapshots := snapshot_dir(self.settings, job_id)) is not None:
             shutil.rmtree(snapshots, ignore_errors=True)
 
+    def sweep_snapshots(self, running: set[str]) -> list[str]:
+        """At the worker's start: the in-memory snapshots of every job with no rank here removed (a job
+        that failed for good, or whose relaunch went elsewhere, would hold this node's memory forever);
+        the jobs whose snapshots went."""
+        node = snapshot_dir(self.settings, "-")
+        if node is None or not node.parent.is_dir() or node.parent.is_symlink():
+            return []
+        gone = sorted(p.name for p in node.parent.iterdir() if p.name not in running)
+        for job_id in gone:
+            self.forget_snapshots(job_id)
+        return gone
+
     def release(self, job_id: str) -> None:
         """The job has no rank here any more: end every process left of its user, give the uid back."""
         user = self.users.pop(job_id, None)

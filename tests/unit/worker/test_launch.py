@@ -203,6 +203,10 @@ def test_a_jobs_snapshot_folder_is_its_users_under_the_workers_own_folder_on_shm
     assert tenancy.snapshot_dir(s, "j1") == tmp_path / "shm" / "vigil-b" / "j1"
     assert tenancy._node_shm(tmp_path / "shm" / "vigil-b")
     assert stat.S_IMODE((tmp_path / "shm" / "vigil-b").stat().st_mode) == 0o711
+    for job in ("j1", "j2"):
+        (tmp_path / "shm" / "vigil-b" / job / "rank_0").mkdir(parents=True)
+    assert Tenancy(s).sweep_snapshots({"j2"}) == ["j1"]  # at the worker's start: j1 has no rank here
+    assert sorted(p.name for p in (tmp_path / "shm" / "vigil-b").iterdir()) == ["j2"]
     if os.geteuid() == 0:  # a node folder someone else made first is not the worker's
         theirs = tmp_path / "shm" / "vigil-c"
         theirs.mkdir()
