@@ -341,10 +341,15 @@ class Run:
         if self._snapshots is None:
             folder = snap.snapshot_folder_from_env(self.identity.job_id)
             group = None
-            if folder is not None and _distributed():
+            if _distributed():
                 import torch.distributed as dist
 
-                group = dist.new_group(backend="gloo")
+                everywhere: list[Any] = [None] * self.world_size
+                dist.all_gather_object(everywhere, folder is not None)
+                if all(everywhere):  # a rank without a folder: none of them writes (the exchange pairs)
+                    group = dist.new_group(backend="gloo")
+                else:
+                    folder = None
             self._snapshots = snap.Snapshots(
                 folder,
                 job_id=self.identity.job_id,

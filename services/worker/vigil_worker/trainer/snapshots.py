@@ -47,8 +47,13 @@ def open_snapshots(ctx: RankContext, local_world: int) -> Snapshots | None:
         return None
     folder = snapshot_folder_from_env(ctx.job_id)
     group = None
-    if folder is not None and ctx.world_size > 1 and dist.is_initialized():
-        group = dist.new_group(backend="gloo")  # the background thread's own: never mixed with training's
+    if ctx.world_size > 1 and dist.is_initialized():
+        everywhere = torch.tensor([folder is not None], dtype=torch.int64, device=ctx.device)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)  # a node without a folder: none of them writes
+        if not everywhere.item():
+            folder = None
+        else:
+            group = dist.new_group(backend="gloo")  # the background thread's own, apart from training's
     snaps = Snapshots(
         folder,
         job_id=ctx.job_id,
