@@ -2,11 +2,12 @@
 
 `python -m vigil_bench.timed_rank --timings FILE [--plain] TRAINER-ARGS...`: without `--plain`, the
 trainer's own rank (`vigil_worker.trainer.rank.main`) with an observer that appends each step's wall
-time and each in-place rollback's timing to FILE as JSON lines (every rank to the same file, each line
-naming its rank). With `--plain`, the overhead bench's baseline: the same engine, model and data, built
-by the trainer's own setup functions, stepped by a plain DeepSpeed loop with nothing of Vigil's (no
-guard, section timers, comm timer, events, commands or checkpoints). With `--ceiling`, the mfu bench's
-ceiling (`vigil_bench.ceiling`): the same model and data in a plain PyTorch loop, no DeepSpeed at all.
+time, each in-place rollback's timing and the in-memory snapshots' cost to FILE as JSON lines (every rank
+to the same file, each line naming its rank). With `--plain`, the overhead bench's baseline: the same
+engine, model and data, built by the trainer's own setup functions, stepped by a plain DeepSpeed loop
+with nothing of Vigil's (no guard, section timers, comm timer, events, commands or checkpoints). With
+`--ceiling`, the mfu bench's ceiling (`vigil_bench.ceiling`): the same model and data in a plain PyTorch
+loop, no DeepSpeed at all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from vigil.snapshot import SnapshotCost
 from vigil_worker.trainer import rank
 from vigil_worker.trainer.observer import Observer, RollbackTiming
 
@@ -51,6 +53,19 @@ class JsonLinesObserver:
             record["waited_s"] = timing.acted - timing.arrived
             record["in_flight_s"] = (ends[0] if ends else timing.acted) - timing.arrived
         self._write(record)
+
+    def on_snapshots(self, every: int, steps: int, cost: SnapshotCost) -> None:
+        self._write(
+            {
+                "event": "snapshots",
+                "every": every,
+                "steps": steps,
+                "taken": cost.taken,
+                "copy_s": cost.copy_s,
+                "wait_s": cost.wait_s,
+                "background_s": cost.background_s,
+            }
+        )
 
     def _write(self, record: dict[str, Any]) -> None:
         self._out.write(json.dumps({"rank": self.rank, **record}) + "\n")

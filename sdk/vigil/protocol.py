@@ -92,6 +92,7 @@ CHECKPOINT_ROOT_ENV = "VIGIL_CHECKPOINT_ROOT"  # the job's checkpoints go to <ro
 CHECKPOINT_KEEP_ENV = "VIGIL_CHECKPOINT_KEEP"  # how many the job keeps (its spec's checkpoint.keep)
 RESUME_FROM_ENV = "VIGIL_RESUME_FROM"  # the checkpoint this attempt starts from; unset: from scratch
 SKIP_DATA_ENV = "VIGIL_SKIP_DATA"  # data windows to skip, "start:end,start:end" ([start, end) positions)
+SNAPSHOT_DIR_ENV = "VIGIL_SNAPSHOT_DIR"  # the job's in-memory snapshots on this node (on /dev/shm)
 EXIT_FILE_ENV = "VIGIL_EXIT_FILE"  # where the rank leaves its exit code (for a restarted worker)
 # the job's spec as JSON (`vigil.Run.spec`); without `entrypoint.env`, which is the environment itself
 # (so that the variable stays well under the kernel's 128 KiB per string with the largest argv)

@@ -16,6 +16,18 @@ A few lines in an existing loop::
             run.save_checkpoint(step + 1, save)   # save(path) writes this rank's files
         step = run.after_step(step + 1, ok)       # halt, roll back or stop here, on every rank
 
+In-memory snapshots (`vigil.snapshot`): `run.snapshot(state_dict_fn)` registers what to copy; every
+`checkpoint.memory_every` steps `after_step` copies it to host memory (the rest, its files on /dev/shm
+and its peer copy on another node, happens in the background), and on a relaunch `run.restore()` gives
+the newest snapshot every rank has whole, newer than `run.resume_from`, or None (load the disk one)::
+
+    run.snapshot(lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()})
+    if (got := run.restore()) is not None:
+        model.load_state_dict(got.state["model"]); optimizer.load_state_dict(got.state["optim"])
+        step = got.step
+    elif run.resume_from:
+        step = load(run.resume_from)
+
 `after_step` returns the step to run next: `step + 1`, or a checkpoint's step after an in-place
 rollback; the steps run again after it are reported with the next `run.generation` (0 on the attempt's
 first run), so the abandoned run and the re-run stay two histories. A program that registered no loader
@@ -44,6 +56,7 @@ from typing import Any
 from vigil import events as ev
 from vigil import manifest, stack_dump
 from vigil import protocol as proto
+from vigil import snapshot as snap
 from vigil.boundary import Boundary, agree
 from vigil.commands import act
 from vigil.exits import EXIT_PREEMPTED, EXIT_RESTART, write_last_step
@@ -146,6 +159,8 @@ class Run:
         self._loader: Callable[[Path], Any] | None = None
         self._emergency: Callable[[int], Any] | None = None
         self._next_step = 0
+        self._snapshot_fn: Callable[[], Any] | None = None
+        self._snapshots: snap.Snapshots | None = None
         self._last_report = time.perf_counter()
         self._closed = False
 
@@ -267,6 +282,10 @@ class Run:
         """Every rank, after the step is reported: act on what the ranks agreed on. Returns the step to run
         next (`next_step`, or a checkpoint's after an in-place rollback). Halted, it waits here."""
         self._next_step = next_step
+        if self._snapshots is not None and self._snapshot_fn is not None:
+            self._snapshots.wait()  # the last one is whole (own and peer copy) one step after it was taken
+            if next_step % self._snapshots.every == 0:
+                self._take(next_step)
         if boundary.preempt:
             if self._emergency is not None:
                 self._emergency(next_step)
@@ -280,6 +299,72 @@ class Run:
     def on_rollback(self, load: Callable[[Path], Any]) -> None:
         """Register how to load a checkpoint folder in place; without it a rollback relaunches the job."""
         self._loader = load
+
+    # --- in-memory snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self, state_dict_fn: Callable[[], Any], *, every: int | None = None) -> None:
+        """Every rank, once, before its loop: `after_step` copies `state_dict_fn()` (this rank's shard:
+        tensors and plain containers) to host memory every `every` steps (default: the spec's
+        `checkpoint.memory_every`, "auto" taken as 1 here; 0: never)."""
+        self._snapshot_fn = state_dict_fn
+        if every is None:
+            spec_every = self._spec.checkpoint.memory_every if self._spec is not None else 1
+            every = 1 if spec_every == "auto" else int(spec_every)
+        if every < 0:
+            raise ValueError(f"vigil: snapshot every must be 0 (never) or more (got {every})")
+        self._open_snapshots().every = every or 2**62
+
+    @property
+    def snapshotting(self) -> bool:
+        """`snapshot` was called: `after_step` takes in-memory snapshots."""
+        return self._snapshot_fn is not None
+
+    def restore(self, *, safe_globals: list[Any] | None = None) -> snap.Restored | None:
+        """Every rank, on a relaunch: the newest in-memory snapshot every rank has whole (its own copy, or
+        the one its peer holds), no older than `resume_from`; None: none, load `resume_from` from disk.
+        The state is read with `weights_only=True`: tensors, plain containers and `safe_globals`."""
+        if self.resume_from is None or self.checkpoint_root is None:
+            return None
+        got = self._open_snapshots().resume(
+            self.resume_from, self.checkpoint_root, skip=bool(self.skip_windows)
+        )
+        if got is None:
+            return None
+        m, data = got
+        state = snap.deserialize(data, safe_globals)
+        self.skip_windows = [tuple(w) for w in m.skip_windows]  # type: ignore[misc]
+        log.info("vigil: restoring the in-memory snapshot of step %d", m.step)
+        return snap.Restored(step=m.step, state=state, data_position=m.data_position)
+
+    def _open_snapshots(self) -> snap.Snapshots:
+        """Made once, by every rank together (the peer exchange's gloo group)."""
+        if self._snapshots is None:
+            folder = snap.snapshot_folder_from_env(self.identity.job_id)
+            group = None
+            if _distributed():
+                import torch.distributed as dist
+
+                everywhere: list[Any] = [None] * self.world_size
+                dist.all_gather_object(everywhere, folder is not None)
+                if all(everywhere):  # a rank without a folder: none of them writes (the exchange pairs)
+                    group = dist.new_group(backend="gloo")
+                else:
+                    folder = None
+            self._snapshots = snap.Snapshots(
+                folder,
+                job_id=self.identity.job_id,
+                rank=self.rank,
+                world=self.world_size,
+                local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                group=group,
+            )
+        return self._snapshots
+
+    def _take(self, step: int) -> None:
+        assert self._snapshots is not None and self._snapshot_fn is not None
+        self._snapshots.take(
+            step, self._snapshot_fn(), data_position=self.position(step), skip_windows=self.skip_windows
+        )
 
     def on_preemption(self, save: Callable[[int], Any]) -> None:
         """Register what to do before exiting on a preemption notice (e.g. save_checkpoint(step, ...))."""
@@ -421,6 +506,8 @@ class _RunHandler:
 
     def rollback(self, command: ev.RollbackJob, seq: int) -> None:
         run = self.run
+        if run._snapshots is not None:  # the steps after the checkpoint are abandoned, in memory too
+            run._snapshots.drop_after(command.step)
         if run._loader is None:  # no way to load in place: stop, and be relaunched from the checkpoint
             if run.rank == 0:
                 run.emit(
@@ -442,6 +529,8 @@ class _RunHandler:
         from_step = max(run._next_step - 1, 0)
         m = run.choose_checkpoint(command.checkpoint, command.step)
         run._loader(m.path)
+        if run._snapshots is not None:  # an older one than asked, where that one was refused
+            run._snapshots.drop_after(m.step)
         run.skip_windows = list(m.skip_windows)
         if command.skip_data:
             run.skip_windows.append(tuple(command.skip_data))  # type: ignore[arg-type]

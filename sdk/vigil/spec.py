@@ -314,6 +314,19 @@ class EntrypointSpec(StrictModel):
 class CheckpointSpec(StrictModel):
     every: int = Field(20, ge=1, le=1_000_000, description="save every N steps")
     keep: int = Field(5, ge=1, le=1000, description="keep the newest K valid checkpoints")
+    memory_every: int | Literal["auto"] = Field(
+        "auto",
+        description="in-memory snapshot every N steps (host memory, with a peer copy on another node; a "
+        "relaunch or rollback loads the newest whole one); auto: every step where it costs under 2 % of "
+        "the step, else every N steps keeping it under 1 % per step; 0: none",
+    )
+
+    @field_validator("memory_every")
+    @classmethod
+    def _memory_every(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 0 <= v <= 1_000_000:
+            raise ValueError(f"checkpoint.memory_every must be 0 (off), 1..1000000 or 'auto' (got {v})")
+        return v
 
 
 DEFAULT_HANG_FLOOR_S = 5.0  # a checkpoint save or an evaluation can take many times a sub-second step

@@ -6,7 +6,8 @@ A few lines in an existing loop::
 
     run = vigil.init()
     vigil_ds.register_rollback(engine)          # a rollback loads engine.load_checkpoint in place
-    step = vigil_ds.resume(engine)              # 0, or the step of the checkpoint Vigil relaunched from
+    vigil_ds.snapshot(engine)                   # optional: in-memory snapshots (not ZeRO-3)
+    step = vigil_ds.resume(engine)              # 0, or the step of the snapshot or checkpoint resumed
     while step < steps:
         loss = engine(batch(run.position(step)))
         engine.backward(loss)
@@ -26,6 +27,9 @@ this rank holds changed, and refuses to go on otherwise.
 
 Checkpoints are DeepSpeed's own files (`engine.save_checkpoint(path, tag="ds")`), every rank writing its
 part into Vigil's `step_<n>` folder. Outside Vigil, `save` saves nothing and `resume` returns 0.
+With `snapshot`, `run.after_step` also copies this rank's part of the engine (what its part of that
+checkpoint holds) to host memory every `checkpoint.memory_every` steps, and `resume` loads the newest
+snapshot every rank has whole where there is one (`vigil.snapshot`), else the disk checkpoint.
 """
 
 from __future__ import annotations
@@ -145,10 +149,21 @@ def register_rollback(engine: Any, run: Run | None = None) -> None:
     _run(run).on_rollback(lambda path: load(engine, path))
 
 
+def snapshot(engine: Any, run: Run | None = None) -> None:
+    """Every rank, before `resume`: in-memory snapshots of this rank's part of the engine (the module, its
+    ZeRO optimizer partition, the LR scheduler, the step counters), taken by `run.after_step`."""
+    _run(run).snapshot(lambda: ds_compat.engine_state(engine))
+
+
 def resume(engine: Any, run: Run | None = None) -> int:
-    """Load the checkpoint Vigil relaunched this job from (verified by rank 0, the same on every rank);
-    returns its step, or 0 when the job starts from scratch."""
-    chosen = _run(run).resume_checkpoint()
+    """Load the newest in-memory snapshot every rank has whole (with `snapshot` registered), else the
+    checkpoint Vigil relaunched this job from (verified by rank 0, the same on every rank); returns its
+    step, or 0 when the job starts from scratch."""
+    r = _run(run)
+    if r.snapshotting and (got := r.restore(safe_globals=ds_compat.checkpoint_safe_globals())) is not None:
+        ds_compat.load_engine_state(engine, got.state)
+        return got.step
+    chosen = r.resume_checkpoint()
     if chosen is None:
         return 0
     load(engine, chosen.path)

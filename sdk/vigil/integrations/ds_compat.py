@@ -14,6 +14,9 @@ as an overflow). Whatever Vigil needs of them is here, each under the name it re
 - the classes DeepSpeed's checkpoint files pickle, and the engine's checkpoint reader;
 - the engine's backward all-reduce switch (`enable_backward_allreduce`), and a ZeRO optimizer's last
   gradient norm (`_global_grad_norm`, for the Hugging Face callback);
+- the engine's state as its checkpoint holds it, in memory (`engine_state`, `load_engine_state`: its
+  counters `global_steps`, `global_samples`, and a ZeRO optimizer's `dp_process_group` and
+  `elastic_checkpoint`), for in-memory snapshots;
 - the modules DeepSpeed imports lazily on a rank's first engine (`LAZY_MODULES`), for a warm rank.
 
 `MODULE_NAMES`, `ENGINE_NAMES` and `PRIVATE_NAMES` list them: tests/unit/sdk/test_ds_compat.py checks that
@@ -49,6 +52,9 @@ ENGINE_NAMES: tuple[str, ...] = (
     "enable_backward_allreduce",
     "checkpoint_engine",
     "lr_scheduler",
+    "global_steps",
+    "global_samples",
+    "zero_load_from_fp32_weights",
 )
 # every private (or internal) DeepSpeed name used here; no other module of Vigil may use one
 PRIVATE_NAMES: tuple[str, ...] = (
@@ -63,6 +69,10 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "cdb",
     "build_shm_op",
     "_global_grad_norm",
+    "global_steps",
+    "global_samples",
+    "dp_process_group",
+    "elastic_checkpoint",
 )
 
 
@@ -186,3 +196,50 @@ def checkpoint_safe_globals() -> list[Any]:
 def read_checkpoints_with(engine: Any, load: Callable[[str, Any], Any]) -> None:
     """Make the engine read its checkpoint files with `load(path, map_location)`."""
     engine.checkpoint_engine.load = load
+
+
+# --- in-memory snapshots --------------------------------------------------------------------------------
+
+
+def engine_state(engine: Any) -> dict[str, Any]:
+    """This rank's part of the engine's state, as DeepSpeed's checkpoint of it holds it (the module, the
+    optimizer: a ZeRO optimizer's partition, the LR scheduler, the step counters): references to the live
+    tensors, for `vigil.snapshot.to_host` to copy. Not for ZeRO-3 (its module is partitioned)."""
+    if engine.zero_optimization_stage() == 3:
+        raise NotImplementedError("in-memory snapshots of a ZeRO-3 engine")
+    return {
+        "module": engine.module.state_dict(),
+        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+    }
+
+
+def load_engine_state(engine: Any, state: dict[str, Any]) -> None:
+    """Load what `engine_state` returned into the running engine, as its `load_checkpoint` loads a
+    checkpoint (the module, then the optimizer from its fp32 partition, the scheduler, the counters).
+    The optimizer keeps the tensors it is given (torch's `load_state_dict` does not copy them): pass
+    a state nobody else holds."""
+    import torch.distributed as dist
+
+    engine.module.load_state_dict(state["module"], strict=True)
+    opt = engine.optimizer
+    if opt is not None and state["optimizer"] is not None:
+        if engine.zero_optimization():
+            if opt.elastic_checkpoint:
+                raise NotImplementedError("in-memory snapshots of a ZeRO optimizer with elastic_checkpoint")
+            shards: list[Any] = [None] * dist.get_world_size(group=opt.dp_process_group)
+            shards[dist.get_rank(group=opt.dp_process_group)] = state["optimizer"]  # it reads its own only
+            fp32 = engine.zero_load_from_fp32_weights()
+            opt.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=fp32)
+        elif engine.fp16_enabled() or engine.bfloat16_enabled():
+            opt.load_state_dict(state["optimizer"], load_optimizer_states=True)
+        else:
+            opt.load_state_dict(state["optimizer"])
+    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state["global_samples"]
+    engine.skipped_steps = state["skipped_steps"]

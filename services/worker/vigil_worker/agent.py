@@ -92,6 +92,8 @@ class Worker:
                     r.pid,
                 )
             # ranks that ended while no worker watched are reported by the monitor's first pass
+        if swept := self.tenancy.sweep_snapshots({r.job_id for r in self.table.running()}):
+            log.info("removed the in-memory snapshots of %d job(s) with no rank here", len(swept))
         await self.monitor_once()
 
     # --- launches ------------------------------------------------------------------------------------------
@@ -222,6 +224,7 @@ class Worker:
             case CancelJob(job_id=str(job)) if ranks := self.table.running(job):
                 log.warning("cancelling %s: %s", job, command.reason or "no reason given")
                 await self.end_ranks(ranks)
+                self.tenancy.forget_snapshots(job)  # no attempt follows a cancel: its memory goes back
             case DiagnoseDevice(node=node) if node == self.node and command.event_id not in self._checks:
                 # in the background: a cancel must not wait for it. One lost with this agent is no mark.
                 task = asyncio.create_task(self.diagnose(command), name=f"diagnose-{command.device}")

@@ -40,7 +40,7 @@ from vigil.errors import SpecError
 from vigil.events import LaunchJob, RankPlacement
 from vigil_common.confine import OutsideRoots, within
 from vigil_common.settings import Settings
-from vigil_worker.tenancy import JobUser, job_dir
+from vigil_worker.tenancy import JobUser, job_dir, snapshot_dir
 
 PYTHON_NAMES = ("python", "python3")  # an entrypoint's argv[0] that means the worker's own interpreter
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -207,6 +207,8 @@ def rank_env(
     env[proto.EXIT_FILE_ENV] = str(exit_path)
     env[proto.CHECKPOINT_ROOT_ENV] = str(settings.checkpoint_root)
     env[proto.CHECKPOINT_KEEP_ENV] = str(launch.spec.checkpoint.keep)
+    if (snapshots := snapshot_dir(settings, str(launch.job_id))) is not None:
+        env[proto.SNAPSHOT_DIR_ENV] = str(snapshots)
     env[proto.JOB_SPEC_ENV] = launch.spec.model_dump_json(exclude={"entrypoint": {"env"}})
     if launch.resume_from:
         env[proto.RESUME_FROM_ENV] = launch.resume_from

@@ -107,10 +107,12 @@ def start_ranks(
     module: str = "vigil_worker.trainer",
     agent: LocalAgent | None = None,
     job: tuple[str, int] | None = None,
+    snapshot_dir: Path | None = None,
 ) -> LocalRanks:
     """Start `world_size` ranks of `python -m MODULE ARGS` here, logs in `log_dir`. MODULE is the rank
     program, or one that wraps it (a benchmark's, calling `vigil_worker.trainer.rank.main`). With
-    `agent` and `job` (job id, attempt) the ranks are linked to the bus through that agent."""
+    `agent` and `job` (job id, attempt) the ranks are linked to the bus through that agent; with
+    `snapshot_dir` their in-memory snapshots go there (and to each other), as a worker's do."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
@@ -132,6 +134,8 @@ def start_ranks(
         if agent is not None and job is not None:
             link, token = agent.env(job[0], job[1], rank)
             env.update(link)
+        if snapshot_dir is not None:
+            env[proto.SNAPSHOT_DIR_ENV] = str(snapshot_dir)
         log = log_dir / f"rank-{rank}.log"
         read_end, write_end = os.pipe()  # the token, as a worker hands it over (never in the environment)
         os.write(write_end, token.encode())

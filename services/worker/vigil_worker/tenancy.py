@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import stat
 import sys
 from collections.abc import Callable, Sequence
@@ -67,6 +68,15 @@ class JobUser:
 def job_dir(settings: Settings, job_id: str) -> Path:
     """A job's own folder on this node: its attempts' run folders, its home and its data cache."""
     return settings.data_dir.resolve() / "runs" / job_id
+
+
+SHM = Path("/dev/shm")
+
+
+def snapshot_dir(settings: Settings, job_id: str) -> Path | None:
+    """A job's in-memory snapshots on this node (`vigil.snapshot`): on /dev/shm, so that they outlive a
+    rank's process (not the node); None where the node has no /dev/shm."""
+    return SHM / f"vigil-{settings.node_name}" / job_id if SHM.is_dir() else None
 
 
 def limits(launch: LaunchJob) -> cgroups.Limits:
@@ -142,8 +152,29 @@ class Tenancy:
             (mine / name).mkdir(parents=True, exist_ok=True)
         checkpoints = settings.checkpoint_root / job_id
         checkpoints.mkdir(parents=True, exist_ok=True)
-        for path in (mine, checkpoints):
+        owned = [mine, checkpoints]
+        if (snapshots := snapshot_dir(settings, job_id)) is not None and _node_shm(snapshots.parent):
+            snapshots.mkdir(exist_ok=True)
+            owned.append(snapshots)
+        for path in owned:
             _own_tree(path, user)
+
+    def forget_snapshots(self, job_id: str) -> None:
+        """The job's in-memory snapshots here removed (a job that succeeds removes its own)."""
+        if (snapshots := snapshot_dir(self.settings, job_id)) is not None:
+            shutil.rmtree(snapshots, ignore_errors=True)
+
+    def sweep_snapshots(self, running: set[str]) -> list[str]:
+        """At the worker's start: the in-memory snapshots of every job with no rank here removed (a job
+        that failed for good, or whose relaunch went elsewhere, would hold this node's memory forever);
+        the jobs whose snapshots went."""
+        node = snapshot_dir(self.settings, "-")
+        if node is None or not node.parent.is_dir() or node.parent.is_symlink():
+            return []
+        gone = sorted(p.name for p in node.parent.iterdir() if p.name not in running)
+        for job_id in gone:
+            self.forget_snapshots(job_id)
+        return gone
 
     def release(self, job_id: str) -> None:
         """The job has no rank here any more: end every process left of its user, give the uid back."""
@@ -170,6 +201,19 @@ class Tenancy:
         """The worker stops with no rank left: its node's cgroup folders go (any left non-empty stay)."""
         if self.layout is not None:
             self.layout.remove()
+
+
+def _node_shm(folder: Path) -> bool:
+    """This node's folder of snapshots on /dev/shm, the worker's (0711): made here, or refused (logged)
+    when someone else made it first (a job's user could otherwise own every job's snapshots)."""
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o711)
+    found = os.lstat(folder)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid():
+        log.error("%s is not a folder of the worker's user: in-memory snapshots stay in the ranks", folder)
+        return False
+    os.chmod(folder, 0o711)
+    return True
 
 
 def _own_tree(path: Path, user: JobUser) -> None:

@@ -103,7 +103,7 @@ def spec(name: str) -> dict[str, Any]:
         "resources": {"nodes": 1, "gpus_per_node": 2},
         "model": TINY,
         "train": {**TRAIN, "steps": STEPS},
-        "checkpoint": {"every": EVERY, "keep": 10},
+        "checkpoint": {"every": EVERY, "keep": 10, "memory_every": 0},  # the relaunch reads the disk
         "faults": [{"kind": "crash", "step": CRASH_AT, "rank": 1}],
     }
 

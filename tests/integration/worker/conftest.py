@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,6 +89,7 @@ def cluster(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     finally:
         for w in workers:
             stop_worker(w)
+            shutil.rmtree(Path("/dev/shm") / f"vigil-{w.node}", ignore_errors=True)  # its jobs' snapshots
         # ranks outlive their worker by design; end whatever a failed test left running
         for pidfile in data_dir.glob("worker/*/ranks.json"):
             import json

@@ -42,8 +42,13 @@ def test_each_rank_reports_every_step_once(tmp_path, extra):
     name = "plain" if extra else "vigil"
     records = run(tmp_path, name, extra)
     for rank in (0, 1):
-        steps = [r for r in records if r["rank"] == rank]
+        steps = [r for r in records if r["rank"] == rank and r["event"] == "step"]
         assert [r["step"] for r in steps] == list(range(STEPS))
-        assert all(r["event"] == "step" and r["seconds"] > 0 for r in steps)
+        assert all(r["seconds"] > 0 for r in steps)
+        # and, once at the end, what its in-memory snapshots cost (the plain loop takes none)
+        snaps = [r for r in records if r["rank"] == rank and r["event"] == "snapshots"]
+        assert len(snaps) == (0 if extra else 1)
+        assert all(r["steps"] == STEPS and r["taken"] >= 1 and r["copy_s"] > 0 for r in snaps)
+    assert {r["event"] for r in records} <= {"step", "snapshots"}
     # the Vigil rank saved its step-0 checkpoint; the plain loop has none of Vigil's machinery
     assert (tmp_path / "ckpt" / name / "step_00000000").is_dir() == (not extra)

@@ -81,7 +81,8 @@ async def test_in_place_rollback_equals_a_fresh_run_resumed_from_the_checkpoint(
 
 async def test_corrupt_checkpoint_is_refused_and_the_previous_good_one_used(ready_cluster, bus, job_id):
     root = ready_cluster.checkpoint_root
-    spec = tiny_spec(steps=400, checkpoint={"every": 4, "keep": 50})
+    # no in-memory snapshot: the rollback reads the disk (test_snapshots.py: one held in memory reads none)
+    spec = tiny_spec(steps=400, checkpoint={"every": 4, "keep": 50, "memory_every": 0})
     async with record(bus, job_id) as rec:
         await bus.publish(subjects.launch(job_id), launch(ready_cluster, job_id, spec))
         await rec.until(lambda r: r.of(ev.CheckpointSaved, step=8))

@@ -80,7 +80,13 @@ async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id,
             assert b"VIGIL_JOB_ID" not in read(f"/proc/{pid}/environ")
 
         placement = [ev.RankPlacement(rank=r, node=node, device=r, local_rank=r) for r in (0, 1)]
-        spec = tiny_spec(steps=8, faults=[{"kind": "crash", "step": 5, "rank": 1, "exit_code": 7}])
+        # no in-memory snapshot: the relaunch resumes from the disk checkpoint of step 4, whatever the
+        # crash left in memory (test_snapshots.py relaunches from a snapshot)
+        spec = tiny_spec(
+            steps=8,
+            checkpoint={"every": 4, "keep": 5, "memory_every": 0},
+            faults=[{"kind": "crash", "step": 5, "rank": 1, "exit_code": 7}],
+        )
         async with record(bus, job_id) as rec:
             await bus.publish(subjects.launch(job_id), launch_on(placement, job_id, spec))
             first = await until_exited(rec, 1, timeout=180)
@@ -92,7 +98,7 @@ async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id,
             # the relaunch, once the worker has its warm ranks again
             await log_says(worker.log, "2 warm rank(s) ready", 2)
             (path,) = [e.path for e in rec.of(ev.CheckpointSaved) if e.step == 4]
-            relaunch = launch_on(placement, job_id, tiny_spec(steps=8), attempt=2, resume_from=path)
+            relaunch = launch_on(placement, job_id, spec, attempt=2, resume_from=path)
             t0 = time.monotonic()
             await bus.publish(subjects.launch(job_id), relaunch)
             await rec.until(lambda r: r.of(ev.StepCompleted, attempt=2), timeout=120, fail_on_exit=False)

@@ -346,3 +346,51 @@ def test_deepspeed_helpers_skip_a_nan_update_save_and_roll_back_in_place(tmp_pat
     resumed = a_run(root, Recorder(), resume_from=manifest.step_dir(root, JOB, 2))
     assert vigil_ds.resume(engine, resumed) == 2
     assert vigil_ds.resume(engine, a_run(root, Recorder())) == 0
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_deepspeed_snapshots_resume_from_memory_newer_than_the_checkpoint(
+    tmp_path, one_rank, zero, monkeypatch
+):
+    import deepspeed
+
+    from vigil import protocol as proto
+    from vigil.integrations import deepspeed as vigil_ds
+
+    monkeypatch.setenv(proto.SNAPSHOT_DIR_ENV, str(tmp_path / "shm"))
+    root = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": zero}, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
+    )
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+    def train(run: Run, step: int, until: int) -> list[list[torch.Tensor]]:
+        after = []
+        while step < until:
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            ok = vigil_ds.step(engine, loss, run)
+            assert ok is not None
+            if step + 1 == 2:
+                vigil_ds.save(engine, 2, run)
+            step = run.after_step(step + 1, ok)
+            after.append([p.detach().clone() for p in engine.module.parameters()])
+        return after
+
+    run = a_run(root, Recorder())
+    vigil_ds.snapshot(engine, run)  # no spec: every step
+    first = train(run, 0, 7)
+    run._snapshots.wait()  # type: ignore[union-attr]  # the last one's files are written
+    for _ in range(2):  # the weights move on past the snapshot (the steps a crash loses)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert not all(torch.equal(a, b) for a, b in zip(first[-1], engine.module.parameters(), strict=True))
+
+    relaunched = a_run(root, Recorder(), resume_from=manifest.step_dir(root, JOB, 2))
+    vigil_ds.snapshot(engine, relaunched)
+    assert vigil_ds.resume(engine, relaunched) == 7  # the snapshot after step 6, not the checkpoint of 2
+    assert all(torch.equal(a, b) for a, b in zip(first[-1], engine.module.parameters(), strict=True))

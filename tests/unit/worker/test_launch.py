@@ -59,6 +59,9 @@ def test_only_this_nodes_ranks_with_torchruns_environment_and_the_sdks(tmp_path)
     assert (env[proto.JOB_ID_ENV], env[proto.ATTEMPT_ENV], env[proto.NODE_ENV]) == ("j1", "2", "b")
     assert env[proto.AGENT_SOCKET_ENV] == str(SOCKET)
     assert env[proto.RESUME_FROM_ENV] == "/ckpt/j1/step_00000040" and env[proto.SKIP_DATA_ENV] == "40:42"
+    assert (
+        env[proto.SNAPSHOT_DIR_ENV] == "/dev/shm/vigil-b/j1"
+    )  # in-memory snapshots: this node's, this job's
     assert ranks[0].token != ranks[1].token and len(ranks[1].token) >= 32
     assert not [k for k, v in env.items() if ranks[1].token in v], "the token reaches a rank on a pipe"
     run_dir = tmp_path.resolve() / "runs" / "j1" / "attempt-2"
@@ -186,3 +189,26 @@ def test_entrypoints_can_be_turned_off(tmp_path):
 def test_a_launch_for_other_nodes_writes_nothing(tmp_path):
     assert prepare_ranks(make_launch(), settings(tmp_path, node="c"), "gpu", SOCKET) == []
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_jobs_snapshot_folder_is_its_users_under_the_workers_own_folder_on_shm(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from vigil_worker import tenancy
+
+    monkeypatch.setattr(tenancy, "SHM", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    s = settings(tmp_path)
+    assert tenancy.snapshot_dir(s, "j1") == tmp_path / "shm" / "vigil-b" / "j1"
+    assert tenancy._node_shm(tmp_path / "shm" / "vigil-b")
+    assert stat.S_IMODE((tmp_path / "shm" / "vigil-b").stat().st_mode) == 0o711
+    for job in ("j1", "j2"):
+        (tmp_path / "shm" / "vigil-b" / job / "rank_0").mkdir(parents=True)
+    assert Tenancy(s).sweep_snapshots({"j2"}) == ["j1"]  # at the worker's start: j1 has no rank here
+    assert sorted(p.name for p in (tmp_path / "shm" / "vigil-b").iterdir()) == ["j2"]
+    if os.geteuid() == 0:  # a node folder someone else made first is not the worker's
+        theirs = tmp_path / "shm" / "vigil-c"
+        theirs.mkdir()
+        os.chown(theirs, USER.uid, USER.gid)
+        assert not tenancy._node_shm(theirs)

@@ -15,6 +15,7 @@ from vigil_worker.trainer.checkpoint_collective import load_checkpoint
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position
 from vigil_worker.trainer.observer import RollbackTiming
+from vigil_worker.trainer.snapshots import rollback_from_memory
 
 log = logging.getLogger("vigil.rank")
 
@@ -64,12 +65,19 @@ def report_halt(ctx: RankContext, st: TrainState, reason: str, command_id: str) 
 
 
 def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob, seq: int) -> None:
-    """Load a checkpoint in place (no process restart), add the data-skip window, and train on."""
+    """Load a checkpoint in place (no process restart), add the data-skip window, and train on. The
+    in-memory snapshot of the checkpoint's step, where every rank holds one, is loaded instead (no read:
+    the same state); snapshots newer than the step are dropped either way."""
     t0 = time.perf_counter()
     acted, arrived = time.monotonic(), ctx.run.link.arrival(seq)
     from_step = max(st.step - 1, 0)
-    m = ctx.run.choose_checkpoint(cmd.checkpoint, cmd.step)
-    load_s = load_checkpoint(ctx, st, m)
+    load_s = rollback_from_memory(ctx, st, cmd.step)
+    source = f"{cmd.checkpoint}, from memory"
+    if load_s is None:
+        m = ctx.run.choose_checkpoint(cmd.checkpoint, cmd.step)
+        load_s, source = load_checkpoint(ctx, st, m), str(m.path)
+    if ctx.snapshots is not None:
+        ctx.snapshots.drop_after(st.step)
     if cmd.skip_data:
         st.skip_windows.append(tuple(cmd.skip_data))  # type: ignore[arg-type]
         st.data_position = first_position(st.data_position, st.skip_windows)
@@ -78,7 +86,7 @@ def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob, seq: int) ->
     st.halted = False
     st.generation += 1  # the steps from st.step on are a new run of them, beside the abandoned one
     duration = time.perf_counter() - t0
-    log.warning("rolled back from step %d to %d (%s) in %.3fs", from_step, st.step, m.path, duration)
+    log.warning("rolled back from step %d to %d (%s) in %.3fs", from_step, st.step, source, duration)
     ctx.observer.on_rollback(
         RollbackTiming(to_step=st.step, load_s=load_s, total_s=duration, arrived=arrived, acted=acted)
     )
@@ -89,7 +97,7 @@ def rollback(ctx: RankContext, st: TrainState, cmd: ev.RollbackJob, seq: int) ->
                 attempt=ctx.attempt,
                 from_step=from_step,
                 to_step=st.step,
-                checkpoint=str(m.path),
+                checkpoint=source.removesuffix(", from memory"),
                 skip_data=cmd.skip_data,
                 command_id=cmd.event_id,
                 duration_s=duration,

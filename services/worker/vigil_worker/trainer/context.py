@@ -11,6 +11,7 @@ import torch
 
 from vigil.preemption import PreemptionNotice
 from vigil.run import Run
+from vigil.snapshot import Snapshots
 from vigil.spec import JobSpec
 from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
@@ -45,6 +46,7 @@ class RankContext:
     notice: PreemptionNotice = field(default_factory=PreemptionNotice)  # listens once installed
     flops_per_token: float | None = None  # model FLOPs per token, for MFU
     peak: Peak | None = None  # the device's peak FLOP/s at this precision; None: no MFU
+    snapshots: Snapshots | None = None  # in-memory snapshots (`snapshots.py`); None: off
     judge: StepJudge = field(init=False)  # the spike rule's windows over every rank's losses
 
     def __post_init__(self) -> None:

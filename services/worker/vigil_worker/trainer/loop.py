@@ -2,10 +2,10 @@
 
 Per step: data, forward, backward (DeepSpeed reduces gradients at the accumulation boundary), one small
 control all-reduce (finiteness guard, every rank's loss, out-of-memory, preemption and command
-boundary), optimizer step, emit, checkpoint, the emergency checkpoint on a preemption notice, then any
-command all ranks agreed on. A step the ranks judge bad at the boundary is held and replayed (`replay`);
-a step that runs out of memory is tried again with half the micro-batch (`oom`). Setup (process group,
-engine, data, sink) is `rank.py`'s.
+boundary), optimizer step, emit, checkpoint, in-memory snapshot, the emergency checkpoint on a
+preemption notice, then any command all ranks agreed on. A step the ranks judge bad at the boundary is
+held and replayed (`replay`); a step that runs out of memory is tried again with half the micro-batch
+(`oom`). Setup (process group, engine, data, sink) is `rank.py`'s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from vigil_worker.trainer.data import next_position
 from vigil_worker.trainer.micro import execute
 from vigil_worker.trainer.oom import halt_out_of_memory
 from vigil_worker.trainer.report import StepTimes, report_step
+from vigil_worker.trainer.snapshots import take_snapshot
 
 
 def train(ctx: RankContext, st: TrainState) -> TrainState:
@@ -66,8 +67,12 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
         st.step, st.data_position = step + 1, next_position(pos, st.skip_windows)
 
         # --- checkpoint ---------------------------------------------------------------------------------
-        if st.step % spec.checkpoint.every == 0:
+        saved = st.step % spec.checkpoint.every == 0
+        if saved:
             save_checkpoint(ctx, st)
+
+        # --- in-memory snapshot: a host copy now, written and sent to the peer in the background ----------
+        take_snapshot(ctx, st, t_end - t0, pin=saved)  # a disk checkpoint's step stays in the process too
 
         # --- preemption: every rank saves where it stands, then exits (the job is requeued) --------------
         if agreed.preempt:

@@ -1,14 +1,16 @@
 """What the loop tells an observer about its timing, with a no-op default.
 
 Production ranks run with `NullObserver`; a benchmark passes its own to `rank.main(argv, observer=...)`
-to learn each step's wall time and each in-place rollback's timing, without switches in the loop.
-Hooks run on the training thread, so an observer keeps them cheap.
+to learn each step's wall time, each in-place rollback's timing and the snapshots' cost, without switches
+in the loop. Hooks run on the training thread, so an observer keeps them cheap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+from vigil.snapshot import SnapshotCost
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class Observer(Protocol):
         """Called once an in-place rollback has loaded its checkpoint."""
         ...
 
+    def on_snapshots(self, every: int, steps: int, cost: SnapshotCost) -> None:
+        """Called once training ends: what in-memory snapshots cost over its `steps` steps."""
+        ...
+
 
 class NullObserver:
     """Observes nothing: the production default."""
@@ -39,4 +45,7 @@ class NullObserver:
         pass
 
     def on_rollback(self, timing: RollbackTiming) -> None:
+        pass
+
+    def on_snapshots(self, every: int, steps: int, cost: SnapshotCost) -> None:
         pass

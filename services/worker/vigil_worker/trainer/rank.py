@@ -285,6 +285,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     from vigil_worker.trainer.faults import FaultInjector
     from vigil_worker.trainer.loop import train
     from vigil_worker.trainer.mfu import flops_per_token
+    from vigil_worker.trainer.snapshots import open_snapshots, resume_from_memory, take_snapshot
 
     job = read_job(args, env.world)
     root = args.checkpoint_root.resolve()
@@ -336,20 +337,26 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         peak=peak,
     )
 
-    # --- resume, or the step-0 checkpoint -------------------------------------------------------------------
+    # --- resume (from the newest whole in-memory snapshot, else the disk), or the step-0 checkpoint ---------
+    ctx.snapshots = open_snapshots(ctx, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     st = TrainState()
-    if job.resume_from:
+    if job.resume_from and not resume_from_memory(ctx, st, job.resume_from, skip=job.skip_data is not None):
         m = run.choose_checkpoint(job.resume_from, ckpt.step_of(job.resume_from))
         load_checkpoint(ctx, st, m)
         log.info("resumed from %s at step %d", m.path, st.step)
+    if ctx.snapshots is not None:
+        ctx.snapshots.drop_after(st.step)  # none of an abandoned timeline (all of them on a fresh start)
     if job.skip_data:
         st.skip_windows.append(job.skip_data)
         st.data_position = first_position(st.data_position, st.skip_windows)
     if not job.resume_from:
         save_checkpoint(ctx, st)  # so a fault before the first periodic checkpoint can be rolled back
+        take_snapshot(ctx, st, 0.0, pin=True)
 
-    t_train = time.perf_counter()
+    t_train, first_step = time.perf_counter(), st.step
     train(ctx, st)
+    if ctx.snapshots is not None:
+        observer.on_snapshots(ctx.snapshots.every, st.step - first_step, ctx.snapshots.cost)
     if compiled:
         # the compile is paid once per rank start (at its first step, and once per new micro-batch shape)
         log.info(
@@ -369,6 +376,8 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         _save_full_weights(engine, plan.zero_stage, env.rank, args.final_weights)
     if env.rank == 0:
         log.info("done: %d steps", st.step)
+    if ctx.snapshots is not None:
+        ctx.snapshots.remove_all()  # the job is done: its copies in this node's memory go
     run.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,531 @@
+"""In-memory snapshots: each rank's shard of the training state in host memory, every N steps.
+
+At a step boundary `Snapshots.take` copies the shard to host memory (the step's one blocking cost: a
+memcpy) and hands it to a background thread, which serializes it, hashes it (SHA-256, as the disk
+manifest does), writes it to the node's shared memory (`VIGIL_SNAPSHOT_DIR`, on /dev/shm: it outlives
+the rank's process, not the node) and swaps it with its ring partner on another node where there is
+one (`(rank + local_world) % world`, as GEMINI does) over a gloo group of its own. The next boundary
+waits for that work, so a snapshot is whole, own copy and peer copy, one step after it was taken.
+
+Layout under the job's snapshot folder on a node: `rank_<r>/step_<S>.bin` (rank r's own) and
+`peer_<r>/step_<S>.bin` (rank r's shard held for it), each beside its `.json` manifest (step, data
+position, skip windows, bytes, SHA-256), written last by an atomic rename: a torn snapshot has none
+and is never whole. The newest `KEEP` of each are kept.
+
+The host copy of the newest disk checkpoint's step also stays in the process (`held`): an in-place
+rollback to it (a rollback goes to a disk checkpoint's step) reads nothing. A relaunch (`resume`)
+takes the newest step every rank has whole, its own copy or the one its peer holds. The choice is
+`choose_step`, pure like everything above `Snapshots`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vigil.errors import CheckpointError
+from vigil.protocol import SNAPSHOT_DIR_ENV
+
+log = logging.getLogger("vigil")
+
+FORMAT = "vigil-snapshot/1"
+KEEP = 2  # snapshots of each shard kept on a node (the newest may be torn when a rank dies)
+AUTO_COST = 0.02  # memory_every "auto": snapshot every step where that costs under 2 % of the step,
+AUTO_SPACED_COST = 0.01  # else every N steps, N keeping it under 1 % (the overhead bench's 1.03 holds
+# Vigil's other costs too: about 1.6 % of a tiny CPU step)
+
+
+class SnapshotManifest(BaseModel):
+    """A snapshot's `.json`: read back as untrusted input."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    format: Literal["vigil-snapshot/1"] = FORMAT
+    job_id: str = Field(max_length=256)
+    rank: int = Field(ge=0, le=1_000_000, description="whose shard")
+    step: int = Field(ge=0, le=2**62)
+    data_position: int = Field(ge=0, le=2**62)
+    skip_windows: list[tuple[int, int]] = Field(default_factory=list, max_length=100_000)
+    bytes: int = Field(ge=0, le=2**62)
+    sha256: str = Field(min_length=64, max_length=64)
+
+
+# --- pure logic ---------------------------------------------------------------------------------------
+
+
+def ring_partner(rank: int, local_world: int, world: int) -> int | None:
+    """The rank that holds `rank`'s peer copy: the same local rank on the next node, or the next rank
+    when every rank is on one node; None for a job of one rank."""
+    if world < 2:
+        return None
+    step = local_world if 0 < local_world < world and world % local_world == 0 else 1
+    return (rank + step) % world
+
+
+def ring_source(rank: int, local_world: int, world: int) -> int | None:
+    """The rank whose peer copy `rank` holds (the inverse of `ring_partner`)."""
+    return next((r for r in range(world) if ring_partner(r, local_world, world) == rank), None)
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The whole snapshots one rank has: of its own shard, and of the shards it holds for peers."""
+
+    rank: int
+    own: tuple[int, ...] = ()
+    peer: dict[int, tuple[int, ...]] = field(default_factory=dict)  # source rank -> its steps held here
+
+
+def provider(holdings: list[Holdings], rank: int, step: int) -> int | None:
+    """Which rank can give `rank` its shard of `step`: itself (own copy first), else a peer holding it."""
+    by_rank = {h.rank: h for h in holdings}
+    if rank in by_rank and step in by_rank[rank].own:
+        return rank
+    return next((h.rank for h in holdings if step in h.peer.get(rank, ())), None)
+
+
+def choose_step(holdings: list[Holdings], world: int, *, lo: int, hi: int | None = None) -> int | None:
+    """The newest step in [lo, hi] for which every rank of `world` can have its shard (own or peer)."""
+    steps = {s for h in holdings for s in (*h.own, *(s for v in h.peer.values() for s in v))}
+    for step in sorted(steps, reverse=True):
+        if step < lo or (hi is not None and step > hi):
+            continue
+        if all(provider(holdings, r, step) is not None for r in range(world)):
+            return step
+    return None
+
+
+def auto_interval(cost_s: float, step_s: float) -> int:
+    """memory_every "auto": every step when one snapshot costs at most AUTO_COST of a step, else every N
+    steps, the smallest N with cost / N <= AUTO_SPACED_COST x step."""
+    if step_s <= 0 or cost_s <= AUTO_COST * step_s:
+        return 1
+    return max(1, math.ceil(cost_s / (AUTO_SPACED_COST * step_s)))
+
+
+# --- the files on this node ---------------------------------------------------------------------------
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class SnapshotFolder:
+    """One job's snapshot files on one node (the folder holds every local rank's, each its own files)."""
+
+    def __init__(self, root: Path, job_id: str) -> None:
+        self.root, self.job_id = root, job_id
+
+    def shard_dir(self, kind: Literal["rank", "peer"], rank: int) -> Path:
+        return self.root / f"{kind}_{rank}"
+
+    def write(self, kind: Literal["rank", "peer"], m: SnapshotManifest, data: bytes | memoryview) -> None:
+        """The snapshot's bytes, then its manifest by atomic rename (its last write); older ones pruned."""
+        folder = self.shard_dir(kind, m.rank)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stem = folder / f"step_{m.step:08d}"
+        with open(stem.with_suffix(".bin"), "wb") as fh:
+            fh.write(data)
+        tmp = stem.with_suffix(".json.tmp")
+        tmp.write_text(m.model_dump_json())
+        os.replace(tmp, stem.with_suffix(".json"))
+        for step in self.steps(kind, m.rank)[:-KEEP]:
+            self.remove(kind, m.rank, step)
+
+    def steps(self, kind: Literal["rank", "peer"], rank: int) -> list[int]:
+        """Steps with a manifest (not verified), oldest first."""
+        folder = self.shard_dir(kind, rank)
+        if not folder.is_dir():
+            return []
+        names = (p.name[5:13] for p in folder.glob("step_*.json"))
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def read(self, kind: Literal["rank", "peer"], rank: int, step: int) -> tuple[SnapshotManifest, bytes]:
+        """The snapshot's manifest and bytes, checked against each other; CheckpointError otherwise."""
+        stem = self.shard_dir(kind, rank) / f"step_{step:08d}"
+        try:
+            m = SnapshotManifest.model_validate_json(stem.with_suffix(".json").read_bytes())
+            data = stem.with_suffix(".bin").read_bytes()
+        except (OSError, ValidationError) as exc:
+            raise CheckpointError(f"snapshot {stem}: unreadable ({exc})") from exc
+        if (m.job_id, m.rank, m.step) != (self.job_id, rank, step):
+            names = f"{m.job_id} rank {m.rank} step {m.step}"
+            raise CheckpointError(f"snapshot {stem}: its manifest names {names}")
+        if len(data) != m.bytes:
+            raise CheckpointError(f"snapshot {stem}: {len(data)} bytes, its manifest says {m.bytes}")
+        if _sha256(data) != m.sha256:
+            raise CheckpointError(f"snapshot {stem}: does not match its SHA-256 (corrupt)")
+        return m, data
+
+    def whole(self, kind: Literal["rank", "peer"], rank: int) -> tuple[int, ...]:
+        """The steps whose snapshot verifies (a refused one is logged and removed)."""
+        good = []
+        for step in self.steps(kind, rank):
+            try:
+                self.read(kind, rank, step)
+                good.append(step)
+            except CheckpointError as exc:
+                log.error("vigil: refusing in-memory snapshot: %s", exc)
+                self.remove(kind, rank, step)
+        return tuple(good)
+
+    def remove(self, kind: Literal["rank", "peer"], rank: int, step: int) -> None:
+        stem = self.shard_dir(kind, rank) / f"step_{step:08d}"
+        for suffix in (".json", ".json.tmp", ".bin"):  # the manifest first: never whole half-removed
+            stem.with_suffix(suffix).unlink(missing_ok=True)
+
+    def remove_shard(self, kind: Literal["rank", "peer"], rank: int) -> None:
+        shutil.rmtree(self.shard_dir(kind, rank), ignore_errors=True)
+
+
+# --- host copies ----------------------------------------------------------------------------------------
+
+
+def to_host(state: Any) -> Any:
+    """A copy of `state` in host memory: every tensor copied (the step's one blocking cost), containers
+    rebuilt, any other object deep-copied (a loss scaler changes after the step)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: to_host(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [to_host(v) for v in state]
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        return tuple(to_host(v) for v in state)
+    if state is None or isinstance(state, int | float | str | bool | bytes):
+        return state
+    return copy.deepcopy(state)
+
+
+def serialize(state: Any) -> memoryview:
+    """`state` as torch.save writes it, in a buffer of its own (no further copy)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getbuffer()
+
+
+def deserialize(data: bytes | memoryview, safe_globals: list[Any] | None = None) -> Any:
+    """Tensors and plain containers only (plus `safe_globals`), as Vigil reads any checkpoint."""
+    import torch
+
+    with torch.serialization.safe_globals(safe_globals or []):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+@dataclass
+class Held:
+    """A host copy kept in this process, for an in-place rollback."""
+
+    state: Any
+    manifest: SnapshotManifest
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `Run.restore` gives a program: the snapshot's step, its state, the data position it read."""
+
+    step: int
+    state: Any
+    data_position: int
+
+
+@dataclass
+class SnapshotCost:
+    """What snapshots cost this rank so far: the step held by the copy and by waits for the background,
+    and the background's own CPU time (on a CPU-only rank, taken from training's cores)."""
+
+    taken: int = 0
+    copy_s: float = 0.0
+    wait_s: float = 0.0
+    background_s: float = 0.0
+
+    @property
+    def each_s(self) -> float:
+        """One snapshot's cost, on average: copy, wait and background CPU."""
+        return (self.copy_s + self.wait_s + self.background_s) / self.taken if self.taken else 0.0
+
+
+# --- a rank's snapshots ---------------------------------------------------------------------------------
+
+
+class Snapshots:
+    """One rank's snapshots: host copies, its files on the node, and the exchange with its ring partner.
+
+    `group`: a gloo process group of all ranks, used by the background thread only (the exchange's
+    sends never interleave with the training's collectives); None: no peer copies."""
+
+    def __init__(
+        self,
+        folder: SnapshotFolder | None,
+        *,
+        job_id: str,
+        rank: int,
+        world: int,
+        local_world: int,
+        group: Any = None,
+        every: int = 1,
+    ) -> None:
+        self.every = every  # take one every this many steps
+        self.tuned = False  # memory_every auto: `every` measured and agreed
+        self.folder, self.job_id, self.rank, self.world = folder, job_id, rank, world
+        self.partner = ring_partner(rank, local_world, world) if group is not None else None
+        self.source = ring_source(rank, local_world, world) if group is not None else None
+        self.group = group
+        self.held: dict[int, Held] = {}  # the newest disk checkpoint's step, in this process
+        self.cost = SnapshotCost()
+        self._pending: threading.Thread | None = None  # a daemon: a rank that dies does not wait for it
+        self._error: BaseException | None = None
+
+    # --- taking one ---------------------------------------------------------------------------------
+
+    def take(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_position: int,
+        skip_windows: list[tuple[int, int]],
+        pin: bool = False,
+    ) -> float:
+        """Every rank at the same step: copy `state` (references to the live tensors) to host memory, and
+        persist and exchange it in the background; `pin` (the step of a disk checkpoint): keep the copy
+        in the process too, for an in-place rollback to it. Returns the seconds the step was held."""
+        waited = self.wait()
+        t0 = time.perf_counter()
+        host = to_host(state)
+        copied = time.perf_counter() - t0
+        m = SnapshotManifest(
+            job_id=self.job_id,
+            rank=self.rank,
+            step=step,
+            data_position=data_position,
+            skip_windows=[tuple(w) for w in skip_windows],  # type: ignore[misc]
+            bytes=0,
+            sha256="0" * 64,
+        )
+        if pin:  # a rollback goes to a disk checkpoint's step: the newest one stays here, no other
+            self.held = {step: Held(host, m)}
+        self.cost.taken += 1
+        self.cost.copy_s += copied
+        if self.folder is not None:
+            self._pending = threading.Thread(
+                target=self._background, args=(host, m), name="vigil-snapshot", daemon=True
+            )
+            self._pending.start()
+        return waited + copied
+
+    def wait(self) -> float:
+        """Wait for the last snapshot's background work (every rank at the same step); its seconds."""
+        if self._pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        pending.join()
+        waited = time.perf_counter() - t0
+        self.cost.wait_s += waited
+        if self._error is not None:  # an exchange that failed (its peer is gone) ends this rank too
+            error, self._error = self._error, None
+            raise RuntimeError(f"in-memory snapshot: {error}") from error
+        return waited
+
+    def _background(self, host: Any, m: SnapshotManifest) -> None:
+        t0 = time.thread_time()
+        try:
+            self._persist(host, m)
+        except BaseException as exc:  # handed to the training thread at its next boundary
+            self._error = exc
+        finally:
+            self.cost.background_s += time.thread_time() - t0
+
+    def _persist(self, host: Any, m: SnapshotManifest) -> None:
+        assert self.folder is not None
+        data = serialize(host)
+        m = m.model_copy(update={"bytes": len(data), "sha256": _sha256(data)})
+        try:
+            self.folder.write("rank", m, data)
+        except OSError as exc:  # a full tmpfs: no own copy of this step; the exchange still runs
+            log.error("vigil: in-memory snapshot of step %d not written: %s", m.step, exc)
+        if self.partner is not None:
+            peer_m, peer_data = self._exchange(m, data)
+            self.folder.write("peer", peer_m, peer_data)
+
+    def _exchange(self, m: SnapshotManifest, data: memoryview) -> tuple[SnapshotManifest, memoryview]:
+        """Send this shard to the partner and receive the source's, on the snapshot group. Its hash is
+        checked when it is loaded (as every snapshot's), not here: one SHA-256 less per snapshot."""
+        head = m.model_dump_json().encode()
+        got_head = _swap(head, self.partner, self.source, self.group)
+        peer_m = SnapshotManifest.model_validate_json(bytes(got_head))
+        peer_data = _swap(data, self.partner, self.source, self.group)
+        if len(peer_data) != peer_m.bytes or (peer_m.job_id, peer_m.rank) != (self.job_id, self.source):
+            raise CheckpointError(f"the peer copy of rank {peer_m.rank} step {peer_m.step} arrived cut short")
+        return peer_m, peer_data
+
+    # --- what this rank holds -------------------------------------------------------------------------
+
+    def holdings(self) -> Holdings:
+        if self.folder is None:
+            return Holdings(self.rank)
+        peer = {self.source: self.folder.whole("peer", self.source)} if self.source is not None else {}
+        return Holdings(self.rank, self.folder.whole("rank", self.rank), peer)
+
+    def in_process(self, step: int) -> Held | None:
+        return self.held.get(step)
+
+    def drop_after(self, step: int) -> None:
+        """Forget every snapshot newer than `step` (a rollback's abandoned steps), here and on the node."""
+        self.wait()
+        self.held = {s: h for s, h in self.held.items() if s <= step}
+        if self.folder is None:
+            return
+        shards: list[tuple[Literal["rank", "peer"], int]] = [("rank", self.rank)]
+        if self.source is not None:
+            shards.append(("peer", self.source))
+        for kind, r in shards:
+            for s in self.folder.steps(kind, r):
+                if s > step:
+                    self.folder.remove(kind, r, s)
+
+    def remove_all(self) -> None:
+        """The job is done: this rank's files go (its own and those it held for its peer)."""
+        self.wait()
+        self.held.clear()
+        if self.folder is not None:
+            self.folder.remove_shard("rank", self.rank)
+            if self.source is not None:
+                self.folder.remove_shard("peer", self.source)
+
+    # --- a relaunch: agree on a step, then each rank gets its shard -----------------------------------
+
+    def agree(self, *, lo: int, hi: int | None = None) -> tuple[int | None, list[Holdings]]:
+        """Every rank (collective, main thread, on the snapshot group where there is one: the background
+        thread is idle then): the newest step in [lo, hi] every rank can load."""
+        import torch.distributed as dist
+
+        mine = self.holdings()
+        everyone: list[Any] = [mine]
+        if dist.is_initialized() and self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, mine, group=self.group)
+        return choose_step(everyone, self.world, lo=lo, hi=hi), everyone
+
+    def resume(
+        self, resume_from: str | Path, checkpoint_root: Path, *, skip: bool
+    ) -> tuple[SnapshotManifest, bytes] | None:
+        """Every rank (collective), on a relaunch from the disk checkpoint `resume_from`: this rank's shard
+        of the newest snapshot every rank has whole, no older than that checkpoint; None: load the disk.
+
+        Steps newer than the checkpoint are taken only on a relaunch from the job's newest checkpoint
+        with no data to skip (`skip` False: a crash, a hang, a preemption); a rollback's relaunch to an
+        older step takes a snapshot of that very step at most (the steps after it are abandoned). Every
+        snapshot newer than the step loaded is dropped either way."""
+        import torch.distributed as dist
+
+        from vigil.manifest import checkpoints, step_of
+
+        lo = step_of(resume_from)
+        if self.folder is None or lo is None:
+            return None
+        newest: list[Any] = [None]
+        if self.rank == 0:
+            newest[0] = max((s for s, _ in checkpoints(checkpoint_root, self.job_id)), default=None)
+        if dist.is_initialized() and self.world > 1:
+            dist.broadcast_object_list(newest, src=0, group=self.group)
+        step, holdings = self.agree(lo=lo, hi=None if newest[0] == lo and not skip else lo)
+        got = None if step is None else self.fetch(step, holdings)
+        self.drop_after(lo if step is None else step)
+        return got
+
+    def fetch(self, step: int, holdings: list[Holdings]) -> tuple[SnapshotManifest, bytes]:
+        """Every rank (collective): its shard of `step`, from its own file or sent by the peer holding
+        it (checked against the manifest on arrival, as on disk)."""
+        assert self.folder is not None
+        mine: tuple[SnapshotManifest, bytes] | None = None
+        for r in range(self.world):
+            src = provider(holdings, r, step)
+            if src == r == self.rank:
+                mine = self.folder.read("rank", r, step)
+            elif src != r and self.rank in (src, r):
+                assert src is not None
+                if self.rank == src:
+                    m, data = self.folder.read("peer", r, step)
+                    _send(m.model_dump_json().encode(), r, self.group)
+                    _send(data, r, self.group)
+                else:
+                    m = SnapshotManifest.model_validate_json(bytes(_recv(src, self.group)))
+                    data = bytes(_recv(src, self.group))
+                    if len(data) != m.bytes or _sha256(data) != m.sha256 or (m.rank, m.step) != (r, step):
+                        raise CheckpointError(f"the peer copy of rank {r} step {step} arrived corrupt")
+                    mine = (m, data)
+                    log.warning("vigil: rank %d takes its snapshot of step %d from rank %d", r, step, src)
+        assert mine is not None
+        return mine
+
+
+def _send(data: bytes | memoryview, dst: int, group: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
+    dist.send(_tensor(data), dst, group=group)
+
+
+def _recv(src: int, group: Any) -> memoryview:
+    import torch
+    import torch.distributed as dist
+
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src, group=group)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.recv(buf, src, group=group)
+    return memoryview(buf.numpy())
+
+
+def _swap(data: bytes | memoryview, dst: int | None, src: int | None, group: Any) -> memoryview:
+    """Send `data` to `dst` while receiving from `src` (both may be the same rank); no copy of either."""
+    import torch
+    import torch.distributed as dist
+
+    assert dst is not None and src is not None
+    n_out = torch.tensor([len(data)], dtype=torch.int64)
+    n_in = torch.zeros(1, dtype=torch.int64)
+    req = dist.isend(n_out, dst, group=group)
+    dist.recv(n_in, src, group=group)
+    req.wait()
+    out = _tensor(data)
+    buf = torch.empty(int(n_in.item()), dtype=torch.uint8)
+    req = dist.isend(out, dst, group=group)
+    dist.recv(buf, src, group=group)
+    req.wait()
+    return memoryview(buf.numpy())
+
+
+def _tensor(data: bytes | memoryview) -> Any:
+    """A uint8 tensor over `data`'s own memory where it is writable (a serialized snapshot), else a copy."""
+    import torch
+
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def snapshot_folder_from_env(job_id: str) -> SnapshotFolder | None:
+    """The job's snapshot folder on this node, from `VIGIL_SNAPSHOT_DIR`; None without it."""
+    path = os.environ.get(SNAPSHOT_DIR_ENV)
+    return SnapshotFolder(Path(path), job_id) if path else None

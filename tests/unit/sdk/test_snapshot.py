@@ -1,0 +1,179 @@
+"""In-memory snapshots' pure logic and files, in one process (no process group): the ring partner, the
+step every rank can load, the auto interval, the files' manifest and hashes, the host copies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vigil.errors import CheckpointError
+from vigil.manifest import MANIFEST, step_dir
+from vigil.snapshot import (
+    KEEP,
+    Holdings,
+    SnapshotFolder,
+    SnapshotManifest,
+    Snapshots,
+    auto_interval,
+    choose_step,
+    deserialize,
+    provider,
+    ring_partner,
+    ring_source,
+    serialize,
+    to_host,
+)
+from vigil.spec import CheckpointSpec
+
+
+def test_the_ring_partner_is_on_the_next_node_and_every_rank_is_held_once():
+    assert [ring_partner(r, 2, 4) for r in range(4)] == [2, 3, 0, 1]  # 2 nodes of 2: the other node
+    assert [ring_partner(r, 1, 2) for r in range(2)] == [1, 0]
+    assert [ring_partner(r, 4, 4) for r in range(4)] == [1, 2, 3, 0]  # one node: the next rank
+    assert ring_partner(0, 1, 1) is None
+    for world, local in ((4, 2), (6, 3), (2, 1), (3, 3)):
+        partners = [ring_partner(r, local, world) for r in range(world)]
+        assert sorted(partners) == list(range(world)) and all(p != r for r, p in enumerate(partners))
+        assert [ring_source(p, local, world) for p in partners] == list(range(world))  # type: ignore[arg-type]
+
+
+def test_the_newest_step_every_rank_can_load_own_or_from_its_peer():
+    both = [Holdings(0, (4, 6), {1: (4, 6)}), Holdings(1, (4, 6), {0: (4, 6)})]
+    assert choose_step(both, 2, lo=0) == 6
+    lost = [Holdings(0, (4, 6), {1: (4, 6)}), Holdings(1, (), {0: (4, 6)})]  # rank 1 lost its own copies
+    assert choose_step(lost, 2, lo=0) == 6 and provider(lost, 1, 6) == 0 and provider(lost, 0, 6) == 0
+    torn = [Holdings(0, (4, 6), {1: (4,)}), Holdings(1, (4,), {0: (4, 6)})]  # step 6 of rank 1 nowhere whole
+    assert choose_step(torn, 2, lo=0) == 4
+    assert choose_step(both, 2, lo=7) is None  # nothing as new as the disk checkpoint
+    assert choose_step(both, 2, lo=4, hi=4) == 4  # a rollback's relaunch: that very step at most
+    assert choose_step([Holdings(0, (6,))], 2, lo=0) is None  # rank 1 said nothing
+
+
+def test_auto_takes_one_every_step_under_two_percent_of_the_step_else_spaces_them_under_one():
+    assert auto_interval(0.001, 0.1) == 1
+    assert auto_interval(0.002, 0.1) == 1
+    assert auto_interval(0.0021, 0.1) == 3  # 2.1 ms per 100 ms step: every 3 steps is 0.7 %
+    assert auto_interval(0.005, 0.1) == 5  # 5 ms: every 5 steps is 1 %
+    assert auto_interval(0.5, 0.0) == 1
+
+
+def test_memory_every_is_a_count_auto_or_zero_and_a_bad_one_names_the_field():
+    assert CheckpointSpec().memory_every == "auto"
+    assert CheckpointSpec(memory_every=0).memory_every == 0
+    assert CheckpointSpec(memory_every=5).memory_every == 5
+    with pytest.raises(ValueError, match="memory_every"):
+        CheckpointSpec(memory_every=-1)
+    with pytest.raises(ValueError, match="memory_every"):
+        CheckpointSpec(memory_every="often")  # type: ignore[arg-type]
+
+
+def _manifest(step: int, data: bytes, rank: int = 0) -> SnapshotManifest:
+    import hashlib
+
+    return SnapshotManifest(
+        job_id="j",
+        rank=rank,
+        step=step,
+        data_position=step,
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+
+
+def test_a_snapshot_file_is_whole_only_with_its_manifest_and_matching_hash(tmp_path):
+    folder = SnapshotFolder(tmp_path, "j")
+    for step in (2, 4, 6):
+        folder.write("rank", _manifest(step, b"x" * step), b"x" * step)
+    assert folder.steps("rank", 0) == [4, 6][-KEEP:]  # the oldest pruned
+    assert folder.read("rank", 0, 6)[1] == b"x" * 6
+
+    (tmp_path / "rank_0" / "step_00000006.bin").write_bytes(b"y" * 6)  # same size, other bytes
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        folder.read("rank", 0, 6)
+    assert folder.whole("rank", 0) == (4,)  # the corrupt one refused, and removed
+    assert folder.steps("rank", 0) == [4]
+
+    (tmp_path / "rank_0" / "step_00000008.bin").write_bytes(b"z" * 8)  # torn: died before its manifest
+    assert folder.whole("rank", 0) == (4,)
+    other = SnapshotFolder(tmp_path, "another-job")
+    with pytest.raises(CheckpointError, match="names j"):
+        other.read("rank", 0, 4)
+    bad = json.loads((tmp_path / "rank_0" / "step_00000004.json").read_text()) | {"bytes": -1}
+    (tmp_path / "rank_0" / "step_00000004.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="unreadable"):
+        folder.read("rank", 0, 4)
+
+
+def test_a_host_copy_does_not_follow_the_live_tensors_and_round_trips():
+    w = torch.ones(3)
+    state = {"w": w, "groups": [{"lr": 0.1, "params": [0]}], "pair": (w, 2)}
+    host = to_host(state)
+    w.add_(1)
+    assert torch.equal(host["w"], torch.ones(3)) and torch.equal(host["pair"][0], torch.ones(3))
+    back = deserialize(serialize(host))
+    assert torch.equal(back["w"], torch.ones(3)) and back["groups"] == [{"lr": 0.1, "params": [0]}]
+
+
+def test_one_rank_takes_keeps_drops_and_resumes_its_snapshots(tmp_path):
+    root = tmp_path / "ckpt"
+    folder = SnapshotFolder(tmp_path / "shm", "j")
+    snaps = Snapshots(folder, job_id="j", rank=0, world=1, local_world=1)
+    w = torch.zeros(2)
+    for step in range(1, 6):
+        w += 1
+        snaps.take(step, {"w": w}, data_position=step, skip_windows=[], pin=step == 2)
+    snaps.wait()
+    assert sorted(snaps.held) == [2]  # the pinned one (a disk checkpoint's) stays in the process
+    assert torch.equal(snaps.in_process(2).state["w"], torch.full((2,), 2.0))  # type: ignore[union-attr]
+    assert folder.steps("rank", 0) == [4, 5]
+    assert snaps.cost.taken == 5
+
+    # a relaunch from the newest disk checkpoint (step 2) takes the newest whole snapshot
+    for step in (2,):
+        d = step_dir(root, "j", step)
+        d.mkdir(parents=True)
+        (d / MANIFEST).write_text("{}")
+    again = Snapshots(folder, job_id="j", rank=0, world=1, local_world=1)
+    got = again.resume(step_dir(root, "j", 2), root, skip=False)
+    assert got is not None and got[0].step == 5
+    assert torch.equal(deserialize(got[1])["w"], torch.full((2,), 5.0))
+    # with data to skip it is a rollback's relaunch: nothing newer than its checkpoint (none of step 2)
+    assert again.resume(step_dir(root, "j", 2), root, skip=True) is None
+    assert folder.steps("rank", 0) == []  # the abandoned steps' snapshots dropped
+
+    snaps.take(6, {"w": w}, data_position=6, skip_windows=[(1, 2)], pin=True)
+    assert sorted(snaps.held) == [6]
+    snaps.drop_after(5)
+    assert not snaps.held and folder.steps("rank", 0) == []
+    snaps.take(7, {"w": w}, data_position=7, skip_windows=[], pin=True)
+    snaps.remove_all()
+    assert not (tmp_path / "shm" / "rank_0").exists() and not snaps.held
+
+
+def test_a_program_snapshots_through_its_run_and_restores_on_a_relaunch(tmp_path, monkeypatch):
+    from vigil import protocol as proto
+    from vigil.boundary import Boundary
+    from vigil.link import NullLink
+    from vigil.run import Identity, Run
+
+    monkeypatch.setenv(proto.SNAPSHOT_DIR_ENV, str(tmp_path / "shm"))
+    root, who = tmp_path / "ckpt", Identity("j", 1, 0, 1, 0, "n")
+    run = Run(who, NullLink(), checkpoint_root=root)
+    w = torch.zeros(2)
+    run.snapshot(lambda: {"w": w}, every=2)
+    step = 0
+    while step < 5:
+        w += 1
+        step = run.after_step(step + 1, Boundary(all_finite=True, agreed_seq=0))
+    run._snapshots.wait()  # type: ignore[union-attr]
+    d = step_dir(root, "j", 2)
+    d.mkdir(parents=True)
+    (d / MANIFEST).write_text("{}")
+
+    relaunched = Run(who, NullLink(), checkpoint_root=root, resume_from=d)
+    got = relaunched.restore()
+    assert got is not None and got.step == 4 and got.data_position == 4
+    assert torch.equal(got.state["w"], torch.full((2,), 4.0))  # what the state was after step 3
+    assert Run(who, NullLink(), checkpoint_root=root).restore() is None  # a first launch: nothing
