@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from vigil.jobstates import JobState
 from vigil.spec import JobSpec
 from vigil_bench import percentile, result
 from vigil_bench.fleet_costs import costs, ranks_at_busy, render, sizing
@@ -216,6 +217,7 @@ class Window:
             "target_step_events_per_s": self.rate,
             "stored_step_events_per_s": round(self.stored / self.elapsed, 1),
             "loadavg": self.loadavg,
+            "stages": self.stages.summary(),
         }
 
 
@@ -304,7 +306,11 @@ class _Fleet:
         }
         for _ in range(nodes - first):
             (await self.http.post("/api/v1/jobs", json=job)).raise_for_status()
-        await _wait(lambda: self._launched(nodes), 300, f"{nodes} jobs launched and started")
+        if not await _until(lambda: self._launched(nodes), 300):
+            states = {s: await _count(self.http, "/api/v1/jobs", state=s) for s in JobState}
+            raise TimeoutError(
+                f"fleet bench: {nodes} jobs launched and started not within 300s; jobs by state: {states}"
+            )
         self.nodes = nodes
         # the launches' own work done: every backlog under one second of the fleet's steps (or 30 s
         # passed: a fleet the machine cannot carry never catches up, and that is what is measured)
@@ -359,8 +365,9 @@ class _Fleet:
             loadavg=loadavg(),
         )
 
-    async def stop(self) -> tuple[list[dict[str, Any]], float]:
-        """The simulators stopped (their own figures) and the seconds telemetry took to drain after."""
+    async def stop(self) -> tuple[list[dict[str, Any]], float | None]:
+        """The simulators stopped (their own figures) and the seconds telemetry took to drain after
+        (None: not within 120 s)."""
         await self.procs.stop(self.sims)
         stats = []
         for name in self.sims:
@@ -369,10 +376,8 @@ class _Fleet:
             with contextlib.suppress(ValueError, IndexError):
                 stats.append(json.loads((await out.read()).decode().strip().splitlines()[-1]))
         t0 = time.monotonic()
-        await _wait(
-            lambda: consumer_idle(self.bus, steps_stream(), "telemetry-steps"), 600, "telemetry drained"
-        )
-        return stats, time.monotonic() - t0
+        drained = await _until(lambda: consumer_idle(self.bus, steps_stream(), "telemetry-steps"), 120)
+        return stats, time.monotonic() - t0 if drained else None
 
 
 def _auto_nodes(plan: Plan, windows: list[Window], cores: int) -> int:
@@ -393,6 +398,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         await migrate(pool)
         bus = await Bus.connect(nats_server.url, "bench-fleet")
         await bus.ensure_streams()
+        took.s["start nats-server and postgres"] = round(time.monotonic() - took.t0, 1)
         port = free_port()
         base_env = {
             **os.environ,
@@ -453,22 +459,32 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
                 idle = idle[1:]
 
             windows: list[Window] = []
+            failed: list[str] = []  # a size whose jobs did not all start: measured no further
             for size in plan.sizes:
                 nodes = size if isinstance(size, int) else _auto_nodes(plan, windows, cores)
                 if nodes <= fleet.nodes:  # auto: the machine is full at the sizes before it already
                     print(f"fleet: {AUTO} gives {nodes} nodes, not over {fleet.nodes}", file=sys.stderr)
                     continue
-                with took(f"grow to {nodes} nodes"):
-                    await fleet.grow(nodes)
+                try:
+                    with took(f"grow to {nodes} nodes"):
+                        await fleet.grow(nodes)
+                except TimeoutError as exc:
+                    failed.append(str(exc))
+                    break
                 with took(f"measure {nodes} nodes"):
                     windows.append(await fleet.measure(plan.seconds))
+            if len(windows) < 2:
+                raise RuntimeError(f"fleet bench: fewer than two sizes measured: {failed}")
             stress = None
-            if plan.stress:
+            if plan.stress and not failed:
                 if fleet.nodes < STRESS_NODES:
-                    with took(f"grow to {STRESS_NODES} nodes (stress)"):
-                        await fleet.grow(STRESS_NODES)
-                    with took(f"measure {STRESS_NODES} nodes (stress)"):
-                        stress = await fleet.measure(plan.seconds)
+                    try:
+                        with took(f"grow to {STRESS_NODES} nodes (stress)"):
+                            await fleet.grow(STRESS_NODES)
+                        with took(f"measure {STRESS_NODES} nodes (stress)"):
+                            stress = await fleet.measure(plan.seconds)
+                    except TimeoutError as exc:
+                        failed.append(f"stress: {exc}")
                 else:
                     stress = windows[-1]
             with took("stop the simulators, telemetry drains"):
@@ -480,7 +496,9 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
             await bus.close()
             await pool.close()
     logs = procs.log_counts()
-    return _report(plan, cores, idle, idle_stages, idle_load, windows, stress, sim_stats, drain_s, logs, took)
+    return _report(
+        plan, cores, idle, idle_stages, idle_load, windows, stress, sim_stats, drain_s, logs, took, failed
+    )
 
 
 def _report(
@@ -492,9 +510,10 @@ def _report(
     windows: list[Window],
     stress: Window | None,
     sim_stats: list[dict[str, Any]],
-    drain_s: float,
+    drain_s: float | None,
     logs: dict[str, dict[str, int]],
     took: _Took,
+    failed: list[str],
 ) -> dict[str, Any]:
     ok_idle = [x for x in idle if x is not None]
     idle_p99 = percentile(ok_idle, 0.99) if ok_idle else math.nan
@@ -504,19 +523,50 @@ def _report(
     sizes = [w.summary(idle_p99, cores) for w in windows]
     table = sizing(fits)
     print(render(sizes, fits, table), flush=True)
+    load_p99 = at.p99
+    print(
+        f"\nlatency at {at.ranks} ranks ({at.busy(cores):.0%} of {cores} cores busy by this run, "
+        f"{at.machine_busy:.0%} by everything): p99 {load_p99 * 1e3:.1f} ms vs {idle_p99 * 1e3:.1f} ms "
+        f"idle, ratio {load_p99 / idle_p99:.2f}; backlog growing: {', '.join(at.growing()) or 'none'}",
+        flush=True,
+    )
     stress_out = None
     if stress is not None:
-        stress_out = {**stress.summary(idle_p99, cores), "target": None}
+        # and what the lines through the sizes said it would cost: how far they hold beyond them
+        predicted = fits["total"].at(stress.ranks) / cores
+        stress_out = {
+            **stress.summary(idle_p99, cores),
+            "busy_by_the_lines": round(predicted, 3),
+            "target": None,
+        }
         print(f"stress (no target): {json.dumps(stress_out)}", flush=True)
     took_s = {**took.s, "total": round(time.monotonic() - took.t0, 1)}
     print("took: " + ", ".join(f"{k} {v} s" for k, v in took_s.items()), flush=True)
 
-    load_p99 = at.p99
     tele = at.watch.consumer("telemetry-steps")
     growing = at.growing()
     ok = (
         load_p99 <= 3 * idle_p99 and not growing and at.rate_held and at.busy(cores) <= plan.busy * BUSY_SLACK
     )
+
+    held_back = holding_back(
+        plan.step_hz, at.watch, at.cpu_s, at.elapsed, sim_stats, logs,
+        len(at.probes) - len(at.answered), load_p99 / idle_p99, at.machine_busy,
+    )  # fmt: skip
+    store_p99 = percentile(at.stages.stored, 0.99) if at.stages.stored else 0.0
+    if store_p99 > 0.1:
+        held_back.insert(
+            0,
+            f"VIGIL_JOBS: a step's publish acknowledged p99 {store_p99 * 1e3:.0f} ms (an fsync per message): "
+            "the stream is not keeping up",
+        )
+    held_back[:0] = [f"not measured: {f}" for f in failed]
+    if not within:
+        held_back.insert(
+            0,
+            f"no size kept {plan.busy:.0%} of the {cores} cores busy or less: the smallest, {at.ranks} "
+            f"ranks, kept {at.busy(cores):.0%}",
+        )
 
     def cost(name: str) -> dict[str, Any] | None:
         return fits[name].summary() if name in fits else None
@@ -550,6 +600,7 @@ def _report(
         sizing_note="cores = fixed + per_1000_ranks x GPUs / 1000, one rank per GPU at the step rate, "
         "along the line through the measured sizes: 'measured' inside their ranks, 'extrapolated' beyond",
         stress=stress_out,
+        grow_failed=failed,
         telemetry_replicas=plan.telemetry,
         guardians=plan.guardians,
         events_per_s_by_guardian={who: round(n / at.elapsed, 1) for who, n in at.judged.items()},
@@ -565,7 +616,7 @@ def _report(
             at.watch.consumer(c)["max"] for c in at.watch.names() if c.startswith("guardian")
         ),
         lag_growing="telemetry-steps" in growing,
-        telemetry_drain_after_s=round(drain_s, 2),
+        telemetry_drain_after_s=round(drain_s, 2) if drain_s is not None else None,
         stages_idle=idle_stages.summary(),
         stages_load=at.stages.summary(),
         guardian_idle_p50_ms=round(statistics.median(ok_idle) * 1e3, 2) if ok_idle else None,
@@ -577,17 +628,7 @@ def _report(
         cpu_s_under_load={k: round(v, 1) for k, v in at.cpu_s.items()},
         cpu_core_share=shares(at.cpu_s, at.elapsed),
         consumers={c: at.watch.consumer(c) for c in at.watch.names()},
-        holding_back=holding_back(
-            plan.step_hz,
-            at.watch,
-            at.cpu_s,
-            at.elapsed,
-            sim_stats,
-            logs,
-            len(at.probes) - len(at.answered),
-            load_p99 / idle_p99,
-            at.machine_busy,
-        ),
+        holding_back=held_back,
         logs=logs,
         timeline=at.watch.timeline(),
         simulators=sim_stats,

@@ -113,10 +113,12 @@ async def judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
 
 @dataclass
 class Stages:
-    """Where a probe's time went, from the server's store times: the NaN step stored in VIGIL_JOBS (under
-    its share: no copy since VIGIL_SHARES went) -> the guardian's HaltJob stored in VIGIL_COMMANDS
-    (`judge`: delivery, judging, publishing)."""
+    """Where a probe's time went: the NaN step's publish until VIGIL_JOBS acknowledged it (`stored`: the
+    store's own latency, an fsync per message; seconds when the stream cannot keep up with the fleet);
+    and, from the server's store times, the NaN step stored in VIGIL_JOBS (under its share) -> the
+    guardian's HaltJob stored in VIGIL_COMMANDS (`judge`: delivery, judging, publishing)."""
 
+    stored: list[float] = field(default_factory=list)
     judge: list[float] = field(default_factory=list)
 
     async def add(self, bus: Bus, job: str) -> None:
@@ -130,7 +132,7 @@ class Stages:
 
     def summary(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {}
-        for name, values in (("judge", self.judge),):
+        for name, values in (("stored", self.stored), ("judge", self.judge)):
             out[f"{name}_p50_ms"] = round(statistics.median(values) * 1e3, 2) if values else None
             out[f"{name}_p99_ms"] = round(percentile(values, 0.99) * 1e3, 2) if values else None
         return out
@@ -150,8 +152,8 @@ async def probe(
     )
     await bus.publish(
         subjects.status(job, "probe"),
-        CheckpointSaved(job_id=job, attempt=1, step=0, path=f"/probe/{job}", bytes=1, manifest_sha256="x",
-                        data_position=0),
+        CheckpointSaved(job_id=job, attempt=1, step=0, path=f"/probe/{job}/step_00000000", bytes=1,
+                        manifest_sha256="x", data_position=0),
     )  # fmt: skip
     # the guardian knows the job (its launch and checkpoint acknowledged) before its steps come
     deadline = time.monotonic() + timeout_s
@@ -169,6 +171,7 @@ async def probe(
     await bus.publish(subjects.step(job, "probe"), step(0, 3.0))
     t0 = time.perf_counter()
     await bus.publish(subjects.step(job, "probe"), step(1, math.nan))
+    stages.stored.append(time.perf_counter() - t0)
     arrived = await halts.wait(job, timeout_s)
     if arrived is not None:
         await stages.add(bus, job)
