@@ -117,13 +117,14 @@ def render(
 ) -> str:
     """The human tables: cores per service at each measured size, the lines, and the sizing."""
     names = [n for n in (*SIZED, *NOT_VIGIL) if n in fits]
-    head = ["ranks", *names, "busy", "p99 ms", "ratio", "backlog growing"]
+    head = ["ranks", *names, "busy", "p99 ms", "ratio", "store p99 ms", "backlog growing"]
     lines = ["cores (CPU-s/s) per service at each size", "| " + " | ".join(head) + " |"]
     lines.append("|" + " --- |" * len(head))
     for s in sizes:
         cpu = by_service(s["cpu_per_s"])
         row = [str(s["ranks"]), *(f"{cpu.get(n, 0.0):.3f}" for n in names)]
-        row += [f"{s['busy']:.0%}", str(s["p99_ms"]), str(s["ratio"]), ", ".join(s["backlog_growing"]) or "-"]
+        row += [f"{s['busy']:.0%}", str(s["p99_ms"]), str(s["ratio"])]
+        row += [str(s.get("stages", {}).get("stored_p99_ms")), ", ".join(s["backlog_growing"]) or "-"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "per 1,000 ranks at 1 step/s (line: fixed + per 1,000 ranks; worst residual)"]
     lines += ["| service | per 1,000 ranks | fixed | worst residual |", "| --- | --- | --- | --- |"]
