@@ -14,7 +14,8 @@ heartbeat every 2 s) come up in steps, one simulator process per step, and each 
 2. each size of `VIGIL_BENCH_FLEET_SIZES` (nodes; default `16,48,auto`): every process's CPU seconds
    per second, probes once a second, every durable consumer's backlog. `auto` is the most nodes that
    keep `VIGIL_BENCH_FLEET_BUSY` (0.6) of the machine's cores busy, every process of the run counted
-   (the simulator and the bench's own too), by the line through the sizes before it;
+   (the simulator and the bench's own too), by the line through the sizes before it (at most 256);
+   a size whose jobs do not all start within 300 s ends the growth, said in `grow_failed`;
 3. with `VIGIL_BENCH_FLEET_STRESS=1`, 256 nodes x 8 ranks: a stress figure, reported with no target.
 
 From the sizes: per service (nats-server, each guardian, telemetry, Postgres, the scheduler; the
@@ -25,9 +26,10 @@ largest size within about the busy share (10 % over it allowed: the size came fr
 the idle p99; target: ratio <= 3 and no backlog growing there.
 
 Measured beside each figure: the machine's load average and busy share (all of its processes: on a
-shared machine others' work is in it). When the target is not met, `holding_back` says why
-(`fleet_watch`); each process's stderr is kept in the run's data dir. The phases' durations are
-printed as they end and returned in `took_s`.
+shared machine others' work is in it), and the store's own latency (`stages`: a step's publish until
+VIGIL_JOBS acknowledged it, an fsync per message). When the target is not met, `holding_back` says
+why (`fleet_watch`; each process's stderr is read for slow-consumer drops). The phases' durations
+are printed as they end and returned in `took_s`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats.errors
 
 from vigil.jobstates import JobState
 from vigil.spec import JobSpec
@@ -329,25 +332,32 @@ class _Fleet:
         states = ("RUNNING", "HALTED", "ROLLING_BACK")
         return sum([await _count(self.http, "/api/v1/jobs", state=s) for s in states]) >= n
 
+    async def _judged(self) -> dict[str, int]:
+        """`judged_by_guardian`; empty when the server is too busy to answer."""
+        with contextlib.suppress(nats.errors.TimeoutError):
+            return await judged_by_guardian(self.pool, self.bus)
+        return {}
+
     async def measure(self, seconds: float) -> Window:
         """`seconds` at the current size: CPU and backlogs every half second, a probe every second."""
         bus, pool = self.bus, self.pool
         size0 = await pool.fetchval("SELECT pg_database_size(current_database())")
         rows0 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
-        judged0 = await judged_by_guardian(pool, bus)
+        judged0 = await self._judged()
         cpu0, ticks0 = self.cpu(), machine_ticks()
         t0 = time.monotonic()
         watch, stages, probes = Watch(t0, cpu0), Stages(), []
         next_probe = t0
         while time.monotonic() - t0 < seconds:
-            watch.sample(await durables(bus), self.cpu())
+            with contextlib.suppress(nats.errors.TimeoutError):  # a server too busy to answer: no sample
+                watch.sample(await durables(bus), self.cpu())
             if time.monotonic() >= next_probe:
                 probes.append(await probe(bus, self.halts, self.probe_spec, stages))
                 next_probe += PROBE_EVERY_S
             await asyncio.sleep(LAG_SAMPLE_S)  # the sampling period
         cpu1, ticks1 = self.cpu(), machine_ticks()
         elapsed = time.monotonic() - t0
-        judged1 = await judged_by_guardian(pool, bus)
+        judged1 = await self._judged()
         rows1 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
         size1 = await pool.fetchval("SELECT pg_database_size(current_database())")
         return Window(
@@ -360,7 +370,7 @@ class _Fleet:
             stages=stages,
             stored=rows1 - rows0,
             db_bytes=size1 - size0,
-            judged={who: n - judged0.get(who, 0) for who, n in sorted(judged1.items())},
+            judged={who: n - judged0[who] for who, n in sorted(judged1.items()) if who in judged0},
             machine_busy=machine_busy(ticks0, ticks1),
             loadavg=loadavg(),
         )

@@ -35,12 +35,18 @@ def test_a_growing_backlog_a_pegged_process_and_a_slow_consumer_are_named() -> N
 
 def test_a_consumer_never_caught_up_and_a_slow_guardian_are_named() -> None:
     w = watch(
-        {"telemetry-status": [900, 800, 700, 600, 500, 400], "guardian-steps": [0, 50, 0, 20, 0, 10]}, {}
+        {
+            "telemetry-status": [900, 800, 700, 600, 500, 400],
+            "guardian-steps": [0, 50, 0, 20, 0, 10],
+            "telemetry-steps": [9, 50, 20, 30, 12, 40],  # a steady flow: a batch always pending
+        },
+        {},
     )
     found = holding_back(1.0, w, {"guardian": 0.6}, 3.0, [], {}, 2, 7.0)
     text = "\n".join(found)
     assert "telemetry-status: never caught up, backlog 400 to 900" in text
     assert "guardian: 2 probes" in text and "guardian: detect-to-command p99 7x idle" in text
+    assert "telemetry-steps" not in text
 
 
 def test_the_timeline_gives_each_processs_share_of_a_core_between_points() -> None:
