@@ -1,34 +1,35 @@
-"""`vigil bench fleet`: a simulated fleet through the real scheduler, telemetry and guardian processes.
+"""`vigil bench fleet`: what each service costs per thousand ranks, and the guardian's latency at a load the
+machine can carry.
 
 Each service runs as its own process with its own NATS role (see `vigil_common.credentials`), on
 embedded NATS and Postgres: the scheduler, `VIGIL_BENCH_FLEET_TELEMETRY` telemetry replicas (one
 shared step consumer) and `VIGIL_BENCH_FLEET_GUARDIANS` guardians (dividing the jobs' shares).
-Simulated nodes (no ranks: `VIGIL_BENCH_FLEET_SIMULATORS` processes, each publishing for its share of
-the nodes) heartbeat with 8 devices, sample every device
-every few seconds, and once the scheduler has placed a job on them (one 8-device job per node,
-submitted through the gateway) report its ranks started and publish one step event per rank at
-`VIGIL_BENCH_FLEET_STEP_HZ`, each node at its own phase of the step period
-(`VIGIL_BENCH_FLEET_PHASES` groups; 1 sends the whole fleet's steps in one burst). Load events go
-out on core NATS with `Nats-Msg-Id` (the streams store them as they store any publish):
-the generator's own acknowledgement waits are not the system's cost.
+Simulated nodes (`fleet_sim`: 8 devices each, one 8-device job per node placed through the gateway,
+one step event per rank at `VIGIL_BENCH_FLEET_STEP_HZ`, a GPU sample per device every 5 s, a
+heartbeat every 2 s) come up in steps, one simulator process per step, and each size is measured for
+`VIGIL_BENCH_FLEET_SECONDS`:
 
-Measured, with the machine's load average beside each figure:
-- the event rate held: step events published per second (and stored by telemetry) against the target;
-- telemetry lag: the step consumer's unacknowledged backlog, sampled through the run; `lag_growing`
-  compares its last third with its first;
-- guardian detect-to-command: a probe job's NaN step published -> its HaltJob received by a core
-  subscriber of the command subjects, p99 idle (before the fleet starts: the floor) and under load
-  (the value); the ratio is load over idle;
-- Postgres growth per million steps stored, and CPU seconds per component (where the time goes).
+1. idle: the guardian's detect-to-command p99 with no fleet (a probe job's NaN step published -> its
+   HaltJob received): the floor;
+2. each size of `VIGIL_BENCH_FLEET_SIZES` (nodes; default `16,48,auto`): every process's CPU seconds
+   per second, probes once a second, every durable consumer's backlog. `auto` is the most nodes that
+   keep `VIGIL_BENCH_FLEET_BUSY` (0.6) of the machine's cores busy, every process of the run counted
+   (the simulator and the bench's own too), by the line through the sizes before it (at most 256);
+   a size whose jobs do not all start within 300 s ends the growth, said in `grow_failed`;
+3. with `VIGIL_BENCH_FLEET_STRESS=1`, 256 nodes x 8 ranks: a stress figure, reported with no target.
 
-When the target is not met, `holding_back` says why, from what was sampled every half second: every
-durable consumer's backlog (`consumers`: growing, or never caught up), every process's CPU (a Python
-service is one core at most; the machine's cores), the generator's lateness, slow-consumer drops in a
-process's log (each process's stderr is kept in the run's data dir) and the guardian's own figures;
-`timeline` shows backlogs and CPU shares about every ten seconds.
+From the sizes: per service (nats-server, each guardian, telemetry, Postgres, the scheduler; the
+simulator and the bench apart, they are not Vigil) a straight line of cores against ranks,
+`per_1000_ranks` and `fixed` (`fleet_costs`), and the cores each needs at 1k, 10k and 100k GPUs at
+one step per second, marked measured or extrapolated. The value is the detect-to-command p99 at the
+largest size within about the busy share (10 % over it allowed: the size came from a fit), the floor
+the idle p99; target: ratio <= 3 and no backlog growing there.
 
-Defaults are the target: 256 nodes x 8 ranks at 1 step/s for 120 s with 2 guardians; ratio <= 3 with no lag
-growing. `events_per_s_by_guardian` is what each guardian judged (its shares' consumers' deliveries).
+Measured beside each figure: the machine's load average and busy share (all of its processes: on a
+shared machine others' work is in it), and the store's own latency (`stages`: a step's publish until
+VIGIL_JOBS acknowledged it, an fsync per message). When the target is not met, `holding_back` says
+why (`fleet_watch`; each process's stderr is read for slow-consumer drops). The phases' durations
+are printed as they end and returned in `took_s`.
 """
 
 from __future__ import annotations
@@ -38,543 +39,206 @@ import contextlib
 import json
 import math
 import os
-import signal
 import statistics
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import nats.errors
-import nats.js.errors
-from nats.js.api import ConsumerInfo
 
-from vigil.events import (
-    CheckpointSaved,
-    Device,
-    GpuSampled,
-    JobStateChanged,
-    LaunchJob,
-    NodeHeartbeat,
-    RankPlacement,
-    RankStarted,
-    StepCompleted,
-    utcnow,
-)
+from vigil.jobstates import JobState
 from vigil.spec import JobSpec
 from vigil_bench import percentile, result
-from vigil_common import credentials, lease, subjects
+from vigil_bench.fleet_costs import costs, ranks_at_busy, render, sizing
+from vigil_bench.fleet_probes import (
+    Halts,
+    Stages,
+    backlog,
+    consumer_idle,
+    durables,
+    guardian_idle,
+    guardians_divided,
+    judged_by_guardian,
+    probe,
+    steps_stream,
+)
+from vigil_bench.fleet_procs import SERVICE, SIMULATOR, Procs, cpu, loadavg, machine_busy, machine_ticks
+from vigil_bench.fleet_sim import DEVICES, HEARTBEAT_S
+from vigil_bench.fleet_watch import Watch, holding_back, shares
+from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from vigil_common.settings import Settings
-from vigil_guardian.inputs import job_input, last_stored
 
-DEVICES = 8
-HEARTBEAT_S = 2.0
-GPU_SAMPLE_S = 5.0
 PROBE_EVERY_S = 1.0
 IDLE_PROBES = 60
 LAG_SAMPLE_S = 0.5
 TOKEN = "bench-fleet-token-" + "x" * 16
+AUTO = "auto"
+STRESS_NODES = 256
+BUSY_SLACK = 1.1  # "at most about" the busy share: the auto size comes from a fit of noisy figures
+SIMULATOR_S = 24 * 3600.0  # a simulator runs until the bench stops it
 
 
 @dataclass(frozen=True)
 class Plan:
-    nodes: int = 256
+    # Nodes at each measured size, increasing; `auto` (last only): the most that keep `busy` of the cores
+    # busy, by the line through the sizes before it (two at least).
+    sizes: tuple[int | str, ...] = (16, 48, AUTO)
     step_hz: float = 1.0
-    seconds: float = 120.0
+    seconds: float = 60.0  # measured at each size
+    busy: float = 0.6
+    stress: bool = False  # and 256 nodes after the sizes, reported with no target
     telemetry: int = 1
     guardians: int = 2
-    simulators: int = 1
     # Each node steps at its own phase of the period, in this many groups (1: every rank of the fleet
     # at the same instant, a burst no real fleet of independent jobs sends).
     phases: int = 16
 
+    def __post_init__(self) -> None:
+        fixed = [s for s in self.sizes if s != AUTO]
+        where = f"VIGIL_BENCH_FLEET_SIZES={','.join(map(str, self.sizes))}"
+        if any(not isinstance(s, int) or s < 1 for s in fixed):
+            raise ValueError(f"{where}: each size is a number of nodes (1 or more) or '{AUTO}'")
+        if AUTO in self.sizes[:-1]:
+            raise ValueError(f"{where}: '{AUTO}' can only be the last size")
+        if fixed != sorted(set(fixed)):
+            raise ValueError(f"{where}: the sizes must increase (the fleet only grows)")
+        if len(fixed) < 2:
+            raise ValueError(f"{where}: two sizes at least are measured before a cost line can be drawn")
+        if not 0 < self.busy <= 1:
+            raise ValueError(f"VIGIL_BENCH_FLEET_BUSY={self.busy}: a share of the cores, in (0, 1]")
+
     @classmethod
     def from_env(cls) -> Plan:
         env = os.environ.get
+        for gone, instead in (("NODES", "SIZES"), ("SIMULATORS", "SIZES (one simulator per size)")):
+            if env(f"VIGIL_BENCH_FLEET_{gone}"):
+                raise ValueError(f"VIGIL_BENCH_FLEET_{gone} is gone: set VIGIL_BENCH_FLEET_{instead}")
+        raw = env("VIGIL_BENCH_FLEET_SIZES", ",".join(map(str, cls.sizes)))
+        try:
+            sizes = tuple(s if s == AUTO else int(s) for s in (p.strip() for p in raw.split(",")))
+        except ValueError:
+            raise ValueError(
+                f"VIGIL_BENCH_FLEET_SIZES={raw}: comma-separated node counts, the last may be '{AUTO}'"
+            ) from None
+        stress = env("VIGIL_BENCH_FLEET_STRESS", "0")
+        if stress not in ("0", "1"):
+            raise ValueError(f"VIGIL_BENCH_FLEET_STRESS={stress}: 1 (also the 256-node stress run) or 0")
         return cls(
-            nodes=int(env("VIGIL_BENCH_FLEET_NODES", cls.nodes)),
+            sizes=sizes,
             step_hz=float(env("VIGIL_BENCH_FLEET_STEP_HZ", cls.step_hz)),
             seconds=float(env("VIGIL_BENCH_FLEET_SECONDS", cls.seconds)),
+            busy=float(env("VIGIL_BENCH_FLEET_BUSY", cls.busy)),
+            stress=stress == "1",
             telemetry=int(env("VIGIL_BENCH_FLEET_TELEMETRY", cls.telemetry)),
             guardians=int(env("VIGIL_BENCH_FLEET_GUARDIANS", cls.guardians)),
-            simulators=int(env("VIGIL_BENCH_FLEET_SIMULATORS", cls.simulators)),
             phases=int(env("VIGIL_BENCH_FLEET_PHASES", cls.phases)),
         )
 
+
+# --- one measured size ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """A stretch of `elapsed` seconds at `nodes` nodes: every process's CPU, the probes, the backlogs."""
+
+    nodes: int
+    step_hz: float
+    elapsed: float
+    cpu_s: dict[str, float]  # per process, over the window
+    watch: Watch
+    probes: list[float | None]
+    stages: Stages
+    stored: int  # step rows telemetry stored meanwhile
+    db_bytes: int  # the database's growth meanwhile
+    judged: dict[str, int]  # per guardian, the events it was delivered meanwhile
+    machine_busy: float  # every process on the machine, ours or not
+    loadavg: list[float]  # at its end
+
     @property
-    def target_rate(self) -> float:
-        return self.nodes * DEVICES * self.step_hz
-
-
-# --- the simulated nodes (a process of its own) ---------------------------------------------------------
-
-
-def node_name(i: int) -> str:
-    return f"sim-{i:04d}"
-
-
-def simulate_main(url: str, first: int, count: int, step_hz: float, seconds: float, phases: int) -> None:
-    """Publish for nodes [first, first + count) until `seconds` pass or SIGTERM; print stats as JSON."""
-    print(json.dumps(asyncio.run(_simulate(url, first, count, step_hz, seconds, phases))), flush=True)
-
-
-@dataclass
-class _Job:
-    job_id: str
-    attempt: int
-    ranks: list[int]
-    step: int = 0
-
-
-async def _simulate(
-    url: str, first: int, count: int, step_hz: float, seconds: float, phases: int
-) -> dict[str, Any]:
-    nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    nodes = [node_name(i) for i in range(first, first + count)]
-    mine = set(nodes)
-    started_at = utcnow()
-    devices = {
-        n: [Device(index=d, kind="gpu", name="sim-gpu", uuid=f"GPU-{n}-{d}") for d in range(DEVICES)]
-        for n in nodes
-    }
-    jobs: dict[str, _Job] = {}
-    sent = {"step": 0, "gpu": 0, "heartbeat": 0, "status": 0}
-
-    async def publish(subject: str, event: Any, kind: str) -> None:
-        """Into the client's buffer (written out by its flusher, or by `flush`): no acknowledgement wait."""
-        sent[kind] += 1
-        await nc.publish(subject, event.to_bytes(), headers={"Nats-Msg-Id": event.event_id})
-
-    async def on_launch(msg: Any) -> None:
-        launch = LaunchJob.model_validate_json(msg.data)
-        for node in {p.node for p in launch.placement} & mine:
-            ranks = [p.rank for p in launch.placement if p.node == node]
-            jobs[node] = _Job(launch.job_id, launch.attempt, ranks)
-            for r in ranks:
-                started = RankStarted(
-                    job_id=launch.job_id, attempt=launch.attempt, rank=r, node=node, pid=1, log_path="-"
-                )
-                await publish(subjects.status(launch.job_id, node), started, "status")
-
-    await nc.subscribe(subjects.ALL_LAUNCHES, cb=on_launch)
-    print("ready", flush=True)
-    loop = asyncio.get_running_loop()
-    t0, tick, late = loop.time(), 0, []
-    hb_every, gpu_every = max(1, round(HEARTBEAT_S * step_hz)), max(1, round(GPU_SAMPLE_S * step_hz))
-    while not stop.is_set() and loop.time() - t0 < seconds:
-        phase = tick % phases  # the nodes of one phase publish together, the next a fraction of a period on
-        target = t0 + tick / (step_hz * phases)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, target - loop.time()))  # the phase's turn
-        late.append(loop.time() - target)
-        now, period = utcnow(), tick // phases
-        for node in nodes[phase::phases]:
-            job = jobs.get(node)
-            if period % hb_every == 0:
-                beat = NodeHeartbeat(
-                    node=node,
-                    address="127.0.0.1",
-                    devices=devices[node],
-                    free=[] if job else list(range(DEVICES)),
-                    interval_s=HEARTBEAT_S,
-                    started_at=started_at,
-                )
-                await publish(subjects.heartbeat(node), beat, "heartbeat")
-            if period % gpu_every == 0:
-                for d in range(DEVICES):
-                    sample = GpuSampled(
-                        node=node, index=d, device_kind="gpu", uuid=f"GPU-{node}-{d}",
-                        job_id=job and job.job_id,
-                        utilization_pct=97.0, memory_used_bytes=1 << 34, memory_total_bytes=80 << 30,
-                        temperature_c=60.0, power_w=400.0,
-                    )  # fmt: skip
-                    await publish(subjects.gpu(node), sample, "gpu")
-            if job:
-                for r in job.ranks:
-                    await publish(subjects.step(job.job_id, node), _step(job, r, node, now), "step")
-                job.step += 1
-        await nc.flush()
-        tick += 1
-    elapsed = loop.time() - t0
-    await nc.drain()
-    return {
-        **sent,
-        "elapsed_s": round(elapsed, 3),
-        "jobs": len(jobs),
-        "max_late_s": round(max(late, default=0.0), 3),
-        "p99_late_s": round(percentile(late, 0.99), 3) if late else 0.0,
-    }
-
-
-def _step(job: _Job, rank: int, node: str, now: Any) -> StepCompleted:
-    return StepCompleted(
-        job_id=job.job_id, attempt=job.attempt, rank=rank, node=node, step=job.step,
-        loss=3.0 - job.step * 1e-4 + rank * 1e-3, local_finite=True, grad_norm=1.0, lr=3e-4,
-        tokens=4096, tokens_per_s=40_000.0, step_time_s=0.9, comm_time_s=0.05, data_time_s=0.01,
-        forward_time_s=0.3, backward_time_s=0.5, optimizer_time_s=0.04, data_position=job.step,
-        occurred_at=now,
-    )  # fmt: skip
-
-
-# --- the probes: guardian detect-to-command -------------------------------------------------------------
-
-
-class _Halts:
-    """When the first HaltJob of each probe job arrived (a core subscriber of every cmd subject)."""
-
-    def __init__(self) -> None:
-        self.at: dict[str, float] = {}
-        self.changed = asyncio.Event()
-
-    async def on_msg(self, msg: Any) -> None:
-        job = subjects.token_at(msg.subject)
-        if job.startswith("probe-") and job not in self.at:
-            self.at[job] = time.perf_counter()
-            self.changed.set()
-
-    async def wait(self, job: str, timeout_s: float) -> float | None:
-        deadline = time.monotonic() + timeout_s
-        while job not in self.at:
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), max(0.001, deadline - time.monotonic()))
-            except TimeoutError:
-                return None
-        return self.at[job]
-
-
-async def _consumer_idle(bus: Bus, stream: str, durable: str) -> bool:
-    try:
-        info = await bus.js.consumer_info(stream, durable)
-    except Exception:
-        return False
-    return not (info.num_pending or info.num_ack_pending)
-
-
-def _steps_stream() -> str:
-    return subjects.stream_for(subjects.ALL_STEPS).name
-
-
-async def _durables(bus: Bus, streams: Iterable[str] | None = None) -> list[ConsumerInfo]:
-    """Every durable consumer on `streams` (all of them unless told)."""
-    found = []
-    for stream in streams if streams is not None else [spec.name for spec in subjects.STREAMS]:
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            found += [c for c in await bus.js.consumers_info(stream) if c.config.durable_name]
-    return found
-
-
-def _backlog(info: ConsumerInfo) -> int:
-    return (info.num_pending or 0) + (info.num_ack_pending or 0)
-
-
-async def _guardian_idle(bus: Bus) -> bool:
-    """Every share's consumer exists and is caught up."""
-    mine = {c.name: c for c in await _durables(bus, [subjects.JOBS.name])}
-    inputs = [credentials.guardian_input(k) for k in range(subjects.SHARES)]
-    return all(name in mine and not _backlog(mine[name]) for name in inputs)
-
-
-async def _guardians_divided(pool: Any, n: int) -> bool:
-    """`n` guardians hold all the shares, each its fair part."""
-    held = [h.shares for h in await lease.holders(pool) if h.role == "guardian"]
-    fair = math.ceil(subjects.SHARES / n)
-    return len(held) == n and sum(map(len, held)) == subjects.SHARES and all(len(s) <= fair for s in held)
-
-
-async def _guardian_has(bus: Bus, job: str) -> bool:
-    """The consumer of the job's share has acknowledged every event published of the job so far."""
-    seq = await last_stored(bus, job)
-    if seq is None:
-        return False  # not stored yet
-    spec = job_input(job)
-    info = await bus.js.consumer_info(spec.stream.name, spec.durable)
-    return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
-
-
-async def _judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
-    """Per guardian (pid@host), the messages its shares' consumers have had delivered and acknowledged."""
-    acked = {
-        c.name: c.ack_floor.consumer_seq if c.ack_floor else 0
-        for c in await _durables(bus, [subjects.JOBS.name])
-    }
-    return {
-        h.instance: sum(acked.get(credentials.guardian_input(k), 0) for k in h.shares)
-        for h in await lease.holders(pool)
-        if h.role == "guardian"
-    }
-
-
-@dataclass
-class _Stages:
-    """Where a probe's time went, from the server's store times: the NaN step stored in VIGIL_JOBS (under
-    its share: no copy since VIGIL_SHARES went) -> the guardian's HaltJob stored in VIGIL_COMMANDS
-    (`judge`: delivery, judging, publishing)."""
-
-    judge: list[float] = field(default_factory=list)
-
-    async def add(self, bus: Bus, job: str) -> None:
-        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
-            step = subjects.step(job, "probe")
-            stored = await bus.last_stored(subjects.JOBS.name, step)
-            halted = await bus.js.get_last_msg(subjects.COMMANDS.name, subjects.cmd(job))
-            raw = await bus.js.get_msg(subjects.JOBS.name, stored.seq) if stored is not None else None
-            if raw is not None and raw.time and halted.time:
-                self.judge.append((halted.time - raw.time).total_seconds())
-
-    def summary(self) -> dict[str, float | None]:
-        out: dict[str, float | None] = {}
-        for name, values in (("judge", self.judge),):
-            out[f"{name}_p50_ms"] = round(statistics.median(values) * 1e3, 2) if values else None
-            out[f"{name}_p99_ms"] = round(percentile(values, 0.99) * 1e3, 2) if values else None
-        return out
-
-
-async def _probe(
-    bus: Bus, halts: _Halts, spec: JobSpec, stages: _Stages, timeout_s: float = 30.0
-) -> float | None:
-    """Seconds from a probe job's NaN step to its HaltJob; None when none came within `timeout_s`."""
-    job = "probe-" + uuid.uuid4().hex[:12]
-    placement = [RankPlacement(rank=0, node="probe", device=0, local_rank=0)]
-    await bus.publish(
-        subjects.launch(job),
-        LaunchJob(
-            job_id=job, attempt=1, spec=spec, master_addr="127.0.0.1", master_port=29500, placement=placement
-        ),
-    )
-    await bus.publish(
-        subjects.status(job, "probe"),
-        CheckpointSaved(job_id=job, attempt=1, step=0, path=f"/probe/{job}", bytes=1, manifest_sha256="x",
-                        data_position=0),
-    )  # fmt: skip
-    # the guardian knows the job (its launch and checkpoint acknowledged) before its steps come
-    deadline = time.monotonic() + timeout_s
-    while not await _guardian_has(bus, job):
-        if time.monotonic() > deadline:
-            return None
-        await asyncio.sleep(0.01)  # polling the guardian's consumers
-
-    def step(k: int, loss: float) -> StepCompleted:
-        return StepCompleted(
-            job_id=job, attempt=1, rank=0, node="probe", step=k, loss=loss, local_finite=math.isfinite(loss),
-            grad_norm=1.0, lr=1e-3, tokens=1024, tokens_per_s=1e4, step_time_s=0.1, skipped=math.isnan(loss),
-        )  # fmt: skip
-
-    await bus.publish(subjects.step(job, "probe"), step(0, 3.0))
-    t0 = time.perf_counter()
-    await bus.publish(subjects.step(job, "probe"), step(1, math.nan))
-    arrived = await halts.wait(job, timeout_s)
-    if arrived is not None:
-        await stages.add(bus, job)
-    await bus.publish(
-        subjects.status(job, subjects.CONTROL),
-        JobStateChanged(job_id=job, attempt=1, from_state="HALTED", to_state="CANCELLED", cause="probe over"),
-    )
-    return None if arrived is None else arrived - t0
-
-
-# --- the processes -----------------------------------------------------------------------------------------
-
-_SERVICE = (
-    "import sys; from vigil_common.service import run_service; from vigil_common.settings import Settings; "
-    "import importlib; run_service(importlib.import_module(sys.argv[1]).run, Settings.load())"
-)
-_SIMULATOR = (
-    "import sys; from vigil_bench.fleet import simulate_main as m; "
-    "m(sys.argv[1], *map(int, sys.argv[2:4]), *map(float, sys.argv[4:6]), int(sys.argv[6]))"
-)
-
-
-@dataclass
-class _Procs:
-    logs: Path  # each process's stderr, as <name>.log
-    named: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
-
-    async def start(
-        self, name: str, *args: str, env: dict[str, str], stdout: Any = None
-    ) -> asyncio.subprocess.Process:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        with (self.logs / f"{name}.log").open("ab") as log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", *args, env=env, stdout=stdout, stderr=log
-            )
-        self.named[name] = proc
-        return proc
-
-    def log_counts(self) -> dict[str, dict[str, int]]:
-        """Per process, its log's lines that tell of trouble (nats-py's slow-consumer drops, errors)."""
-        out = {}
-        for name in self.named:
-            text = (self.logs / f"{name}.log").read_text(errors="replace").lower()
-            counts = {
-                "slow_consumer": text.count("slow consumer"),
-                "errors": text.count(" error ") + text.count("traceback"),
-                "warnings": text.count(" warning "),
-            }
-            if any(counts.values()):
-                out[name] = counts
-        return out
-
-    async def stop(self, names: list[str] | None = None) -> None:
-        chosen = [self.named[n] for n in (names or list(self.named))]
-        for proc in chosen:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in chosen:
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _postgres_pids(pgdata: Path) -> list[int]:
-    try:
-        master = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
-    except (OSError, ValueError):
-        return []
-    pids = [master]
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == master:
-                pids.append(int(stat.parent.name))
-    return pids
-
-
-def _loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-# --- what holds the run back ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Watch:
-    """Every durable consumer's backlog (pending + unacknowledged) and every process's CPU seconds,
-    sampled through the run."""
-
-    t0: float
-    cpu0: dict[str, float]
-    samples: list[tuple[float, dict[str, int], dict[str, float]]] = field(default_factory=list)
-
-    def sample(self, consumers: list[ConsumerInfo], cpu: dict[str, float]) -> None:
-        self.samples.append((time.monotonic() - self.t0, {c.name: _backlog(c) for c in consumers}, cpu))
-
-    def names(self) -> list[str]:
-        return sorted({name for _, backlogs, _ in self.samples for name in backlogs})
-
-    def consumer(self, name: str) -> dict[str, Any]:
-        """Its backlog's max and its mean over the run's first and last thirds; growing when the last
-        is over twice the first and over 100 messages."""
-        backlog = [b.get(name, 0) for _, b, _ in self.samples] or [0]
-        third = max(1, len(backlog) // 3)
-        first, last = statistics.mean(backlog[:third]), statistics.mean(backlog[-third:])
+    def ranks(self) -> int:
+        return self.nodes * DEVICES
+
+    @property
+    def rate(self) -> float:
+        return self.ranks * self.step_hz
+
+    @property
+    def cpu_per_s(self) -> dict[str, float]:
+        return {k: v / self.elapsed for k, v in self.cpu_s.items()}
+
+    def busy(self, cores: int) -> float:
+        """The share of the machine's cores this run's processes kept busy (simulator and bench too)."""
+        return sum(self.cpu_s.values()) / (self.elapsed * cores)
+
+    @property
+    def answered(self) -> list[float]:
+        return [x for x in self.probes if x is not None]
+
+    @property
+    def p99(self) -> float:
+        """Seconds; infinite when a probe got no answer."""
+        ok = self.answered
+        return percentile(ok, 0.99) if ok and len(ok) == len(self.probes) else math.inf
+
+    def growing(self) -> list[str]:
+        """The durable consumers whose backlog grew through the window: its last third over twice its
+        first (`Watch.consumer`) and over one second of the fleet's step events."""
+        return [
+            name
+            for name in self.watch.names()
+            if (c := self.watch.consumer(name))["growing"] and c["last_third"] > self.rate
+        ]
+
+    @property
+    def rate_held(self) -> bool:
+        return self.stored >= 0.9 * self.rate * self.elapsed
+
+    def summary(self, idle_p99: float, cores: int) -> dict[str, Any]:
+        p99 = self.p99
         return {
-            "max": max(backlog),
-            "min": min(backlog),  # over 0: never caught up in the whole run
-            "first_third": round(first),
-            "last_third": round(last),
-            "growing": last > max(2 * first, 100),
+            "nodes": self.nodes,
+            "ranks": self.ranks,
+            "seconds": round(self.elapsed, 1),
+            "busy": round(self.busy(cores), 3),
+            "machine_busy": round(self.machine_busy, 3),
+            "cpu_per_s": {k: round(v, 4) for k, v in sorted(self.cpu_per_s.items())},
+            "p50_ms": round(statistics.median(self.answered) * 1e3, 2) if self.answered else None,
+            "p99_ms": round(p99 * 1e3, 2) if math.isfinite(p99) else None,
+            "ratio": round(p99 / idle_p99, 2) if math.isfinite(p99) else None,
+            "probes": len(self.probes),
+            "probes_missed": len(self.probes) - len(self.answered),
+            "backlog_growing": self.growing(),
+            "target_step_events_per_s": self.rate,
+            "stored_step_events_per_s": round(self.stored / self.elapsed, 1),
+            "loadavg": self.loadavg,
+            "stages": self.stages.summary(),
         }
 
-    def timeline(self, every_s: float = 10.0) -> list[dict[str, Any]]:
-        """About every `every_s`: the backlogs that are not empty, and each process's share of one core
-        since the previous point."""
-        out: list[dict[str, Any]] = []
-        last_t, last_cpu = 0.0, self.cpu0
-        for t, backlogs, cpu in self.samples:
-            if t - last_t < every_s and (t, backlogs, cpu) != self.samples[-1]:
-                continue
-            span = max(t - last_t, 1e-9)
-            out.append({
-                "t": round(t, 1),
-                "backlog": {k: v for k, v in backlogs.items() if v},
-                "cpu": {k: round((v - last_cpu.get(k, 0.0)) / span, 2) for k, v in cpu.items()},
-            })  # fmt: skip
-            last_t, last_cpu = t, cpu
-        return out
+
+# --- the fleet ------------------------------------------------------------------------------------------
 
 
-def _shares(cpu_s: dict[str, float], elapsed: float) -> dict[str, float]:
-    """CPU seconds as a share of one core over the run (1.0: a process that had a core to itself)."""
-    return {k: round(v / elapsed, 2) for k, v in sorted(cpu_s.items(), key=lambda kv: -kv[1])}
-
-
-def _holding_back(
-    plan: Plan,
-    watch: _Watch,
-    cpu_s: dict[str, float],
-    elapsed: float,
-    sims: list[dict[str, Any]],
-    logs: dict[str, dict[str, int]],
-    probes_missed: int,
-    probe_ratio: float,
-) -> list[str]:
-    """What kept the run from its target, most telling first: the machine's cores, a process pegged at
-    one core (a Python service uses one), consumers falling behind, a load generator late on its
-    ticks, messages dropped by a slow subscriber, probes with no answer."""
-    found = []
-    cores = os.cpu_count() or 1
-    busy = sum(cpu_s.values()) / (elapsed * cores)
-    if busy >= 0.85:
-        found.append(f"the machine: {busy:.0%} of its {cores} cores busy")
-    for name, share in _shares(cpu_s, elapsed).items():
-        if share >= 0.8 and name not in ("postgres", "nats-server"):  # those use several threads/processes
-            found.append(f"{name}: {share:.0%} of a core (one Python process gets at most one)")
-    for name in watch.names():
-        c = watch.consumer(name)
-        if c["growing"]:
-            found.append(f"{name}: backlog growing, {c['first_third']} -> {c['last_third']} (max {c['max']})")
-        elif c["min"]:
-            found.append(f"{name}: never caught up, backlog {c['min']} to {c['max']}")
-    for i, sim in enumerate(sims):
-        if sim.get("p99_late_s", 0.0) > 0.5 / plan.step_hz:
-            found.append(f"simulator-{i}: its ticks p99 {sim['p99_late_s']} s late (the generator is slow)")
-    for name, counts in logs.items():
-        if counts["slow_consumer"]:
-            found.append(f"{name}: {counts['slow_consumer']} slow-consumer drops in its log")
-    if probes_missed:
-        found.append(f"guardian: {probes_missed} probes under load got no HaltJob within 30 s")
-    if probe_ratio > 3:
-        backlog = max(
-            (watch.consumer(n)["max"] for n in watch.names() if n.startswith("guardian")), default=0
-        )
-        shares = {n: f"{v / elapsed:.0%}" for n, v in cpu_s.items() if n.startswith("guardian")}
-        found.append(
-            f"guardian: detect-to-command p99 {probe_ratio:.0f}x idle; "
-            f"its share consumers' backlog max {backlog}; of a core each: {shares}"
-        )
-    return found
-
-
-# --- the run ------------------------------------------------------------------------------------------------
-
-
-async def _wait(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while not await check():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"fleet bench: {what} not within {timeout_s}s")
+            return False
         await asyncio.sleep(0.2)  # polling a condition
+    return True
+
+
+async def _wait(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    if not await _until(check, timeout_s):
+        raise TimeoutError(f"fleet bench: {what} not within {timeout_s}s")
 
 
 async def _count(http: httpx.AsyncClient, path: str, **params: Any) -> int:
@@ -588,7 +252,153 @@ async def _count(http: httpx.AsyncClient, path: str, **params: Any) -> int:
             return n
 
 
+class _Took:
+    """Each phase's wall time, printed to stderr as it ends."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, float] = {}
+        self.t0 = time.monotonic()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.s[phase] = round(time.monotonic() - t0, 1)
+            print(f"fleet: {phase}: {self.s[phase]} s", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Fleet:
+    plan: Plan
+    bus: Bus
+    pool: Any
+    http: httpx.AsyncClient
+    procs: Procs
+    halts: Halts
+    nats_server: EmbeddedNats
+    pg: EmbeddedPostgres
+    env: dict[str, str]  # the simulators'
+    probe_spec: JobSpec = field(
+        default_factory=lambda: JobSpec(name="probe", resources={"nodes": 1, "gpus_per_node": 1})
+    )
+    nodes: int = 0
+    sims: list[str] = field(default_factory=list)
+
+    def cpu(self) -> dict[str, float]:
+        return cpu(self.procs, self.nats_server, self.pg)
+
+    async def grow(self, nodes: int) -> None:
+        """Nodes [self.nodes, nodes) come up in a simulator of their own and heartbeat; one 8-device job
+        each is submitted through the gateway, placed and started; then the consumers catch up."""
+        name, first = f"simulator-{len(self.sims)}", self.nodes
+        plan = self.plan
+        sim = await self.procs.start(
+            name, SIMULATOR, self.nats_server.url, str(first), str(nodes - first), str(plan.step_hz),
+            str(SIMULATOR_S), str(plan.phases), env=self.env, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert sim.stdout is not None
+        await asyncio.wait_for(sim.stdout.readline(), 60)  # "ready"
+        self.sims.append(name)
+        await _wait(lambda: self._registered(nodes), 120, f"{nodes} nodes registered")
+        job = {
+            "name": "fleet",
+            "resources": {"nodes": 1, "gpus_per_node": DEVICES},
+            "guardian": {"hang_timeout_s": 600},
+        }
+        for _ in range(nodes - first):
+            (await self.http.post("/api/v1/jobs", json=job)).raise_for_status()
+        if not await _until(lambda: self._launched(nodes), 300):
+            states = {s: await _count(self.http, "/api/v1/jobs", state=s) for s in JobState}
+            raise TimeoutError(
+                f"fleet bench: {nodes} jobs launched and started not within 300s; jobs by state: {states}"
+            )
+        self.nodes = nodes
+        # the launches' own work done: every backlog under one second of the fleet's steps (or 30 s
+        # passed: a fleet the machine cannot carry never catches up, and that is what is measured)
+        limit = nodes * DEVICES * plan.step_hz
+
+        async def caught_up() -> bool:
+            return all(backlog(c) <= limit for c in await durables(self.bus))
+
+        await _until(caught_up, 30)
+
+    async def _registered(self, n: int) -> bool:
+        return await _count(self.http, "/api/v1/nodes") >= n
+
+    async def _launched(self, n: int) -> bool:
+        """Every job's ranks started (a job the guardian has halted meanwhile counts: it did start)."""
+        states = ("RUNNING", "HALTED", "ROLLING_BACK")
+        return sum([await _count(self.http, "/api/v1/jobs", state=s) for s in states]) >= n
+
+    async def _judged(self) -> dict[str, int]:
+        """`judged_by_guardian`; empty when the server is too busy to answer."""
+        with contextlib.suppress(nats.errors.TimeoutError):
+            return await judged_by_guardian(self.pool, self.bus)
+        return {}
+
+    async def measure(self, seconds: float) -> Window:
+        """`seconds` at the current size: CPU and backlogs every half second, a probe every second."""
+        bus, pool = self.bus, self.pool
+        size0 = await pool.fetchval("SELECT pg_database_size(current_database())")
+        rows0 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
+        judged0 = await self._judged()
+        cpu0, ticks0 = self.cpu(), machine_ticks()
+        t0 = time.monotonic()
+        watch, stages, probes = Watch(t0, cpu0), Stages(), []
+        next_probe = t0
+        while time.monotonic() - t0 < seconds:
+            with contextlib.suppress(nats.errors.TimeoutError):  # a server too busy to answer: no sample
+                watch.sample(await durables(bus), self.cpu())
+            if time.monotonic() >= next_probe:
+                probes.append(await probe(bus, self.halts, self.probe_spec, stages))
+                next_probe += PROBE_EVERY_S
+            await asyncio.sleep(LAG_SAMPLE_S)  # the sampling period
+        cpu1, ticks1 = self.cpu(), machine_ticks()
+        elapsed = time.monotonic() - t0
+        judged1 = await self._judged()
+        rows1 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
+        size1 = await pool.fetchval("SELECT pg_database_size(current_database())")
+        return Window(
+            nodes=self.nodes,
+            step_hz=self.plan.step_hz,
+            elapsed=elapsed,
+            cpu_s={k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()},
+            watch=watch,
+            probes=probes,
+            stages=stages,
+            stored=rows1 - rows0,
+            db_bytes=size1 - size0,
+            judged={who: n - judged0[who] for who, n in sorted(judged1.items()) if who in judged0},
+            machine_busy=machine_busy(ticks0, ticks1),
+            loadavg=loadavg(),
+        )
+
+    async def stop(self) -> tuple[list[dict[str, Any]], float | None]:
+        """The simulators stopped (their own figures) and the seconds telemetry took to drain after
+        (None: not within 120 s)."""
+        await self.procs.stop(self.sims)
+        stats = []
+        for name in self.sims:
+            out = self.procs.named[name].stdout
+            assert out is not None
+            with contextlib.suppress(ValueError, IndexError):
+                stats.append(json.loads((await out.read()).decode().strip().splitlines()[-1]))
+        t0 = time.monotonic()
+        drained = await _until(lambda: consumer_idle(self.bus, steps_stream(), "telemetry-steps"), 120)
+        return stats, time.monotonic() - t0 if drained else None
+
+
+def _auto_nodes(plan: Plan, windows: list[Window], cores: int) -> int:
+    """The most nodes that keep `plan.busy` of the cores busy by the line through `windows` (every process
+    counted), at most the stress size."""
+    total = costs([(w.ranks, w.cpu_per_s) for w in windows])["total"]
+    return min(ranks_at_busy(total, cores, plan.busy) // DEVICES, STRESS_NODES)
+
+
 async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
+    took, cores = _Took(), os.cpu_count() or 1
     creds = credentials.load_or_create(data / credentials.CREDENTIALS_FILE)
     with (
         EmbeddedNats(data / "nats", users=creds.nats) as nats_server,
@@ -598,6 +408,7 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         await migrate(pool)
         bus = await Bus.connect(nats_server.url, "bench-fleet")
         await bus.ensure_streams()
+        took.s["start nats-server and postgres"] = round(time.monotonic() - took.t0, 1)
         port = free_port()
         base_env = {
             **os.environ,
@@ -614,193 +425,228 @@ async def _fleet(plan: Plan, data: Path) -> dict[str, Any]:
         def env(role: str) -> dict[str, str]:
             return {**base_env, "VIGIL_NATS_URL": nats_server.url_for(role)}
 
-        procs = _Procs(data / "logs")
-        halts = _Halts()
+        procs = Procs(data / "logs")
+        halts = Halts()
         core = await bus.nc.subscribe(subjects.ALL_CMDS, cb=halts.on_msg)
-        spec = JobSpec(name="probe", resources={"nodes": 1, "gpus_per_node": 1})
+        http = httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+        )
         try:
-            await procs.start("scheduler", _SERVICE, "vigil_scheduler.main", env=env(credentials.SCHEDULER))
-            for i in range(plan.telemetry):
+            with took("start the services"):
                 await procs.start(
-                    f"telemetry-{i}", _SERVICE, "vigil_telemetry.main", env=env(credentials.TELEMETRY)
+                    "scheduler", SERVICE, "vigil_scheduler.main", env=env(credentials.SCHEDULER)
                 )
-            for i in range(plan.guardians):
-                await procs.start(
-                    f"guardian-{i}", _SERVICE, "vigil_guardian.main", env=env(credentials.GUARDIAN)
+                for i in range(plan.telemetry):
+                    await procs.start(
+                        f"telemetry-{i}", SERVICE, "vigil_telemetry.main", env=env(credentials.TELEMETRY)
+                    )
+                for i in range(plan.guardians):
+                    await procs.start(
+                        f"guardian-{i}", SERVICE, "vigil_guardian.main", env=env(credentials.GUARDIAN)
+                    )
+
+                async def ready() -> bool:
+                    with contextlib.suppress(httpx.HTTPError):
+                        return (await http.get("/readyz")).status_code == 200
+                    return False
+
+                await _wait(ready, 120, "the scheduler ready")
+                await _wait(
+                    lambda: guardians_divided(pool, plan.guardians), 120, "the guardians sharing the jobs"
                 )
-            http = httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
-            )
+                await _wait(lambda: guardian_idle(bus), 120, "the guardians consuming")
+                await _wait(
+                    lambda: consumer_idle(bus, steps_stream(), "telemetry-steps"), 120, "telemetry consuming"
+                )
+            fleet = _Fleet(plan, bus, pool, http, procs, halts, nats_server, pg, base_env)
 
-            async def ready() -> bool:
-                with contextlib.suppress(httpx.HTTPError):
-                    return (await http.get("/readyz")).status_code == 200
-                return False
+            with took("idle probes"):
+                idle_load, idle_stages = loadavg(), Stages()
+                # the first warms up
+                idle = [
+                    await probe(bus, halts, fleet.probe_spec, idle_stages) for _ in range(IDLE_PROBES + 1)
+                ]
+                idle = idle[1:]
 
-            await _wait(ready, 120, "the scheduler ready")
-            await _wait(
-                lambda: _guardians_divided(pool, plan.guardians), 120, "the guardians sharing the jobs"
-            )
-            await _wait(lambda: _guardian_idle(bus), 120, "the guardians consuming")
-            await _wait(
-                lambda: _consumer_idle(bus, _steps_stream(), "telemetry-steps"), 120, "telemetry consuming"
-            )
-
-            # idle: the floor
-            idle_load = _loadavg()
-            idle_stages, load_stages = _Stages(), _Stages()
-            idle = [await _probe(bus, halts, spec, idle_stages) for _ in range(IDLE_PROBES + 1)][
-                1:
-            ]  # 1st warms up
-
-            # the fleet comes up: nodes heartbeat, one 8-device job per node is placed and launched
-            per = math.ceil(plan.nodes / plan.simulators)
-            sims = []
-            for s in range(plan.simulators):
-                first, count = s * per, min(per, plan.nodes - s * per)
-                if count <= 0:
+            windows: list[Window] = []
+            failed: list[str] = []  # a size whose jobs did not all start: measured no further
+            for size in plan.sizes:
+                nodes = size if isinstance(size, int) else _auto_nodes(plan, windows, cores)
+                if nodes <= fleet.nodes:  # auto: the machine is full at the sizes before it already
+                    print(f"fleet: {AUTO} gives {nodes} nodes, not over {fleet.nodes}", file=sys.stderr)
+                    continue
+                try:
+                    with took(f"grow to {nodes} nodes"):
+                        await fleet.grow(nodes)
+                except TimeoutError as exc:
+                    failed.append(str(exc))
                     break
-                sim = await procs.start(
-                    f"simulator-{s}", _SIMULATOR, nats_server.url, str(first), str(count), str(plan.step_hz),
-                    str(plan.seconds + 120), str(plan.phases), env=base_env, stdout=asyncio.subprocess.PIPE,
-                )  # fmt: skip
-                assert sim.stdout is not None
-                await asyncio.wait_for(sim.stdout.readline(), 60)  # "ready"
-                sims.append(f"simulator-{s}")
-
-            await _wait(lambda: _nodes_alive(http, plan.nodes), 120, f"{plan.nodes} nodes registered")
-            job_spec = {
-                "name": "fleet",
-                "resources": {"nodes": 1, "gpus_per_node": DEVICES},
-                "guardian": {"hang_timeout_s": 600},
-            }
-            for _ in range(plan.nodes):
-                r = await http.post("/api/v1/jobs", json=job_spec)
-                r.raise_for_status()
-            await _wait(lambda: _launched(http, plan.nodes), 300, f"{plan.nodes} jobs launched and started")
-
-            # under load
-            size0 = await pool.fetchval("SELECT pg_database_size(current_database())")
-            rows0 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
-            cpu0 = _cpu(procs, nats_server, pg)
-            judged0 = await _judged_by_guardian(pool, bus)
-            start_load = _loadavg()
-            t_start = time.monotonic()
-            loaded: list[float | None] = []
-            watch = _Watch(t_start, cpu0)
-            next_probe = t_start
-            while time.monotonic() - t_start < plan.seconds:
-                watch.sample(await _durables(bus), _cpu(procs, nats_server, pg))
-                if time.monotonic() >= next_probe:
-                    loaded.append(await _probe(bus, halts, spec, load_stages))
-                    next_probe += PROBE_EVERY_S
-                await asyncio.sleep(LAG_SAMPLE_S)  # the lag sampling period
-            load_load = _loadavg()
-            cpu1 = _cpu(procs, nats_server, pg)
-            elapsed = time.monotonic() - t_start
-            judged1 = await _judged_by_guardian(pool, bus)
-            rows1 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
-            await procs.stop(sims)
-            sim_stats = []
-            for name in sims:
-                out = procs.named[name].stdout
-                assert out is not None
-                with contextlib.suppress(ValueError):
-                    sim_stats.append(json.loads((await out.read()).decode().strip().splitlines()[-1]))
-            drain_t = time.monotonic()
-            await _wait(
-                lambda: _consumer_idle(bus, _steps_stream(), "telemetry-steps"), 600, "telemetry drained"
-            )
-            drain_s = time.monotonic() - drain_t
-            rows2 = await pool.fetchval("SELECT count(*) FROM telemetry_steps")
-            size1 = await pool.fetchval("SELECT pg_database_size(current_database())")
-            await http.aclose()
+                with took(f"measure {nodes} nodes"):
+                    windows.append(await fleet.measure(plan.seconds))
+            if len(windows) < 2:
+                raise RuntimeError(f"fleet bench: fewer than two sizes measured: {failed}")
+            stress = None
+            if plan.stress and not failed:
+                if fleet.nodes < STRESS_NODES:
+                    try:
+                        with took(f"grow to {STRESS_NODES} nodes (stress)"):
+                            await fleet.grow(STRESS_NODES)
+                        with took(f"measure {STRESS_NODES} nodes (stress)"):
+                            stress = await fleet.measure(plan.seconds)
+                    except TimeoutError as exc:
+                        failed.append(f"stress: {exc}")
+                else:
+                    stress = windows[-1]
+            with took("stop the simulators, telemetry drains"):
+                sim_stats, drain_s = await fleet.stop()
         finally:
+            await http.aclose()
             await core.unsubscribe()
             await procs.stop()
             await bus.close()
             await pool.close()
-
-    ok_idle = [x for x in idle if x is not None]
-    ok_load = [x for x in loaded if x is not None]
-    idle_p99 = percentile(ok_idle, 0.99) if ok_idle else float("nan")
-    load_p99 = percentile(ok_load, 0.99) if len(ok_load) == len(loaded) and ok_load else float("inf")
-    rate = plan.target_rate
-    tele = watch.consumer("telemetry-steps")
-    lag_growing = tele["growing"] and tele["last_third"] > 2 * rate  # and more than two seconds of events
-    published = sum(s.get("step", 0) for s in sim_stats)
-    stored_during = rows1 - rows0
-    cpu = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 1) for k in cpu1}
     logs = procs.log_counts()
-    ratio_ok = load_p99 <= 3 * idle_p99
+    return _report(
+        plan, cores, idle, idle_stages, idle_load, windows, stress, sim_stats, drain_s, logs, took, failed
+    )
+
+
+def _report(
+    plan: Plan,
+    cores: int,
+    idle: list[float | None],
+    idle_stages: Stages,
+    idle_load: list[float],
+    windows: list[Window],
+    stress: Window | None,
+    sim_stats: list[dict[str, Any]],
+    drain_s: float | None,
+    logs: dict[str, dict[str, int]],
+    took: _Took,
+    failed: list[str],
+) -> dict[str, Any]:
+    ok_idle = [x for x in idle if x is not None]
+    idle_p99 = percentile(ok_idle, 0.99) if ok_idle else math.nan
+    fits = costs([(w.ranks, w.cpu_per_s) for w in windows])  # the stress run is not in the lines
+    within = [w for w in windows if w.busy(cores) <= plan.busy * BUSY_SLACK]
+    at = within[-1] if within else windows[0]  # the latency figure's size
+    sizes = [w.summary(idle_p99, cores) for w in windows]
+    table = sizing(fits)
+    print(render(sizes, fits, table), flush=True)
+    load_p99 = at.p99
+    print(
+        f"\nlatency at {at.ranks} ranks ({at.busy(cores):.0%} of {cores} cores busy by this run, "
+        f"{at.machine_busy:.0%} by everything): p99 {load_p99 * 1e3:.1f} ms vs {idle_p99 * 1e3:.1f} ms "
+        f"idle, ratio {load_p99 / idle_p99:.2f}; backlog growing: {', '.join(at.growing()) or 'none'}",
+        flush=True,
+    )
+    stress_out = None
+    if stress is not None:
+        # and what the lines through the sizes said it would cost: how far they hold beyond them
+        predicted = fits["total"].at(stress.ranks) / cores
+        stress_out = {
+            **stress.summary(idle_p99, cores),
+            "busy_by_the_lines": round(predicted, 3),
+            "target": None,
+        }
+        print(f"stress (no target): {json.dumps(stress_out)}", flush=True)
+    took_s = {**took.s, "total": round(time.monotonic() - took.t0, 1)}
+    print("took: " + ", ".join(f"{k} {v} s" for k, v in took_s.items()), flush=True)
+
+    tele = at.watch.consumer("telemetry-steps")
+    growing = at.growing()
+    ok = (
+        load_p99 <= 3 * idle_p99 and not growing and at.rate_held and at.busy(cores) <= plan.busy * BUSY_SLACK
+    )
+
+    held_back = holding_back(
+        plan.step_hz, at.watch, at.cpu_s, at.elapsed, sim_stats, logs,
+        len(at.probes) - len(at.answered), load_p99 / idle_p99, at.machine_busy,
+    )  # fmt: skip
+    store_p99 = percentile(at.stages.stored, 0.99) if at.stages.stored else 0.0
+    if store_p99 > 0.1:
+        held_back.insert(
+            0,
+            f"VIGIL_JOBS: a step's publish acknowledged p99 {store_p99 * 1e3:.0f} ms (an fsync per message): "
+            "the stream is not keeping up",
+        )
+    held_back[:0] = [f"not measured: {f}" for f in failed]
+    if not within:
+        held_back.insert(
+            0,
+            f"no size kept {plan.busy:.0%} of the {cores} cores busy or less: the smallest, {at.ranks} "
+            f"ranks, kept {at.busy(cores):.0%}",
+        )
+
+    def cost(name: str) -> dict[str, Any] | None:
+        return fits[name].summary() if name in fits else None
+
     return result(
         "fleet",
         value=load_p99 * 1e3,
         floor=idle_p99 * 1e3,
-        unit="ms, guardian p99 NaN step published -> HaltJob received, under load (floor: idle)",
-        target="ratio <= 3, no telemetry lag growing, the step rate held",
-        ok=bool(ratio_ok and not lag_growing and stored_during >= 0.9 * rate * elapsed),
-        nodes=plan.nodes,
+        unit="ms, guardian p99 NaN step published -> HaltJob received, at the sustainable load (floor: idle)",
+        target=f"ratio <= 3 and no backlog growing at the largest size keeping <= {plan.busy:.0%} of the "
+        "cores busy (every process of the run counted), the step rate held",
+        ok=bool(ok),
+        nodes=at.nodes,
+        ranks=at.ranks,
         ranks_per_node=DEVICES,
         step_hz=plan.step_hz,
-        seconds=round(elapsed, 1),
+        seconds=round(at.elapsed, 1),
+        busy=round(at.busy(cores), 3),
+        busy_target=plan.busy,
+        machine_busy=round(at.machine_busy, 3),
+        sustainable_ranks=ranks_at_busy(fits["total"], cores, plan.busy),
+        backlog_growing=growing,
+        sizes=sizes,
+        costs={
+            name: fits[name].summary() for name in sorted(fits) if name not in ("simulator", "bench", "total")
+        },
+        simulator_cost=cost("simulator"),
+        bench_cost=cost("bench"),
+        total_cost=cost("total"),
+        sizing=table,
+        sizing_note="cores = fixed + per_1000_ranks x GPUs / 1000, one rank per GPU at the step rate, "
+        "along the line through the measured sizes: 'measured' inside their ranks, 'extrapolated' beyond",
+        stress=stress_out,
+        grow_failed=failed,
         telemetry_replicas=plan.telemetry,
         guardians=plan.guardians,
-        events_per_s_by_guardian={
-            who: round((n - judged0.get(who, 0)) / elapsed, 1) for who, n in sorted(judged1.items())
-        },
+        events_per_s_by_guardian={who: round(n / at.elapsed, 1) for who, n in at.judged.items()},
         phases=plan.phases,
-        target_step_events_per_s=rate,
-        published_step_events=published,  # over the simulators' whole run (start-up and drain included)
-        stored_step_events_per_s=round(stored_during / elapsed, 1),
+        target_step_events_per_s=at.rate,
+        published_step_events=sum(s.get("step", 0) for s in sim_stats),  # the simulators' whole run
+        stored_step_events_per_s=round(at.stored / at.elapsed, 1),
         telemetry_backlog_first_third=tele["first_third"],
         telemetry_backlog_last_third=tele["last_third"],
         telemetry_backlog_max=tele["max"],
-        telemetry_lag_s_max=round(tele["max"] / rate, 2),
-        guardian_backlog_max=sum(watch.consumer(c)["max"] for c in watch.names() if c.startswith("guardian")),
-        lag_growing=lag_growing,
-        telemetry_drain_after_s=round(drain_s, 2),
-        stages_idle=idle_stages.summary(),
-        stages_load=load_stages.summary(),
-        guardian_idle_p50_ms=round(statistics.median(ok_idle) * 1e3, 2) if ok_idle else None,
-        guardian_load_p50_ms=round(statistics.median(ok_load) * 1e3, 2) if ok_load else None,
-        probes_idle=len(idle),
-        probes_load=len(loaded),
-        probes_load_missed=len(loaded) - len(ok_load),
-        pg_mb_per_million_steps=round((size1 - size0) / max(rows2 - rows0, 1) * 1e6 / 2**20, 1),
-        cpu_s_under_load=cpu,
-        cpu_core_share=_shares(cpu, elapsed),
-        consumers={c: watch.consumer(c) for c in watch.names()},
-        holding_back=_holding_back(
-            plan, watch, cpu, elapsed, sim_stats, logs, len(loaded) - len(ok_load), load_p99 / idle_p99
+        telemetry_lag_s_max=round(tele["max"] / at.rate, 2),
+        guardian_backlog_max=sum(
+            at.watch.consumer(c)["max"] for c in at.watch.names() if c.startswith("guardian")
         ),
+        lag_growing="telemetry-steps" in growing,
+        telemetry_drain_after_s=round(drain_s, 2) if drain_s is not None else None,
+        stages_idle=idle_stages.summary(),
+        stages_load=at.stages.summary(),
+        guardian_idle_p50_ms=round(statistics.median(ok_idle) * 1e3, 2) if ok_idle else None,
+        guardian_load_p50_ms=round(statistics.median(at.answered) * 1e3, 2) if at.answered else None,
+        probes_idle=len(idle),
+        probes_load=len(at.probes),
+        probes_load_missed=len(at.probes) - len(at.answered),
+        pg_mb_per_million_steps=round(at.db_bytes / max(at.stored, 1) * 1e6 / 2**20, 1),
+        cpu_s_under_load={k: round(v, 1) for k, v in at.cpu_s.items()},
+        cpu_core_share=shares(at.cpu_s, at.elapsed),
+        consumers={c: at.watch.consumer(c) for c in at.watch.names()},
+        holding_back=held_back,
         logs=logs,
-        timeline=watch.timeline(),
+        timeline=at.watch.timeline(),
         simulators=sim_stats,
         loadavg_idle=idle_load,
-        loadavg_load_start=start_load,
-        loadavg_load_end=load_load,
-        cores=os.cpu_count(),
+        loadavg_load_end=at.loadavg,
+        cores=cores,
+        took_s=took_s,
     )
-
-
-def _cpu(procs: _Procs, nats_server: EmbeddedNats, pg: EmbeddedPostgres) -> dict[str, float]:
-    out = {name: cpu_seconds(p.pid) for name, p in procs.named.items()}
-    if nats_server.proc is not None:
-        out["nats-server"] = cpu_seconds(nats_server.proc.pid)
-    out["postgres"] = sum(cpu_seconds(pid) for pid in _postgres_pids(pg.pgdata))
-    out["bench"] = cpu_seconds(os.getpid())
-    return out
-
-
-async def _nodes_alive(http: httpx.AsyncClient, n: int) -> bool:
-    return await _count(http, "/api/v1/nodes") >= n
-
-
-async def _launched(http: httpx.AsyncClient, n: int) -> bool:
-    """Every job's ranks started (a job the guardian has halted meanwhile counts: it did start)."""
-    states = ("RUNNING", "HALTED", "ROLLING_BACK")
-    return sum([await _count(http, "/api/v1/jobs", state=s) for s in states]) >= n
 
 
 async def run(settings: Settings) -> dict[str, Any]:

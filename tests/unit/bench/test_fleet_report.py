@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from vigil_bench.fleet import Plan, _holding_back, _Watch
+from vigil_bench.fleet_watch import Watch, holding_back
 
 
-def watch(backlogs: dict[str, list[int]], cpu_per_s: dict[str, float]) -> _Watch:
-    w = _Watch(t0=0.0, cpu0={k: 0.0 for k in cpu_per_s})
+def watch(backlogs: dict[str, list[int]], cpu_per_s: dict[str, float]) -> Watch:
+    w = Watch(t0=0.0, cpu0={k: 0.0 for k in cpu_per_s})
     n = len(next(iter(backlogs.values())))
     for i in range(n):
         t = (i + 1) * 0.5
@@ -22,8 +22,8 @@ def test_a_growing_backlog_a_pegged_process_and_a_slow_consumer_are_named() -> N
         {"telemetry-0": 0.95, "scheduler": 0.05},
     )
     assert w.consumer("telemetry-steps")["growing"] and not w.consumer("scheduler-heartbeats")["growing"]
-    found = _holding_back(
-        Plan(), w, {"telemetry-0": 2.85, "scheduler": 0.15}, 3.0, [{"p99_late_s": 0.01}],
+    found = holding_back(
+        1.0, w, {"telemetry-0": 2.85, "scheduler": 0.15}, 3.0, [{"p99_late_s": 0.01}],
         {"telemetry-0": {"slow_consumer": 4, "errors": 0, "warnings": 4}}, 0, 1.5,
     )  # fmt: skip
     text = "\n".join(found)
@@ -35,12 +35,18 @@ def test_a_growing_backlog_a_pegged_process_and_a_slow_consumer_are_named() -> N
 
 def test_a_consumer_never_caught_up_and_a_slow_guardian_are_named() -> None:
     w = watch(
-        {"telemetry-status": [900, 800, 700, 600, 500, 400], "guardian-steps": [0, 50, 0, 20, 0, 10]}, {}
+        {
+            "telemetry-status": [900, 800, 700, 600, 500, 400],
+            "guardian-steps": [0, 50, 0, 20, 0, 10],
+            "telemetry-steps": [9, 50, 20, 30, 12, 40],  # a steady flow: a batch always pending
+        },
+        {},
     )
-    found = _holding_back(Plan(), w, {"guardian": 0.6}, 3.0, [], {}, 2, 7.0)
+    found = holding_back(1.0, w, {"guardian": 0.6}, 3.0, [], {}, 2, 7.0)
     text = "\n".join(found)
     assert "telemetry-status: never caught up, backlog 400 to 900" in text
     assert "guardian: 2 probes" in text and "guardian: detect-to-command p99 7x idle" in text
+    assert "telemetry-steps" not in text
 
 
 def test_the_timeline_gives_each_processs_share_of_a_core_between_points() -> None:
