@@ -84,7 +84,8 @@ class GuardianService:
         self.caught_up = asyncio.Event()  # the input has delivered all it held at start: hangs count
         self._saved: dict[str, dict] = {}  # the last snapshot written per job
         self._devices = core.device_levels()
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one save at a time
+        self._publishing = asyncio.Lock()  # one publisher of the owed decisions at a time
         # Decided but not yet published, and incidents published but not yet saved.
         self._owed: list[Decision] = []
         self._unsaved: list[IncidentRaised] = []
@@ -167,7 +168,13 @@ class GuardianService:
     # --- publishing and saving ----------------------------------------------------------------------
 
     async def publish_owed(self) -> None:
-        """Publish the decisions owed, oldest first; one that fails stays owed with those after it."""
+        """Publish the decisions owed, oldest first; one that fails stays owed with those after it. The
+        job input and the device verdicts both call this: one at a time, or both would publish the head
+        decision (twice) and the second pop would find the list empty."""
+        async with self._publishing:
+            await self._publish_owed()
+
+    async def _publish_owed(self) -> None:
         if self._owed and self.fence is not None:  # a holder fenced off decides nothing any more
             await store.check_fence(self.pool, self.fence)
         while self._owed:

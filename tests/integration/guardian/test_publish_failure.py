@@ -7,6 +7,7 @@ stream this test deletes) and Postgres.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 
@@ -30,8 +31,13 @@ class Recorded(Bus):
     to the guardian as its consumers would."""
 
     sent: list[Message]
+    commands_open: asyncio.Event  # a command's publish waits for it (set: no wait)
+    command_waiting: asyncio.Event  # a command's publish has begun
 
     async def publish(self, subject: str, event: Message, *, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+        if subjects.kind_of(subject) == "cmd":
+            self.command_waiting.set()
+            await self.commands_open.wait()
         ack = await super().publish(subject, event, timeout_s=timeout_s)
         if subjects.kind_of(subject) in ("launch", "status", "step"):
             self.sent.append(event)
@@ -43,6 +49,9 @@ async def own_bus(server_dir) -> AsyncIterator[Recorded]:
     with EmbeddedNats(server_dir / "nats") as server:
         bus = await Recorded.connect(server.url, "test-publish-failure")
         bus.sent = []
+        bus.commands_open = asyncio.Event()
+        bus.commands_open.set()
+        bus.command_waiting = asyncio.Event()
         await bus.ensure_streams()
         yield bus  # type: ignore[misc]
         await bus.close()
@@ -80,3 +89,31 @@ async def test_a_halt_that_failed_to_publish_goes_out_when_the_step_comes_back(o
     async with bus.watch(subjects.cmd(job_id), from_start=True) as commands:
         await take(commands, 2)
         assert await commands.next(timeout=0.5) is None
+
+
+async def test_two_callers_publish_an_owed_decision_once(own_bus, pool, job_id):
+    """The job input and the device verdicts both publish what is owed: a second caller while the first
+    is mid-publish must not publish the same decision again (nor fail on the list the first emptied)."""
+    bus = own_bus
+    guardian = GuardianService(Guardian(), bus, pool, Notifier([]), publish_timeout_s=5.0)
+    job = Job(bus, job_id)
+    await job.launch()
+    await job.checkpoint(0)
+    await job.steps(0, 4)
+    for event in bus.sent:
+        await guardian.handle(event)
+    bus.sent.clear()
+
+    await job.step(4, 0, math.nan, skipped=True)
+    (nan_step,) = bus.sent
+    bus.commands_open.clear()  # the first caller stops inside its first command's publish
+    first = asyncio.create_task(guardian.handle(nan_step))
+    await asyncio.wait_for(bus.command_waiting.wait(), timeout=10)
+    second = asyncio.create_task(guardian.publish_owed())
+    await asyncio.sleep(0)  # the second caller is in publish_owed before the first goes on
+    bus.commands_open.set()
+    await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    async with bus.watch(subjects.cmd(job_id), from_start=True) as commands:
+        halt, rollback = await take(commands, 2)
+        assert (halt.type, rollback.type) == ("job.halt", "job.rollback")
+        assert await commands.next(timeout=0.5) is None  # each once
