@@ -198,9 +198,15 @@ class Tenancy:
             await self.layout.job(job_id, attempt).remove()
 
     def close(self) -> None:
-        """The worker stops with no rank left: its node's cgroup folders go (any left non-empty stay)."""
+        """The worker stops with no rank left: its node's cgroup folders go (any left non-empty stay), and
+        its node's snapshot folder with every job's snapshots in it (the next start would sweep them: no
+        rank of theirs runs here)."""
         if self.layout is not None:
             self.layout.remove()
+        self.sweep_snapshots(set())
+        if (node := snapshot_dir(self.settings, "-")) is not None and not node.parent.is_symlink():
+            with contextlib.suppress(OSError):
+                node.parent.rmdir()
 
 
 def _node_shm(folder: Path) -> bool:

@@ -207,6 +207,8 @@ def test_a_jobs_snapshot_folder_is_its_users_under_the_workers_own_folder_on_shm
         (tmp_path / "shm" / "vigil-b" / job / "rank_0").mkdir(parents=True)
     assert Tenancy(s).sweep_snapshots({"j2"}) == ["j1"]  # at the worker's start: j1 has no rank here
     assert sorted(p.name for p in (tmp_path / "shm" / "vigil-b").iterdir()) == ["j2"]
+    Tenancy(s).close()  # the worker stops with no rank left: no job's snapshots, no node folder stay
+    assert not (tmp_path / "shm" / "vigil-b").exists()
     if os.geteuid() == 0:  # a node folder someone else made first is not the worker's
         theirs = tmp_path / "shm" / "vigil-c"
         theirs.mkdir()
