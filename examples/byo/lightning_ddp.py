@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -102,6 +103,15 @@ def main() -> None:
     trainer.fit(model, data, ckpt_path=vigil_pl.resume_checkpoint(run))
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     print(json.dumps({"steps": trainer.global_step, "finite_weights": finite}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    # gloo's C++ threads still outlive the interpreter now and then: "terminate called without an active
+    # exception", exit -6, after all the work is done (as in the other examples). Send what Vigil has
+    # queued, then leave without the interpreter's teardown.
+    run.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
