@@ -145,7 +145,8 @@ def time_lost(run: Run) -> list[dict[str, Any]]:
             (i.kind for i in run.of(ev.IncidentRaised) if i.attempt == old and i.kind in RELAUNCHED_BY), "?"
         )
         lost = (again.occurred_at - last.occurred_at).total_seconds() - median
-        resumed = int(Path(launch.resume_from).name.removeprefix("step_")) if launch.resume_from else 0
+        checkpoint = int(Path(launch.resume_from).name.removeprefix("step_")) if launch.resume_from else 0
+        resumed = min(e.step for e in rank0 if e.attempt == launch.attempt)  # a snapshot may be newer
         redone = last.step + 1 - resumed
         fault = {"rank_exit": "crash"}.get(why, why)
         first = min(e.occurred_at for e in rank0 if e.attempt == launch.attempt)
@@ -157,7 +158,13 @@ def time_lost(run: Run) -> list[dict[str, Any]]:
         row: dict[str, Any] = {
             "fault": fault,
             "step": last.step + 1,
-            "recovery": f"relaunched from step {resumed} ({redone} redone)",
+            "recovery": f"relaunched from step {resumed} ({redone} redone; "
+            + (
+                "an in-memory snapshot"
+                if resumed > checkpoint
+                else f"the disk checkpoint of step {checkpoint}"
+            )
+            + ")",
             "lost_s": round(lost, 3),
         }
         if causes:
