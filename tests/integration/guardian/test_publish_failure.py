@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -57,9 +58,11 @@ async def own_bus(server_dir) -> AsyncIterator[Recorded]:
         await bus.close()
 
 
-async def test_a_halt_that_failed_to_publish_goes_out_when_the_step_comes_back(own_bus, pool, job_id):
-    bus = own_bus
-    guardian = GuardianService(Guardian(), bus, pool, Notifier([]), publish_timeout_s=0.3)
+async def judged_four_steps(
+    bus: Recorded, pool: Any, job_id: str, publish_timeout_s: float
+) -> tuple[GuardianService, Job]:
+    """A guardian that has judged a job's launch, checkpoint 0 and four clean steps."""
+    guardian = GuardianService(Guardian(), bus, pool, Notifier([]), publish_timeout_s=publish_timeout_s)
     job = Job(bus, job_id)
     await job.launch()
     await job.checkpoint(0)
@@ -67,6 +70,12 @@ async def test_a_halt_that_failed_to_publish_goes_out_when_the_step_comes_back(o
     for event in bus.sent:
         await guardian.handle(event)
     bus.sent.clear()
+    return guardian, job
+
+
+async def test_a_halt_that_failed_to_publish_goes_out_when_the_step_comes_back(own_bus, pool, job_id):
+    bus = own_bus
+    guardian, job = await judged_four_steps(bus, pool, job_id, publish_timeout_s=0.3)
 
     await bus.js.delete_stream(subjects.COMMANDS.name)  # commands cannot be stored: publishing fails
     await job.step(4, 0, math.nan, skipped=True)
@@ -95,14 +104,7 @@ async def test_two_callers_publish_an_owed_decision_once(own_bus, pool, job_id):
     """The job input and the device verdicts both publish what is owed: a second caller while the first
     is mid-publish must not publish the same decision again (nor fail on the list the first emptied)."""
     bus = own_bus
-    guardian = GuardianService(Guardian(), bus, pool, Notifier([]), publish_timeout_s=5.0)
-    job = Job(bus, job_id)
-    await job.launch()
-    await job.checkpoint(0)
-    await job.steps(0, 4)
-    for event in bus.sent:
-        await guardian.handle(event)
-    bus.sent.clear()
+    guardian, job = await judged_four_steps(bus, pool, job_id, publish_timeout_s=5.0)
 
     await job.step(4, 0, math.nan, skipped=True)
     (nan_step,) = bus.sent
