@@ -21,9 +21,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from vigil.recovery import Rollback
 from vigil.snapshot import SnapshotCost
 from vigil_worker.trainer import rank
-from vigil_worker.trainer.observer import Observer, RollbackTiming
+from vigil_worker.trainer.observer import Observer
 
 
 class JsonLinesObserver:
@@ -39,7 +40,7 @@ class JsonLinesObserver:
         self._step_ends.append(time.monotonic())
         self._write({"event": "step", "step": step, "seconds": seconds})
 
-    def on_rollback(self, timing: RollbackTiming) -> None:
+    def on_rollback(self, timing: Rollback) -> None:
         record: dict[str, Any] = {
             "event": "rollback",
             "to_step": timing.to_step,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
+from vigil import collective
+
 if TYPE_CHECKING:
     import torch
 
@@ -49,7 +51,7 @@ def agree(
     import torch
     import torch.distributed as dist
 
-    device = finite.device if isinstance(finite, torch.Tensor) else _device()
+    device = finite.device if isinstance(finite, torch.Tensor) else collective.device()
     flag = finite.float().reshape(1) if isinstance(finite, torch.Tensor) else torch.ones(1, device=device)
     if not isinstance(finite, torch.Tensor) and not finite:
         flag = torch.zeros(1, device=device)
@@ -61,7 +63,7 @@ def agree(
         slots[rank] = torch.where(torch.isfinite(own), own, -math.inf)
         parts = [p.to(torch.float64) for p in parts] + [slots]
     ctrl = torch.cat(parts)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if collective.distributed():
         dist.all_reduce(ctrl, op=dist.ReduceOp.MIN)
     got = ctrl.tolist()  # CPU-GPU sync point (the one per step)
     oom_rank = int(got[2])
@@ -69,13 +71,3 @@ def agree(
     return Boundary(
         got[0] == 1.0, int(-got[1]), oom_rank if oom_rank < world_size else None, got[3] == 0.0, losses
     )
-
-
-def _device() -> torch.device:
-    """Where a collective of this process group runs: the current GPU under NCCL, else the CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -242,6 +242,7 @@ class Restored:
     step: int
     state: Any
     data_position: int
+    skip_windows: list[tuple[int, int]] = field(default_factory=list)  # those the snapshot's step had
 
 
 @dataclass

@@ -47,7 +47,7 @@ for step in (3, 4):  # two "transient" faults on its own device: sdc_strikes is 
         job_id=me.job_id, attempt=me.attempt, step=step, node=me.node, kind="nan", outcome="transient",
         culprits=[0], values=[ev.RankValue(rank=0, first=None, replay=2.0)], data_position=step, held_s=0.1,
     ))
-run.link.flush()
+run.close()  # sends what is queued
 print("forged", flush=True)
 time.sleep(600)  # holds its device, as a training job would, until cancelled
 """

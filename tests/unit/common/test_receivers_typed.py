@@ -14,7 +14,7 @@ mypy_api = pytest.importorskip("mypy.api", reason="mypy is a test dependency (py
 ROOT = Path(__file__).resolve().parents[3]
 RECEIVERS = [
     "sdk/vigil/events.py",  # the unions and their guards
-    "sdk/vigil/commands.py",  # a rank's `act`: RankCommand
+    "sdk/vigil/recovery.py",  # a rank's `act`: RankCommand
     "services/scheduler/vigil_scheduler/handlers.py",  # StatusEvent, JobCommand, IncidentAction
     "services/guardian/vigil_guardian/core.py",  # GuardianInput
     "services/guardian/vigil_guardian/watch.py",  # StatusEvent, IncidentAction

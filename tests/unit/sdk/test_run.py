@@ -15,9 +15,9 @@ from vigil import events as ev
 from vigil import manifest
 from vigil import protocol as proto
 from vigil.boundary import Boundary
-from vigil.commands import act
 from vigil.errors import MalformedMessage
 from vigil.link import NullLink
+from vigil.recovery import Inbox, act
 from vigil.run import Identity, Restart, Run, init, parse_windows, spec_from_env
 
 
@@ -43,7 +43,6 @@ def test_data_windows_are_parsed_and_skipped():
             parse_windows(bad)
     run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), skip_windows=[(3, 5), (5, 6)])
     assert [run.position(s) for s in (2, 3, 4, 5, 6)] == [2, 6, 6, 6, 6]
-    assert run.skipped(4) and not run.skipped(6)
 
 
 class Commands:
@@ -56,6 +55,15 @@ class Commands:
         if seq > len(self.commands):
             raise TimeoutError(f"command #{seq}")
         return self.commands[seq - 1]
+
+    def arrival(self, seq: int) -> float | None:
+        return None  # no bus: no arrival time
+
+    def emit(self, event: ev.Message) -> None:
+        pass
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
 
 
 class Handler:
@@ -70,11 +78,6 @@ class Handler:
 
     def resume(self, command: ev.ResumeJob) -> None:
         self.did.append("resume")
-
-
-class Inbox:
-    handled_seq = 0
-    halted = False
 
 
 def test_commands_are_acted_on_in_order_and_a_halt_waits_for_the_next_one():
@@ -105,9 +108,9 @@ def test_without_a_loader_a_rollback_stops_the_rank_to_be_relaunched(tmp_path):
     back = ev.RollbackJob(
         job_id="j", attempt=1, checkpoint=str(tmp_path / "j" / "step_00000002"), step=2, reason="x"
     )
-    run.link = Commands(back)  # type: ignore[assignment]
-    run.link.flush = lambda timeout_s=30.0: True  # type: ignore[attr-defined]
-    run.link.emit = lambda event: None  # type: ignore[attr-defined]
+    run._link = Commands(back)  # type: ignore[assignment]
+    run._link.flush = lambda timeout_s=30.0: True  # type: ignore[attr-defined]
+    run._link.emit = lambda event: None  # type: ignore[attr-defined]
     with pytest.raises(Restart) as stop:
         run.after_step(5, Boundary(True, 1))
     assert stop.value.code == 5
@@ -121,11 +124,11 @@ def test_with_a_loader_a_rollback_loads_in_place_and_returns_the_checkpoints_ste
     loaded: list[str] = []
     run.on_rollback(lambda path: loaded.append((path / "model.txt").read_text()))
     target = str(manifest.step_dir(tmp_path, "j", 4))
-    run.link = Commands(
+    run._link = Commands(
         ev.RollbackJob(job_id="j", attempt=1, checkpoint=target, step=4, skip_data=(4, 5), reason="x")
     )  # type: ignore[assignment]
     sent: list[ev.Message] = []
-    run.link.emit = sent.append  # type: ignore[attr-defined]
+    run._link.emit = sent.append  # type: ignore[attr-defined]
     run.report(6, loss=2.0)
     assert run.after_step(7, Boundary(True, 1)) == 4
     assert loaded == ["weights 4"] and run.skip_windows == [(4, 5)] and run.position(4) == 5
@@ -171,3 +174,41 @@ def test_the_jobs_spec_is_read_only_and_none_without_one(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("vigil.run._current", None)
     assert init().spec is None  # alone: the program falls back to its own values
+
+
+def test_a_halt_on_the_programs_own_account_waits_in_after_step_until_resumed(tmp_path):
+    run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path)
+    sent: list[ev.Message] = []
+    run._link = Commands(ev.ResumeJob(job_id="j", attempt=1))  # type: ignore[assignment]
+    run._link.emit = sent.append  # type: ignore[attr-defined]
+    assert run.after_step(7, Boundary(True, 0)) == 7
+    run.halt("out of memory", "oom-j-1-7")
+    (halted,) = [e for e in sent if isinstance(e, ev.RanksHalted)]
+    assert (halted.step, halted.command_id) == (6, "oom-j-1-7")
+    # halted: it waits for the next command (the resume, #1) though no rank has seen one at the boundary
+    assert run.after_step(7, Boundary(True, 0)) == 7 and not run._inbox.halted
+
+
+def test_a_rollback_to_a_step_every_rank_holds_in_memory_loads_it_from_there(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.delenv(proto.SNAPSHOT_DIR_ENV, raising=False)  # this process only: no files
+    run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path)
+    w = torch.zeros(2)
+    loaded: list[tuple[str, float]] = []
+    run.on_rollback(lambda path: loaded.append(("disk", 0.0)))
+    run.snapshot(
+        lambda: {"w": w}, load=lambda state: loaded.append(("memory", float(state["w"][0]))), every=1
+    )
+    w += 2
+    run.save_checkpoint(2, lambda path: (path / "w.txt").write_text("2"))  # its step stays in memory
+    w += 3  # steps 2..4 train on
+    target = str(manifest.step_dir(tmp_path, "j", 2))
+    run._link = Commands(  # type: ignore[assignment]
+        ev.RollbackJob(job_id="j", attempt=1, checkpoint=target, step=2, skip_data=(2, 3), reason="x")
+    )
+    assert run.after_step(5, Boundary(True, 1)) == 2
+    assert loaded == [("memory", 2.0)]  # the state of step 2, not the live one (5.0), and no disk read
+    rolled = run.last_rollback
+    assert rolled is not None and rolled.from_memory and (rolled.from_step, rolled.to_step) == (4, 2)
+    assert rolled.checkpoint == target and run.skip_windows == [(2, 3)] and run.generation == 1

@@ -12,13 +12,13 @@ import torch
 
 from vigil.events import StepCompleted, StepReplayed
 from vigil.link import NullLink
+from vigil.recovery import Rollback
 from vigil.run import Identity, Run
 from vigil.spec import JobSpec, ModelSpec, parse_spec
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.loop import train
 from vigil_worker.trainer.model import GPT
-from vigil_worker.trainer.observer import RollbackTiming
 from vigil_worker.trainer.rank import RankEnv, build_engine
 
 pytestmark = pytest.mark.usefixtures("one_rank")
@@ -33,12 +33,12 @@ def engine(spec: JobSpec) -> Any:
 class Recorder:
     def __init__(self) -> None:
         self.steps: list[tuple[int, float]] = []
-        self.rollbacks: list[RollbackTiming] = []
+        self.rollbacks: list[Rollback] = []
 
     def on_step_end(self, step: int, seconds: float) -> None:
         self.steps.append((step, seconds))
 
-    def on_rollback(self, timing: RollbackTiming) -> None:
+    def on_rollback(self, timing: Rollback) -> None:
         self.rollbacks.append(timing)
 
 
@@ -128,8 +128,12 @@ def test_configure_optimizers_decays_matrices_and_not_norms_each_parameter_once(
     assert id(model.embed.weight) in {id(p) for p in decay["params"]}  # the tied embedding decays
 
 
-class Emitted(NullLink):
-    """A link that keeps what the rank emits."""
+class Emitted:
+    """A link that keeps what the rank emits, as an agent's would (no command ever arrives)."""
+
+    dropped = 0
+    last_step: int | None = None
+    latest_seq = 0
 
     def __init__(self) -> None:
         self.events: list = []
@@ -137,10 +141,22 @@ class Emitted(NullLink):
     def emit(self, event) -> None:  # type: ignore[no-untyped-def]
         self.events.append(event)
 
+    def command(self, seq: int, timeout_s: float) -> None:
+        raise TimeoutError("no command source")
+
+    def arrival(self, seq: int) -> None:
+        return None
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        pass
+
 
 def emitting(ctx: RankContext) -> Emitted:
     link = Emitted()
-    ctx.run = Run(Identity("loop", 1, 0, 1, 0, "here"), link, checkpoint_root=ctx.checkpoint_root)
+    ctx.run = Run(Identity("loop", 1, 0, 1, 0, "here"), link, checkpoint_root=ctx.checkpoint_root)  # type: ignore[arg-type]
     return link
 
 
@@ -156,7 +172,7 @@ def test_a_transient_nan_is_replayed_in_place_and_the_run_equals_a_fault_free_on
     ctx, _ = context(tmp_path / "sdc", steps=6, faults=[{"kind": "sdc", "step": 3}], zero=zero)
     link = emitting(ctx)
     st = train(ctx, TrainState())
-    assert st.step == 6 and st.skip_windows == []
+    assert st.step == 6 and ctx.run.skip_windows == []
     assert losses(link) == losses(clean_link)  # bit for bit: the held update was never applied
     (replayed,) = [e for e in link.events if isinstance(e, StepReplayed)]
     assert (replayed.step, replayed.kind, replayed.outcome, replayed.culprits) == (3, "nan", "transient", [0])
@@ -170,7 +186,7 @@ def test_a_spike_in_the_data_is_held_and_its_window_skipped_without_a_rollback(t
     link = emitting(ctx)
     model = ctx.engine.module
     st = train(ctx, TrainState())
-    assert st.skip_windows == [(7, 9)] and st.step == 10
+    assert ctx.run.skip_windows == [(7, 9)] and st.step == 10
     (replayed,) = [e for e in link.events if isinstance(e, StepReplayed)]
     assert (replayed.kind, replayed.outcome, replayed.skip_data) == ("spike", "reproduced", (7, 9))
     assert replayed.values[0].first == replayed.values[0].replay  # the same data, the same spike
@@ -194,6 +210,7 @@ def test_without_zero_the_guard_clips_with_the_norm_it_computed(tmp_path):
     """No ZeRO: DeepSpeed's gradient_clipping is 0, so the guard's one norm is also the clip's (the
     gradients come out with norm train.grad_clip, and the boundary reports the norm before clipping)."""
     from vigil_worker.trainer import guard
+    from vigil_worker.trainer.micro import MicroSteps
 
     ctx, _ = context(tmp_path, steps=1)
     params = list(ctx.engine.module.parameters())
@@ -201,7 +218,8 @@ def test_without_zero_the_guard_clips_with_the_norm_it_computed(tmp_path):
         p.grad = torch.full_like(p, 3.0)
     before = torch.nn.utils.get_total_norm([p.grad for p in params]).item()
     assert before > 10 * ctx.spec.train.grad_clip
-    agreed = guard.agree(ctx, torch.ones(()), torch.tensor(2.0))
-    assert agreed.all_finite and float(agreed.grad_norm) == pytest.approx(before, rel=1e-6)
+    m = MicroSteps(loss_sum=torch.tensor(2.0), count=1, finite=torch.ones(()))
+    agreed = guard.agree(ctx, m)
+    assert agreed.all_finite and float(m.grad_norm) == pytest.approx(before, rel=1e-6)  # type: ignore[arg-type]
     after = torch.nn.utils.get_total_norm([p.grad for p in params]).item()
     assert after == pytest.approx(ctx.spec.train.grad_clip, rel=1e-4)

@@ -1,17 +1,19 @@
-"""Checkpoints as all ranks take them together, with DeepSpeed's engine: saving (the SDK's
-`Run.save_checkpoint` writes the manifest and reports it), the emergency checkpoint, and loading in
-place (the checkpoint is chosen by `Run.choose_checkpoint`: rank 0 verifies it, all load the same).
+"""Checkpoints as all ranks take them together, with DeepSpeed's engine, through the SDK as any program:
+saving (`Run.save_checkpoint` writes the manifest and reports it), the emergency checkpoint, and the
+loader a rollback or a relaunch calls with the chosen folder (`Run.on_rollback`, `Run.resume_checkpoint`:
+rank 0 verifies it, all load the same).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
+from vigil import manifest
 from vigil.errors import CheckpointError
 from vigil_worker.trainer import checkpoint as ckpt
 from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.data import first_position
 
 log = logging.getLogger("vigil.rank")
 
@@ -23,7 +25,6 @@ def save_checkpoint(ctx: RankContext, st: TrainState) -> None:
         st.step,
         lambda path: ctx.engine.save_checkpoint(str(path), tag=ckpt.DS_TAG, save_latest=False),
         data_position=st.data_position,
-        skip_windows=st.skip_windows,
     )
     st.saved_step = st.step
 
@@ -40,23 +41,17 @@ def save_emergency_checkpoint(ctx: RankContext, st: TrainState, why: str) -> flo
     return seconds
 
 
-def load_checkpoint(ctx: RankContext, st: TrainState, m: ckpt.Manifest) -> float:
-    """Load `m` in place into the running engine and move `st` to it; returns DeepSpeed's load time in
-    seconds."""
-    t0 = time.perf_counter()
+def load_checkpoint(ctx: RankContext, path: Path) -> None:
+    """Load the verified checkpoint folder `path` in place into the running engine (the run's loader)."""
     try:
         loaded, _ = ctx.engine.load_checkpoint(
-            str(m.path), tag=ckpt.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(path), tag=ckpt.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if loaded is None:
-            raise CheckpointError(f"DeepSpeed could not load {m.path}")
+            raise CheckpointError(f"DeepSpeed could not load {path}")
     except Exception as exc:
         # It verified against its manifest and still did not load (rewritten with its manifest, or
         # written wrong): marked bad, so the relaunch that follows this rank's exit takes an older one.
-        log.error("checkpoint %s did not load: %s", m.path, exc)
-        ctx.run.refuse_checkpoint(m.path, m.step, "load", exc)
-        raise CheckpointError(f"checkpoint {m.path} verified but did not load: {exc}") from exc
-    seconds = time.perf_counter() - t0
-    st.step, st.skip_windows = m.step, list(m.skip_windows)
-    st.data_position = first_position(m.data_position, st.skip_windows)
-    return seconds
+        log.error("checkpoint %s did not load: %s", path, exc)
+        ctx.run.refuse_checkpoint(path, manifest.step_of(path) or 0, "load", exc)
+        raise CheckpointError(f"checkpoint {path} verified but did not load: {exc}") from exc

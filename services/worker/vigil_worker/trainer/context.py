@@ -9,9 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vigil.preemption import PreemptionNotice
 from vigil.run import Run
-from vigil.snapshot import Snapshots
 from vigil.spec import JobSpec
 from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
@@ -39,14 +37,13 @@ class RankContext:
     precision: str
     device: torch.device
     faults: FaultInjector
-    run: Run  # the rank's session with Vigil (the SDK's): its link to the agent, commands, checkpoints
+    run: Run  # the rank's session with Vigil (the SDK's, as any program's): reports, boundary, commands,
+    # checkpoints, snapshots, skip windows
     comm: CommTimer = field(default_factory=CommTimer)  # measures nothing until installed
     clock: Clock = field(default_factory=Clock)  # wall clock; CUDA events on GPU
     observer: Observer = field(default_factory=NullObserver)
-    notice: PreemptionNotice = field(default_factory=PreemptionNotice)  # listens once installed
     flops_per_token: float | None = None  # model FLOPs per token, for MFU
     peak: Peak | None = None  # the device's peak FLOP/s at this precision; None: no MFU
-    snapshots: Snapshots | None = None  # in-memory snapshots (`snapshots.py`); None: off
     judge: StepJudge = field(init=False)  # the spike rule's windows over every rank's losses
 
     def __post_init__(self) -> None:
@@ -61,14 +58,11 @@ class RankContext:
 
 @dataclass
 class TrainState:
-    """Where training stands; a checkpoint's manifest holds the same (step, data position, skip windows)."""
+    """Where training stands; a checkpoint's manifest holds the same (step, data position; the skip
+    windows are the run's, `run.skip_windows`)."""
 
     step: int = 0  # the next step to run (= optimizer updates done)
     data_position: int = 0  # the data position that step reads
-    skip_windows: list[tuple[int, int]] = field(default_factory=list)
-    handled_seq: int = 0  # commands handled (numbered from 1), the SDK's `commands.Inbox`
-    halted: bool = False
-    generation: int = 0  # in-place rollbacks done in this attempt: which run of its steps this is
     saved_step: int | None = None  # the step of the last checkpoint this process saved
     split: int = 1  # each micro-step of the spec runs as this many (2 after an out-of-memory)
     preempted: bool = False  # the emergency checkpoint is written: the rank exits with EXIT_PREEMPTED

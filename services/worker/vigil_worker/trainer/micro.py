@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from vigil.boundary import Boundary
 from vigil_worker.trainer import guard
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import batch
-from vigil_worker.trainer.guard import Boundary
 from vigil_worker.trainer.oom import free_memory, null_backward, with_retry
 
 log = logging.getLogger("vigil.rank")
@@ -31,6 +31,7 @@ class MicroSteps:
     finite: torch.Tensor  # 1.0 when every one of this rank's losses was finite, else 0.0
     oom: bool = False  # this rank ran out of memory (the rest of its micro-steps were stand-ins)
     spans: dict[str, list[tuple[Any, Any]]] = field(default_factory=dict)  # phase -> clock marks
+    grad_norm: torch.Tensor | None = None  # the full gradients' norm, where the guard computes it (no ZeRO)
 
     @property
     def loss(self) -> torch.Tensor:
@@ -114,6 +115,6 @@ def execute(ctx: RankContext, st: TrainState, step: int) -> tuple[MicroSteps, Bo
         # every rank learns whether any rank saw a non-finite loss or gradient or ran out of memory, the
         # highest command any rank has received, whether any rank's node is being preempted, and every
         # rank's loss, so that all act on the same news at this same step boundary
-        return m, guard.agree(ctx, m.finite, m.loss, oom=m.oom, preempt=ctx.notice.requested)
+        return m, guard.agree(ctx, m)
 
     return with_retry(ctx, st, step, once)

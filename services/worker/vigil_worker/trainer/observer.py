@@ -7,21 +7,10 @@ in the loop. Hooks run on the training thread, so an observer keeps them cheap.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
+from vigil.recovery import Rollback
 from vigil.snapshot import SnapshotCost
-
-
-@dataclass(frozen=True)
-class RollbackTiming:
-    """One in-place rollback as a rank saw it (clock readings are `time.monotonic()`)."""
-
-    to_step: int
-    load_s: float  # DeepSpeed's own load_checkpoint
-    total_s: float  # choosing, verifying and loading the checkpoint, in the ranks
-    arrived: float | None  # when the command reached this rank; None without a bus
-    acted: float  # when this rank began acting on it (at the first step boundary all ranks agreed on)
 
 
 class Observer(Protocol):
@@ -29,8 +18,8 @@ class Observer(Protocol):
         """Called right after `step`'s optimizer step; `seconds` is its wall time from the step's start."""
         ...
 
-    def on_rollback(self, timing: RollbackTiming) -> None:
-        """Called once an in-place rollback has loaded its checkpoint."""
+    def on_rollback(self, timing: Rollback) -> None:
+        """Called once an in-place rollback has loaded its checkpoint (`Run.last_rollback`)."""
         ...
 
     def on_snapshots(self, every: int, steps: int, cost: SnapshotCost) -> None:
@@ -44,7 +33,7 @@ class NullObserver:
     def on_step_end(self, step: int, seconds: float) -> None:
         pass
 
-    def on_rollback(self, timing: RollbackTiming) -> None:
+    def on_rollback(self, timing: Rollback) -> None:
         pass
 
     def on_snapshots(self, every: int, steps: int, cost: SnapshotCost) -> None:

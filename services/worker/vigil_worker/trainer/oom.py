@@ -27,11 +27,10 @@ import torch
 from vigil import events as ev
 from vigil.integrations.deepspeed import skip_step
 from vigil_worker.trainer.checkpoint_collective import save_emergency_checkpoint
-from vigil_worker.trainer.commands import halt
 
 if TYPE_CHECKING:
+    from vigil.boundary import Boundary
     from vigil_worker.trainer.context import RankContext, TrainState
-    from vigil_worker.trainer.guard import Boundary
 
 log = logging.getLogger("vigil.rank")
 M = TypeVar("M")
@@ -90,8 +89,9 @@ def with_retry(
 
 
 def halt_out_of_memory(ctx: RankContext, st: TrainState, step: int, oom_rank: int) -> None:
-    """The retry ran out of memory too: every rank writes the emergency checkpoint and halts; rank 0
-    reports it (`OutOfMemoryHalted`), which the guardian records as the `oom` incident."""
+    """The retry ran out of memory too: every rank writes the emergency checkpoint and halts (the SDK's
+    `Run.halt`); rank 0 reports it (`OutOfMemoryHalted`), which the guardian records as the `oom`
+    incident."""
     save_emergency_checkpoint(ctx, st, "out of memory")
     incident_id = f"oom-{ctx.job_id}-{ctx.attempt}-{step}"
     reason = (
@@ -113,4 +113,4 @@ def halt_out_of_memory(ctx: RankContext, st: TrainState, step: int, oom_rank: in
                 message=reason,
             )
         )
-    halt(ctx, st, reason, incident_id)
+    ctx.run.halt(reason, incident_id)  # the loop's `after_step` then waits for a resume, rollback or cancel

@@ -211,14 +211,23 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
 
 
 def open_run(job: Job, env: RankEnv, node: str, checkpoint_root: Path) -> Run:
-    """This rank's `vigil.Run`: linked to the agent that started it (its environment says where, with the
-    token the agent minted), or inert when the rank runs alone."""
+    """This rank's `vigil.Run`, as `vigil.init()` makes one for any program: linked to the agent that
+    started it (its environment says where, with the token the agent minted), or inert when the rank runs
+    alone; the checkpoint to resume from and the data to skip are the launch's."""
     from vigil.link import NullLink, connect_from_env
     from vigil.run import Identity, Run
 
     link = connect_from_env(job.job_id, job.attempt, env.rank) or NullLink()
     identity = Identity(job.job_id, job.attempt, env.rank, env.world, env.local_rank, node)
-    return Run(identity, link, checkpoint_root=checkpoint_root, keep=job.spec.checkpoint.keep)
+    return Run(
+        identity,
+        link,
+        checkpoint_root=checkpoint_root,
+        keep=job.spec.checkpoint.keep,
+        resume_from=Path(job.resume_from) if job.resume_from else None,
+        skip_windows=[job.skip_data] if job.skip_data else None,
+        spec=job.spec,
+    )
 
 
 def device_peak(device: torch.device, precision: str) -> Peak | None:
@@ -274,8 +283,8 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
 def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     import torch.distributed as dist
 
-    from vigil.preemption import PreemptionNotice
-    from vigil_worker.trainer import checkpoint as ckpt
+    from vigil.integrations import ds_compat
+    from vigil_worker.trainer import snapshots
     from vigil_worker.trainer.checkpoint_collective import load_checkpoint, save_checkpoint
     from vigil_worker.trainer.clock import Clock
     from vigil_worker.trainer.comm import CommTimer
@@ -285,17 +294,16 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     from vigil_worker.trainer.faults import FaultInjector
     from vigil_worker.trainer.loop import train
     from vigil_worker.trainer.mfu import flops_per_token
-    from vigil_worker.trainer.snapshots import open_snapshots, resume_from_memory, take_snapshot
 
     job = read_job(args, env.world)
     root = args.checkpoint_root.resolve()
-    notice = PreemptionNotice().install()  # from now on a SIGUSR1 is a preemption notice
+    run = open_run(job, env, args.node, root)  # the rank's session with Vigil, as any program's
+    run.notice.install()  # from now on a SIGUSR1 is a preemption notice
 
-    # --- process group, comm timer and the link to Vigil ---------------------------------------------------
+    # --- process group and comm timer ---------------------------------------------------------------------
     device = init_process_group(env)
     clock = Clock(cuda=env.cuda)
     comm = CommTimer(clock).install()
-    run = open_run(job, env, args.node, root)
 
     # --- model and engine ---------------------------------------------------------------------------------
     engine, plan = build_engine(job.spec, env, device)
@@ -332,31 +340,33 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         comm=comm,
         clock=clock,
         observer=observer,
-        notice=notice,
         flops_per_token=fpt,
         peak=peak,
     )
 
-    # --- resume (from the newest whole in-memory snapshot, else the disk), or the step-0 checkpoint ---------
-    ctx.snapshots = open_snapshots(ctx, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # --- how a rollback loads in place; resume (the newest whole in-memory snapshot, else the disk) ---------
+    run.on_rollback(lambda path: load_checkpoint(ctx, path))
+    snapshots.register(ctx)
     st = TrainState()
-    if job.resume_from and not resume_from_memory(ctx, st, job.resume_from, skip=job.skip_data is not None):
-        m = run.choose_checkpoint(job.resume_from, ckpt.step_of(job.resume_from))
-        load_checkpoint(ctx, st, m)
+    position = 0
+    if (got := run.restore(safe_globals=ds_compat.checkpoint_safe_globals())) is not None:
+        snapshots.load_rank_state(ctx, got.state)
+        st.step, position = got.step, got.data_position
+        log.warning(
+            "resumed from the in-memory snapshot of step %d (relaunched from %s)", got.step, job.resume_from
+        )
+    elif (m := run.resume_checkpoint()) is not None:
+        load_checkpoint(ctx, m.path)
+        st.step, position = m.step, m.data_position
         log.info("resumed from %s at step %d", m.path, st.step)
-    if ctx.snapshots is not None:
-        ctx.snapshots.drop_after(st.step)  # none of an abandoned timeline (all of them on a fresh start)
-    if job.skip_data:
-        st.skip_windows.append(job.skip_data)
-        st.data_position = first_position(st.data_position, st.skip_windows)
+    st.data_position = first_position(position, run.skip_windows)
     if not job.resume_from:
         save_checkpoint(ctx, st)  # so a fault before the first periodic checkpoint can be rolled back
-        take_snapshot(ctx, st, 0.0, pin=True)
 
     t_train, first_step = time.perf_counter(), st.step
     train(ctx, st)
-    if ctx.snapshots is not None:
-        observer.on_snapshots(ctx.snapshots.every, st.step - first_step, ctx.snapshots.cost)
+    if (snapshot_cost := run.snapshot_cost) is not None:
+        observer.on_snapshots(snapshot_cost[0], st.step - first_step, snapshot_cost[1])
     if compiled:
         # the compile is paid once per rank start (at its first step, and once per new micro-batch shape)
         log.info(
@@ -376,8 +386,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         _save_full_weights(engine, plan.zero_stage, env.rank, args.final_weights)
     if env.rank == 0:
         log.info("done: %d steps", st.step)
-    if ctx.snapshots is not None:
-        ctx.snapshots.remove_all()  # the job is done: its copies in this node's memory go
+    run.done()  # the job is done: its copies in this node's memory go
     run.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -23,10 +23,10 @@ import time
 from typing import Any
 
 from vigil import events as ev
+from vigil.boundary import Boundary
 from vigil.integrations.deepspeed import skip_step
 from vigil_worker.trainer.context import RankContext, TrainState
 from vigil_worker.trainer.data import first_position
-from vigil_worker.trainer.guard import Boundary
 from vigil_worker.trainer.micro import MicroSteps, execute
 from vigil_worker.trainer.step_judge import Bad
 
@@ -50,8 +50,8 @@ def settle(
         return m, agreed
     skip_step(ctx.engine)
     window = (pos, pos + max(1, ctx.spec.guardian.spike_skip_steps))
-    st.skip_windows.append(window)
-    st.data_position = first_position(pos, st.skip_windows)
+    ctx.run.skip_windows.append(window)
+    st.data_position = first_position(pos, ctx.run.skip_windows)
     log.warning("step %d: the replay reproduces it: data %d..%d skipped", step, window[0], window[1] - 1)
     report(ctx, step, bad, "reproduced", held, agreed, pos, window, time.perf_counter() - t0)
     return execute(ctx, st, step)

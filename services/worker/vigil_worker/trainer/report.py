@@ -1,4 +1,5 @@
-"""The step event: what one rank reports after each step (`StepCompleted`), and its log line."""
+"""The step event: what one rank reports after each step (`Run.report`: a `StepCompleted`), and its log
+line."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vigil import events as ev
+from vigil.boundary import Boundary
 from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.guard import Boundary
 from vigil_worker.trainer.memory import memory_bytes
 from vigil_worker.trainer.mfu import mfu
 from vigil_worker.trainer.micro import MicroSteps
@@ -45,40 +45,32 @@ def report_step(
     loss = agreed.losses[ctx.rank] if agreed.losses else m.loss.item()  # synchronised already: no wait
     t_data, t_fwd, t_bwd = (m.seconds(ctx, phase) for phase in ("data", "forward", "backward"))
     comm_s = ctx.comm.total(times.comm_spans)
-    if agreed.grad_norm is not None:
-        grad_norm: float | None = float(agreed.grad_norm)  # computed by the guard, read after the sync
+    if m.grad_norm is not None:
+        grad_norm: float | None = float(m.grad_norm)  # computed by the guard, read after the sync
     else:
         gn = ctx.engine.get_global_grad_norm()
         grad_norm = float(gn) if gn is not None else None
     step_s = times.t_end - times.t0
     tokens_per_s = tokens / step_s if step_s > 0 else 0.0
-    ctx.run.emit(
-        ev.StepCompleted(
-            job_id=ctx.job_id,
-            attempt=ctx.attempt,
-            rank=ctx.rank,
-            node=ctx.node,
-            step=step,
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            tokens=tokens,
-            tokens_per_s=tokens_per_s,
-            data_time_s=t_data,
-            forward_time_s=t_fwd,
-            backward_time_s=t_bwd,
-            comm_time_s=comm_s,
-            optimizer_time_s=ctx.clock.between(*times.optimizer),
-            step_time_s=step_s,
-            skipped=not applied,
-            data_position=pos,
-            local_finite=bool(m.finite.item()),  # already computed: the guard's .tolist() synchronised
-            flops_per_token=ctx.flops_per_token,
-            mfu=mfu(tokens_per_s, ctx.flops_per_token, ctx.peak) if ctx.flops_per_token else None,
-            micro_batch=B // st.split,
-            generation=st.generation,
-            **memory_bytes(ctx.device),
-        ),
+    ctx.run.report(
+        step,
+        loss=loss,
+        grad_norm=grad_norm,
+        lr=lr,
+        tokens=tokens,
+        step_time_s=step_s,
+        data_position=pos,
+        skipped=not applied,
+        local_finite=bool(m.finite.item()),  # already computed: the guard's .tolist() synchronised
+        data_time_s=t_data,
+        forward_time_s=t_fwd,
+        backward_time_s=t_bwd,
+        comm_time_s=comm_s,
+        optimizer_time_s=ctx.clock.between(*times.optimizer),
+        flops_per_token=ctx.flops_per_token,
+        mfu=mfu(tokens_per_s, ctx.flops_per_token, ctx.peak) if ctx.flops_per_token else None,
+        micro_batch=B // st.split,
+        **memory_bytes(ctx.device),
     )
     if step % 10 == 0 or not applied:
         log.info(
