@@ -8,7 +8,7 @@ is not judged again (a step only goes back into the windows), and a redelivered 
 skipped.
 
 A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then its
-`IncidentRaised`; the state and incident are saved, and only then is the batch acknowledged. A
+`IncidentRaised` (`outgoing`); the state and incident are saved, and only then is the batch acknowledged. A
 decision that cannot be published yet (NATS away) is retried in place, and nothing after it is judged
 until it is out: the order holds. A message the server refuses for good (`PublishRefused`: too large,
 a bad subject) is never retried: its incident goes out truncated (`oversize.truncated`), and what still
@@ -53,6 +53,20 @@ log = logging.getLogger(__name__)
 
 HANG_CHECK_S = 0.5
 RETRY_MAX_S = 5.0
+
+
+def outgoing(decision: Decision) -> list[tuple[str, IncidentRaised | Command]]:
+    """A decision's messages as (subject, message), in publish order. Commands go first (they are what
+    stops the damage), except for `fail`, whose incident goes first so that the scheduler records FAILED,
+    not CANCELLED."""
+    incident = decision.incident
+    job = incident.job_id
+    inc_subject = subjects.incident(job) if job else subjects.node_incident(incident.node or "unknown")
+    cmds: list[tuple[str, IncidentRaised | Command]] = (
+        [(subjects.cmd(job), c) for c in decision.commands] if job else []
+    )
+    inc: list[tuple[str, IncidentRaised | Command]] = [(inc_subject, incident)]
+    return inc + cmds if decision.action == "fail" else cmds + inc
 
 
 class GuardianService:
@@ -180,7 +194,7 @@ class GuardianService:
         while self._owed:
             d = self._owed[0]
             incident = d.incident
-            for subject, message in d.messages():
+            for subject, message in outgoing(d):
                 sent = await self._publish(subject, message)
                 if message is d.incident and isinstance(sent, IncidentRaised):
                     incident = sent
