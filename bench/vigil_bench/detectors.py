@@ -40,7 +40,7 @@ from vigil_bench.streams import NOISE_LEVELS, WORLD, Stream, suite
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_guardian.inputs import INPUTS
+from vigil_guardian.service import INPUTS
 
 SEED = 11
 STEPS = 400

@@ -24,7 +24,7 @@ from vigil.spec import JobSpec
 from vigil_bench import percentile
 from vigil_common import credentials, lease, subjects
 from vigil_common.bus import Bus
-from vigil_guardian.inputs import job_input, last_stored
+from vigil_guardian.service import job_input, last_stored
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.settings import Settings
-from vigil_guardian.inputs import INPUTS
+from vigil_guardian.service import INPUTS
 
 ROUNDS = 5
 SAMPLES_PER_ROUND = 100

@@ -1,11 +1,11 @@
-"""The high-volume events decoded by msgspec, from a struct derived from their pydantic model.
+"""The high-volume events' msgspec structs, derived from their pydantic model.
 
 Every rank sends a `StepCompleted` per step: telemetry stores each one and the guardian judges each one,
 and pydantic's validation was most of what either spent on a message. `struct_of` derives a msgspec
 struct from the pydantic model, field by field (types, defaults, bounds, patterns), so the model stays
 the one definition of the event; a field or constraint it cannot translate is a TypeError at the first
-use, never a silent difference. `FastDecoder.decode` returns the pydantic event, built without a second
-validation, or None when msgspec refuses the bytes: the caller then decodes with pydantic
+use, never a silent difference. The bus decodes with it (`vigil_common.bus.decoding.FastDecoder`) and
+builds the pydantic event without a second validation (`built`); what msgspec refuses goes to pydantic
 (`vigil.events.decode`), which upgrades an older version or names the field that is wrong. So
 msgspec only has to accept a subset of what pydantic accepts, with the same values
 (`tests/unit/common/test_msgspec_events.py` checks both on generated messages).
@@ -14,11 +14,9 @@ msgspec only has to accept a subset of what pydantic accepts, with the same valu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import types
 import typing
-from datetime import datetime
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
@@ -37,39 +35,7 @@ _AWARE = Annotated[str, msgspec.Meta(pattern=_RFC3339)]
 _CONSTRAINTS = ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern")
 
 
-class FastDecoder:
-    """Decode one event class with msgspec (`struct_of`)."""
-
-    def __init__(self, model: type[BaseModel]) -> None:
-        self.model = model
-        self.struct, _, self._datetimes = _derive(model, nonfinite=False)
-        self._decoder = msgspec.json.Decoder(self.struct)
-        nonfinite, self._floats, _ = _derive(model, nonfinite=True)
-        self._nonfinite = msgspec.json.Decoder(nonfinite)
-        self._asdict = msgspec.structs.asdict
-
-    def decode(self, data: bytes) -> BaseModel | None:
-        """The event `data` holds, or None when msgspec refuses it (pydantic then decides, and says why)."""
-        nonfinite = b'"NaN"' in data or b'inity"' in data
-        try:
-            values = self._asdict((self._nonfinite if nonfinite else self._decoder).decode(data))
-        except msgspec.MsgspecError:
-            return None
-        if nonfinite:
-            for name in self._floats:
-                if type(values[name]) is str:
-                    values[name] = float(values[name])  # "NaN", "Infinity" or "-Infinity"
-        for name in self._datetimes:
-            if type(at := values[name]) is str:
-                try:
-                    values[name] = _fromisoformat(at)
-                except ValueError:  # a date that does not exist (month 13, hour 24): pydantic says so
-                    return None
-        return built(self.model, values)
-
-
 _setattr = object.__setattr__
-_fromisoformat = datetime.fromisoformat
 
 
 def built(model: type[BaseModel], values: dict[str, Any]) -> BaseModel:
@@ -84,19 +50,13 @@ def built(model: type[BaseModel], values: dict[str, Any]) -> BaseModel:
     return event
 
 
-@functools.cache
-def fast_decoder(model: type[BaseModel]) -> FastDecoder:
-    """The decoder of `model` (built once)."""
-    return FastDecoder(model)
-
-
 def struct_of(model: type[BaseModel], *, nonfinite: bool = False) -> type[msgspec.Struct]:
     """A msgspec struct with `model`'s fields, defaults and constraints, refusing unknown fields;
     `nonfinite`: its unbounded floats also take "NaN", "Infinity" and "-Infinity"."""
-    return _derive(model, nonfinite=nonfinite)[0]
+    return derive(model, nonfinite=nonfinite)[0]
 
 
-def _derive(
+def derive(
     model: type[BaseModel], *, nonfinite: bool
 ) -> tuple[type[msgspec.Struct], tuple[str, ...], tuple[str, ...]]:
     """The struct, the float fields that may hold a non-finite number's string, and the datetime fields

@@ -4,8 +4,8 @@ Lifecycle: connect; hear the GPU samples; hold shares, each: restore (saved stat
 each active job's steps that its input has acknowledged) and consume its input, with a hang check on a
 timer, until given up; the webhook notifier; drain and close on `stop`.
 
-What each part is: a share's input (`inputs`), its judging (`service.GuardianService`), the shares and
-how one is taken up (`shares`), the detectors (`core`, `watch`, `policy`), the saved state (`store`).
+What each part is: a share's input, how it is taken up and its judging (`service.GuardianService`), the
+shares (`shares`), the detectors (`core`, `watch`, `policy`), the saved state (`store`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from vigil_guardian.core import Guardian
 from vigil_guardian.devices import Devices
 from vigil_guardian.notifier import Notifier
 from vigil_guardian.service import GuardianService
-from vigil_guardian.shares import Shares, judge, route
+from vigil_guardian.shares import Shares, route
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             service.fence = await store.take_epoch(pool, share, instance())
             judging[share] = (service, until)
             try:
-                await judge(service, settings, until)
+                await service.run_share(settings.guardian_replay_s, until)
             except* store.Fenced as fenced:
                 # Another guardian took the share (this one's lock lapsed: paused, cut off): it judges
                 # no more, and waits for its lease to notice and give the share up.

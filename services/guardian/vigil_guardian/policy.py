@@ -27,7 +27,6 @@ from typing import Any
 
 from vigil.events import Command, HaltJob, IncidentAction, IncidentRaised, RestartJob, RollbackJob
 from vigil.spec import Action, GuardianSpec
-from vigil_common import subjects
 from vigil_guardian.verdict import Verdict
 
 IN_PLACE = frozenset({"nan", "spike", "divergence"})
@@ -35,7 +34,8 @@ IN_PLACE = frozenset({"nan", "spike", "divergence"})
 
 @dataclass(frozen=True)
 class Decision:
-    """An incident and the commands it causes, in publish order."""
+    """An incident and the commands it causes, in the order they are issued (`service.outgoing` says
+    in which order they are published, and on which subjects)."""
 
     incident: IncidentRaised
     commands: tuple[Command, ...] = ()
@@ -43,19 +43,6 @@ class Decision:
     @property
     def action(self) -> IncidentAction:
         return self.incident.action
-
-    def messages(self) -> list[tuple[str, IncidentRaised | Command]]:
-        """(subject, message) in publish order. Commands go first (they are what stops the damage),
-        except for `fail`, whose incident goes first so that the scheduler records FAILED, not CANCELLED."""
-        job = self.incident.job_id
-        inc_subject = (
-            subjects.incident(job) if job else subjects.node_incident(self.incident.node or "unknown")
-        )
-        cmds: list[tuple[str, IncidentRaised | Command]] = (
-            [(subjects.cmd(job), c) for c in self.commands] if job else []
-        )
-        inc: list[tuple[str, IncidentRaised | Command]] = [(inc_subject, self.incident)]
-        return inc + cmds if self.action == "fail" else cmds + inc
 
 
 def incident_id(*key: object) -> str:

@@ -1,5 +1,18 @@
-"""One share's judging: the I/O around the pure `Guardian` core (publish decisions, save state, the hang
-check).
+"""One share's judging: its input, and the I/O around the pure `Guardian` core (take the share up,
+publish decisions, save state, the hang check).
+
+One ordered input per share. A share's job events come through one durable consumer of VIGIL_JOBS
+(`share_input`, filtered on the share's stored subjects), in the order the server stored them, and are
+judged in that order: a job's launch before its steps, a rank's checkpoint before its next step, a
+rollback's completion before the steps after it.
+
+Taking a share up (`GuardianService.run_share`, after a restart or a hand-over alike) restores it: its
+saved state and cursor (`cursor_key`), then a re-feed of each active job's steps that its input has
+acknowledged into the detector windows, quietly (no decision: their effect is in the saved state). A
+re-feed is not a replay, which re-runs a held step on the ranks. First start: a share with no consumer
+and no saved state (a new deployment, or one started after its jobs) replays the last
+`guardian_replay_s` of job events, so it judges a running job from its start; jobs that ended within
+that window are not judged at all.
 
 Judged once. Two sequences of that input say where a share stands: `judged` (every event up to it has
 had its effect) and `windowed` (every step up to it is in the detector windows). The judged sequence is
@@ -8,7 +21,7 @@ is not judged again (a step only goes back into the windows), and a redelivered 
 skipped.
 
 A decision goes out as its commands on `subjects.cmd(job)` first (they stop the damage), then its
-`IncidentRaised`; the state and incident are saved, and only then is the batch acknowledged. A
+`IncidentRaised` (`outgoing`); the state and incident are saved, and only then is the batch acknowledged. A
 decision that cannot be published yet (NATS away) is retried in place, and nothing after it is judged
 until it is out: the order holds. A message the server refuses for good (`PublishRefused`: too large,
 a bad subject) is never retried: its incident goes out truncated (`oversize.truncated`), and what still
@@ -19,6 +32,8 @@ per fault, so a crash between publishing and saving republishes the same ids (Je
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -30,6 +45,7 @@ from vigil.events import (
     Command,
     GpuSampled,
     IncidentRaised,
+    JobStateChanged,
     Message,
     MessageDeadLettered,
     StepCompleted,
@@ -37,22 +53,83 @@ from vigil.events import (
     is_guardian_input,
     utcnow,
 )
-from vigil_common import subjects
-from vigil_common.bus import Bus, Delivery
+from vigil.jobstates import TERMINAL_STATES
+from vigil_common import credentials, subjects
+from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.origin import Origins
 from vigil_common.service import wait_any
 from vigil_guardian import store
 from vigil_guardian.core import Guardian
-from vigil_guardian.inputs import cursor_key, input_idle, last_stored, share_input
 from vigil_guardian.notifier import Notifier
 from vigil_guardian.oversize import truncated
 from vigil_guardian.policy import Decision
+from vigil_guardian.state import Control
 from vigil_guardian.verdict import Verdict
+from vigil_guardian.watch import JobWatch
 
 log = logging.getLogger(__name__)
 
 HANG_CHECK_S = 0.5
 RETRY_MAX_S = 5.0
+REFEED_HORIZON_S = 3600.0  # the windows hold the last few dozen steps per rank: an hour rebuilds them
+
+
+# --- a share's input ----------------------------------------------------------------------------------
+
+
+def share_input(share: int) -> ConsumerSpec:
+    """The durable consumer of one share's job events."""
+    return ConsumerSpec(
+        stream=subjects.JOBS,
+        durable=credentials.guardian_input(share),
+        filter_subject=subjects.share_events(share),
+    )
+
+
+INPUTS = tuple(share_input(k) for k in range(subjects.SHARES))
+
+
+def job_input(job_id: str) -> ConsumerSpec:
+    """The consumer that judges a job's events: its share's."""
+    return share_input(subjects.share_of(job_id))
+
+
+def cursor_key(share: int) -> str:
+    """Where a share's judged sequence is saved (`guardian_cursor.stream`): a VIGIL_JOBS sequence. (The
+    cursors of the release that read a copy, `VIGIL_SHARES/<share>`, count another stream's sequences:
+    not read, see `GuardianService.restore`.)"""
+    return f"{subjects.JOBS.name}/{subjects.check_share(share)}"
+
+
+async def last_stored(bus: Bus, job_id: str) -> int | None:
+    """The VIGIL_JOBS sequence of the last event stored of the job (its share's input reads that stream);
+    None when there is none."""
+    last = await bus.last_stored(subjects.JOBS.name, subjects.job_events(job_id))
+    return last.seq if last is not None else None
+
+
+async def input_idle(bus: Bus, spec: ConsumerSpec) -> bool:
+    with contextlib.suppress(RetryableError):
+        state = await bus.consumer_state(spec)
+        return state is not None and state.idle
+    return False
+
+
+# --- a decision's messages ----------------------------------------------------------------------------
+
+
+def outgoing(decision: Decision) -> list[tuple[str, IncidentRaised | Command]]:
+    """A decision's messages as (subject, message), in publish order. Commands go first (they are what
+    stops the damage), except for `fail`, whose incident goes first so that the scheduler records FAILED,
+    not CANCELLED."""
+    incident = decision.incident
+    job = incident.job_id
+    inc_subject = subjects.incident(job) if job else subjects.node_incident(incident.node or "unknown")
+    cmds: list[tuple[str, IncidentRaised | Command]] = (
+        [(subjects.cmd(job), c) for c in decision.commands] if job else []
+    )
+    inc: list[tuple[str, IncidentRaised | Command]] = [(inc_subject, incident)]
+    return inc + cmds if decision.action == "fail" else cmds + inc
 
 
 class GuardianService:
@@ -89,6 +166,91 @@ class GuardianService:
         # Decided but not yet published, and incidents published but not yet saved.
         self._owed: list[Decision] = []
         self._unsaved: list[IncidentRaised] = []
+
+    # --- taking the share up ------------------------------------------------------------------------
+
+    async def run_share(self, replay_s: float, until: asyncio.Event) -> None:
+        """Restore the share (saved state and cursor, as after a restart: a hand-over is one); judge its
+        input until `until`."""
+        spec = await self.restore(replay_s)
+        async with asyncio.TaskGroup() as tasks:
+            # a step or status event counts only from the node its launch placed it on
+            tasks.create_task(
+                self.bus.consume_batches(
+                    spec, lambda b: self.on_jobs(b, until), until, gather_s=0, admit=self.origins.admit
+                )
+            )
+            tasks.create_task(self.hang_loop(until))
+
+    async def restore(self, replay_s: float) -> ConsumerSpec:
+        """Load the share's saved state and rebuild each active job's windows from the steps its input has
+        acknowledged; returns the input's spec (a first start: a bounded replay)."""
+        share, spec, core = self.share, self.input, self.core
+        saved = await store.load(self.pool, cursor_key(share), share)
+        for job_id in saved.finished:
+            core.finish(job_id)
+        for iid in saved.incidents:
+            core.mark_published(iid)
+        core.restore_devices(saved.devices)
+        self._devices = core.device_levels()
+        for job_id, snap in saved.jobs.items():
+            core.jobs[job_id] = JobWatch(job_id, Control.restore(snap))
+            self._saved[job_id] = snap
+        self.judged = saved.cursor or 0
+        state = await self.bus.consumer_state(spec)
+        if state is None:
+            if saved.jobs and saved.cursor is None:
+                # State saved by a guardian of an earlier layout (before shares, one input for all jobs; or
+                # reading VIGIL_SHARES, the copy): its cursor counts another stream's sequences. It judged up
+                # to now, so this share starts at new events, as that one would have.
+                return dataclasses.replace(spec, deliver_new=True)
+            since = utcnow().timestamp() - replay_s
+            ended = await self._ended_since(since)
+            for job_id in ended:
+                if job_id not in core.jobs:
+                    core.finish(job_id)
+            log.info(
+                "guardian: share %d: first start, replaying %.0fs of job events (%d jobs ended)",
+                share,
+                replay_s,
+                len(ended),
+            )
+            return dataclasses.replace(spec, replay_s=replay_s)
+        self.windowed = upto = state.acked
+        refed = 0
+        for watch in list(core.jobs.values()):
+            refed += await self.refeed(watch, upto)
+        if saved.jobs:
+            log.info("guardian: share %d: restored %d jobs, refed %d steps", share, len(saved.jobs), refed)
+        return spec
+
+    async def _ended_since(self, since: float) -> set[str]:
+        """The share's jobs whose last state change since `since` ended them."""
+        last: dict[str, bool] = {}
+        admit = Origins(self.bus).admit
+        name = credentials.guardian_scan(self.share)
+        async for event in self.bus.scan(name, subjects.CONTROL_STATUS, since=since, admit=admit):
+            if (
+                isinstance(event, JobStateChanged)
+                and event.job_id
+                and subjects.share_of(event.job_id) == self.share
+            ):
+                last[event.job_id] = event.to_state in TERMINAL_STATES
+        return {job for job, ended in last.items() if ended}
+
+    async def refeed(self, watch: JobWatch, upto: int) -> int:
+        """Feed a job's step events (share input sequence <= `upto`) quietly: windows only, no decisions."""
+        if upto <= 0:
+            return 0
+        since = max(watch.control.replay_from, utcnow().timestamp() - REFEED_HORIZON_S)
+        fed = 0
+        steps = subjects.job_steps(watch.job_id)
+        name = credentials.guardian_scan(self.share)
+        async for event in self.bus.scan(name, steps, since=since, upto=upto, admit=self.origins.admit):
+            if isinstance(event, StepCompleted):  # all a step subject carries (`subjects.CARRIES`)
+                self.core.on_event(event, event.occurred_at, quiet=True)
+                fed += 1
+        return fed
 
     # --- the inputs ---------------------------------------------------------------------------------
 
@@ -180,7 +342,7 @@ class GuardianService:
         while self._owed:
             d = self._owed[0]
             incident = d.incident
-            for subject, message in d.messages():
+            for subject, message in outgoing(d):
                 sent = await self._publish(subject, message)
                 if message is d.incident and isinstance(sent, IncidentRaised):
                     incident = sent

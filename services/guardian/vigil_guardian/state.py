@@ -2,7 +2,8 @@
 
 One dataclass, `Control`, serialised by one pydantic adapter: what is listed here is what is saved.
 What is not here (the detector windows, the open episodes, the steps held during a recovery) is
-rebuilt after a restart by re-feeding the job's step events quietly (`vigil_guardian.shares.refeed`).
+rebuilt after a restart by re-feeding the job's step events quietly
+(`vigil_guardian.service.GuardianService.refeed`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and the steps held during a recovery (rebuilt after a restart by a quiet replay of its steps).
 
 `JobWatch` is pure: events and the current time go in, `Decision`s come out; the service around it
-publishes them. Events come in the order the job's stream stored them (`vigil_guardian.inputs`), so a
+publishes them. Events come in the order the job's stream stored them (`service.share_input`), so a
 launch precedes its ranks' steps, and a rank's checkpoint precedes its next step.
 
 Timelines. After an in-place rollback the ranks re-run steps they already ran. Events of the

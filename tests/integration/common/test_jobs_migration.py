@@ -20,7 +20,7 @@ from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.bus.streams import LEGACY_THROUGH
 from vigil_common.embedded import EmbeddedNats
 from vigil_common.origin import Origins
-from vigil_guardian.inputs import share_input
+from vigil_guardian.service import share_input
 
 pytestmark = pytest.mark.integration
 

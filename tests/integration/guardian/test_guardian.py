@@ -23,8 +23,8 @@ from vigil.spec import JobSpec
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_guardian.inputs import INPUTS, job_input, last_stored
 from vigil_guardian.main import run
+from vigil_guardian.service import INPUTS, job_input, last_stored
 
 pytestmark = pytest.mark.integration
 

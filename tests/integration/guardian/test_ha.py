@@ -20,7 +20,7 @@ from tests.integration.scheduler.conftest import fresh_database
 from vigil.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_common import lease, subjects
 from vigil_common.bus import Bus
-from vigil_guardian import inputs as guardian
+from vigil_guardian import service as guardian
 
 pytestmark = [pytest.mark.integration, pytest.mark.ha]
 

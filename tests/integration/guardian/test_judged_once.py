@@ -15,8 +15,8 @@ from tests.helpers import eventually, service
 from tests.integration.guardian.test_guardian import Job, cfg, judged, ready, take
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_guardian.inputs import INPUTS, cursor_key, last_stored
 from vigil_guardian.main import run
+from vigil_guardian.service import INPUTS, cursor_key, last_stored
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from tests.integration.secured import refused
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.embedded import EmbeddedNats
-from vigil_guardian.inputs import share_input
+from vigil_guardian.service import share_input
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 

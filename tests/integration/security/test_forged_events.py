@@ -43,8 +43,8 @@ from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, EventStream
 from vigil_common.embedded import EmbeddedNats
 from vigil_common.settings import Settings
-from vigil_guardian import inputs as guardian_inputs
 from vigil_guardian import main as guardian
+from vigil_guardian import service as guardian_service
 from vigil_scheduler import main as scheduler
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
@@ -100,7 +100,7 @@ async def guardian_on(
     server: EmbeddedNats, admin: Bus, database_url: str, tmp_path: Path
 ) -> AsyncIterator[None]:
     """The guardian service as its own NATS user on `database_url`, with a fresh durable consumer."""
-    for made in guardian_inputs.INPUTS:
+    for made in guardian_service.INPUTS:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await admin.js.delete_consumer(made.stream.name, made.durable)
     settings = Settings.load(
@@ -110,7 +110,7 @@ async def guardian_on(
         metrics_port=0,
     )
     async with service(guardian.run, settings):
-        for made in guardian_inputs.INPUTS:
+        for made in guardian_service.INPUTS:
             await eventually(lambda made=made: _consumer(admin, made), what="the guardian's consumers")
         yield
 
@@ -151,7 +151,7 @@ async def test_a_forged_nan_step_from_another_node_is_dead_lettered_and_the_job_
         # on its own node's subject (the only one its user may use), as itself and posing as n2
         await n1.publish(subjects.step(job_id, "n1"), step(job_id, 3, 0, "n1", math.nan))
         await n1.publish(subjects.step(job_id, "n1"), step(job_id, 3, 1, "n2", math.nan))
-        refused = await dead_letters(letters, guardian_inputs.job_input(job_id).durable, 2)
+        refused = await dead_letters(letters, guardian_service.job_input(job_id).durable, 2)
     assert all(d.subject == subjects.step(job_id, "n1") and "forged" in d.reason for d in refused), refused
     for rank in ON_N2:  # the run goes on, and its next steps are judged
         await n2.publish(subjects.step(job_id, "n2"), step(job_id, 3, rank, "n2", 2.9))

@@ -38,9 +38,8 @@ from vigil_common import credentials, subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_guardian.core import Guardian
-from vigil_guardian.inputs import job_input
 from vigil_guardian.notifier import Notifier
-from vigil_guardian.service import GuardianService
+from vigil_guardian.service import GuardianService, job_input
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 

@@ -12,7 +12,7 @@ import pytest
 
 from vigil_common import credentials, subjects
 from vigil_common.bus import ConsumerSpec
-from vigil_guardian import inputs as guardian_inputs
+from vigil_guardian import service as guardian_service
 from vigil_scheduler import main as scheduler_main
 from vigil_telemetry import main as telemetry_main
 from vigil_worker import agent
@@ -22,7 +22,7 @@ NODES = ("n1", "gpu-a")
 ROLES = credentials.roles(NODES)
 SERVICES: dict[str, ModuleType] = {
     credentials.SCHEDULER: scheduler_main,
-    credentials.GUARDIAN: guardian_inputs,
+    credentials.GUARDIAN: guardian_service,
     credentials.TELEMETRY: telemetry_main,
 }
 
@@ -39,7 +39,7 @@ def used_by(role: str) -> set[tuple[str, str]]:
         specs = specs_of(SERVICES[role])
     used = {(s.stream.name, s.durable) for s in specs}
     if role == credentials.GUARDIAN:
-        used |= {(s.stream.name, s.durable) for s in guardian_inputs.INPUTS}  # one per share
+        used |= {(s.stream.name, s.durable) for s in guardian_service.INPUTS}  # one per share
         for k in range(subjects.SHARES):  # Bus.scan at a share's restore: its jobs' ends, their steps
             used.add((subjects.JOBS.name, credentials.guardian_scan(k)))
         used |= set(credentials.LEGACY_GUARDIAN)  # deleted at start
@@ -55,7 +55,7 @@ def test_consumer_specs_are_declared_where_this_test_looks() -> None:
     """A ConsumerSpec made in another module would escape the check above: add that module there."""
     checked = {
         ROOT / "services/scheduler/vigil_scheduler/main.py",
-        ROOT / "services/guardian/vigil_guardian/inputs.py",
+        ROOT / "services/guardian/vigil_guardian/service.py",
         ROOT / "services/telemetry/vigil_telemetry/main.py",
         ROOT / "services/worker/vigil_worker/agent.py",
     }

@@ -18,9 +18,9 @@ from tests.unit.common.samples import SAMPLES
 from vigil import events as ev
 from vigil.errors import MalformedMessage
 from vigil_common import subjects
-from vigil_common.bus.decoding import decode_message
+from vigil_common.bus.decoding import decode_message, fast_decoder
 from vigil_common.bus.streams import Stored
-from vigil_common.msgspec_events import fast_decoder, struct_of
+from vigil_common.msgspec_events import struct_of
 
 STEP = SAMPLES[ev.StepCompleted]
 DECODER = fast_decoder(ev.StepCompleted)

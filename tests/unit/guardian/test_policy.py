@@ -2,6 +2,7 @@ from tests.unit.guardian.helpers import JOB, T0
 from vigil.spec import GuardianSpec
 from vigil_common import subjects
 from vigil_guardian.policy import Policy, incident_id, rollback_target
+from vigil_guardian.service import outgoing
 from vigil_guardian.verdict import Verdict
 
 CKPTS = {0: "/c/step_00000000", 5: "/c/step_00000005", 10: "/c/step_00000010"}
@@ -36,7 +37,7 @@ def test_nan_rollback_halts_then_rolls_back_in_place_past_its_data():
     # a NaN in the data comes back with it: its window is skipped, as a spike's is
     assert (rollback.checkpoint, rollback.step, rollback.skip_data) == (CKPTS[5], 5, (42, 43))
     assert rollback.attempt == 2 and rollback.incident_id == d.incident.event_id
-    assert [s for s, _ in d.messages()] == [subjects.cmd(JOB), subjects.cmd(JOB), subjects.incident(JOB)]
+    assert [s for s, _ in outgoing(d)] == [subjects.cmd(JOB), subjects.cmd(JOB), subjects.incident(JOB)]
     assert d.incident.evidence["checkpoint_step"] == 5
 
 
@@ -74,7 +75,7 @@ def test_actions_from_the_spec():
     # the incident alone: the scheduler makes it FAILED and cancels the ranks itself, so no
     # CancelJob from here can race it to CANCELLED
     assert d.commands == ()
-    assert [m.type for _, m in d.messages()] == ["incident.raised"]
+    assert [m.type for _, m in outgoing(d)] == ["incident.raised"]
 
 
 def test_max_rollbacks_turns_into_fail():
@@ -108,4 +109,4 @@ def test_deviceless_incident_goes_to_the_node_subject():
         now=T0,
     )
     assert d.action == "alert" and d.commands == ()
-    assert d.messages() == [(subjects.node_incident("n3"), d.incident)]
+    assert outgoing(d) == [(subjects.node_incident("n3"), d.incident)]

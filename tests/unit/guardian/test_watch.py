@@ -13,6 +13,7 @@ from vigil.events import (
     StepReplayed,
 )
 from vigil_guardian.core import Guardian
+from vigil_guardian.service import outgoing
 from vigil_guardian.state import Control
 from vigil_guardian.watch import JobWatch
 
@@ -96,7 +97,7 @@ def test_a_fault_that_comes_back_after_every_rollback_ends_in_fail():
     feed(g, [step(k, r, noisy(k), t=1.0 + 0.1 * (k - 4)) for k in (5, 6) for r in (0, 1)])
     again = feed(g, [step(7, 0, math.nan, t=1.35)], now=at(1.36))
     assert len(again) == 1 and again[0].action == "fail"
-    assert [m.type for _, m in again[0].messages()] == ["incident.raised"]  # the scheduler cancels
+    assert [m.type for _, m in outgoing(again[0])] == ["incident.raised"]  # the scheduler cancels
     # the job is over: nothing more from it
     assert feed(g, [step(8, 0, math.nan, t=1.45)]) == []
     feed(g, [JobStateChanged(job_id=JOB, attempt=1, from_state="RUNNING", to_state="FAILED", cause="x")])
