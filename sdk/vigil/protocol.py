@@ -31,14 +31,13 @@ The recovery sequence, written once:
    (`VIGIL_RESUME_FROM`).
 
 Link frames are JSON, one per line (`encode_frame` / `decode_frame`), at most `MAX_FRAME_BYTES` each
-(`MAX_RANK_FRAME_BYTES` from a rank). A publish frame whose event breaks a bound of its model is
-`EventRefused`: the agent answers it with an `Acked` error naming the field, and the link goes on.
+(`MAX_RANK_FRAME_BYTES` from a rank). The agent decodes a rank's frames (`vigil_worker.relay`): a
+publish frame whose event breaks a bound of its model is answered with an `Acked` error naming the
+field, and the link goes on.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 from typing import Annotated, Literal, TypeGuard, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -166,7 +165,6 @@ class Bye(_Frame):
 
 RankFrame = Annotated[Hello | Publish | Bye, Field(discriminator="frame")]
 AgentFrame = Annotated[Welcome | Refused | Acked | Delivered, Field(discriminator="frame")]
-_RANK_FRAME: TypeAdapter[Hello | Publish | Bye] = TypeAdapter(RankFrame)
 _AGENT_FRAME: TypeAdapter[Welcome | Refused | Acked | Delivered] = TypeAdapter(AgentFrame)
 
 
@@ -176,56 +174,6 @@ def encode_frame(frame: _Frame) -> bytes:
     if len(data) > MAX_FRAME_BYTES:
         raise ValueError(f"a {type(frame).__name__} frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
     return data
-
-
-class EventRefused(MalformedMessage):
-    """A well-formed publish frame whose event breaks its model's bounds: refused, the link goes on.
-    `field` is the first field named (the event's own path, e.g. `culprits` or `values.0.rank`)."""
-
-    def __init__(self, id: int, report: str, field: str, reason: str) -> None:
-        self.id, self.report, self.field, self.reason = id, report, field, reason
-        super().__init__(reason)
-
-
-def decode_rank_frame(line: bytes) -> Hello | Publish | Bye:
-    """A frame a rank sent; EventRefused for a publish frame whose event is out of bounds (answer it
-    and go on), MalformedMessage naming the field for anything else that is wrong."""
-    if len(line) > MAX_RANK_FRAME_BYTES:
-        raise MalformedMessage(f"frame of {len(line)} bytes exceeds {MAX_RANK_FRAME_BYTES}")
-    try:
-        return _RANK_FRAME.validate_json(line)
-    except ValidationError as exc:
-        if (older := _older_step(line)) is not None:
-            return older
-        if (refused := _refused_event(exc, line)) is not None:
-            raise refused from exc
-        raise MalformedMessage(f"bad frame: {_fields(exc)}") from exc
-
-
-def _older_step(line: bytes) -> Publish | None:
-    """A publish frame of a StepCompleted of an older version (a training image with an older SDK), read
-    as the current version, as `events.decode` reads it from the bus; None for anything else (off the
-    hot path: only a frame the current models refused gets here)."""
-    with contextlib.suppress(ValueError):  # not JSON, or the older version refuses it too
-        frame = json.loads(line)
-        event = frame.get("event") if isinstance(frame, dict) and frame.get("frame") == "publish" else None
-        if isinstance(event, dict) and event.get("type") == "step.completed":
-            older = ev.REGISTRY.get(("step.completed", event.get("schema_version")))  # type: ignore[arg-type]
-            if older is not None and older is not ev.StepCompleted:
-                return Publish(id=frame.get("id"), event=older.model_validate(event).upgraded())
-    return None
-
-
-def _refused_event(exc: ValidationError, line: bytes) -> EventRefused | None:
-    """The refusal of a publish frame whose every error lies inside its event (its id is good)."""
-    errors = exc.errors(include_url=False)
-    if not all(e["loc"][:2] == ("publish", "event") and len(e["loc"]) > 3 for e in errors):
-        return None
-    frame = json.loads(line)  # valid JSON with a valid id: the errors are all inside the event
-    report = str(errors[0]["loc"][2])
-    field = ".".join(str(p) for p in errors[0]["loc"][3:])
-    parts = ["{}: {}".format(".".join(str(p) for p in e["loc"][3:]), e["msg"]) for e in errors[:5]]
-    return EventRefused(frame["id"], report, field, f"{report} refused: " + "; ".join(parts))
 
 
 def decode_agent_frame(line: bytes) -> Welcome | Refused | Acked | Delivered:
@@ -242,10 +190,11 @@ def _decode(adapter: TypeAdapter[T], line: bytes) -> T:
     try:
         return adapter.validate_json(line)
     except ValidationError as exc:
-        raise MalformedMessage(f"bad frame: {_fields(exc)}") from exc
+        raise MalformedMessage(f"bad frame: {bad_fields(exc)}") from exc
 
 
-def _fields(exc: ValidationError) -> str:
+def bad_fields(exc: ValidationError) -> str:
+    """The fields a frame got wrong, and why (the first five)."""
     return "; ".join(
         f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5]
     )

@@ -26,7 +26,7 @@ from vigil import protocol as proto
 from vigil.errors import MalformedMessage
 from vigil_common.bus import Bus
 from vigil_worker.pod_table import PodRankTable
-from vigil_worker.relay import Relay
+from vigil_worker.relay import Relay, decode_rank_frame
 
 log = logging.getLogger("vigil.worker")
 
@@ -77,7 +77,7 @@ class PodRelay(Relay):
             line = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
         except TimeoutError as exc:
             raise MalformedMessage(f"no hello within {HELLO_TIMEOUT_S:.0f}s") from exc
-        frame = proto.decode_rank_frame(line)
+        frame = decode_rank_frame(line)
         if not isinstance(frame, proto.Hello):
             raise MalformedMessage(f"the first frame must be a hello, not {frame.frame!r}")
         record = self.find(frame.job_id, frame.attempt, frame.rank)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import socket
@@ -35,6 +36,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from vigil import events as ev
 from vigil import protocol as proto
@@ -50,6 +53,61 @@ log = logging.getLogger("vigil.worker")
 IN_FLIGHT = 64  # a link's steps on their way to the server at once; then its frames wait to be read
 
 Answer = str | None | asyncio.Future[Any]  # a refusal, stored, or a publish on its way
+
+
+# --- a rank's frames ------------------------------------------------------------------------------------
+
+_RANK_FRAME: TypeAdapter[proto.Hello | proto.Publish | proto.Bye] = TypeAdapter(proto.RankFrame)
+
+
+class EventRefused(MalformedMessage):
+    """A well-formed publish frame whose event breaks its model's bounds: refused, the link goes on.
+    `field` is the first field named (the event's own path, e.g. `culprits` or `values.0.rank`)."""
+
+    def __init__(self, id: int, report: str, field: str, reason: str) -> None:
+        self.id, self.report, self.field, self.reason = id, report, field, reason
+        super().__init__(reason)
+
+
+def decode_rank_frame(line: bytes) -> proto.Hello | proto.Publish | proto.Bye:
+    """A frame a rank sent; EventRefused for a publish frame whose event is out of bounds (answer it
+    and go on), MalformedMessage naming the field for anything else that is wrong."""
+    if len(line) > proto.MAX_RANK_FRAME_BYTES:
+        raise MalformedMessage(f"frame of {len(line)} bytes exceeds {proto.MAX_RANK_FRAME_BYTES}")
+    try:
+        return _RANK_FRAME.validate_json(line)
+    except ValidationError as exc:
+        if (older := _older_step(line)) is not None:
+            return older
+        if (refused := _refused_event(exc, line)) is not None:
+            raise refused from exc
+        raise MalformedMessage(f"bad frame: {proto.bad_fields(exc)}") from exc
+
+
+def _older_step(line: bytes) -> proto.Publish | None:
+    """A publish frame of a StepCompleted of an older version (a training image with an older SDK), read
+    as the current version, as `events.decode` reads it from the bus; None for anything else (off the
+    hot path: only a frame the current models refused gets here)."""
+    with contextlib.suppress(ValueError):  # not JSON, or the older version refuses it too
+        frame = json.loads(line)
+        event = frame.get("event") if isinstance(frame, dict) and frame.get("frame") == "publish" else None
+        if isinstance(event, dict) and event.get("type") == "step.completed":
+            older = ev.REGISTRY.get(("step.completed", event.get("schema_version")))  # type: ignore[arg-type]
+            if older is not None and older is not ev.StepCompleted:
+                return proto.Publish(id=frame.get("id"), event=older.model_validate(event).upgraded())
+    return None
+
+
+def _refused_event(exc: ValidationError, line: bytes) -> EventRefused | None:
+    """The refusal of a publish frame whose every error lies inside its event (its id is good)."""
+    errors = exc.errors(include_url=False)
+    if not all(e["loc"][:2] == ("publish", "event") and len(e["loc"]) > 3 for e in errors):
+        return None
+    frame = json.loads(line)  # valid JSON with a valid id: the errors are all inside the event
+    report = str(errors[0]["loc"][2])
+    field = ".".join(str(p) for p in errors[0]["loc"][3:])
+    parts = ["{}: {}".format(".".join(str(p) for p in e["loc"][3:]), e["msg"]) for e in errors[:5]]
+    return EventRefused(frame["id"], report, field, f"{report} refused: " + "; ".join(parts))
 
 
 class Acks:
@@ -255,8 +313,8 @@ class Relay:
             acks = Acks(writer, _who(hello))
             while line := await self._line(hello, reader):
                 try:
-                    frame = proto.decode_rank_frame(line)
-                except proto.EventRefused as exc:  # out of its model's bounds: answered, the link goes on
+                    frame = decode_rank_frame(line)
+                except EventRefused as exc:  # out of its model's bounds: answered, the link goes on
                     await self._refuse(hello, exc.report, exc.field, exc.reason)
                     await acks.put(exc.id, exc.reason[:2000])
                     continue
@@ -301,7 +359,7 @@ class Relay:
     ) -> tuple[proto.Hello, proto.Welcome] | None:
         """The rank's hello and the welcome to answer it with (sent once its commands are being read), or
         None once it is refused."""
-        frame = proto.decode_rank_frame(await reader.readline())
+        frame = decode_rank_frame(await reader.readline())
         if not isinstance(frame, proto.Hello):
             raise MalformedMessage(f"the first frame must be a hello, not {frame.frame!r}")
         record = self.find(frame.job_id, frame.attempt, frame.rank)

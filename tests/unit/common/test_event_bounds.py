@@ -10,6 +10,7 @@ from tests.unit.common.samples import SAMPLES
 from vigil import events as ev
 from vigil import protocol as proto
 from vigil.errors import MalformedMessage
+from vigil_worker.relay import EventRefused, decode_rank_frame
 
 REPLAYED = SAMPLES[ev.StepReplayed]
 STEP = SAMPLES[ev.StepCompleted]
@@ -59,8 +60,8 @@ def test_steps_past_2_31_and_up_to_2_63_are_valid() -> None:
 def test_a_publish_frame_with_an_event_out_of_bounds_is_answered_not_fatal() -> None:
     frame = json.loads(proto.Publish(id=7, event=REPLAYED).model_dump_json())
     frame["event"]["culprits"] = list(range(5000))
-    with pytest.raises(proto.EventRefused) as refused:
-        proto.decode_rank_frame(json.dumps(frame).encode())
+    with pytest.raises(EventRefused) as refused:
+        decode_rank_frame(json.dumps(frame).encode())
     assert refused.value.id == 7 and refused.value.field == "culprits"
     assert refused.value.report == "ranks.step_replayed"
     assert "at most 1024 items" in refused.value.reason
@@ -68,4 +69,4 @@ def test_a_publish_frame_with_an_event_out_of_bounds_is_answered_not_fatal() -> 
 
 def test_a_frame_over_the_rank_bound_is_malformed() -> None:
     with pytest.raises(MalformedMessage, match="exceeds"):
-        proto.decode_rank_frame(b'{"frame": "bye", "x": "' + b"y" * proto.MAX_RANK_FRAME_BYTES + b'"}\n')
+        decode_rank_frame(b'{"frame": "bye", "x": "' + b"y" * proto.MAX_RANK_FRAME_BYTES + b'"}\n')

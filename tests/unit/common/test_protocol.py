@@ -8,6 +8,7 @@ import pytest
 
 from vigil import events as ev
 from vigil import protocol as proto
+from vigil_worker.relay import EventRefused, decode_rank_frame
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf, 2.5])
@@ -16,7 +17,7 @@ def test_a_non_finite_loss_crosses_the_link_as_itself(loss: float) -> None:
         job_id="j", attempt=1, rank=1, node="n", step=7, loss=loss, grad_norm=math.nan, lr=1e-3,
         tokens=8, tokens_per_s=1.0, step_time_s=0.1, local_finite=False,
     )  # fmt: skip
-    frame = proto.decode_rank_frame(proto.encode_frame(proto.Publish(id=1, event=step)))
+    frame = decode_rank_frame(proto.encode_frame(proto.Publish(id=1, event=step)))
     assert isinstance(frame, proto.Publish)
     got = frame.event
     assert isinstance(got, ev.StepCompleted)
@@ -26,7 +27,7 @@ def test_a_non_finite_loss_crosses_the_link_as_itself(loss: float) -> None:
 
 def test_a_bad_frame_names_the_field() -> None:
     with pytest.raises(Exception, match=r"publish\.id"):
-        proto.decode_rank_frame(b'{"frame": "publish", "id": 0, "event": {}}\n')
+        decode_rank_frame(b'{"frame": "publish", "id": 0, "event": {}}\n')
 
 
 def test_an_older_sdks_step_crosses_the_link_as_the_current_version() -> None:
@@ -35,12 +36,21 @@ def test_an_older_sdks_step_crosses_the_link_as_the_current_version() -> None:
 
     old = SAMPLES[ev.StepCompletedV2]
     line = b'{"frame": "publish", "id": 3, "event": ' + old.to_bytes() + b"}\n"
-    frame = proto.decode_rank_frame(line)
+    frame = decode_rank_frame(line)
     assert isinstance(frame, proto.Publish) and isinstance(frame.event, ev.StepCompleted)
     assert (
         frame.event.generation == 0 and frame.event.loss == old.loss and frame.event.event_id == old.event_id
     )
     bad = line.replace(b'"rank":1', b'"rank":-1')
     assert bad != line
-    with pytest.raises(proto.EventRefused, match="rank"):
-        proto.decode_rank_frame(bad)
+    with pytest.raises(EventRefused, match="rank"):
+        decode_rank_frame(bad)
+
+
+def test_rank_frames_name_what_is_wrong():
+    from vigil.errors import MalformedMessage
+
+    with pytest.raises(MalformedMessage, match="token"):
+        decode_rank_frame(b'{"frame": "hello", "job_id": "j", "attempt": 1, "rank": 0, "token": "short"}')
+    with pytest.raises(MalformedMessage, match="exceeds"):
+        decode_rank_frame(b"x" * (proto.MAX_FRAME_BYTES + 1))
