@@ -349,7 +349,8 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     snapshots.register(ctx)
     st = TrainState()
     position = 0
-    if (got := run.restore(safe_globals=ds_compat.checkpoint_safe_globals())) is not None:
+    got = run.restore(safe_globals=ds_compat.checkpoint_safe_globals()) if run.snapshotting else None
+    if got is not None:
         snapshots.load_rank_state(ctx, got.state)
         st.step, position = got.step, got.data_position
         log.warning(
