@@ -36,6 +36,7 @@ class Control:
     spec: GuardianSpec = field(default_factory=GuardianSpec)
     world_size: int | None = None
     final_step: int | None = None  # the job's last step (train.steps - 1), from its launch
+    checkpoint_every: int | None = None  # the spec's checkpoint.every: the steps a save comes before
     placement: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (node, device)
     attempt: int = 0
     attempt_started_at: float = 0.0  # the attempt's first event (its submission, for a queued job)

@@ -96,6 +96,7 @@ class JobWatch:
 
     def _reset_windows(self) -> None:
         self.windows = Windows(self.control.spec)
+        self.windows.checkpoint_every = self.control.checkpoint_every
         self.episodes: dict[str, Episode] = {}
         self.buffer: list[StepCompleted] = []
         self.hang_raised = False
@@ -124,6 +125,7 @@ class JobWatch:
         c.vouched = event.spec.entrypoint is None  # the built-in trainer: the worker's own program
         c.world_size = len(event.placement)
         c.final_step = event.spec.train.steps - 1
+        c.checkpoint_every = self.windows.checkpoint_every = event.spec.checkpoint.every
         # The wait for its ranks starts here, not at the attempt's first event (a queued job's submission).
         c.launched_at = c.launched_at or event.occurred_at.timestamp()
 
@@ -215,6 +217,7 @@ class JobWatch:
         """The ranks held a step and replayed it: the incident, and for a transient fault a strike on each
         culprit's device; a device at `sdc_strikes` strikes is excluded (the job relaunched without it)."""
         c = self.control
+        self.windows.held.append(event.step)  # its wait held a replay: no step time
         if event.outcome == "transient" and not c.vouched:
             # A user program's word: evidence for the worker's check of each device, never a strike.
             asks = [a for r in event.culprits if (a := diagnose(c, r, event)) is not None]
@@ -291,7 +294,7 @@ class JobWatch:
         """The hang this job is in now, if one is not raised already (nothing changes)."""
         if self.hang_raised:
             return None
-        return job_hang(self.control, self.windows.progress, self.windows.p99_step_s(), now.timestamp())
+        return job_hang(self.control, self.windows.progress, self.windows.p99_wait_s(), now.timestamp())
 
     def ask_stacks(self, now: datetime, within_s: float) -> DumpStacks | None:
         """The `DumpStacks` to send for the hang this job is in now, once per silence; None when there is

@@ -40,7 +40,10 @@ class Windows:
         self.losses = LossWindows(spec.spike_window, spec.spike_warmup)  # per rank: the spike rule's window
         self.pending: dict[int, dict[int, StepCompleted]] = {}  # step -> rank -> event
         self.step_times: deque[float] = deque(maxlen=spec.hang_window)  # one per step: the slowest rank's
-        self._timed_step: int | None = None  # the step of step_times[-1]
+        self.save_times: deque[float] = deque(maxlen=spec.hang_window)  # the same, of gaps that held a save
+        self._timed: tuple[str, int] | None = None  # which window's last entry is which step's
+        self.checkpoint_every: int | None = None  # the spec's checkpoint.every: which gaps hold a save
+        self.held: deque[int] = deque(maxlen=PENDING_MAX)  # steps the ranks held and replayed
         self.progress: dict[int, tuple[float, int | None]] = {}  # rank -> (time of its last step, step)
         self.step_losses: deque[tuple[int, float]] = deque()  # (step, cross-rank median loss)
         self.grad_norms: deque[tuple[int, float]] = deque()  # (step, global gradient norm)
@@ -50,6 +53,7 @@ class Windows:
         """Apply a (new) policy's window sizes and thresholds, keeping what has been seen."""
         self.spec = spec
         self.step_times = deque(self.step_times, maxlen=spec.hang_window)
+        self.save_times = deque(self.save_times, maxlen=spec.hang_window)
         self.losses.resize(spec.spike_window, spec.spike_warmup)
         keep_job = numeric.LONG_WINDOWS * spec.divergence_window
         self.step_losses = deque(self.step_losses, maxlen=keep_job)
@@ -59,16 +63,38 @@ class Windows:
 
     def _step_time(self, step: int, seconds: float) -> None:
         """One time per step, the slowest rank's (the ranks of a step come together: a straggler of the
-        previous step after a faster rank's next one opens a second entry, which a p99 bears)."""
-        if self.step_times and self._timed_step == step:
-            self.step_times[-1] = max(self.step_times[-1], seconds)
+        previous step after a faster rank's next one opens a second entry, which a p99 bears). A gap
+        that held a checkpoint save goes to its own window; a held and replayed step's, to none."""
+        kind = self.gap(step)
+        if kind == "held":
+            return
+        times = self.save_times if kind == "save" else self.step_times
+        if times and self._timed == (kind, step):
+            times[-1] = max(times[-1], seconds)
         else:
-            self.step_times.append(seconds)
-            self._timed_step = step
+            times.append(seconds)
+            self._timed = (kind, step)
+
+    def gap(self, step: int) -> str:
+        """What the wait before `step` holds: "save" (the checkpoint of `step` is written before it runs,
+        every `checkpoint.every` steps), "held" (the ranks held and replayed it) or "step"."""
+        if step in self.held:
+            return "held"
+        if self.checkpoint_every and step > 0 and step % self.checkpoint_every == 0:
+            return "save"
+        return "step"
 
     def p99_step_s(self) -> float | None:
         """The p99 of the recent step times (the hang detector's measure), None before any."""
         return p99(self.step_times)
+
+    def p99_wait_s(self) -> float | None:
+        """The p99 a silence is judged against now: the saves' where some rank's next step comes after a
+        checkpoint save (None before a save is seen: the timeout alone), else the steps'. So a save's
+        long gap neither stretches every step's limit nor is judged against it."""
+        if any(last is not None and self.gap(last + 1) == "save" for _, last in self.progress.values()):
+            return p99(self.save_times)
+        return self.p99_step_s()
 
     def observe(self, event: StepCompleted, world_size: int | None, nodes: dict[int, str]) -> list[Verdict]:
         """Add one rank's step; the verdicts it brings: at most one numeric, and a collective one for

@@ -49,10 +49,23 @@ def step(
 
 
 def launch(
-    world: int = 2, *, attempt: int = 1, t: float = 0.0, steps: int | None = None, **guardian: Any
+    world: int = 2,
+    *,
+    attempt: int = 1,
+    t: float = 0.0,
+    steps: int | None = None,
+    checkpoint_every: int | None = None,
+    **guardian: Any,
 ) -> LaunchJob:
     train = {} if steps is None else {"steps": steps}
-    spec = JobSpec(name="t", resources={"nodes": world, "gpus_per_node": 1}, guardian=guardian, train=train)
+    checkpoint = {} if checkpoint_every is None else {"every": checkpoint_every}
+    spec = JobSpec(
+        name="t",
+        resources={"nodes": world, "gpus_per_node": 1},
+        guardian=guardian,
+        train=train,
+        checkpoint=checkpoint,
+    )
     return LaunchJob(
         job_id=JOB,
         attempt=attempt,

@@ -103,3 +103,44 @@ def test_a_step_has_one_time_the_slowest_ranks_so_the_window_counts_steps_at_any
             w.observe(step(k, r, t=k * 0.1 + slow + 0.001 * r), None, {})
     assert len(w.step_times) == 5  # steps 1..5, one time each for 64 ranks
     assert w.p99_step_s() == pytest.approx(0.6, abs=1e-3)  # step 3: rank 7's 0.5 s more
+
+
+def test_a_save_gap_has_its_own_window_and_a_held_step_none():
+    w = Windows(GuardianSpec(hang_window=20))
+    w.checkpoint_every = 5  # the checkpoint of step 5 is written between steps 4 and 5
+    w.held.append(7)  # step 7 was held and replayed
+    times = [0.1 * k for k in range(5)] + [0.4 + 1.5 + 0.1 * k for k in range(1, 3)]  # steps 0-6
+    times += [times[-1] + 0.3, times[-1] + 0.4]  # step 7 took three steps' time (held), step 8 one
+    _steps(w, times)
+    assert w.p99_step_s() == pytest.approx(0.1, abs=1e-5)  # neither the save nor the held step
+    assert list(w.save_times) == [pytest.approx(1.6)]
+    assert w.p99_wait_s() == pytest.approx(0.1, abs=1e-5)  # rank 0's next step (9) follows no save
+    _steps(w, [times[-1] + 0.1])  # step 0 again on rank 0: (a new rank-0 history) no gap
+    w.progress[0] = (10.0, 9)  # the next step, 10, comes after the checkpoint of 10
+    assert w.p99_wait_s() == pytest.approx(1.6)
+
+
+def _saving_job(last_step: int) -> tuple[Guardian, float]:
+    """One rank, 0.1 s steps and a 1.5 s save before every 5th step, up to `last_step`."""
+    g = Guardian()
+    g.on_event(
+        launch(1, hang_timeout_s=60, hang_floor_s=0.5, hang_step_multiple=10, checkpoint_every=5), at(0)
+    )
+    t = 0.0
+    for k in range(last_step + 1):
+        t += 1.6 if k > 0 and k % 5 == 0 else 0.1
+        g.on_event(step(k, 0, t=t), at(t))
+    return g, t
+
+
+def test_a_save_is_judged_against_the_saves_and_a_step_against_the_steps():
+    """A 3 s silence before a save is no hang (10 x 1.6 s); the same silence before any other step is one
+    (10 x 0.1 s): the saves no longer stretch every step's limit to 16 s."""
+    g, t = _saving_job(11)  # the next step, 12, follows no save
+    assert g.jobs[JOB].windows.p99_step_s() == pytest.approx(0.1, abs=1e-5)
+    (d,) = g.check_hangs(at(t + 3.0))
+    assert d.incident.evidence["limit_s"] == pytest.approx(1.0, abs=1e-4)
+    g, t = _saving_job(14)  # the next step, 15, comes after the checkpoint of 15
+    assert g.check_hangs(at(t + 3.0)) == []
+    (d,) = g.check_hangs(at(t + 16.5))
+    assert d.incident.evidence["limit_s"] == pytest.approx(16.0, abs=1e-3)
