@@ -1,5 +1,6 @@
 """Who a rank is and what its worker told it, from the environment the worker launches it with: its
-identity (job, attempt, rank, node), the job's spec, the data windows to skip."""
+identity (job, attempt, rank, node), the job's spec, the data windows to skip (and how a data position
+moves past them)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,14 @@ def parse_windows(text: str | None) -> list[tuple[int, int]]:
             raise ValueError(f"{proto.SKIP_DATA_ENV}: {part!r} is not a window 'start:end' with end > start")
         windows.append((int(start), int(end)))
     return windows
+
+
+def first_position(position: int, skip_windows: list[tuple[int, int]]) -> int:
+    """`position` itself, or the end of the skip window(s) [start, end) it falls into."""
+    moved = True
+    while moved:
+        moved = False
+        for start, end in skip_windows:
+            if start <= position < end:
+                position, moved = end, True
+    return position

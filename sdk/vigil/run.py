@@ -52,7 +52,7 @@ from vigil import snapshot as snap
 from vigil.boundary import Boundary, agree
 from vigil.checkpoints import Checkpoints
 from vigil.exits import write_last_step
-from vigil.identity import Identity, parse_windows, spec_from_env
+from vigil.identity import Identity, first_position, parse_windows, spec_from_env
 from vigil.link import AgentLink, Link, NullLink, connect_from_env
 from vigil.preemption import PreemptionNotice
 from vigil.recovery import Inbox, Preempted, Restart, Rollback, RunCommands, act
@@ -137,13 +137,7 @@ class Run:
 
     def position(self, step: int) -> int:
         """The data position step `step` reads: the step itself, moved past every skipped window."""
-        moved = True
-        while moved:
-            moved = False
-            for start, end in self.skip_windows:
-                if start <= step < end:
-                    step, moved = end, True
-        return step
+        return first_position(step, self.skip_windows)
 
     # --- reporting -------------------------------------------------------------------------------------
 

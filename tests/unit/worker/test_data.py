@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from vigil.errors import SpecError
+from vigil.identity import first_position
 from vigil.spec import DataSpec
 from vigil_common.settings import Settings
 from vigil_worker.trainer.data import (
     ByteTokenizer,
     batch,
     builtin_corpus_files,
-    first_position,
     load_tokens,
     next_position,
 )

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vigil.errors import SpecError
+from vigil.identity import first_position
 from vigil.spec import DataSpec
 from vigil_common.confine import OutsideRoots, private_dir, within
 
@@ -268,17 +269,5 @@ def batch(
 
 
 def next_position(position: int, skip_windows: list[tuple[int, int]]) -> int:
-    """The data position after `position`, jumping over every [start, end) window it lands in."""
-    nxt = position + 1
-    moved = True
-    while moved:
-        moved = False
-        for start, end in skip_windows:
-            if start <= nxt < end:
-                nxt, moved = end, True
-    return nxt
-
-
-def first_position(position: int, skip_windows: list[tuple[int, int]]) -> int:
-    """`position` itself unless a skip window covers it."""
-    return next_position(position - 1, skip_windows)
+    """The data position after `position`, past every [start, end) window it lands in."""
+    return first_position(position + 1, skip_windows)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import time
 
 from vigil.boundary import Boundary
+from vigil.identity import first_position
 from vigil.integrations.deepspeed import skip_step
 from vigil.recovery import Preempted
 from vigil_worker.trainer import replay
 from vigil_worker.trainer.checkpoint_collective import save_checkpoint, save_emergency_checkpoint
 from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.data import first_position, next_position
+from vigil_worker.trainer.data import next_position
 from vigil_worker.trainer.micro import execute
 from vigil_worker.trainer.oom import halt_out_of_memory
 from vigil_worker.trainer.report import StepTimes, report_step

@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
 def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     import torch.distributed as dist
 
+    from vigil.identity import first_position
     from vigil.integrations import ds_compat
     from vigil_worker.trainer import snapshots
     from vigil_worker.trainer.checkpoint_collective import load_checkpoint, save_checkpoint
@@ -290,7 +291,6 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     from vigil_worker.trainer.comm import CommTimer
     from vigil_worker.trainer.compile import compiled_graphs, should_compile
     from vigil_worker.trainer.context import RankContext, TrainState
-    from vigil_worker.trainer.data import first_position
     from vigil_worker.trainer.faults import FaultInjector
     from vigil_worker.trainer.loop import train
     from vigil_worker.trainer.mfu import flops_per_token
