@@ -30,7 +30,9 @@ class RunSnapshots:
         self.snapshots = snapshots
         self._state: Callable[[], Any] | None = None  # None: none taken (a run that only restores)
         self._load: Callable[[Any], Any] | None = None
-        self.auto = False
+        self.every = 1  # take one every this many steps
+        self.auto = False  # memory_every auto: `every` is measured, then agreed
+        self.tuned = False  # auto: measured and agreed
         self._last: int | None = None  # the step of the newest snapshot taken
 
     def register(
@@ -39,7 +41,7 @@ class RunSnapshots:
         """Take `state()` every `every` steps from now on; `load(state)` loads one back in place."""
         self._state, self._load = state, load
         self.auto = every == "auto"
-        self.snapshots.every = 1 if every == "auto" else int(every)
+        self.every = 1 if every == "auto" else int(every)
         if self.snapshots.rank == 0:
             folder = self.snapshots.folder
             where = (
@@ -79,10 +81,6 @@ class RunSnapshots:
         )
 
     @property
-    def every(self) -> int:
-        return self.snapshots.every
-
-    @property
     def cost(self) -> snap.SnapshotCost:
         return self.snapshots.cost
 
@@ -98,7 +96,7 @@ class RunSnapshots:
         self.snapshots.wait()
         if self._state is None:
             return
-        if self.auto and not self.snapshots.tuned and self.cost.taken >= AUTO_PROBE:
+        if self.auto and not self.tuned and self.cost.taken >= AUTO_PROBE:
             self._agree_interval(step_s)  # every rank took as many: they agree at the same boundary
         if step % self.every == 0:
             self.take(step, data_position=data_position, skip_windows=skip_windows)
@@ -117,7 +115,7 @@ class RunSnapshots:
 
     def _agree_interval(self, step_s: float) -> None:
         n = collective.highest(snap.auto_interval(self.cost.each_s, step_s))
-        self.snapshots.every, self.snapshots.tuned = n, True
+        self.every, self.tuned = n, True
         log.info(
             "vigil: in-memory snapshots (auto): every %d step(s) (one costs %.1f ms against a %.1f ms step)",
             n,

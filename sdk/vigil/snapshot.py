@@ -279,10 +279,7 @@ class Snapshots:
         world: int,
         local_world: int,
         group: Any = None,
-        every: int = 1,
     ) -> None:
-        self.every = every  # take one every this many steps
-        self.tuned = False  # memory_every auto: `every` measured and agreed
         self.folder, self.job_id, self.rank, self.world = folder, job_id, rank, world
         self.partner = ring_partner(rank, local_world, world) if group is not None else None
         self.source = ring_source(rank, local_world, world) if group is not None else None

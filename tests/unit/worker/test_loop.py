@@ -71,7 +71,6 @@ def context(
         spec=spec,
         engine=engine(spec),
         tokens=np.random.default_rng(0).integers(0, 256, 4096).astype(np.uint16),  # a steady loss
-        checkpoint_root=tmp_path,
         zero_stage=zero,
         precision="fp32",
         device=torch.device("cpu"),
@@ -156,7 +155,7 @@ class Emitted:
 
 def emitting(ctx: RankContext) -> Emitted:
     link = Emitted()
-    ctx.run = Run(Identity("loop", 1, 0, 1, 0, "here"), link, checkpoint_root=ctx.checkpoint_root)  # type: ignore[arg-type]
+    ctx.run = Run(Identity("loop", 1, 0, 1, 0, "here"), link, checkpoint_root=ctx.run.checkpoint_root)  # type: ignore[arg-type]
     return link
 
 

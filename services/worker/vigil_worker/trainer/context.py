@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,6 @@ class RankContext:
     spec: JobSpec
     engine: Any  # deepspeed.DeepSpeedEngine
     tokens: np.ndarray
-    checkpoint_root: Path
     zero_stage: int
     precision: str
     device: torch.device

@@ -331,7 +331,6 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         spec=job.spec,
         engine=engine,
         tokens=load_data(args, job.spec),
-        checkpoint_root=root,
         zero_stage=plan.zero_stage,
         precision=plan.precision,
         device=device,
