@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, assert_never
 
 from vigil import collective
 from vigil import events as ev
-from vigil.exits import EXIT_PREEMPTED, EXIT_RESTART
+from vigil.exits import EXIT_PREEMPTED, EXIT_RESTART, write_exit_file
 from vigil.protocol import RankCommand
 
 if TYPE_CHECKING:
@@ -220,4 +220,5 @@ class RunCommands:
             run._link.flush()
         collective.barrier()  # nobody exits before rank 0's request is stored
         log.warning("vigil: rollback to step %d asks for a relaunch (no in-place loader)", command.step)
+        write_exit_file(EXIT_RESTART)  # declared: an abort in the interpreter's teardown does not change it
         raise Restart

@@ -51,7 +51,7 @@ from vigil import protocol as proto
 from vigil import snapshot as snap
 from vigil.boundary import Boundary, agree
 from vigil.checkpoints import Checkpoints
-from vigil.exits import write_last_step
+from vigil.exits import EXIT_PREEMPTED, write_exit_file, write_last_step
 from vigil.identity import Identity, first_position, parse_windows, spec_from_env
 from vigil.link import AgentLink, Link, NullLink, connect_from_env
 from vigil.preemption import PreemptionNotice
@@ -225,6 +225,7 @@ class Run:
                 self._emergency(next_step)
             self._link.flush()
             log.warning("vigil: preempted after step %d; exiting to be requeued", next_step - 1)
+            write_exit_file(EXIT_PREEMPTED)  # declared: an abort in the interpreter's teardown keeps it
             raise Preempted
         if boundary.agreed_seq > self._inbox.handled_seq or self._inbox.halted:
             act(self._link, self._inbox, boundary.agreed_seq, self.identity.attempt, RunCommands(self))
@@ -365,6 +366,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if self._snapshots is not None:
+            self._snapshots.finish()  # its thread must not be inside torch when the interpreter ends
         self._link.close()
         last = getattr(self._link, "last_step", None)
         if last is not None:

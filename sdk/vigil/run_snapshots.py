@@ -156,5 +156,9 @@ class RunSnapshots:
         if self._last is not None and self._last > step:
             self._last = None
 
+    def finish(self) -> None:
+        """Before the process ends: the last snapshot's background work ends first."""
+        self.snapshots.finish()
+
     def remove_all(self) -> None:
         self.snapshots.remove_all()

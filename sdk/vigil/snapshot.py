@@ -341,6 +341,23 @@ class Snapshots:
             raise RuntimeError(f"in-memory snapshot: {error}") from error
         return waited
 
+    def finish(self, timeout_s: float = 120.0) -> None:
+        """Before the process ends: let the last snapshot's background work end (up to `timeout_s`). A
+        daemon thread still inside torch when the interpreter finalizes aborts the process (its C++
+        frames cannot unwind), which would turn a clean exit, or a preemption, into a signal. An
+        exchange that failed there is logged: the rank is leaving anyway."""
+        pending = self._pending
+        if pending is None:
+            return
+        pending.join(timeout_s)
+        if pending.is_alive():
+            log.error("vigil: in-memory snapshot still being written after %.0f s at exit", timeout_s)
+            return
+        self._pending = None
+        if self._error is not None:
+            log.warning("vigil: the last in-memory snapshot did not complete: %s", self._error)
+            self._error = None
+
     def _background(self, host: Any, m: SnapshotManifest) -> None:
         t0 = time.thread_time()
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from pathlib import Path
 
 from vigil import protocol as proto
 from vigil.exits import last_step_path
+
+log = logging.getLogger(__name__)
 
 
 def start_ticks(pid: int) -> int | None:
@@ -208,10 +211,31 @@ class RankTable:
             if code is None:
                 return None
             self._children.pop(record.pid, None)
-            return Exit(code=code, signal=None) if code >= 0 else Exit(code=None, signal=-code)
+            if code >= 0:
+                return Exit(code=code, signal=None)
+            return self._declared(record, -code) or Exit(code=None, signal=-code)
         if record.alive():
             return None
         return self._exit_file(record)
+
+    @staticmethod
+    def _declared(record: RankRecord, sig: int) -> Exit | None:
+        """The code a rank killed by `sig` had declared in its exit file before it died: a rank whose
+        interpreter aborts in its teardown (a process group's C++ threads, pytorch#179291) after it
+        finished, or wrote its emergency checkpoint, ended as it said. None: it declared nothing."""
+        try:
+            code = int(Path(record.exit_path).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        log.warning(
+            "rank %d of %s (pid %d) died of signal %d after it declared exit code %d: taking the code",
+            record.rank,
+            record.job_id,
+            record.pid,
+            sig,
+            code,
+        )
+        return Exit(code=code, signal=None)
 
     @staticmethod
     def _exit_file(record: RankRecord) -> Exit:

@@ -4,6 +4,7 @@ step every rank can load, the auto interval, the files' manifest and hashes, the
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -177,3 +178,29 @@ def test_a_program_snapshots_through_its_run_and_restores_on_a_relaunch(tmp_path
     assert got is not None and got.step == 4 and got.data_position == 4
     assert torch.equal(got.state["w"], torch.full((2,), 4.0))  # what the state was after step 3
     assert Run(who, NullLink(), checkpoint_root=root).restore() is None  # a first launch: nothing
+
+
+def test_a_run_ends_only_after_its_last_snapshot_is_written(tmp_path, monkeypatch):
+    """The snapshot of a checkpoint's step is written in the background; a rank that closes its run
+    right after (a preemption's emergency checkpoint) waits for it: a daemon thread still inside torch
+    when the interpreter finalizes aborts the process."""
+    from vigil import protocol as proto
+    from vigil.link import NullLink
+    from vigil.run import Identity, Run
+
+    monkeypatch.setenv(proto.SNAPSHOT_DIR_ENV, str(tmp_path / "shm"))
+    written = threading.Event()
+    write = SnapshotFolder.write
+
+    def slow_write(self, *args, **kwargs):
+        threading.Event().wait(0.5)  # a large shard on a busy node
+        write(self, *args, **kwargs)
+        written.set()
+
+    monkeypatch.setattr(SnapshotFolder, "write", slow_write)
+    run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path / "ckpt")
+    run.snapshot(lambda: {"w": torch.ones(2)}, every=1000)
+    run.save_checkpoint(3, lambda path: torch.save({}, path / "state.pt"))
+    run.close()
+    assert written.is_set() and not any(t.name == "vigil-snapshot" for t in threading.enumerate())
+    assert run._snapshots.snapshots.folder.steps("rank", 0) == [3]  # type: ignore[union-attr]

@@ -22,6 +22,24 @@ def test_child_exit_code_and_log(tmp_path):
     assert (tmp_path / "r0.log").read_text().strip() == "hello"
 
 
+def test_a_rank_that_aborts_in_its_teardown_ends_with_the_code_it_declared(tmp_path):
+    """A rank that wrote its exit file (its emergency checkpoint done: 4) and then aborted as the
+    interpreter tore down (gloo's threads, pytorch#179291) was preempted, not killed; one that declared
+    nothing and aborted died of its signal."""
+    table = RankTable(tmp_path / "state")
+    code = "import os, pathlib; {} os.abort()"
+    declared = start(
+        table, tmp_path, code.format(f"pathlib.Path({str(tmp_path / 'r0.exit')!r}).write_text('4\\n');")
+    )
+    silent = start(table, tmp_path, code.format(""), rank=1)
+    for r in (declared, silent):
+        table._children[r.pid].wait(30)
+    got = table.poll(declared)
+    assert got is not None and (got.code, got.signal) == (4, None)
+    got = table.poll(silent)
+    assert got is not None and (got.code, got.signal) == (None, 6)
+
+
 def test_a_new_table_finds_records_and_reads_exit_files(tmp_path):
     table = RankTable(tmp_path / "state")
     done = start(table, tmp_path, "pass", rank=0)
