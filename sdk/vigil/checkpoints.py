@@ -14,35 +14,33 @@ from vigil import collective, manifest
 from vigil import events as ev
 from vigil import protocol as proto
 from vigil.errors import CheckpointError
+from vigil.identity import Identity
 
 log = logging.getLogger("vigil")
 
 
 class Checkpoints:
-    """One rank's side of the protocol for job `job_id` under `root` (None: the program runs alone and
-    has nowhere to save); `emit` and `flush` reach the agent (the run's link)."""
+    """One rank's side of the protocol for the run `identity` under `root` (None: the program runs alone
+    and has nowhere to save); `emit` and `flush` reach the agent (the run's link)."""
 
     def __init__(
         self,
         root: Path | None,
+        identity: Identity,
         *,
-        job_id: str,
-        attempt: int,
-        rank: int,
-        node: str,
         keep: int,
         emit: Callable[[ev.Message], None],
         flush: Callable[[], Any],
     ) -> None:
         self.root = root
-        self.job_id, self.attempt, self.rank, self.node, self.keep = job_id, attempt, rank, node, keep
+        self.identity, self.keep = identity, keep
         self._emit, self._flush = emit, flush
 
     def folder(self, step: int) -> Path:
         """Where the checkpoint of `step` goes: `<root>/<job>/step_<step:08d>`."""
         if self.root is None:
             raise RuntimeError(f"vigil: no checkpoint root ({proto.CHECKPOINT_ROOT_ENV} is not set)")
-        return manifest.step_dir(self.root, self.job_id, step)
+        return manifest.step_dir(self.root, self.identity.job_id, step)
 
     def save(
         self,
@@ -55,22 +53,26 @@ class Checkpoints:
         """Every rank: `save(path)` writes this rank's files; then rank 0 hashes them into the manifest
         (written last, by an atomic rename), keeps the newest `keep` and reports `CheckpointSaved`."""
         path = self.folder(step)
-        if self.rank == 0 and path.exists():  # an older timeline's checkpoint of this step
+        if self.identity.rank == 0 and path.exists():  # an older timeline's checkpoint of this step
             shutil.rmtree(path)
         collective.barrier()
         path.mkdir(parents=True, exist_ok=True)
         save(path)
         collective.barrier()  # every rank's files are on disk
-        if self.rank == 0:
+        if self.identity.rank == 0:
             m = manifest.write_manifest(
-                path, job_id=self.job_id, step=step, data_position=data_position, skip_windows=skip_windows
+                path,
+                job_id=self.identity.job_id,
+                step=step,
+                data_position=data_position,
+                skip_windows=skip_windows,
             )
             assert self.root is not None
-            manifest.retain(self.root, self.job_id, self.keep)
+            manifest.retain(self.root, self.identity.job_id, self.keep)
             self._emit(
                 ev.CheckpointSaved(
-                    job_id=self.job_id,
-                    attempt=self.attempt,
+                    job_id=self.identity.job_id,
+                    attempt=self.identity.attempt,
                     step=step,
                     path=str(path),
                     bytes=m.bytes,
@@ -88,8 +90,8 @@ class Checkpoints:
         if self.root is None:
             raise CheckpointError(f"no checkpoint root ({proto.CHECKPOINT_ROOT_ENV} is not set)")
         choice: list[Any] = [None, ""]
-        if self.rank == 0:
-            job = manifest.job_dir(self.root, self.job_id)
+        if self.identity.rank == 0:
+            job = manifest.job_dir(self.root, self.identity.job_id)
             try:
                 choice[0] = manifest.verify(requested, root=job)
             except CheckpointError as exc:
@@ -97,7 +99,7 @@ class Checkpoints:
                 if requested_step is not None:
                     self.refuse(requested, requested_step, "hash", exc)
                 before = None if requested_step is None else requested_step - 1
-                choice[0] = manifest.newest_valid(self.root, self.job_id, at_or_before=before)
+                choice[0] = manifest.newest_valid(self.root, self.identity.job_id, at_or_before=before)
                 choice[1] = str(exc)
         collective.broadcast(choice)
         if choice[0] is None:
@@ -112,13 +114,13 @@ class Checkpoints:
         relaunch or rollback takes it again. Waits until the report is stored (the rank may exit next)."""
         self._emit(
             ev.CheckpointRefused(
-                job_id=self.job_id,
-                attempt=self.attempt,
+                job_id=self.identity.job_id,
+                attempt=self.identity.attempt,
                 step=step,
                 path=str(path),
                 reason=reason,
                 message=str(error)[:2000],
-                node=self.node,
+                node=self.identity.node,
             )
         )
         self._flush()

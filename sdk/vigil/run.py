@@ -93,10 +93,7 @@ class Run:
         self.last_rollback: Rollback | None = None  # the newest in-place rollback of this attempt
         self._checkpoints = Checkpoints(
             checkpoint_root,
-            job_id=identity.job_id,
-            attempt=identity.attempt,
-            rank=identity.rank,
-            node=identity.node,
+            identity,
             keep=keep,
             emit=self.emit,
             flush=lambda: self._link.flush(),

@@ -63,11 +63,6 @@ def context(
     torch.manual_seed(0)
     observer = Recorder()
     ctx = RankContext(
-        job_id="loop",
-        attempt=1,
-        rank=0,
-        world_size=1,
-        node="here",
         spec=spec,
         engine=engine(spec),
         tokens=np.random.default_rng(0).integers(0, 256, 4096).astype(np.uint16),  # a steady loss

@@ -23,11 +23,6 @@ from vigil_worker.trainer.step_judge import StepJudge
 class RankContext:
     """Everything the loop needs, built once by `rank.py`."""
 
-    job_id: str
-    attempt: int
-    rank: int
-    world_size: int
-    node: str
     spec: JobSpec
     engine: Any  # deepspeed.DeepSpeedEngine
     tokens: np.ndarray
@@ -35,8 +30,8 @@ class RankContext:
     precision: str
     device: torch.device
     faults: FaultInjector
-    run: Run  # the rank's session with Vigil (the SDK's, as any program's): reports, boundary, commands,
-    # checkpoints, snapshots, skip windows
+    run: Run  # the rank's session with Vigil (the SDK's, as any program's): who it is (`run.identity`),
+    # reports, boundary, commands, checkpoints, snapshots, skip windows
     comm: CommTimer = field(default_factory=CommTimer)  # measures nothing until installed
     clock: Clock = field(default_factory=Clock)  # wall clock; CUDA events on GPU
     observer: Observer = field(default_factory=NullObserver)

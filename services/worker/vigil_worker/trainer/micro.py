@@ -68,7 +68,7 @@ def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: f
                     ctx.tokens,
                     seed=spec.train.seed,
                     data_position=pos,
-                    rank=ctx.rank,
+                    rank=ctx.run.identity.rank,
                     micro=micro // split,
                     micro_batch=B,
                     seq_len=T,

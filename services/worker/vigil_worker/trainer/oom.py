@@ -78,7 +78,7 @@ def with_retry(
         if not can_split(B, st.split):
             return m, agreed
         st.split *= 2
-        apply_split(ctx.engine, B, accum, ctx.world_size, st.split)
+        apply_split(ctx.engine, B, accum, ctx.run.identity.world_size, st.split)
         log.warning(
             "step %d: rank %d ran out of memory; retrying with micro-batch %d x %d accumulation",
             step,
@@ -93,20 +93,21 @@ def halt_out_of_memory(ctx: RankContext, st: TrainState, step: int, oom_rank: in
     `Run.halt`); rank 0 reports it (`OutOfMemoryHalted`), which the guardian records as the `oom`
     incident."""
     save_emergency_checkpoint(ctx, st, "out of memory")
-    incident_id = f"oom-{ctx.job_id}-{ctx.attempt}-{step}"
+    who = ctx.run.identity
+    incident_id = f"oom-{who.job_id}-{who.attempt}-{step}"
     reason = (
         f"rank {oom_rank} ran out of memory at step {step} with micro-batch "
         f"{ctx.spec.train.micro_batch // st.split}; halted after the emergency checkpoint of step {st.step}"
     )
-    if ctx.rank == 0:
+    if who.rank == 0:
         ctx.run.emit(
             ev.OutOfMemoryHalted(
                 event_id=incident_id,
-                job_id=ctx.job_id,
-                attempt=ctx.attempt,
+                job_id=who.job_id,
+                attempt=who.attempt,
                 step=step,
                 rank=oom_rank,
-                node=ctx.node,
+                node=who.node,
                 micro_batch=ctx.spec.train.micro_batch // st.split,
                 grad_accum=ctx.spec.train.grad_accum * st.split,
                 checkpoint_step=st.step,

@@ -323,11 +323,6 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
 
     # --- data and faults ----------------------------------------------------------------------------------
     ctx = RankContext(
-        job_id=job.job_id,
-        attempt=job.attempt,
-        rank=env.rank,
-        world_size=env.world,
-        node=args.node,
         spec=job.spec,
         engine=engine,
         tokens=load_data(args, job.spec),

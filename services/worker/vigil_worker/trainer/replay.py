@@ -68,15 +68,16 @@ def report(
     skip: tuple[int, int] | None,
     held_s: float,
 ) -> None:
-    if ctx.rank != 0:
+    who = ctx.run.identity
+    if who.rank != 0:
         return
     culprits = bad.culprits[: ev.MAX_CULPRITS]  # a report names at most this many (the first ones)
     ctx.run.emit(
         ev.StepReplayed(
-            job_id=ctx.job_id,
-            attempt=ctx.attempt,
+            job_id=who.job_id,
+            attempt=who.attempt,
             step=step,
-            node=ctx.node,
+            node=who.node,
             kind=bad.kind,
             outcome=outcome,
             culprits=culprits,

@@ -42,7 +42,8 @@ def report_step(
     spec = ctx.spec
     B = spec.train.micro_batch
     tokens = B * spec.model.resolved().seq_len * spec.train.grad_accum  # the same after a split
-    loss = agreed.losses[ctx.rank] if agreed.losses else m.loss.item()  # synchronised already: no wait
+    rank = ctx.run.identity.rank
+    loss = agreed.losses[rank] if agreed.losses else m.loss.item()  # synchronised already: no wait
     t_data, t_fwd, t_bwd = (m.seconds(ctx, phase) for phase in ("data", "forward", "backward"))
     comm_s = ctx.comm.total(times.comm_spans)
     if m.grad_norm is not None:

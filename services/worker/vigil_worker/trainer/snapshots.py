@@ -42,7 +42,7 @@ def register(ctx: RankContext) -> None:
     if every == 0:
         return
     if ctx.zero_stage == 3:
-        if ctx.rank == 0:
+        if ctx.run.identity.rank == 0:
             log.warning("in-memory snapshots: off under ZeRO-3 (disk checkpoints only)")
         return
     ctx.run.snapshot(lambda: rank_state(ctx), load=lambda state: load_rank_state(ctx, state), every=every)
