@@ -109,7 +109,9 @@ class JobWatch:
             return False
         if event.attempt > c.attempt:
             c.new_attempt(event.attempt, event.occurred_at.timestamp())
+            previous = self.windows
             self._reset_windows()
+            self.windows.keep_times(previous)  # until its launch says it runs on another number of ranks
         return True
 
     # --- events -------------------------------------------------------------------------------------
@@ -123,6 +125,8 @@ class JobWatch:
             self.windows.resize(c.spec)
         c.placement = {p.rank: (p.node, p.device) for p in event.placement}
         c.vouched = event.spec.entrypoint is None  # the built-in trainer: the worker's own program
+        if c.world_size is not None and c.world_size != len(event.placement):
+            self.windows.forget_times()
         c.world_size = len(event.placement)
         c.final_step = event.spec.train.steps - 1
         c.checkpoint_every = self.windows.checkpoint_every = event.spec.checkpoint.every

@@ -84,6 +84,18 @@ class Windows:
             return "save"
         return "step"
 
+    def keep_times(self, previous: Windows) -> None:
+        """A relaunch on as many ranks: the step and save times of the attempt before stay in the hang
+        window (the model and its placement's size are the same). A window that started empty at each
+        relaunch held under 100 steps for a while, whose p99 is their slowest (its first steps')."""
+        self.step_times.extend(previous.step_times)
+        self.save_times.extend(previous.save_times)
+
+    def forget_times(self) -> None:
+        """A relaunch on another number of ranks: its step time is its own."""
+        self.step_times.clear()
+        self.save_times.clear()
+
     def p99_step_s(self) -> float | None:
         """The p99 of the recent step times (the hang detector's measure), None before any."""
         return p99(self.step_times)

@@ -144,3 +144,26 @@ def test_a_save_is_judged_against_the_saves_and_a_step_against_the_steps():
     assert g.check_hangs(at(t + 3.0)) == []
     (d,) = g.check_hangs(at(t + 16.5))
     assert d.incident.evidence["limit_s"] == pytest.approx(16.0, abs=1e-3)
+
+
+def test_a_relaunch_on_as_many_ranks_keeps_the_step_window_and_on_another_number_forgets_it():
+    """The relaunched attempt's first steps are slow (a fresh process); judged on a window of its own,
+    its p99 was the slowest of them for its first 100 steps. The attempt before's steps stay in it."""
+
+    def relaunched(world: int) -> Guardian:
+        g = Guardian()
+        g.on_event(launch(1, hang_timeout_s=60, hang_floor_s=0.5, hang_step_multiple=10), at(0))
+        t = 0.0
+        for k in range(150):  # attempt 1: 0.1 s steps
+            t += 0.1
+            g.on_event(step(k, 0, t=t), at(t))
+        g.on_event(launch(world, attempt=2, t=t + 1, hang_timeout_s=60, hang_floor_s=0.5), at(t + 1))
+        for k, dt in enumerate([2.0, 0.4, 0.1, 0.1]):  # from step 140: the relaunch's slow second step
+            t += dt
+            g.on_event(step(140 + k, 0, t=t, attempt=2), at(t))
+        return g
+
+    w = relaunched(world=1).jobs[JOB].windows
+    assert len(w.step_times) == 100 and w.p99_step_s() == pytest.approx(0.1, abs=1e-5)
+    w = relaunched(world=2).jobs[JOB].windows  # another size: its own times only (3 steps' gaps)
+    assert len(w.step_times) == 3 and w.p99_step_s() == pytest.approx(0.4)
