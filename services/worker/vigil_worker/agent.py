@@ -368,6 +368,8 @@ class Worker:
         )
         self._ending.pop(r.pid, None)
         self.table.mark_reported(r)
+        if self.warm is not None:
+            self.warm.ranks_ended()  # a CPU node's warm ranks are replaced once its ranks are done
         await self._settle(r.job_id, r.attempt)
 
     async def _settle(self, job_id: str, attempt: int) -> None:

@@ -53,7 +53,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         stack.push_async_callback(worker.relay.close)
         if settings.rank_runtime == "process":  # built-in trainer ranks kept warm for the next launches
             devices = [d.index for d in inventory.devices]
-            worker.warm = await WarmRanks(settings, inventory.kind, devices).start()
+            running = worker.table.running
+            worker.warm = await WarmRanks(settings, inventory.kind, devices, lambda: len(running())).start()
             stack.push_async_callback(worker.warm.close)
         kinds = {d.kind for d in inventory.devices}
         log.info(

@@ -213,6 +213,8 @@ class RankTable:
             self._children.pop(record.pid, None)
             if code >= 0:
                 return Exit(code=code, signal=None)
+            if record.killed:  # the worker's own signal: its end, whatever the rank had declared
+                return Exit(code=None, signal=-code)
             return self._declared(record, -code) or Exit(code=None, signal=-code)
         if record.alive():
             return None

@@ -7,7 +7,10 @@ device (its CUDA_VISIBLE_DEVICES is set before torch is imported); on a CPU node
 
 A warm process runs no job's code before its launch (`trainer.standby`), and only the built-in trainer
 is run warm: a job's own program is started as it always is, its imports being its own. One taken is
-replaced a little later, on idle cycles only (SCHED_IDLE), so that its imports do not slow the ranks.
+replaced a little later, on idle cycles only (SCHED_IDLE). On a CPU node even idle cycles are the ranks'
+(a rank waiting in a collective wakes to caches the imports took: the bench's steps ran 5-10 % slower
+for the seconds an import ran), so there a replacement waits until no rank runs on the node, unless the
+pool is short of one relaunch of the ranks that run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vigil_common.settings import Settings
@@ -66,8 +70,10 @@ class Standby:
 class WarmRanks:
     """This node's warm ranks: `take(device)` one that is ready, or None."""
 
-    def __init__(self, settings: Settings, kind: str, devices: list[int]) -> None:
-        self.settings, self.kind = settings, kind
+    def __init__(
+        self, settings: Settings, kind: str, devices: list[int], running: Callable[[], int] = lambda: 0
+    ) -> None:
+        self.settings, self.kind, self.running = settings, kind, running  # `running`: ranks on this node
         self.count = len(devices) if settings.warm_ranks is None else settings.warm_ranks
         # which device each keeps waiting for: one per device in turn (a CPU node's serve any slot)
         self.slots: list[int | None] = [
@@ -76,6 +82,7 @@ class WarmRanks:
         self.log_dir = settings.log_dir / "warm"
         self.standbys: list[Standby] = []
         self.taken = 0  # launches served warm
+        self.owed: list[int | None] = []  # the devices of taken ones not yet replaced
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -91,9 +98,26 @@ class WarmRanks:
             if standby.device == key and standby.ready.is_set() and standby.proc.poll() is None:
                 self.standbys.remove(standby)
                 self.taken += 1
-                self._later(REPLACE_AFTER_S, key)
+                self.owed.append(key)
+                self._later(REPLACE_AFTER_S)
                 return standby
         return None
+
+    def ranks_ended(self) -> None:
+        """Ranks ended here: look again a little later (a relaunch may take their place at once)."""
+        if self.owed:
+            self._later(REPLACE_AFTER_S)
+
+    def refill(self) -> None:
+        """Replace the taken ones that may be now (see the module's docstring)."""
+        while self.owed and self._may_spawn():
+            self._spawn(self.owed.pop(0))
+
+    def _may_spawn(self) -> bool:
+        if self.kind != "cpu":
+            return True  # the ranks are on their GPUs: the imports take cores they leave free
+        running = self.running()
+        return running == 0 or len(self.standbys) < running
 
     async def close(self) -> None:
         self._closed = True
@@ -145,10 +169,10 @@ class WarmRanks:
         with contextlib.suppress(ValueError):
             self.standbys.remove(standby)
 
-    def _later(self, delay_s: float, device: int | None) -> None:
+    def _later(self, delay_s: float) -> None:
         async def replace() -> None:
             await asyncio.sleep(delay_s)  # a delay on purpose: the launched ranks' start goes first
-            self._spawn(device)
+            self.refill()
 
         self._track(replace())
 

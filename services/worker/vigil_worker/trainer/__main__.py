@@ -1,5 +1,3 @@
-import sys
+from vigil_worker.trainer.rank import exit_process, main
 
-from vigil_worker.trainer.rank import main
-
-sys.exit(main())
+exit_process(main())

@@ -16,6 +16,8 @@ checkpoint); 1 anything else (traceback in the log).
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -23,7 +25,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from vigil import stack_dump
 from vigil.exits import (
@@ -402,5 +404,17 @@ def _save_full_weights(engine: object, zero_stage: int, rank: int, path: Path) -
             os.replace(tmp, path)
 
 
+def exit_process(code: int) -> NoReturn:
+    """End the rank with `code` once `main` returned: the exit handlers run and the output is flushed,
+    then the process ends without the interpreter's teardown. Tearing down torch, DeepSpeed and inductor
+    took 1.3-3.4 s on a CPU after the job's last step (every rank's exit, the job's end), and a thread
+    still inside torch by then aborted the process (pytorch#179291)."""
+    atexit._run_exitfuncs()  # what the interpreter runs first: Run.close, logging's flush, torch's
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

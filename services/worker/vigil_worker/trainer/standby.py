@@ -65,10 +65,7 @@ def become_rank(launch: Launch) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    # it waited on idle cycles (SCHED_IDLE) or at a low priority; a rank runs as any process does
-    if hasattr(os, "sched_setscheduler"):
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    os.setpriority(os.PRIO_PROCESS, 0, 0)
+    run_as_any_process()
     read_end, write_end = os.pipe()  # the token, as a started rank finds it: on a descriptor
     os.write(write_end, launch["token"].encode())
     os.close(write_end)
@@ -84,6 +81,23 @@ def become_rank(launch: Launch) -> None:
         import torch
 
         torch.set_num_threads(max(1, int(threads)))
+
+
+def run_as_any_process() -> None:
+    """It waited on idle cycles (SCHED_IDLE) or at a low priority; a rank runs as any process does. Every
+    thread: those its imports started (torch's intra-op pool) kept the policy they were made with, and
+    a rank's threads on idle cycles ran its steps at the pace of whatever else the node was doing."""
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux
+        threads = [0]
+    for tid in threads:
+        try:
+            if hasattr(os, "sched_setscheduler"):
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
 
 
 def wait_on_idle_cycles() -> None:
@@ -111,4 +125,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from vigil_worker.trainer.rank import exit_process
+
+    exit_process(code)
