@@ -10,8 +10,9 @@ reproduced, their data skipped), a crashed rank and a hung one (both relaunched 
 checkpoint). Both runs do the same useful steps; goodput = fault-free wall time / faulted wall time,
 each from submission to SUCCEEDED. Target >= 0.90 on this dense bench (5 faults in 300 steps).
 
-The worker keeps 4 warm ranks (`VIGIL_WARM_RANKS`: two relaunches' worth, since a taken one is replaced
-at a low priority on a machine the ranks keep busy), and each run starts once they are all ready.
+The worker keeps 6 warm ranks (`VIGIL_WARM_RANKS`: the launch's and two relaunches' worth of two ranks,
+since a CPU node replaces a taken one only once the job's ranks are done, unless the pool is short of
+one relaunch), and each run starts once they are all ready.
 
 Per fault, the time it cost, from the job's own events: a held step's time beyond the median step; a
 relaunch's time from the last step done before it to the same progress after it, less one step (it is
@@ -49,7 +50,7 @@ from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
 
 STEPS = 300
-WARM_RANKS = 4
+WARM_RANKS = 6
 LLAMA3_PER_GPU_HOUR = 466 / (54 * 24 * 16_384)  # interruptions (The Llama 3 Herd of Models, sec. 3.3.4)
 REALISTIC_GPUS = 1024
 RELAUNCHED_BY = ("rank_exit", "hang", "node_lost", "gpu_health", "sdc")
