@@ -25,7 +25,7 @@ from pathlib import Path
 from vigil import protocol as proto
 from vigil.exits import last_step_path
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vigil.worker")
 
 
 def start_ticks(pid: int) -> int | None:
