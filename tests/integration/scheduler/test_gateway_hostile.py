@@ -10,7 +10,7 @@ import pytest
 
 from vigil_common.bus import Bus
 
-from .conftest import spec, wait_state
+from .conftest import launched, spec, wait_state
 
 pytestmark = pytest.mark.integration
 
@@ -76,11 +76,16 @@ async def test_an_oversized_body_is_413_naming_the_setting(scheduler) -> None:
     assert r.status_code == 413 and "VIGIL_MAX_BODY_BYTES" in r.json()["message"], r.text
 
 
-async def test_every_cursor_the_api_returns_is_accepted(scheduler, nodes) -> None:
+async def test_every_cursor_the_api_returns_is_accepted(scheduler, nodes, bus: Bus) -> None:
     for _ in range(3):
         nodes()
+    jobs = []
     for i in range(3):
-        assert (await scheduler.http.post("/api/v1/jobs", json=spec(f"t{i}"))).status_code == 201
+        r = await scheduler.http.post("/api/v1/jobs", json=spec(f"t{i}"))
+        assert r.status_code == 201
+        jobs.append(r.json()["id"])
+    for job in jobs:  # each takes a whole node: all three nodes are registered once all three launched
+        await launched(bus, job)
     for path in ("/api/v1/jobs", "/api/v1/nodes", "/api/v1/gpus", "/api/v1/incidents"):
         seen, cursor = 0, None
         while True:
