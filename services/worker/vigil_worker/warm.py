@@ -99,14 +99,14 @@ class WarmRanks:
                 self.standbys.remove(standby)
                 self.taken += 1
                 self.owed.append(key)
-                self._later(REPLACE_AFTER_S)
+                self._refill_later()
                 return standby
         return None
 
     def ranks_ended(self) -> None:
         """Ranks ended here: look again a little later (a relaunch may take their place at once)."""
         if self.owed:
-            self._later(REPLACE_AFTER_S)
+            self._refill_later()
 
     def refill(self) -> None:
         """Replace the taken ones that may be now (see the module's docstring)."""
@@ -169,9 +169,9 @@ class WarmRanks:
         with contextlib.suppress(ValueError):
             self.standbys.remove(standby)
 
-    def _later(self, delay_s: float) -> None:
+    def _refill_later(self) -> None:
         async def replace() -> None:
-            await asyncio.sleep(delay_s)  # a delay on purpose: the launched ranks' start goes first
+            await asyncio.sleep(REPLACE_AFTER_S)  # a delay on purpose: the launched ranks' start goes first
             self.refill()
 
         self._track(replace())
