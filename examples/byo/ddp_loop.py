@@ -7,8 +7,9 @@
 The SDK's core API, nothing else: the step boundary before the optimizer step, a report per step, a
 checkpoint every `--save-every` steps, and a loader so that a rollback happens in place. Each step's batch
 is drawn from its data position, so the guardian's skipped windows are honoured. The data is random
-tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once (a marker file in the
-job's checkpoint folder). The last line printed is JSON.
+tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once, `--crash-at K` kills
+rank 1 at step K once, `--startup-delay S` starts every rank S seconds late (faults.py). The last line
+printed is JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from faults import add_arguments, crash_if_due, marker_dir, once, start_slowly
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
-    p.add_argument("--out", default="out/ddp_loop", help="where the NaN marker goes outside Vigil")
+    p.add_argument("--out", default="out/ddp_loop", help="where the fault markers go outside Vigil")
+    add_arguments(p)
     return p.parse_args()
 
 
@@ -64,14 +66,12 @@ def batch(position: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
 
 def main() -> None:
     args = parse_args()
+    start_slowly(args)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         vigil.init_process_group()  # gloo on CPU; rank 0's store listens on MASTER_ADDR only
     run = vigil.init()
-    marker = Path(args.out)
-    if run.active and run.checkpoint_root is not None:
-        marker = run.checkpoint_root / run.identity.job_id  # outlives a relaunch
-    marker = marker / f"nan-at-{args.nan_at}.done"
+    markers = marker_dir(run, args.out)
 
     torch.manual_seed(0)  # same initial weights on every rank
     net = TinyLM()
@@ -96,11 +96,10 @@ def main() -> None:
 
     while step < args.steps:
         # --- forward and backward (DDP all-reduces the gradients in backward) ----------------------------
+        crash_if_due(args, step, rank, markers)  # the injected faults, each once per job
         position = run.position(step)
         loss = model(batch(position, rank, args))
-        if args.nan_at == step and rank == 1 and not marker.exists():  # the injected fault, once
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+        if args.nan_at == step and rank == 1 and once(markers / f"nan-at-{step}.done"):
             loss = loss * float("nan")
         loss.backward()
         norm = nn.utils.clip_grad_norm_(net.parameters(), 1.0)

@@ -6,8 +6,9 @@
 
 A rollback loads the checkpoint in place (`register_rollback`); a relaunch resumes from it (`resume`).
 Each step's batch is drawn from its data position, so the guardian's skipped windows are honoured. The
-data is random tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once (a
-marker file in the job's checkpoint folder). The last line printed is JSON.
+data is random tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once,
+`--crash-at K` kills rank 1 at step K once, `--startup-delay S` starts every rank S seconds late
+(faults.py). The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import json
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
+from faults import add_arguments, crash_if_due, marker_dir, once, start_slowly
 from torch import nn
 
 import vigil
@@ -34,8 +35,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage (0-2)")
-    p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
-    p.add_argument("--out", default="out/deepspeed_loop", help="where the NaN marker goes outside Vigil")
+    p.add_argument("--out", default="out/deepspeed_loop", help="where the fault markers go outside Vigil")
+    add_arguments(p)
     return p.parse_args()
 
 
@@ -64,6 +65,7 @@ def batch(position: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
 
 def main() -> None:
     args = parse_args()
+    start_slowly(args)
     cpu = not torch.cuda.is_available()
     if cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -75,10 +77,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", timeout=timedelta(minutes=10))
     run = vigil.init()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    marker = Path(args.out)
-    if run.active and run.checkpoint_root is not None:
-        marker = run.checkpoint_root / run.identity.job_id  # outlives a relaunch
-    marker = marker / f"nan-at-{args.nan_at}.done"
+    markers = marker_dir(run, args.out)
 
     torch.manual_seed(0)  # same initial weights on every rank
     model = TinyLM()
@@ -95,10 +94,9 @@ def main() -> None:
     vigil_ds.register_rollback(engine, run)
     step = vigil_ds.resume(engine, run)
     while step < args.steps:
+        crash_if_due(args, step, rank, markers)  # the injected faults, each once per job
         loss = engine(batch(run.position(step), rank, args))
-        if args.nan_at == step and rank == 1 and not marker.exists():  # the injected fault, once
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+        if args.nan_at == step and rank == 1 and once(markers / f"nan-at-{step}.done"):
             loss = loss * float("nan")
         engine.backward(loss)
         ok = vigil_ds.step(engine, loss, run)  # instead of engine.step(): agree, then step

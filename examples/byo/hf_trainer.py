@@ -6,7 +6,8 @@
     vigil submit examples/byo/hf_trainer.yaml --follow   # under Vigil
 
 The model is built from a config and the data is random tokens: nothing is downloaded. `--nan-at K`
-makes rank 1's loss NaN at step K once (a marker file in the job's checkpoint folder keeps a relaunch
+makes rank 1's loss NaN at step K once, `--crash-at K` kills rank 1 at step K once, `--startup-delay S`
+starts every rank S seconds late (faults.py: a marker file in the job's checkpoint folder keeps a relaunch
 from doing it again). The last line printed is JSON: the steps trained, whether the weights are finite
 and the step times.
 """
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from faults import add_arguments, crash_if_due, marker_dir, once, start_slowly
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import vigil
@@ -37,11 +39,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--zero", type=int, default=None, help="train through DeepSpeed with this ZeRO stage")
-    p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
     # under Vigil a job's program may write its own HOME and checkpoint folder, not its code folder
     default_out = os.path.join(os.environ.get("HOME") or ".", "out", "hf_trainer")
     p.add_argument("--out", default=default_out, help="the Trainer's output_dir ($HOME/out/hf_trainer)")
     p.add_argument("--no-vigil", action="store_true", help="without the callback (the SDK bench's floor)")
+    add_arguments(p)
     return p.parse_args()
 
 
@@ -59,21 +61,23 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class NanOnce(TrainerCallback):
-    """Makes rank 1's loss NaN at step `at`, once per job: the marker file outlives a relaunch."""
+class Faults(TrainerCallback):
+    """The injected faults (faults.py), each once per job: rank 1 dies at step `--crash-at`, and its loss
+    is NaN at step `--nan-at`."""
 
-    def __init__(self, model: torch.nn.Module, at: int | None, marker: Path) -> None:
-        self.at, self.marker, self.step = at, marker, -1
-        if at is not None and int(os.environ.get("RANK", "0")) == 1:
+    def __init__(self, model: torch.nn.Module, faults: argparse.Namespace, markers: Path) -> None:
+        self.faults, self.markers, self.step = faults, markers, -1
+        self.rank = int(os.environ.get("RANK", "0"))
+        if faults.nan_at is not None and self.rank == 1:
             model.register_forward_hook(self.poison)
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         self.step = state.global_step
+        crash_if_due(self.faults, self.step, self.rank, self.markers)
 
     def poison(self, module, inputs, output):
-        if module.training and self.step == self.at and not self.marker.exists():
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            self.marker.touch()
+        due = module.training and self.step == self.faults.nan_at
+        if due and once(self.markers / f"nan-at-{self.step}.done"):
             output.loss = output.loss * float("nan")
         return output
 
@@ -105,6 +109,7 @@ def deepspeed_config(stage: int) -> dict:
 
 def main() -> None:
     args = parse_args()
+    start_slowly(args)
     if args.zero is not None and not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -142,11 +147,8 @@ def main() -> None:
         ddp_find_unused_parameters=False,
         disable_tqdm=True,
     )
-    marker_dir = Path(args.out)
-    if run.active and run.checkpoint_root is not None:
-        marker_dir = run.checkpoint_root / run.identity.job_id  # outlives a relaunch
     clock = StepClock()
-    callbacks = [clock, NanOnce(model, args.nan_at, marker_dir / f"nan-at-{args.nan_at}.done")]
+    callbacks = [clock, Faults(model, args, marker_dir(run, args.out))]
     if not args.no_vigil:
         callbacks.append(VigilCallback(run))
     trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)

@@ -5,7 +5,8 @@
     vigil submit examples/byo/lightning_ddp.yaml --follow    # under Vigil
 
 Lightning starts no process here: it joins the ranks the launcher started (`trainer_args()`). The data is
-random tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once (a marker file
+random tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once, `--crash-at K`
+kills rank 1 at step K once, `--startup-delay S` starts every rank S seconds late (faults.py: a marker file
 in the job's checkpoint folder keeps a relaunch from doing it again). The last line printed is JSON.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
+from faults import add_arguments, crash_if_due, marker_dir, once, start_slowly
 from torch import nn
 
 import vigil
@@ -31,26 +33,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=5, help="the spec's checkpoint.every")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
     p.add_argument("--out", default="out/lightning_ddp", help="Lightning's default_root_dir")
+    add_arguments(p)
     return p.parse_args()
 
 
 class TinyLM(L.LightningModule):
     """Embedding, two transformer layers, a head: next-token prediction on (B, T) token ids."""
 
-    def __init__(
-        self, vocab: int = 256, dim: int = 64, nan_at: int | None = None, marker: Path | None = None
-    ):
+    def __init__(self, faults: argparse.Namespace, markers: Path, vocab: int = 256, dim: int = 64):
         super().__init__()
-        vocab, dim = 256, 64
         self.embed = nn.Embedding(vocab, dim)
         layer = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=4 * dim, batch_first=True)
         self.blocks = nn.TransformerEncoder(layer, num_layers=2)
         self.head = nn.Linear(dim, vocab)
-        self.nan_at, self.marker = nan_at, marker
+        self.faults, self.markers = faults, markers
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        crash_if_due(self.faults, self.trainer.global_step, self.global_rank, self.markers)
         x, y = batch[:, :-1], batch[:, 1:]  # (B, T-1) each
         mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
         logits = self.head(self.blocks(self.embed(x), mask=mask, is_causal=True))  # (B, T-1, vocab)
@@ -60,14 +60,11 @@ class TinyLM(L.LightningModule):
         return loss
 
     def poison_now(self) -> bool:
-        """Rank 1 at step `nan_at`, once per job (the marker file outlives a relaunch)."""
-        if self.nan_at != self.trainer.global_step or self.global_rank != 1 or self.marker is None:
+        """Rank 1 at step `--nan-at`, once per job (the marker file outlives a relaunch)."""
+        step = self.trainer.global_step
+        if self.faults.nan_at != step or self.global_rank != 1:
             return False
-        if self.marker.exists():
-            return False
-        self.marker.parent.mkdir(parents=True, exist_ok=True)
-        self.marker.touch()
-        return True
+        return once(self.markers / f"nan-at-{step}.done")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -75,15 +72,13 @@ class TinyLM(L.LightningModule):
 
 def main() -> None:
     args = parse_args()
+    start_slowly(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         vigil.init_process_group()  # Lightning uses the group as it is (its store on MASTER_ADDR only)
     run = vigil.init()
-    marker_dir = Path(args.out)
-    if run.active and run.checkpoint_root is not None:
-        marker_dir = run.checkpoint_root / run.identity.job_id  # outlives a relaunch
     torch.manual_seed(0)  # same initial weights on every rank
-    model = TinyLM(nan_at=args.nan_at, marker=marker_dir / f"nan-at-{args.nan_at}.done")
+    model = TinyLM(args, marker_dir(run, args.out))
     tokens = torch.randint(0, 256, (args.steps * args.micro_batch * world, args.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))  # fmt: skip
     data = torch.utils.data.DataLoader(tokens, batch_size=args.micro_batch, shuffle=False)

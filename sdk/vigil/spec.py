@@ -330,6 +330,11 @@ class CheckpointSpec(StrictModel):
 
 
 DEFAULT_HANG_FLOOR_S = 5.0  # a checkpoint save or an evaluation can take many times a sub-second step
+DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a 70B checkpoint, NCCL's start across hundreds of nodes: minutes
+# Once a job has measured a start-up, its limit is learned (`vigil_guardian.hang.startup_limit`):
+STARTUP_MULTIPLE = 3.0  # k x the job's longest measured start-up,
+STARTUP_FLOOR_S = 60.0  # never under this (a warm first start-up, then a cold relaunch that imports),
+CHECKPOINT_READ_BYTES_S = 200e6  # nor under the time its checkpoint takes to read (and hash) at this rate
 
 
 class GuardianSpec(StrictModel):
@@ -341,7 +346,11 @@ class GuardianSpec(StrictModel):
     hang: Action = "rollback"
     gpu_health: Action = "alert"
     hang_timeout_s: float = Field(
-        60.0, gt=0, le=86_400, description="hung after this long without a step, whatever the step time"
+        60.0,
+        gt=0,
+        le=86_400,
+        description="hung after this long without a step, whatever the step time (once a rank has made its "
+        "first step of the attempt: before, `startup_timeout_s`), and a rollback after this long",
     )
     hang_step_multiple: float = Field(
         10.0,
@@ -357,6 +366,16 @@ class GuardianSpec(StrictModel):
         f"null: {DEFAULT_HANG_FLOOR_S:g} s, or hang_timeout_s if that is shorter",
     )
     hang_window: int = Field(100, ge=10, le=10_000, description="the steps the p99 step time is taken over")
+    startup_timeout_s: float = Field(
+        DEFAULT_STARTUP_TIMEOUT_S,
+        gt=0,
+        le=7 * 86_400,
+        description="an attempt's start-up (from its launch to each rank's first step: imports, the process "
+        "group, building the engine, loading the checkpoint) is hung after this long; once the job has "
+        f"measured a start-up, the limit is the shorter of this and {STARTUP_MULTIPLE:g} x its longest "
+        f"start-up (at least {STARTUP_FLOOR_S:g} s), and never under the time its checkpoint takes to read "
+        f"at {CHECKPOINT_READ_BYTES_S / 1e6:g} MB/s. Step times never judge a start-up",
+    )
     max_rollbacks: int = Field(3, ge=0, le=1000)
     spike_zscore: float = Field(6.0, gt=0, le=1e6, description="robust z-score over the rolling median/MAD")
     spike_window: int = Field(50, ge=5, le=10_000)

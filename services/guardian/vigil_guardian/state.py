@@ -48,8 +48,11 @@ class Control:
     rollbacks: int = 0
     recovering: Recovering | None = None
     started: Ranks = field(default_factory=set)
+    stepped: Ranks = field(default_factory=set)  # ranks that made a step in this attempt: past their start-up
     exited: Ranks = field(default_factory=set)
     running_since: float | None = None
+    startups: list[float] = field(default_factory=list)  # recent attempts' start-ups: launch to all stepped
+    checkpoint_bytes: int = 0  # the largest checkpoint saved: what a load may have to read
     last_rollback_completed: str | None = None
     strikes: dict[str, list[int]] = field(default_factory=dict)  # "node:device" -> steps of transient faults
     # The job runs the built-in trainer (its launch had no entrypoint): the worker vouches for its replays,
@@ -79,7 +82,7 @@ class Control:
         self.attempt, self.attempt_started_at, self.launched_at = attempt, at, None
         self.generation, self.gen_started_at = 0, None
         self.recovering, self.running_since = None, None
-        self.started, self.exited = set(), set()
+        self.started, self.stepped, self.exited = set(), set(), set()
         if not self.terminal:
             self.state = None
 

@@ -47,7 +47,7 @@ from vigil.events import (
     StepReplayed,
 )
 from vigil.jobstates import JobState
-from vigil_guardian.hang import job_hang
+from vigil_guardian.hang import STARTUPS_KEPT, job_hang
 from vigil_guardian.policy import Decision, Policy, incident_id
 from vigil_guardian.rank_exit import rank_exit
 from vigil_guardian.replays import diagnose, diagnosed_incident, diagnosis_verdict, replay_incident, strike
@@ -155,6 +155,7 @@ class JobWatch:
         c = self.control
         c.running_since = c.running_since or event.occurred_at.timestamp()
         self.hang_raised = False
+        self._started_up(event)
         out = []
         for v in self.windows.observe(event, c.world_size, c.nodes):
             if c.recovering is not None:
@@ -162,6 +163,17 @@ class JobWatch:
             if self._new_episode(v) and not quiet:
                 out.append(self.decide(v, now, data_position=event.data_position, key=v.step))
         return out
+
+    def _started_up(self, event: StepCompleted) -> None:
+        """A rank's first step of the attempt ends its start-up; the last rank's ends the attempt's, whose
+        length (from the launch) the next attempts' start-up limit is learned from."""
+        c = self.control
+        if event.rank in c.stepped:
+            return
+        c.stepped.add(event.rank)
+        if c.launched_at is not None and c.world_size and len(c.stepped) == c.world_size:
+            took = max(0.0, event.occurred_at.timestamp() - c.launched_at)
+            c.startups = [*c.startups, round(took, 3)][-STARTUPS_KEPT:]
 
     def _new_episode(self, v: Verdict) -> bool:
         """One incident per episode of a kind: False when `v` continues the current one."""
@@ -177,6 +189,7 @@ class JobWatch:
         match event:
             case CheckpointSaved():  # a saved checkpoint outlives its attempt
                 c.checkpoints[event.step] = event.path
+                c.checkpoint_bytes = max(c.checkpoint_bytes, event.bytes)  # what a load may read
                 return []
             case CheckpointRefused():  # it did not load: never a rollback's target again
                 c.checkpoints.pop(event.step, None)

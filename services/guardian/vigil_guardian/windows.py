@@ -8,7 +8,9 @@ times (the hang detector's p99). Pure: no I/O.
 A step's time, for the hang detector, is the longest wall time any rank took from its previous step to
 this one: whatever runs between two steps (a checkpoint save, an evaluation, a held step's replay) is a
 silence a healthy job makes, so it counts; a rank's first step (imports, rendezvous, warm-up) gives none.
-One time per step, whatever the world size, so `hang_window` is a number of steps.
+One time per step, whatever the world size, so `hang_window` is a number of steps. A rank's first step of
+a timeline (an attempt, or the re-run after a rollback) is no evidence of a slow rank either: its
+measured time holds its start-up or its load, which one rank may take longer over than the others.
 
 Which rank made a NaN. After the all-reduce every rank's gradient norm is NaN and every rank skips
 the update, so a rank whose own loss was finite (`local_finite` True) is a witness, not a culprit:
@@ -45,6 +47,7 @@ class Windows:
         self.checkpoint_every: int | None = None  # the spec's checkpoint.every: which gaps hold a save
         self.held: deque[int] = deque(maxlen=PENDING_MAX)  # steps the ranks held and replayed
         self.progress: dict[int, tuple[float, int | None]] = {}  # rank -> (time of its last step, step)
+        self.first_steps: dict[int, int] = {}  # rank -> its first step of this timeline (attempt or rollback)
         self.step_losses: deque[tuple[int, float]] = deque()  # (step, cross-rank median loss)
         self.grad_norms: deque[tuple[int, float]] = deque()  # (step, global gradient norm)
         self.resize(spec)
@@ -113,6 +116,7 @@ class Windows:
         each complete step judged now."""
         spec, rank, step = self.spec, event.rank, event.step
         t, last = event.occurred_at.timestamp(), self.progress.get(rank)
+        self.first_steps.setdefault(rank, step)
         if last is not None and last[1] is not None and step == last[1] + 1 and t > last[0]:
             self._step_time(step, t - last[0])
         self.progress[rank] = (t, step)
@@ -174,6 +178,8 @@ class Windows:
             )
             if found is not None:
                 out.append(found)
+        if any(self.first_steps.get(e.rank) == step for e in events):
+            return out  # a rank's first step times its start-up (imports, a load, a compile), not a slow rank
         return out + self._slow_rank(events, nodes)
 
     def _slow_rank(self, events: list[StepCompleted], nodes: dict[int, str]) -> list[Verdict]:
@@ -223,4 +229,5 @@ class Windows:
         self.pending.clear()
         self.tracker.reset()
         self.scores.reset()
+        self.first_steps.clear()
         self.progress = {r: (at, to_step - 1 if to_step else None) for r in ranks}

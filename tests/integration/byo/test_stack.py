@@ -2,7 +2,8 @@
 telemetry, guardian and a worker in one process; real NATS and Postgres), its own program started from a
 code root with a NaN on rank 1 at a known step: the guardian names rank 1, the job recovers (the Trainer
 and Lightning by a relaunch from the checkpoint, DeepSpeed and DDP loops in place) and succeeds, and
-every step is stored once."""
+every step is stored once. And each of the four integrations crashed once mid-run, slow to start on every
+attempt: relaunched from its checkpoint, it succeeds (issue 39)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from vigil.events import (
     IncidentRaised,
     JobStateChanged,
     LaunchJob,
+    RankExited,
     RestartRequested,
     RollbackCompleted,
     StepCompleted,
@@ -46,12 +48,17 @@ async def stack(
         yield running
 
 
-def example_spec(name: str) -> dict[str, Any]:
-    """examples/byo/<name>.yaml, shortened: STEPS steps, a checkpoint every EVERY, the NaN at NAN_AT."""
+def example_spec(name: str, **faults: float | None) -> dict[str, Any]:
+    """examples/byo/<name>.yaml, shortened: STEPS steps, a checkpoint every EVERY, the NaN at NAN_AT; or
+    the faults given (`nan_at`, `crash_at`, `startup_delay`: faults.py's flags; None leaves one out)."""
     spec = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
     argv = spec["entrypoint"]["argv"]
-    for flag, value in (("--steps", STEPS), ("--save-every", EVERY), ("--nan-at", NAN_AT)):
+    for flag, value in (("--steps", STEPS), ("--save-every", EVERY)):
         argv[argv.index(flag) + 1] = str(value)
+    del argv[argv.index("--nan-at") : argv.index("--nan-at") + 2]
+    for name_, value in ({"nan_at": NAN_AT} | faults).items():
+        if value is not None:
+            argv += [f"--{name_.replace('_', '-')}", str(value)]
     spec["train"]["steps"] = STEPS
     spec["checkpoint"]["every"] = EVERY
     spec["checkpoint"]["keep"] = 10
@@ -60,13 +67,20 @@ def example_spec(name: str) -> dict[str, Any]:
 
 
 RELAUNCHED = {"hf_trainer", "hf_deepspeed", "lightning_ddp"}  # cannot load a checkpoint in place
+CRASH_AT = 10  # after the checkpoint of 8: the relaunch resumes from it
+# Longer than the hang detector's 5 s floor, which judged a relaunch's start-up by the step times it kept
+# from the attempt before: every relaunch of a program slower to start than that was "hung" (issue 39).
+STARTUP_DELAY_S = 8.0
 
 
 @pytest.mark.parametrize(
     "example", ["hf_trainer", "hf_deepspeed", "lightning_ddp", "deepspeed_loop", "ddp_loop"]
 )
 async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stack, example: str):
-    run = await train(stack, example_spec(example), timeout_s=420)
+    # an example relaunched from its checkpoint is slow to start on every attempt, as a large model's
+    # program is: the relaunch's start-up is no hang (issue 39)
+    delay = STARTUP_DELAY_S if example in RELAUNCHED else None
+    run = await train(stack, example_spec(example, startup_delay=delay), timeout_s=420)
     states = [e.to_state for e in run.of(JobStateChanged)]
     assert states[-1] == "SUCCEEDED", states
     (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
@@ -142,3 +156,33 @@ async def test_a_nan_on_the_very_last_step_of_a_user_program_succeeds(stack: Sta
     assert {launch.attempt for launch in run.of(LaunchJob)} == {1}
     job = (await stack.http.get(f"/api/v1/jobs/{run.job_id}")).json()
     assert [r["exit_code"] for r in job["ranks"]] == [0, 0], job["ranks"]
+
+
+@pytest.mark.parametrize("example", ["hf_trainer", "lightning_ddp", "deepspeed_loop", "ddp_loop"])
+async def test_an_example_crashed_once_mid_run_and_slow_to_start_is_relaunched_and_succeeds(
+    stack: Stack, example: str
+):
+    """Rank 1 dies at step CRASH_AT (exit code 17), and every rank of every attempt takes STARTUP_DELAY_S
+    before it starts (the imports and loads of a large model). The scheduler relaunches the job from the
+    checkpoint of step 8; the guardian judges the relaunch's start-up against the start-up limit, not the
+    attempt before's step times; the job trains to the end and SUCCEEDS, with no hang incident."""
+    spec = example_spec(example, nan_at=None, crash_at=CRASH_AT, startup_delay=STARTUP_DELAY_S)
+    run = await train(stack, spec, timeout_s=420)
+    changes = run.of(JobStateChanged)
+    hangs = [i.message for i in run.of(IncidentRaised) if i.kind == "hang"]
+    assert changes[-1].to_state == "SUCCEEDED", ([(c.to_state, c.cause) for c in changes], hangs)
+    assert hangs == []
+    crashed = [e for e in run.of(RankExited) if e.attempt == 1 and e.rank == 1]
+    assert [e.exit_code for e in crashed] == [17], crashed
+    assert f"rank 1 crashes at step {CRASH_AT}" in crashed[0].log_tail, crashed[0].log_tail
+    (relaunch,) = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
+    assert (relaunch.resume_from or "").endswith("step_00000008"), relaunch.resume_from
+    second = [e for e in run.of(StepCompleted) if e.attempt == 2]
+    assert min(e.step for e in second) == 8 and max(e.step for e in second) == STEPS - 1
+    # the relaunch was slower to its first step than the floor that once judged it hung
+    first = min(e.occurred_at for e in second)
+    assert (first - relaunch.occurred_at).total_seconds() >= STARTUP_DELAY_S
+    assert {launch.attempt for launch in run.of(LaunchJob)} == {1, 2}
+    steps = await readmodel.steps(stack.pool, run.job_id, aggregate=True, limit=100)
+    pairs = [(s["attempt"], s["step"]) for s in steps["items"]]
+    assert len(pairs) == len(set(pairs)) and {k for _, k in pairs} == set(range(STEPS)), pairs

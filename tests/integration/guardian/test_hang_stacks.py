@@ -2,7 +2,9 @@
 one process; real NATS and Postgres) with a user program of two real gloo ranks: rank 1 stuck in its data
 loader's `__next__`, or stuck outside any collective (a sleep before the all-reduce), while rank 0 waits
 in the all-reduce. The guardian asks the worker for the ranks' stacks (py-spy), and the incident names
-rank 1 and its frame, within the adaptive limit (k x the p99 step time, on a floor of 1 s)."""
+rank 1 and its frame, within the adaptive limit (k x the p99 step time, on a floor of 1 s). And a rank
+that never reaches its first step (stuck loading its checkpoint): a start-up hang, judged against the
+start-up limit and named so (issue 39)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from tests.helpers import eventually
 from tests.integration.guardian.test_e2e_ranks import Stack, train, whole_stack
-from vigil.events import DumpStacks, IncidentRaised, StacksDumped, StepCompleted
+from vigil.events import DumpStacks, IncidentRaised, JobStateChanged, StacksDumped, StepCompleted
 from vigil_common import readmodel
 from vigil_worker.stacks import py_spy
 
@@ -29,7 +31,8 @@ FLOOR_S = 1.0
 
 PROGRAM = textwrap.dedent(
     '''
-    """Two gloo ranks, 0.05 s steps, one all-reduce each; rank 1 hangs at step --at (--stuck loader|sleep)."""
+    """Two gloo ranks, 0.05 s steps, one all-reduce each; rank 1 hangs at step --at (--stuck loader|sleep),
+    or rank 0 never reaches its first step (--stuck startup)."""
 
     import argparse
     import os
@@ -61,15 +64,22 @@ PROGRAM = textwrap.dedent(
             time.sleep(0.5)  # STALL_STUCK: outside any collective
 
 
+    def load_checkpoint() -> None:
+        while True:
+            time.sleep(0.5)  # LOAD_STUCK: a load that never ends
+
+
     def main() -> None:
         p = argparse.ArgumentParser()
-        p.add_argument("--stuck", choices=["loader", "sleep"], required=True)
+        p.add_argument("--stuck", choices=["loader", "sleep", "startup"], required=True)
         p.add_argument("--at", type=int, required=True)
         p.add_argument("--steps", type=int, default=1000)
         args = p.parse_args()
         rank = int(os.environ["RANK"])
         vigil.init_process_group()
         run = vigil.init()
+        if args.stuck == "startup" and rank == 0:
+            load_checkpoint()
         loader = Loader(rank, args.stuck, args.at)
         for step in range(args.steps):
             started = time.perf_counter()
@@ -103,7 +113,7 @@ async def stack(
         yield running
 
 
-def spec(stuck: str) -> dict:
+def spec(stuck: str, **guardian: float) -> dict:
     return {
         "name": f"hang-{stuck}-{uuid.uuid4().hex[:4]}",
         "resources": {"nodes": 1, "gpus_per_node": 2},
@@ -113,7 +123,13 @@ def spec(stuck: str) -> dict:
         },
         "train": {"steps": 1000},
         # fail: the incident is the action (the scheduler fails the job and ends its ranks)
-        "guardian": {"hang": "fail", "hang_timeout_s": 60, "hang_floor_s": FLOOR_S, "hang_step_multiple": 10},
+        "guardian": {
+            "hang": "fail",
+            "hang_timeout_s": 60,
+            "hang_floor_s": FLOOR_S,
+            "hang_step_multiple": 10,
+            **guardian,
+        },
     }
 
 
@@ -173,3 +189,28 @@ async def test_a_rank_stuck_outside_any_collective_is_named_with_its_frame(stack
     frame = f"rank 1 in `stall` (prog.py:{line_of('STALL_STUCK')})"
     assert f"{frame}; 1 rank waits in `all_reduce`" in hang.message, hang.message
     assert detected <= limit + 0.5 + 0.5, (detected, limit)
+
+
+STARTUP_LIMIT_S = 8.0
+
+
+async def test_a_rank_that_never_reaches_its_first_step_is_a_start_up_hang_named_so(stack: Stack):
+    """Rank 0 never ends its checkpoint load; rank 1 waits for it in the first all-reduce. Neither makes a
+    step: the guardian judges the start-up against `startup_timeout_s` (no start-up measured yet), asks for
+    the stacks within the limit + 1 s, and the incident, and the FAILED reason, say it was the start-up."""
+    run = await train(stack, spec("startup", startup_timeout_s=STARTUP_LIMIT_S), timeout_s=180)
+    assert run.of(StepCompleted) == []
+    (hang,) = [i for i in run.of(IncidentRaised) if i.kind == "hang"]
+    assert hang.action == "fail" and hang.rank == 0
+    assert hang.evidence["phase"] == "startup" and hang.evidence["starting"] == [0, 1]
+    assert hang.evidence["limit_s"] == STARTUP_LIMIT_S
+    said = f"(start-up limit {STARTUP_LIMIT_S:.1f}s: guardian.startup_timeout_s): "
+    frame = f"rank 0 in `load_checkpoint` (prog.py:{line_of('LOAD_STUCK')}); 1 rank waits in `all_reduce`"
+    assert f"hang: rank 0 on {stack.node} never reached its first step in " in hang.message, hang.message
+    assert said + frame in hang.message, hang.message
+    (ask,) = run.of(DumpStacks)
+    asked = ask.occurred_at.timestamp() - hang.evidence["since"]
+    print(f"\nstart-up hang: stacks asked {asked:.2f}s after the ranks started (limit {STARTUP_LIMIT_S}s)")
+    assert STARTUP_LIMIT_S <= asked <= STARTUP_LIMIT_S + 1.0, asked
+    failed = run.of(JobStateChanged)[-1]
+    assert failed.to_state == "FAILED" and said in failed.cause, failed.cause

@@ -39,7 +39,7 @@ def queued_then_launched(launched, attempt=1):
     assert g.check_hangs(at(launched - 1.0)) == []  # queued: nothing to wait for
     feed(g, [state(JobState.SCHEDULED, JobState.PENDING, launched, attempt)])
     assert g.check_hangs(at(launched + 0.001)) == []  # placed, launch not seen yet
-    feed(g, [launch(2, attempt=attempt, t=launched, hang_timeout_s=TIMEOUT)])
+    feed(g, [launch(2, attempt=attempt, t=launched, startup_timeout_s=TIMEOUT)])
     return g
 
 
@@ -55,20 +55,22 @@ def test_a_queued_job_whose_ranks_never_start_is_hung_the_timeout_after_its_laun
     feed(g, [rank_started(0, 90.0)])
     out = g.check_hangs(at(82.2 + TIMEOUT + 1.0))
     assert [(d.incident.kind, d.incident.rank) for d in out] == [("hang", 1)]
-    assert "rank 1 on n1 has not started 61.0s after the launch (limit 60.0s" in out[0].incident.message
+    assert (
+        "rank 1 on n1 has not started 61.0s after the launch (start-up limit 60.0s" in out[0].incident.message
+    )
     assert out[0].incident.evidence["since"] == round(at(82.2).timestamp(), 3)
 
 
 def test_a_requeued_attempt_counts_from_its_own_launch():
     """Attempt 2 waits in the queue with the world size of attempt 1 already known."""
     g = Guardian()
-    feed(g, [launch(2, t=0.0, hang_timeout_s=TIMEOUT), rank_started(0, 1.0), rank_started(1, 1.0)])
+    feed(g, [launch(2, t=0.0, startup_timeout_s=TIMEOUT), rank_started(0, 1.0), rank_started(1, 1.0)])
     feed(g, [state(JobState.RUNNING, JobState.SCHEDULED, 1.0), step(0, 0, t=2.0), step(0, 1, t=2.0)])
     feed(g, [state(JobState.PENDING, JobState.RUNNING, 3.0, attempt=2)])  # requeued: attempt 2
     assert g.check_hangs(at(200.0)) == []  # queued
     feed(g, [state(JobState.SCHEDULED, JobState.PENDING, 300.0, attempt=2)])
     assert g.check_hangs(at(300.01)) == []  # placed, its launch not seen yet
-    feed(g, [launch(2, attempt=2, t=300.0, hang_timeout_s=TIMEOUT)])
+    feed(g, [launch(2, attempt=2, t=300.0, startup_timeout_s=TIMEOUT)])
     assert g.check_hangs(at(300.02)) == []
     out = g.check_hangs(at(300.0 + TIMEOUT + 1.0))
     assert [(d.incident.kind, d.incident.rank, d.incident.attempt) for d in out] == [("hang", 0, 2)]
@@ -77,6 +79,6 @@ def test_a_requeued_attempt_counts_from_its_own_launch():
 
 def test_a_republished_launch_does_not_restart_the_wait():
     g = queued_then_launched(82.2)
-    feed(g, [launch(2, t=120.0, hang_timeout_s=TIMEOUT)])  # same attempt, published again
+    feed(g, [launch(2, t=120.0, startup_timeout_s=TIMEOUT)])  # same attempt, published again
     out = g.check_hangs(at(82.2 + TIMEOUT + 1.0))
     assert [d.incident.kind for d in out] == ["hang"]

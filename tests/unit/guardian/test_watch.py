@@ -125,7 +125,8 @@ def test_slow_rank_gives_one_imbalance_incident_naming_it():
         )
     assert len(out) == 1
     inc = out[0].incident
-    assert (inc.kind, inc.rank, inc.node, inc.action, inc.step) == ("imbalance", 2, "n2", "alert", 3)
+    # steps 1-4: a rank's first step times its start-up, not its speed (issue 39), so step 0 is not judged
+    assert (inc.kind, inc.rank, inc.node, inc.action, inc.step) == ("imbalance", 2, "n2", "alert", 4)
 
 
 def test_steps_judged_before_the_launch_is_known_still_count_toward_an_imbalance():
@@ -139,8 +140,8 @@ def test_steps_judged_before_the_launch_is_known_still_count_toward_an_imbalance
     out = feed(g, slow[0] + slow[1] + slow[2][:2])  # no launch yet: no world size
     assert out == []
     out = feed(g, [launch(3, imbalance_steps=3)] + slow[2][2:] + slow[3])
-    assert [(d.incident.kind, d.incident.rank, d.incident.step) for d in out] == [("imbalance", 2, 2)]
-    assert out[0].incident.evidence["steps"] == [0, 1, 2]
+    assert [(d.incident.kind, d.incident.rank, d.incident.step) for d in out] == [("imbalance", 2, 3)]
+    assert out[0].incident.evidence["steps"] == [1, 2, 3]  # step 0, the ranks' first, times their start-up
 
 
 def test_missing_steps_give_a_hang_then_the_policys_action():
@@ -181,16 +182,18 @@ def test_ranks_past_the_jobs_last_step_are_held_to_the_plain_timeout_not_the_ste
     assert out[0].incident.evidence["limit_s"] == 30
 
 
-def test_a_launched_rank_that_never_starts_is_a_hang_after_the_timeout():
-    g = started(hang_timeout_s=30)  # launched at 0.0, with checkpoints 0 and 5 from before
+def test_a_launched_rank_that_never_starts_is_a_hang_after_the_start_up_limit():
+    g = started(
+        hang_timeout_s=5, startup_timeout_s=30
+    )  # launched at 0.0, with checkpoints 0 and 5 from before
     feed(g, [RankStarted(job_id=JOB, attempt=1, rank=0, node="n0", pid=1, log_path="-", occurred_at=at(1))])
     assert g.check_hangs(at(29.0)) == []  # starting may take a while
     out = g.check_hangs(at(31.0))
     assert len(out) == 1
     d = out[0]
     assert (d.incident.kind, d.incident.rank, d.incident.node) == ("hang", 1, "n1")
-    assert "rank 1 on n1 has not started 31.0s after the launch" in d.incident.message
-    assert d.incident.evidence["not_started"] == [1]
+    assert "rank 1 on n1 has not started 31.0s after the launch (start-up limit 30.0s" in d.incident.message
+    assert d.incident.evidence["not_started"] == [1] and d.incident.evidence["phase"] == "not_started"
     assert d.commands[0].type == "job.restart"  # relaunched (a new attempt), from the newest checkpoint
     g.mark_published(d.incident.event_id)
     assert g.check_hangs(at(60.0)) == []  # one incident
