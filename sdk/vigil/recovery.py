@@ -8,23 +8,29 @@ each next command. What a command does (`RunCommands`): a halt stops stepping; a
 (from the in-memory snapshot of the step every rank holds, else the chosen disk checkpoint through the
 program's loader) or, with no way to load in place, stops the ranks to be relaunched from the
 checkpoint; a resume goes on. Cancel and restart are the worker's and the scheduler's: they end the
-processes."""
+processes.
+
+`RunState` is what a `Run` and its command handling share, and all `RunCommands` sees of the run: where
+it is in its steps, and the parts a command uses (its link, checkpoints, loader and snapshots). The run
+owns it and hands it over; no module reads a `Run`'s private names."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, assert_never
+from typing import Any, Protocol, assert_never
 
 from vigil import collective
 from vigil import events as ev
+from vigil.checkpoints import Checkpoints
 from vigil.exits import EXIT_PREEMPTED, EXIT_RESTART, write_exit_file
+from vigil.identity import Identity
+from vigil.link import Link
 from vigil.protocol import RankCommand
-
-if TYPE_CHECKING:
-    from vigil.run import Run
+from vigil.run_snapshots import RunSnapshots
 
 log = logging.getLogger("vigil")
 
@@ -114,22 +120,38 @@ class Rollback:
     acted: float  # when this rank began acting on it (at the first step boundary all ranks agreed on)
 
 
-class RunCommands:
-    """The `Handler` of a `Run`."""
+@dataclass
+class RunState:
+    """What a `Run` and its command handling share (see the module's docstring)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    identity: Identity
+    link: Link
+    checkpoints: Checkpoints
+    next_step: int = 0  # the step the program runs next, as the last boundary (or a rollback) said
+    generation: int = 0  # in-place rollbacks done in this attempt: which run of its steps this is
+    skip_windows: list[tuple[int, int]] = field(default_factory=list)
+    last_rollback: Rollback | None = None  # the newest in-place rollback of this attempt
+    loader: Callable[[Path], Any] | None = None  # the program's in-place load of a checkpoint folder
+    snapshots: RunSnapshots | None = None  # made by the run's first `snapshot` or `restore`
+    inbox: Inbox = field(default_factory=Inbox)
+
+
+class RunCommands:
+    """The `Handler` of a `Run`: what each command does to its `RunState`."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
 
     def halt(self, command: ev.HaltJob) -> None:
         self.report_halt(command.reason, command.event_id)
 
     def report_halt(self, reason: str, command_id: str) -> None:
         """Rank 0 reports that the ranks stopped (`command_id`: the HaltJob's, or the program's own)."""
-        run = self.run
-        step = max(run._next_step - 1, 0)
+        run = self.state
+        step = max(run.next_step - 1, 0)
         log.warning("vigil: halted after step %d: %s", step, reason)
-        if run.rank == 0:
-            run.emit(
+        if run.identity.rank == 0:
+            run.link.emit(
                 ev.RanksHalted(
                     job_id=run.identity.job_id,
                     attempt=run.identity.attempt,
@@ -140,16 +162,16 @@ class RunCommands:
             )
 
     def resume(self, command: ev.ResumeJob) -> None:
-        log.warning("vigil: resumed at step %d", self.run._next_step)
+        log.warning("vigil: resumed at step %d", self.state.next_step)
 
     def rollback(self, command: ev.RollbackJob, seq: int) -> None:
-        run = self.run
-        acted, arrived = time.monotonic(), run._link.arrival(seq)
+        run = self.state
+        acted, arrived = time.monotonic(), run.link.arrival(seq)
         t0 = time.perf_counter()
-        from_step = max(run._next_step - 1, 0)
-        snaps = run._snapshots
+        from_step = max(run.next_step - 1, 0)
+        snaps = run.snapshots
         held = snaps.held_everywhere(command.step) if snaps is not None else None  # collective
-        if held is None and run._loader is None:
+        if held is None and run.loader is None:
             self._restart(command)
         if held is not None:
             hm = held.manifest
@@ -160,7 +182,7 @@ class RunCommands:
                 command.checkpoint,
             )
         else:
-            m = run._checkpoints.choose(command.checkpoint, command.step)
+            m = run.checkpoints.choose(command.checkpoint, command.step)
             to_step, position, windows, source = m.step, m.data_position, m.skip_windows, str(m.path)
         run.skip_windows = [(int(a), int(b)) for a, b in windows]
         if command.skip_data:
@@ -170,12 +192,12 @@ class RunCommands:
             assert snaps is not None
             snaps.load(held)
         else:
-            assert run._loader is not None
-            run._loader(Path(source))
+            assert run.loader is not None
+            run.loader(Path(source))
         load_s = time.perf_counter() - t_load
         if snaps is not None:  # the steps after it are abandoned, in memory too
             snaps.drop_after(to_step)
-        run._next_step = to_step
+        run.next_step = to_step
         run.generation += 1  # the steps from to_step on are a new run of them, beside the abandoned one
         duration = time.perf_counter() - t0
         run.last_rollback = Rollback(
@@ -185,8 +207,8 @@ class RunCommands:
         log.warning(
             "vigil: rolled back from step %d to %d (%s) in %.3fs", from_step, to_step, where, duration
         )
-        if run.rank == 0:
-            run.emit(
+        if run.identity.rank == 0:
+            run.link.emit(
                 ev.RollbackCompleted(
                     job_id=run.identity.job_id,
                     attempt=run.identity.attempt,
@@ -202,11 +224,11 @@ class RunCommands:
 
     def _restart(self, command: ev.RollbackJob) -> None:
         """No way to load in place: stop, and be relaunched from the checkpoint."""
-        run = self.run
-        if run._snapshots is not None:  # the steps after the checkpoint are abandoned, in memory too
-            run._snapshots.drop_after(command.step)
-        if run.rank == 0:
-            run.emit(
+        run = self.state
+        if run.snapshots is not None:  # the steps after the checkpoint are abandoned, in memory too
+            run.snapshots.drop_after(command.step)
+        if run.identity.rank == 0:
+            run.link.emit(
                 ev.RestartRequested(
                     job_id=run.identity.job_id,
                     attempt=run.identity.attempt,
@@ -217,7 +239,7 @@ class RunCommands:
                     node=run.identity.node,
                 )
             )
-            run._link.flush()
+            run.link.flush()
         collective.barrier()  # nobody exits before rank 0's request is stored
         log.warning("vigil: rollback to step %d asks for a relaunch (no in-place loader)", command.step)
         write_exit_file(EXIT_RESTART)  # declared: an abort in the interpreter's teardown does not change it

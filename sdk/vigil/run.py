@@ -55,7 +55,7 @@ from vigil.exits import EXIT_PREEMPTED, write_exit_file, write_last_step
 from vigil.identity import Identity, first_position, parse_windows, spec_from_env
 from vigil.link import AgentLink, Link, NullLink, connect_from_env
 from vigil.preemption import PreemptionNotice
-from vigil.recovery import Inbox, Preempted, Restart, Rollback, RunCommands, act
+from vigil.recovery import Preempted, Restart, Rollback, RunCommands, RunState, act
 from vigil.run_snapshots import RunSnapshots
 from vigil.spec import JobSpec
 
@@ -87,22 +87,12 @@ class Run:
         self._link = link
         self.checkpoint_root = checkpoint_root
         self.resume_from = resume_from
-        self.skip_windows: list[tuple[int, int]] = list(skip_windows or [])
         self.notice = PreemptionNotice()  # listens once installed (`init` does, in the main thread)
-        self.generation = 0  # in-place rollbacks done in this attempt: which run of its steps this is
-        self.last_rollback: Rollback | None = None  # the newest in-place rollback of this attempt
-        self._checkpoints = Checkpoints(
-            checkpoint_root,
-            identity,
-            keep=keep,
-            emit=self.emit,
-            flush=lambda: self._link.flush(),
-        )
-        self._inbox = Inbox()
-        self._loader: Callable[[Path], Any] | None = None
+        checkpoints = Checkpoints(checkpoint_root, identity, keep=keep, emit=self.emit, flush=link.flush)
+        # where the run is in its steps, and what its commands use: shared with them (`vigil.recovery`)
+        self._state = RunState(identity, link, checkpoints, skip_windows=list(skip_windows or []))
+        self._commands = RunCommands(self._state)
         self._emergency: Callable[[int], Any] | None = None
-        self._snapshots: RunSnapshots | None = None
-        self._next_step = 0
         self._last_report = time.perf_counter()
         self._step_s = 0.0  # the last reported step's seconds
         self._closed = False
@@ -121,6 +111,25 @@ class Run:
     @property
     def world_size(self) -> int:
         return self.identity.world_size
+
+    @property
+    def generation(self) -> int:
+        """In-place rollbacks done in this attempt: which run of its steps this is (0: the first)."""
+        return self._state.generation
+
+    @property
+    def last_rollback(self) -> Rollback | None:
+        """The newest in-place rollback of this attempt, as this rank did it."""
+        return self._state.last_rollback
+
+    @property
+    def skip_windows(self) -> list[tuple[int, int]]:
+        """The data windows skipped, [start, end) in data positions."""
+        return self._state.skip_windows
+
+    @skip_windows.setter
+    def skip_windows(self, windows: list[tuple[int, int]]) -> None:
+        self._state.skip_windows = list(windows)
 
     @property
     def spec(self) -> JobSpec | None:
@@ -209,9 +218,9 @@ class Run:
         next (`next_step`, or a checkpoint's after an in-place rollback: `last_rollback` says which and
         from where). Halted, it waits here. `data_position`: what `next_step` reads, for a program that
         keeps its own data cursor (default `position(next_step)`)."""
-        self._next_step = next_step
-        if self._snapshots is not None:
-            self._snapshots.at_boundary(
+        self._state.next_step = next_step
+        if self._state.snapshots is not None:
+            self._state.snapshots.at_boundary(
                 next_step,
                 step_s=self._step_s,
                 data_position=self.position(next_step) if data_position is None else data_position,
@@ -224,20 +233,21 @@ class Run:
             log.warning("vigil: preempted after step %d; exiting to be requeued", next_step - 1)
             write_exit_file(EXIT_PREEMPTED)  # declared: an abort in the interpreter's teardown keeps it
             raise Preempted
-        if boundary.agreed_seq > self._inbox.handled_seq or self._inbox.halted:
-            act(self._link, self._inbox, boundary.agreed_seq, self.identity.attempt, RunCommands(self))
-        return self._next_step
+        inbox = self._state.inbox
+        if boundary.agreed_seq > inbox.handled_seq or inbox.halted:
+            act(self._link, inbox, boundary.agreed_seq, self.identity.attempt, self._commands)
+        return self._state.next_step
 
     def halt(self, reason: str, incident_id: str) -> None:
         """Every rank: stop on the program's own account (an out-of-memory past its retry): rank 0 reports
         the ranks halted under `incident_id`, and the next `after_step` waits for a resume, a rollback or
         a cancel, as after the guardian's halt."""
-        self._inbox.halted = True
-        RunCommands(self).report_halt(reason, incident_id)
+        self._state.inbox.halted = True
+        self._commands.report_halt(reason, incident_id)
 
     def on_rollback(self, load: Callable[[Path], Any]) -> None:
         """Register how to load a checkpoint folder in place; without it a rollback relaunches the job."""
-        self._loader = load
+        self._state.loader = load
 
     def on_preemption(self, save: Callable[[int], Any]) -> None:
         """Register what to do before exiting on a preemption notice (e.g. save_checkpoint(step, ...))."""
@@ -269,14 +279,20 @@ class Run:
     @property
     def snapshotting(self) -> bool:
         """`snapshot` was called: `after_step` takes in-memory snapshots."""
-        return self._snapshots is not None and self._snapshots.taking
+        return self._state.snapshots is not None and self._state.snapshots.taking
 
     @property
     def snapshot_cost(self) -> tuple[int, snap.SnapshotCost] | None:
         """Snapshotting: every how many steps they are taken, and what they cost this rank so far."""
-        if self._snapshots is None or not self._snapshots.taking:
+        if self._state.snapshots is None or not self._state.snapshots.taking:
             return None
-        return self._snapshots.every, self._snapshots.cost
+        return self._state.snapshots.every, self._state.snapshots.cost
+
+    def wait_snapshots(self) -> None:
+        """Wait until every snapshot taken so far is written (copied to host memory, its files and its peer
+        copy, in the background): what a relaunch on this node would find."""
+        if self._state.snapshots is not None:
+            self._state.snapshots.wait()
 
     def restore(self, *, safe_globals: list[Any] | None = None) -> snap.Restored | None:
         """Every rank, on a relaunch: the newest in-memory snapshot every rank has whole (its own copy, or
@@ -290,17 +306,17 @@ class Run:
         if got is None:
             return None
         self._add_windows(got.skip_windows)
-        self._next_step = got.step
+        self._state.next_step = got.step
         log.info("vigil: restoring the in-memory snapshot of step %d", got.step)
         return got
 
     def _open_snapshots(self) -> RunSnapshots:
         """Made once, by every rank together (the peer exchange's gloo group)."""
-        if self._snapshots is None:
-            self._snapshots = RunSnapshots.open(
+        if self._state.snapshots is None:
+            self._state.snapshots = RunSnapshots.open(
                 job_id=self.identity.job_id, rank=self.rank, world=self.world_size
             )
-        return self._snapshots
+        return self._state.snapshots
 
     # --- checkpoints (`vigil.checkpoints`) ---------------------------------------------------------------
 
@@ -318,9 +334,9 @@ class Run:
         Snapshotting, the step is kept in memory too (a rollback to it loads from there)."""
         position = self.position(step) if data_position is None else data_position
         windows = self.skip_windows if skip_windows is None else skip_windows
-        path = self._checkpoints.save(step, save, data_position=position, skip_windows=windows)
-        if self._snapshots is not None:
-            self._snapshots.take(step, data_position=position, skip_windows=windows, pin=True)
+        path = self._state.checkpoints.save(step, save, data_position=position, skip_windows=windows)
+        if self._state.snapshots is not None:
+            self._state.snapshots.take(step, data_position=position, skip_windows=windows, pin=True)
         return path
 
     def resume_checkpoint(self) -> manifest.Manifest | None:
@@ -331,16 +347,16 @@ class Run:
             return None
         chosen = self.choose_checkpoint(str(self.resume_from), manifest.step_of(self.resume_from))
         self._add_windows(chosen.skip_windows)
-        self._next_step = chosen.step
-        if self._snapshots is not None:  # none of an abandoned timeline
-            self._snapshots.drop_after(chosen.step)
+        self._state.next_step = chosen.step
+        if self._state.snapshots is not None:  # none of an abandoned timeline
+            self._state.snapshots.drop_after(chosen.step)
         log.info("vigil: resuming from %s (step %d)", chosen.path, chosen.step)
         return chosen
 
     def choose_checkpoint(self, requested: str, requested_step: int | None) -> manifest.Manifest:
         """Rank 0 verifies the checkpoint asked for (or falls back to the newest valid one before it) and
         every rank gets its choice, so all load the same one. CheckpointError when there is none."""
-        return self._checkpoints.choose(requested, requested_step)
+        return self._state.checkpoints.choose(requested, requested_step)
 
     def refuse_checkpoint(
         self, path: str | Path, step: int, reason: ev.CheckpointRefusal, error: BaseException | str
@@ -348,7 +364,7 @@ class Run:
         """Report that the checkpoint `path` (of `step`) did not load on this rank (`reason` "hash": it
         failed its manifest; "load": it verified and still raised): the scheduler marks it bad and no
         relaunch or rollback takes it again. Waits until the report is stored (the rank may exit next)."""
-        self._checkpoints.refuse(path, step, reason, error)
+        self._state.checkpoints.refuse(path, step, reason, error)
 
     def _add_windows(self, windows: list[tuple[int, int]]) -> None:
         """A checkpoint's skip windows, before those of this launch (each once)."""
@@ -363,8 +379,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        if self._snapshots is not None:
-            self._snapshots.finish()  # its thread must not be inside torch when the interpreter ends
+        if self._state.snapshots is not None:
+            self._state.snapshots.finish()  # its thread must not be inside torch when the interpreter ends
         self._link.close()
         last = getattr(self._link, "last_step", None)
         if last is not None:
@@ -373,8 +389,8 @@ class Run:
 
     def done(self) -> None:
         """Every rank, when training finished: its in-memory snapshots go (the job needs none now)."""
-        if self._snapshots is not None:
-            self._snapshots.remove_all()
+        if self._state.snapshots is not None:
+            self._state.snapshots.remove_all()
 
 
 _current: Run | None = None

@@ -384,7 +384,7 @@ def test_deepspeed_snapshots_resume_from_memory_newer_than_the_checkpoint(
     run = a_run(root, Recorder())
     vigil_ds.snapshot(engine, run)  # no spec: every step
     first = train(run, 0, 7)
-    run._snapshots.wait()  # type: ignore[union-attr]  # the last one's files are written
+    run.wait_snapshots()  # the last one's files are written
     for _ in range(2):  # the weights move on past the snapshot (the steps a crash loses)
         engine.backward(nn.functional.mse_loss(engine(x), y))
         engine.step()

@@ -46,10 +46,24 @@ def test_data_windows_are_parsed_and_skipped():
 
 
 class Commands:
-    """A link that holds a fixed list of commands (numbered from 1)."""
+    """A link that holds a fixed list of commands (numbered from 1) and keeps what the rank sends."""
 
     def __init__(self, *commands: ev.Message) -> None:
         self.commands = list(commands)
+        self.sent: list[ev.Message] = []
+
+    def emit(self, event: ev.Message) -> None:
+        self.sent.append(event)
+
+    @property
+    def latest_seq(self) -> int:
+        return len(self.commands)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
 
     def command(self, seq: int, timeout_s: float) -> ev.Message:
         if seq > len(self.commands):
@@ -58,12 +72,6 @@ class Commands:
 
     def arrival(self, seq: int) -> float | None:
         return None  # no bus: no arrival time
-
-    def emit(self, event: ev.Message) -> None:
-        pass
-
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        return True
 
 
 class Handler:
@@ -104,31 +112,27 @@ def test_an_agreed_command_that_never_arrives_is_an_error():
 
 
 def test_without_a_loader_a_rollback_stops_the_rank_to_be_relaunched(tmp_path):
-    run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path)
     back = ev.RollbackJob(
         job_id="j", attempt=1, checkpoint=str(tmp_path / "j" / "step_00000002"), step=2, reason="x"
     )
-    run._link = Commands(back)  # type: ignore[assignment]
-    run._link.flush = lambda timeout_s=30.0: True  # type: ignore[attr-defined]
-    run._link.emit = lambda event: None  # type: ignore[attr-defined]
+    run = Run(Identity("j", 1, 0, 1, 0, "n"), Commands(back), checkpoint_root=tmp_path)
     with pytest.raises(Restart) as stop:
         run.after_step(5, Boundary(True, 1))
     assert stop.value.code == 5
 
 
 def test_with_a_loader_a_rollback_loads_in_place_and_returns_the_checkpoints_step(tmp_path):
-    run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path, keep=2)
+    target = str(manifest.step_dir(tmp_path, "j", 4))
+    link = Commands(
+        ev.RollbackJob(job_id="j", attempt=1, checkpoint=target, step=4, skip_data=(4, 5), reason="x")
+    )
+    run = Run(Identity("j", 1, 0, 1, 0, "n"), link, checkpoint_root=tmp_path, keep=2)
     for step in (2, 4, 6):
         run.save_checkpoint(step, lambda path, s=step: (path / "model.txt").write_text(f"weights {s}"))
     assert [s for s, _ in manifest.checkpoints(tmp_path, "j")] == [4, 6], "keeps the newest two"
     loaded: list[str] = []
     run.on_rollback(lambda path: loaded.append((path / "model.txt").read_text()))
-    target = str(manifest.step_dir(tmp_path, "j", 4))
-    run._link = Commands(
-        ev.RollbackJob(job_id="j", attempt=1, checkpoint=target, step=4, skip_data=(4, 5), reason="x")
-    )  # type: ignore[assignment]
-    sent: list[ev.Message] = []
-    run._link.emit = sent.append  # type: ignore[attr-defined]
+    sent = link.sent
     run.report(6, loss=2.0)
     assert run.after_step(7, Boundary(True, 1)) == 4
     assert loaded == ["weights 4"] and run.skip_windows == [(4, 5)] and run.position(4) == 5
@@ -171,23 +175,26 @@ def test_the_jobs_spec_is_read_only_and_none_without_one(monkeypatch):
 
 
 def test_a_halt_on_the_programs_own_account_waits_in_after_step_until_resumed(tmp_path):
-    run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path)
-    sent: list[ev.Message] = []
-    run._link = Commands(ev.ResumeJob(job_id="j", attempt=1))  # type: ignore[assignment]
-    run._link.emit = sent.append  # type: ignore[attr-defined]
+    link = Commands(ev.ResumeJob(job_id="j", attempt=1))
+    run = Run(Identity("j", 1, 0, 1, 0, "n"), link, checkpoint_root=tmp_path)
     assert run.after_step(7, Boundary(True, 0)) == 7
     run.halt("out of memory", "oom-j-1-7")
-    (halted,) = [e for e in sent if isinstance(e, ev.RanksHalted)]
+    (halted,) = [e for e in link.sent if isinstance(e, ev.RanksHalted)]
     assert (halted.step, halted.command_id) == (6, "oom-j-1-7")
     # halted: it waits for the next command (the resume, #1) though no rank has seen one at the boundary
-    assert run.after_step(7, Boundary(True, 0)) == 7 and not run._inbox.halted
+    assert run.after_step(7, Boundary(True, 0)) == 7
+    assert [e for e in link.sent if isinstance(e, ev.RanksHalted)] == [halted]  # resumed: not halted again
 
 
 def test_a_rollback_to_a_step_every_rank_holds_in_memory_loads_it_from_there(tmp_path, monkeypatch):
     import torch
 
     monkeypatch.delenv(proto.SNAPSHOT_DIR_ENV, raising=False)  # this process only: no files
-    run = Run(Identity("j", 1, 0, 1, 0, "n"), NullLink(), checkpoint_root=tmp_path)
+    target = str(manifest.step_dir(tmp_path, "j", 2))
+    link = Commands(
+        ev.RollbackJob(job_id="j", attempt=1, checkpoint=target, step=2, skip_data=(2, 3), reason="x")
+    )
+    run = Run(Identity("j", 1, 0, 1, 0, "n"), link, checkpoint_root=tmp_path)
     w = torch.zeros(2)
     loaded: list[tuple[str, float]] = []
     run.on_rollback(lambda path: loaded.append(("disk", 0.0)))
@@ -197,10 +204,6 @@ def test_a_rollback_to_a_step_every_rank_holds_in_memory_loads_it_from_there(tmp
     w += 2
     run.save_checkpoint(2, lambda path: (path / "w.txt").write_text("2"))  # its step stays in memory
     w += 3  # steps 2..4 train on
-    target = str(manifest.step_dir(tmp_path, "j", 2))
-    run._link = Commands(  # type: ignore[assignment]
-        ev.RollbackJob(job_id="j", attempt=1, checkpoint=target, step=2, skip_data=(2, 3), reason="x")
-    )
     assert run.after_step(5, Boundary(True, 1)) == 2
     assert loaded == [("memory", 2.0)]  # the state of step 2, not the live one (5.0), and no disk read
     rolled = run.last_rollback

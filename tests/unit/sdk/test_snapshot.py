@@ -168,7 +168,7 @@ def test_a_program_snapshots_through_its_run_and_restores_on_a_relaunch(tmp_path
     while step < 5:
         w += 1
         step = run.after_step(step + 1, Boundary(all_finite=True, agreed_seq=0))
-    run._snapshots.wait()  # type: ignore[union-attr]
+    run.wait_snapshots()
     d = step_dir(root, "j", 2)
     d.mkdir(parents=True)
     (d / MANIFEST).write_text("{}")
@@ -203,4 +203,4 @@ def test_a_run_ends_only_after_its_last_snapshot_is_written(tmp_path, monkeypatc
     run.save_checkpoint(3, lambda path: torch.save({}, path / "state.pt"))
     run.close()
     assert written.is_set() and not any(t.name == "vigil-snapshot" for t in threading.enumerate())
-    assert run._snapshots.snapshots.folder.steps("rank", 0) == [3]  # type: ignore[union-attr]
+    assert SnapshotFolder(tmp_path / "shm", "j").steps("rank", 0) == [3]
