@@ -194,7 +194,8 @@ def register(group: click.Group) -> None:
         for n in page["items"]:
             devices = n["devices"]
             table.add_row(
-                n["name"], n["address"], "[green]yes[/]" if n["alive"] else "[red]lost[/]",
+                n["name"] + (" (spare)" if n.get("spare") else ""), n["address"],
+                "[green]yes[/]" if n["alive"] else "[red]lost[/]",
                 n["last_heartbeat"][:19].replace("T", " "), str(len(devices)),
                 str(sum(d["job_id"] is not None for d in devices)),
                 ", ".join(str(d["index"]) for d in devices if not d["healthy"]) or "-",

@@ -110,6 +110,7 @@ class NodeOut(Out):
     interval_s: float
     lost_at: datetime | None
     devices: list[DeviceOut]
+    spare: bool = False  # held in reserve for a job that loses a node (VIGIL_HOT_SPARES)
 
 
 class NodePage(Out):

@@ -91,6 +91,13 @@ class Settings(BaseSettings):
         False, description="a stopping worker ends its ranks (vigil up); false: they train on for its restart"
     )
     max_attempts: int = Field(5, ge=1, le=1000, description="launch attempts before a job is FAILED")
+    hot_spares: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="whole free nodes the scheduler holds in reserve (they run warm ranks and no job) for a "
+        "running job that loses a node or a device: it takes one at once, ahead of the queue; 0: none",
+    )
     transition_timeout_s: float = Field(
         300.0,
         ge=1,

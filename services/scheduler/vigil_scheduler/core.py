@@ -188,7 +188,7 @@ class Scheduler:
                 for job in jobs.values()
             ]
             ledger = quotas.Ledger(await self.load_quotas(conn), await _holdings(conn))
-            placed, _ = plan(requests, snapshot, ledger)
+            placed, _ = plan(requests, snapshot, ledger, spares=self.settings.hot_spares)
             await _note_waiting(conn, jobs, ledger.waiting)
             for placement in placed:
                 node = snapshot.node(placement.ranks[0].node)

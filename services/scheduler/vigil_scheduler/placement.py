@@ -14,11 +14,16 @@ does not fit right now (all ranks or none). The rules, in order:
 `plan(queue, inventory, ledger)` walks a queue in priority, then submission order, and places what
 fits; with a `quotas.Ledger`, a job its owner's or team's GPU quota holds back waits (with the reason
 in `ledger.waiting`) without holding up the jobs behind it.
+
+Hot spares (`spare_nodes`, `VIGIL_HOT_SPARES`): whole free nodes held in reserve. The queue's placements
+never use them; a job whose previous attempt lost a node or a device (`lost_capacity`) takes one when the
+free capacity does not hold it, ahead of the queue (a blocked head job does not hold it up). The reserve
+refills from freed capacity first: it is chosen before the queue is placed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
@@ -207,8 +212,38 @@ def place(request: PlacementRequest, inventory: Inventory) -> Placement | None:
     return Placement(job_id=request.job_id, ranks=tuple(ranks))
 
 
+def spare_nodes(inventory: Inventory, count: int) -> frozenset[str]:
+    """The nodes held in reserve: up to `count` whole free nodes (alive, every device healthy, reported
+    free and given to no job), the last in the inventory's (name) order, so a spare stays one while it
+    stays free. With fewer whole free nodes the reserve is short until capacity frees."""
+    if count <= 0:
+        return frozenset()
+    whole = [n.name for n in inventory.nodes if n.alive and n.devices and len(n.free) == len(n.devices)]
+    return frozenset(whole[-count:])
+
+
+def lost_capacity(request: PlacementRequest, inventory: Inventory) -> bool:
+    """Did the job's previous attempt lose a node or a device? One of the devices it held is on a node no
+    longer alive (or gone from the inventory), or is unhealthy now (marked by strikes or its worker)."""
+    for name, index in request.reusable:
+        node = inventory.node(name)
+        slot = None if node is None else next((d for d in node.devices if d.index == index), None)
+        if node is None or not node.alive or slot is None or not slot.healthy:
+            return True
+    return False
+
+
+def _masked(inventory: Inventory, keep: Callable[[str], bool]) -> Inventory:
+    """The inventory with every node `keep` refuses taken out of placement (as if not alive)."""
+    return Inventory(tuple(n if keep(n.name) else replace(n, alive=False) for n in inventory.nodes))
+
+
 def plan(
-    queue: Iterable[PlacementRequest], inventory: Inventory, ledger: Ledger | None = None
+    queue: Iterable[PlacementRequest],
+    inventory: Inventory,
+    ledger: Ledger | None = None,
+    *,
+    spares: int = 0,
 ) -> tuple[list[Placement], Inventory]:
     """Place jobs in queue order (priority high to low, then submission order).
 
@@ -216,21 +251,36 @@ def plan(
     big job is not starved by a stream of small ones. A job that could never fit (more ranks than
     the healthy cluster holds) blocks nobody, and neither does a job its quota holds back (`ledger`:
     it waits for its own owner's or team's jobs, not for devices, so others' jobs go ahead).
+
+    `spares` whole free nodes are held in reserve (`spare_nodes`): no placement uses them but that of a
+    job that lost capacity (`lost_capacity`), and only where the free capacity does not hold it; behind a
+    blocked job, such a job still takes a spare (with the nodes it held), and nothing else.
     """
+    reserve = spare_nodes(inventory, spares)
     placed: list[Placement] = []
+    blocked = False
     for request in sorted(queue, key=lambda r: (-r.priority, r.seq)):
         quota = (request.job_id, request.owner, request.team, request.world_size)
         if ledger is not None and (why := ledger.refusal(*quota)) is not None:
             ledger.waiting[request.job_id] = why
             continue
-        placement = place(request, inventory)
+        public = _masked(inventory, lambda name: name not in reserve) if reserve else inventory
+        may_spare = bool(reserve) and lost_capacity(request, inventory)
+        placement = None
+        if not blocked:
+            placement = place(request, public)
+            if placement is None and may_spare:
+                placement = place(request, inventory)  # the free capacity and the spares
+        elif may_spare:  # behind a blocked job: the spares and its own nodes, never the free capacity
+            own = {name for name, _ in request.reusable} | reserve
+            placement = place(request, _masked(inventory, own.__contains__))
         if placement is not None:
             inventory = inventory.assign(placement)
             placed.append(placement)
             if ledger is not None:
                 ledger.take(*quota)
-        elif fits_ever(request, inventory):
-            break
+        elif not blocked and fits_ever(request, public):
+            blocked = True  # the jobs behind it wait, but for a spare
     return placed, inventory
 
 

@@ -15,9 +15,10 @@ import asyncpg
 from vigil.errors import NotFound
 from vigil_common import readmodel
 from vigil_common.pages import Page, check_limit, decode_cursor, page
-from vigil_scheduler import states
+from vigil_scheduler import inventory, states
 from vigil_scheduler.inventory import ACTIVE_MARK
 from vigil_scheduler.lifecycle import JOB_COLUMNS, Job
+from vigil_scheduler.placement import spare_nodes
 from vigil_scheduler.principals import Principal
 
 
@@ -200,7 +201,10 @@ async def _hide_jobs(pool: asyncpg.Pool, viewer: Principal, devices: list[dict[s
             d["latest"] = {**latest, "job_id": HIDDEN_JOB}
 
 
-async def list_nodes(pool: asyncpg.Pool, viewer: Principal, *, limit: int, cursor: str | None) -> Page:
+async def list_nodes(
+    pool: asyncpg.Pool, viewer: Principal, *, limit: int, cursor: str | None, spares: int = 0
+) -> Page:
+    """Nodes by name, their devices, and which are hot spares now (`spares`: `VIGIL_HOT_SPARES`)."""
     check_limit(limit)
     key = decode_cursor(cursor, ("text",))  # name
     rows = await pool.fetch(
@@ -217,7 +221,11 @@ async def list_nodes(pool: asyncpg.Pool, viewer: Principal, *, limit: int, curso
         names,
     ):
         devices.setdefault(d["node"], []).append(_device(d))
-    items = [{**dict(r), "devices": devices.get(r["name"], [])} for r in rows]
+    reserve: frozenset[str] = frozenset()
+    if spares:
+        async with pool.acquire() as conn:
+            reserve = spare_nodes(await inventory.load_inventory(conn), spares)
+    items = [{**dict(r), "devices": devices.get(r["name"], []), "spare": r["name"] in reserve} for r in rows]
     await _hide_jobs(pool, viewer, [d for item in items for d in item["devices"]])
     return page(items, limit, ("name",))
 

@@ -51,13 +51,13 @@ def _cannot_make_hosts() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def network() -> Iterator[Network]:
-    """hosta and hostb for one test module (making them takes a tenth of a second); removed after it, at
-    exit, or on SIGTERM/SIGHUP, whatever happens."""
+def network(request: pytest.FixtureRequest) -> Iterator[Network]:
+    """hosta and hostb for one test module (making them takes a tenth of a second; a module's `HOSTS`
+    names others); removed after it, at exit, or on SIGTERM/SIGHUP, whatever happens."""
     if reason := _cannot_make_hosts():
         pytest.skip(reason)
     remove_leftovers()
-    net = Network.create(["a", "b"])
+    net = Network.create(list(getattr(request.module, "HOSTS", ["a", "b"])))
     try:
         yield net
     finally:
@@ -106,9 +106,14 @@ class Plane:
 
 @pytest.fixture(scope="module")
 async def plane(
-    network: Network, host_nats: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    network: Network,
+    host_nats: str,
+    database_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Plane]:
-    """Scheduler and gateway, telemetry, guardian: no worker (the workers run in the hosts)."""
+    """Scheduler and gateway, telemetry, guardian: no worker (the workers run in the hosts). A module's
+    `PLANE` adds settings."""
     db = await fresh_database(database_url)
     settings = Settings.load(
         nats_url=host_nats,
@@ -119,6 +124,7 @@ async def plane(
         api_token=TOKEN,
         heartbeat_interval_s=0.5,
         metrics_port=0,
+        **getattr(request.module, "PLANE", {}),
     )
     stop = asyncio.Event()
     services = asyncio.create_task(run_services(settings, stop, SERVICES[:3]))

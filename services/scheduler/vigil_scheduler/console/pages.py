@@ -156,11 +156,14 @@ class ConsoleController(Controller):
         )
 
     @get("/cluster")
-    async def cluster(self, request: Request, pool: Pool, color: FromQuery[str] = "utilization") -> Template:
+    async def cluster(
+        self, request: Request, pool: Pool, scheduler: SchedulerDep, color: FromQuery[str] = "utilization"
+    ) -> Template:
         metric = color if color in views.GRID_METRICS else "utilization"
         viewer = principal(request)
+        spares = scheduler.settings.hot_spares
         nodes, gpus = await asyncio.gather(
-            queries.list_nodes(pool, viewer, limit=ALL, cursor=None),
+            queries.list_nodes(pool, viewer, limit=ALL, cursor=None, spares=spares),
             queries.list_gpus(pool, viewer, limit=ALL, cursor=None),
         )
         by_node: dict[str, list[dict[str, Any]]] = {}

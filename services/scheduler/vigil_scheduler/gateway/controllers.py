@@ -182,9 +182,10 @@ class InventoryController(Controller):
 
     @get("/nodes", summary="Nodes with their devices and liveness", responses=READ)
     async def nodes(
-        self, request: Request, pool: Pool, limit: Limit = 100, cursor: Cursor = None
+        self, request: Request, pool: Pool, scheduler: SchedulerDep, limit: Limit = 100, cursor: Cursor = None
     ) -> NodePage:
-        page = await queries.list_nodes(pool, principal(request), limit=limit, cursor=cursor)
+        spares = scheduler.settings.hot_spares
+        page = await queries.list_nodes(pool, principal(request), limit=limit, cursor=cursor, spares=spares)
         return NodePage.model_validate(page)
 
     @get("/gpus", summary="Devices with health, owner job and latest sample", responses=READ)
