@@ -5,6 +5,7 @@ the spare, ahead of the queued job, and SUCCEEDS; once it ends the reserve refil
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -80,3 +81,53 @@ async def test_a_job_that_loses_a_node_is_relaunched_on_the_spare_ahead_of_the_q
     assert [p.node for p in third.placement] == [wa.node]
     await wait_state(plane.bus, queued, "SUCCEEDED", timeout_s=240)
     assert await spares(plane) == [wc.node]
+
+
+KILL_AT = 10
+MEMORY_EVERY = 1
+
+
+async def test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory(
+    plane: Plane, workers: Workers, network: Network
+) -> None:
+    """Host b dies (its worker and rank SIGKILLed) mid-run. The job goes on hosta and the spare from the
+    in-memory snapshots (the lost rank's shard from its peer copy on hosta: the only disk checkpoint is
+    step 0's), redoing at most `memory_every` + 1 steps (a snapshot is whole one step after it is taken), and
+    every loss after the restore is the fault-free run's."""
+    a, b, c = network.hosts
+    wa, wb, wc = workers.start(a), workers.start(b), workers.start(c)
+    await wait_alive(plane, workers, wa.node, wb.node, wc.node)
+    steps = {"steps": 24, "checkpoint": {"every": 100, "memory_every": MEMORY_EVERY}}
+    reference = await plane.submit(spec("mh-reference", 2, **steps))
+    await wait_state(plane.bus, reference, "SUCCEEDED", timeout_s=240)
+
+    job_id = await plane.submit(spec("mh-killed", 2, **steps))
+    first = await launched(plane.bus, job_id, timeout_s=30)
+    assert sorted(p.node for p in first.placement) == [wa.node, wb.node]
+    await next_event(
+        plane.bus, subjects.step(job_id, wb.node), lambda e: getattr(e, "step", -1) >= KILL_AT, timeout_s=180
+    )
+    workers.kill(b)
+    killed = time.time()
+    await wait_state(plane.bus, job_id, "PENDING", timeout_s=30, cause=f"node {wb.node} lost")
+    second = await launched(plane.bus, job_id, attempt=2, timeout_s=30)
+    assert sorted(p.node for p in second.placement) == [wa.node, wc.node]
+    # the only disk checkpoint is the start's (step 0): a relaunch that goes on past it restored memory
+    assert (second.resume_from or "").endswith("step_00000000"), second.resume_from
+    await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
+
+    rows = await plane.pool.fetch(
+        "SELECT job_id, attempt, step, rank, loss, occurred_at FROM telemetry_steps"
+        " WHERE job_id = ANY($1::text[])",
+        [reference, job_id],
+    )
+    ref = {(r["step"], r["rank"]): r["loss"] for r in rows if r["job_id"] == reference}
+    got = {(r["attempt"], r["step"], r["rank"]): r for r in rows if r["job_id"] == job_id}
+    last1 = max(s for (at, s, _) in got if at == 1)
+    first2 = min(s for (at, s, _) in got if at == 2)
+    resumed = min(r["occurred_at"].timestamp() for (at, _, _), r in got.items() if at == 2)
+    print(f"\nkilled after step {last1}; resumed at step {first2}, {resumed - killed:.2f}s after the kill")
+    assert KILL_AT <= first2 <= last1 + 1 and last1 + 1 - first2 <= MEMORY_EVERY + 1, (last1, first2)
+    assert {s for (at, s, _) in got if at == 2} == set(range(first2, 24))
+    for (at, s, rank), r in got.items():
+        assert r["loss"] == pytest.approx(ref[(s, rank)], rel=1e-6), (at, s, rank)
