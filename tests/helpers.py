@@ -100,3 +100,11 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+async def stored(bus: Any, stream: subjects.StreamSpec, subject: str) -> int:
+    """How many messages `stream` holds on `subject`, by the stream's own count: absence proved by the
+    stream, not by a silence (a duplicate id is dropped by JetStream, any other counts)."""
+    subject = subjects.stored(subject)  # as the stream stores it
+    info = await bus.js.stream_info(stream.name, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)

@@ -15,7 +15,7 @@ import asyncpg
 import nats.js.errors
 import pytest
 
-from tests.helpers import ServiceProcess, eventually, launch_on
+from tests.helpers import ServiceProcess, eventually, launch_on, stored
 from tests.integration.scheduler.conftest import fresh_database
 from vigil.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_common import lease, subjects
@@ -117,12 +117,6 @@ async def running_job(bus: Bus, job_id: str, steps: int = 6, **guardian_spec: ob
 async def nan_at(bus: Bus, job_id: str, k: int = 6) -> None:
     await bus.publish(subjects.step(job_id, NODE), step(job_id, k, 0, 2.9))
     await bus.publish(subjects.step(job_id, NODE), step(job_id, k, 1, math.nan))
-
-
-async def stored(bus: Bus, stream: subjects.StreamSpec, subject: str) -> int:
-    subject = subjects.stored(subject)  # as the stream stores it
-    info = await bus.js.stream_info(stream.name, subjects_filter=subject)
-    return (info.state.subjects or {}).get(subject, 0)
 
 
 async def two_guardians(

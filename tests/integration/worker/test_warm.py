@@ -68,6 +68,10 @@ def uid_of(pid: int) -> int | None:
     return None
 
 
+STEPS = 16
+COLD_IMPORTS_S = 8.0  # a cold rank's imports on this machine, idle: 3.4 s, and 4.6 s of lazy ones (README)
+
+
 async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id, tmp_path):
     node = f"warm-{uuid.uuid4().hex[:6]}"
     worker = start_worker(nats_url, tmp_path, node, 2, VIGIL_WARM_RANKS="2")
@@ -83,7 +87,7 @@ async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id,
         # no in-memory snapshot: the relaunch resumes from the disk checkpoint of step 4, whatever the
         # crash left in memory (test_snapshots.py relaunches from a snapshot)
         spec = tiny_spec(
-            steps=8,
+            steps=STEPS,
             checkpoint={"every": 4, "keep": 5, "memory_every": 0},
             faults=[{"kind": "crash", "step": 5, "rank": 1, "exit_code": 7}],
         )
@@ -109,12 +113,16 @@ async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id,
         assert {r: e.exit_code for r, e in second.items()} == {0: 0, 1: 0}, rank_logs_of(tmp_path, job_id)
         await log_says(worker.log, "(warm)", 4)
         resumed = sorted({e.step for e in rec.of(ev.StepCompleted, attempt=2)})
-        assert resumed == [4, 5, 6, 7], resumed
+        assert resumed == list(range(4, STEPS)), resumed
         # a warm rank imports on idle cycles (SCHED_IDLE); the rank it becomes runs as any process does
-        assert all(p in (None, os.SCHED_OTHER) for p in policies.values()), policies
+        # (read after its first step, while it has STEPS - 5 more to run)
+        assert policies == {0: os.SCHED_OTHER, 1: os.SCHED_OTHER}, policies
         if os.geteuid() == 0:  # the job's own user, as a started rank's
             assert all(uid not in (None, 0) for uid in uids.values()), uids
         print(f"relaunch on warm ranks: launch published to the first step in {first_step_s:.2f}s")
+        # the README's figure is 0.22-0.48 s idle (target 1 s, measured in `vigil bench goodput`); here a
+        # bound with a wide margin, for a loaded machine: under what a cold rank's imports alone take idle
+        assert first_step_s < COLD_IMPORTS_S, first_step_s
     finally:
         stop_worker(worker)
 

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 
 from vigil.jobstates import JobState
 from vigil_scheduler import states
-from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot, place, plan
+from vigil_scheduler.placement import Inventory, NodeState, Placement, PlacementRequest, Slot, place, plan
+
+MOSTLY = st.sampled_from([True, True, True, False])  # enough free devices that many requests fit
 
 
 @st.composite
@@ -23,13 +25,13 @@ def inventories(draw: st.DrawFn) -> Inventory:
                 Slot(
                     index=d,
                     kind=draw(st.sampled_from(["gpu", "cpu"])),
-                    healthy=draw(st.booleans()),
-                    reported_free=draw(st.booleans()),
-                    job_id=draw(st.sampled_from([None, None, "busy-1", "busy-2"])),
+                    healthy=draw(MOSTLY),
+                    reported_free=draw(MOSTLY),
+                    job_id=draw(st.sampled_from([None, None, None, None, "busy-1", "busy-2"])),
                     nvlink=frozenset(peers),
                 )
             )
-        nodes.append(NodeState(name=f"n{i}", devices=tuple(devices), alive=draw(st.booleans())))
+        nodes.append(NodeState(name=f"n{i}", devices=tuple(devices), alive=draw(MOSTLY)))
     return Inventory(tuple(nodes))
 
 
@@ -41,12 +43,40 @@ requests = st.builds(
 )
 
 
-@given(inventories(), requests)
-@settings(max_examples=300, deadline=None)
-def test_place_respects_every_rule(inv: Inventory, request: PlacementRequest) -> None:
-    p = place(request, inv)
-    if p is None:
-        return
+def free_counts(inv: Inventory) -> list[int]:
+    """Each node's free devices (alive, healthy, given to no job, reported free), most first."""
+    return sorted(
+        (
+            sum(1 for d in n.devices if n.alive and d.healthy and d.job_id is None and d.reported_free)
+            for n in inv.nodes
+        ),
+        reverse=True,
+    )
+
+
+def fits_now(inv: Inventory, request: PlacementRequest) -> bool:
+    return sum(free_counts(inv)[: request.max_nodes]) >= request.world_size
+
+
+def test_place_respects_every_rule_and_places_what_fits() -> None:
+    """Every placement keeps every rule, a request that fits the free devices is placed (a `place` that
+    always refused would pass the rules alone), and enough examples were placed to say so."""
+    placed: list[int] = []
+
+    @given(inventories(), requests)
+    @settings(max_examples=300, deadline=None)
+    def check(inv: Inventory, request: PlacementRequest) -> None:
+        p = place(request, inv)
+        assert (p is not None) == fits_now(inv, request), (inv, request)
+        if p is not None:
+            respects_every_rule(inv, request, p)
+            placed.append(request.world_size)
+
+    check()
+    assert len(placed) >= 50, f"only {len(placed)} of 300 examples placed: the property says little"
+
+
+def respects_every_rule(inv: Inventory, request: PlacementRequest, p: Placement) -> None:
     assert len(p.ranks) == request.world_size  # all ranks, never a partial gang
     assert len(p.devices) == request.world_size  # never a device twice
     assert [r.rank for r in p.ranks] == list(range(request.world_size))
@@ -62,21 +92,22 @@ def test_place_respects_every_rule(inv: Inventory, request: PlacementRequest) ->
     inv.assign(p)  # raises if any device were taken
 
 
-@given(inventories(), requests)
-@settings(max_examples=200, deadline=None)
-def test_fewest_nodes(inv: Inventory, request: PlacementRequest) -> None:
-    p = place(request, inv)
-    if p is None:
-        return
-    free = sorted(
-        (
-            sum(1 for d in n.devices if n.alive and d.healthy and d.job_id is None and d.reported_free)
-            for n in inv.nodes
-        ),
-        reverse=True,
-    )
-    fewest = next(k for k in range(1, len(free) + 1) if sum(free[:k]) >= request.world_size)
-    assert len(p.nodes) == fewest
+def test_fewest_nodes() -> None:
+    placed: list[int] = []
+
+    @given(inventories(), requests)
+    @settings(max_examples=200, deadline=None)
+    def check(inv: Inventory, request: PlacementRequest) -> None:
+        p = place(request, inv)
+        if p is None:
+            return
+        free = free_counts(inv)
+        fewest = next(k for k in range(1, len(free) + 1) if sum(free[:k]) >= request.world_size)
+        assert len(p.nodes) == fewest
+        placed.append(len(p.nodes))
+
+    check()
+    assert len(placed) >= 30 and max(placed) >= 2, placed  # multi-node placements among them
 
 
 @given(inventories(), st.lists(requests, min_size=1, max_size=6))
