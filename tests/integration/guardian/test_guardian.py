@@ -219,7 +219,9 @@ async def test_missing_steps_give_a_hang_incident_then_the_policys_action(bus, g
     # its bound (VIGIL_HANG_STACKS_S, 2 s), and the incident says none came
     assert ask.type == "job.dump_stacks" and ask.event_id == f"{incident.event_id}-stacks"
     waited = (restart.occurred_at - ask.occurred_at).total_seconds()
-    assert ask.within_s <= waited <= ask.within_s + 1.0, waited
+    assert ask.within_s <= waited <= ask.within_s + 5.0, (
+        waited
+    )  # its bound, not more (wide: a loaded machine)
     assert incident.message.endswith("; no stacks: no dump came within 2.0s"), incident.message
     assert (
         restart.type == "job.restart"
@@ -277,16 +279,18 @@ async def test_a_sick_device_is_judged_once_for_the_job_on_it_and_an_idle_one_fo
         LaunchJob(
             job_id=job_id,
             attempt=1,
-            spec=JobSpec(name="synthetic", resources={"nodes": 1, "gpus_per_node": 1}),
+            spec=JobSpec(name="synthetic", resources={"nodes": 1, "gpus_per_node": 2}),
             master_addr="127.0.0.1",
             master_port=29500,
-            placement=[RankPlacement(rank=0, node=busy, device=0, local_rank=0)],
+            placement=[RankPlacement(rank=r, node=busy, device=r, local_rank=r) for r in (0, 1)],
         ),
     )
     await eventually(lambda: judged(bus, job_id), what="the launch judged")
 
-    def hot(node: str) -> GpuSampled:
-        return GpuSampled(node=node, index=0, device_kind="gpu", uuid=f"GPU-{node}", temperature_c=95.0)
+    def hot(node: str, index: int = 0) -> GpuSampled:
+        return GpuSampled(
+            node=node, index=index, device_kind="gpu", uuid=f"GPU-{node}-{index}", temperature_c=95.0
+        )
 
     async with bus.watch(subjects.incident(job_id), subjects.node_incident(idle)) as events:
         await bus.publish(subjects.gpu(busy), hot(busy))
@@ -306,5 +310,9 @@ async def test_a_sick_device_is_judged_once_for_the_job_on_it_and_an_idle_one_fo
             0,
         )
         await bus.publish(subjects.gpu(busy), hot(busy))  # still sick: no verdict again
-        with pytest.raises(TimeoutError):
-            await take(events, 1, timeout=1.0)
+        # a marker after it, judged by the same share in order: once its incident is out, so would be a
+        # second one of device 0 (absence by the stream, not by a silence)
+        await bus.publish(subjects.gpu(busy), hot(busy, 1))
+        (marker,) = await take(events, 1)
+        assert (marker.job_id, marker.device, marker.rank) == (job_id, 1, 1)
+    assert await stored(bus, subjects.INCIDENTS, subjects.incident(job_id)) == 2  # device 0 once, the marker

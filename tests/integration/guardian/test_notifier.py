@@ -97,7 +97,9 @@ async def test_a_slow_or_dead_webhook_never_blocks_and_overflow_is_counted():
         for n in range(20):
             notifier.notify(incident(n))
         elapsed = time.perf_counter() - t0
-        assert elapsed < 0.05  # notify never waits on the network
+        # notify never waits on the network: all 20 returned before the slow hook could answer once (a
+        # bound with a wide margin, for a loaded machine; 20 notifies take well under a millisecond idle)
+        assert elapsed < slow.delay_s / 2, elapsed
         assert notifier.dropped >= 2 * (20 - 3 - 1)  # each URL keeps at most its queue plus one in flight
         stop.set()
         await asyncio.wait_for(task, 2)  # shutdown is not held up by the slow hook either

@@ -279,8 +279,8 @@ async def test_stopping_ends_open_event_streams(db_url: str, nats_url: str, tmp_
 
     listener = asyncio.create_task(listen())
     await asyncio.wait_for(connected.wait(), 10)
-    t0 = asyncio.get_running_loop().time()
     stop.set()
     await asyncio.wait_for(service, 20)
-    assert asyncio.get_running_loop().time() - t0 < 2.5  # not the graceful-shutdown timeout
-    assert await asyncio.wait_for(listener, 5) == "ended"  # a clean end of the stream, not a cut
+    # a clean end of the stream: had the gateway waited for its graceful-shutdown timeout (3 s), it would
+    # then have cut the connection, and the listener would raise (an incomplete chunked read), not end
+    assert await asyncio.wait_for(listener, 5) == "ended"

@@ -133,12 +133,13 @@ async def test_prometheus_scrapes_vigil_series_from_telemetry(
         await eventually(ready, timeout=60, what="Prometheus ready")
         # the target is up and Prometheus holds the job's series (its scrape runs every second)
         await eventually(lambda: scraped('up{job="vigil-telemetry"} == 1'), timeout=60, what="a first scrape")
-        loss = await eventually(
-            lambda: scraped(f'vigil_job_loss{{job="{job_id}"}}'),
-            timeout=60,
-            what="vigil_job_loss in Prometheus",
-        )
-        assert loss == {f"job={job_id}": pytest.approx((1.0 + 0.5) / 2)}  # ranks 0 and 1 at step 2
+        # the last step's values (a scrape between two steps holds an earlier one: wait for these)
+        final = {f"job={job_id}": pytest.approx((1.0 + 0.5) / 2)}  # ranks 0 and 1 at step 2
+
+        async def final_loss() -> bool:
+            return await scraped(f'vigil_job_loss{{job="{job_id}"}}') == final
+
+        await eventually(final_loss, timeout=60, what="vigil_job_loss of the last step in Prometheus")
         assert await scraped(f'vigil_step_loss{{job="{job_id}"}}') == {
             f"job={job_id},rank=0": 1.0,
             f"job={job_id},rank=1": 0.5,

@@ -81,8 +81,8 @@ async def test_events_reach_the_bus_in_order_and_a_full_queue_drops_instead_of_b
         await asyncio.to_thread(rank.close)
         delivered = 2000 - rank.dropped
         got = [await asyncio.wait_for(anext(stream), 10) for _ in range(delivered)]
-    assert emit_s < 0.5, f"2000 emits took {emit_s:.3f}s: emit must not wait for the agent"
-    assert rank.dropped > 0 and rank.refused == 0
+    # emit never waits for the agent: a full queue (8) dropped events instead of blocking the rank
+    assert rank.dropped > 0 and rank.refused == 0, f"2000 emits in {emit_s:.3f}s, none dropped"
     assert [e.step for e in got] == sorted(e.step for e in got)  # in order, gaps where dropped
     assert rank.last_step == got[-1].step
 
@@ -189,13 +189,13 @@ async def test_commands_reach_every_rank_numbered_in_stream_order(relay, bus, jo
         await bus.publish(
             subjects.cmd(job_id + "-other"), ev.HaltJob(job_id=job_id + "-other", attempt=1, reason="x")
         )
+        marker = ev.ResumeJob(job_id=job_id, attempt=1)  # published last: whatever came before it, came
+        await bus.publish(subjects.cmd(job_id), marker)
         for rank in (a, b):
-            first = await asyncio.to_thread(rank.command, 1, 10.0)
-            second = await asyncio.to_thread(rank.command, 2, 10.0)
-            assert (first.event_id, second.event_id) == (before.event_id, after.event_id)
-            with pytest.raises(TimeoutError):
-                rank.command(3, 0.2)  # neither the cancel nor another job's command
-            assert rank.latest_seq == 2
+            got = [await asyncio.to_thread(rank.command, seq, 10.0) for seq in (1, 2, 3)]
+            # neither the cancel nor another job's command between them: the marker is the third
+            assert [c.event_id for c in got] == [before.event_id, after.event_id, marker.event_id]
+            assert rank.latest_seq == 3
     finally:
         await asyncio.to_thread(a.close)
         await asyncio.to_thread(b.close)
@@ -289,11 +289,14 @@ async def test_a_new_attempts_commands_are_read_from_where_the_job_stands(relay,
         await asyncio.to_thread(early.close)
 
 
+BATCH_S = 20.0  # long: a checkpoint that waited for the batch to close would show by seconds, not ms
+
+
 async def test_fast_steps_go_out_in_batches_and_anything_else_or_a_gap_sends_at_once(relay, bus, job_id):
     """A step after a gap goes at once; steps that follow it fast wait (up to batch_s) to go out
     together; a checkpoint sends what waits before it, at once."""
     r, ranks = relay
-    zero = await link(r, job_id, 0, ranks.add(job_id, 0), batch_s=0.6)
+    zero = await link(r, job_id, 0, ranks.add(job_id, 0), batch_s=BATCH_S)
     checkpoint = ev.CheckpointSaved(
         job_id=job_id, attempt=1, step=3, path=str(r.checkpoint_root / job_id / "step_00000003"), bytes=1,
         manifest_sha256="0", data_position=3,
@@ -309,7 +312,8 @@ async def test_fast_steps_go_out_in_batches_and_anything_else_or_a_gap_sends_at_
                 await asyncio.wait_for(anext(stream), 0.3)
             zero.emit(checkpoint)  # not a step: it and what waits before it go now
             rest = [await asyncio.wait_for(anext(stream), 10) for _ in range(3)]
-            assert time.monotonic() - t0 < 0.6 + 0.25, "the checkpoint waited for the batch to close"
+            # long before the batch would close (a wide margin for a loaded machine)
+            assert time.monotonic() - t0 < BATCH_S / 2, "the checkpoint waited for the batch to close"
     finally:
         await asyncio.to_thread(zero.close)
     assert first.step == 0  # (the two subjects are read apart: the stream's order is the test above's)

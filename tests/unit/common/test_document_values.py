@@ -54,7 +54,8 @@ def test_a_sexagesimal_megabyte_is_refused_at_once() -> None:
     t0 = time.monotonic()
     with pytest.raises(DocumentError) as info:
         load("train: {steps: 1" + ":0" * 500_000 + "}")
-    assert info.value.field == "train.steps" and time.monotonic() - t0 < 2.0
+    # a wide margin for a loaded machine: the quadratic read took 40 s; refused, it takes milliseconds
+    assert info.value.field == "train.steps" and time.monotonic() - t0 < 10.0
 
 
 def test_ordinary_values_still_read() -> None:

@@ -27,20 +27,24 @@ class Handle:
 def test_comm_timer_counts_calls_and_async_waits_once():
     timer = CommTimer(Clock())
     timed = timer._wrap(Backend().all_reduce)
+    t0 = time.perf_counter()
     timed(torch.zeros(1))
     timed(torch.zeros(1), async_op=True).wait()
+    wall = time.perf_counter() - t0
     assert timer.calls == 2
     spans = timer.take_spans()
     assert len(spans) == 3  # two calls and one wait
-    assert 0.03 <= timer.total(spans) < 1.0
+    assert 0.03 <= timer.total(spans) <= wall  # the three sleeps, within the wall time around them
     assert timer.take() == 0.0  # taken
 
 
 def test_cpu_clock_is_the_wall_clock():
     clock = Clock()
+    t0 = time.perf_counter()
     a = clock.now()
     b = clock.now()
-    assert isinstance(a, float) and 0 <= clock.between(a, b) < 0.1
+    wall = time.perf_counter() - t0
+    assert isinstance(a, float) and 0 <= clock.between(a, b) <= wall  # within the wall time around it
     clock.sync()  # nothing to do on CPU
 
 
