@@ -13,6 +13,10 @@
   back to, it becomes `halt`.
 - `fail`: the incident alone (action "fail"); the scheduler turns it into FAILED and cancels the ranks.
 
+Every `Decision` the guardian makes is built here: a verdict's (`Policy.decide`), and the records of what
+the ranks or the workers did themselves (a held step's replay, a device check, an out-of-memory halt, a
+refused report).
+
 Ids are derived from the incident's identity, so re-deciding the same fault (a redelivered event,
 a restart) republishes the same ids, which JetStream de-duplicates.
 """
@@ -25,7 +29,19 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from vigil.events import Command, HaltJob, IncidentAction, IncidentRaised, RestartJob, RollbackJob
+from vigil.events import (
+    Command,
+    DeviceDiagnosed,
+    DiagnoseDevice,
+    HaltJob,
+    IncidentAction,
+    IncidentRaised,
+    OutOfMemoryHalted,
+    ReportRefused,
+    RestartJob,
+    RollbackJob,
+    StepReplayed,
+)
 from vigil.spec import Action, GuardianSpec
 from vigil_guardian.verdict import Verdict
 
@@ -151,3 +167,144 @@ class Policy:
             evidence=evidence,
         )
         return Decision(incident, tuple(commands))
+
+
+# --- the decisions that record what the ranks or the workers did (no action of the guardian's own) ---
+
+
+def _where(rank: int, placement: dict[int, tuple[str, int]]) -> str:
+    node, device = placement.get(rank, ("?", -1))
+    return f"rank {rank}, GPU {device} of node {node}"
+
+
+def _number(x: float | None) -> str:
+    return "non-finite" if x is None else f"{x:.4g}"
+
+
+def checks_summary(event: DeviceDiagnosed) -> str:
+    """What the worker's known-answer check of a device found, in a few words."""
+    found = ", ".join(f"{name} off by {err:.3g}" for name, err in event.checks.items())
+    return found or event.error or "no check ran"
+
+
+def replay_incident(
+    event: StepReplayed, placement: dict[int, tuple[str, int]], asks: list[DiagnoseDevice] | None = None
+) -> Decision:
+    """The incident for a held step: what was bad, where, and what the replay showed; with `asks`, the
+    report is a user program's, and the checks it asked for go out with it."""
+    culprit = event.culprits[0] if event.culprits else None
+    where = ", ".join(_where(r, placement) for r in event.culprits) or "no rank's loss (the gradients)"
+    values = "; ".join(f"rank {v.rank}: {_number(v.first)} then {_number(v.replay)}" for v in event.values)
+    if event.outcome == "transient":
+        action, verdict = "replay", f"transient on {where}: replay clean"
+    else:
+        start, end = event.skip_data or (event.data_position, event.data_position + 1)
+        action, verdict = "skip", f"reproduced on {where}: data {start:,}..{end - 1:,} skipped"
+    node, device = placement.get(culprit, (None, None)) if culprit is not None else (None, None)
+    vouched = asks is None
+    if not vouched:
+        checks = ", ".join(f"GPU {a.device} of node {a.node}" for a in asks or []) or "none (asked already)"
+        verdict += f"; the job's own report, not a strike: device check asked: {checks}"
+    return Decision(
+        IncidentRaised(
+            event_id=incident_id(event.job_id, event.attempt, "replay", event.event_id),
+            job_id=event.job_id,
+            attempt=event.attempt,
+            kind=event.kind,
+            action=action,
+            step=event.step,
+            rank=culprit,
+            node=node,
+            device=device,
+            message=f"step {event.step} held ({event.kind}): {verdict} ({values})",
+            evidence={
+                "outcome": event.outcome,
+                "culprits": event.culprits,
+                "values": [v.model_dump(mode="json") for v in event.values],
+                "data_position": event.data_position,
+                "skip_data": list(event.skip_data) if event.skip_data else None,
+                "held_s": event.held_s,
+                "devices": [list(placement[r]) for r in event.culprits if r in placement],
+                **event.evidence,
+                "vouched": vouched,
+                "diagnose": [[a.node, a.device] for a in asks or []],
+            },
+        ),
+        tuple(asks or ()),
+    )
+
+
+def diagnosed_incident(event: DeviceDiagnosed, rank: int | None, verdict: Verdict | None = None) -> Decision:
+    """An alert recording the worker's check: passed (the job's report is not upheld, no mark), could not
+    run, or failed while the job was being recovered anyway (`verdict`; the scheduler marks the device
+    from the worker's event itself). `device` stays unset: this incident marks nothing."""
+    if verdict is not None:
+        message = verdict.message
+    elif event.passed:
+        message = (
+            f"GPU {event.device} of node {event.node} passed the worker's known-answer check "
+            f"({checks_summary(event)}): the job's report of a transient fault is not upheld, the device "
+            "stays"
+        )
+    else:
+        message = (
+            f"the check of GPU {event.device} of node {event.node} could not run: {checks_summary(event)}"
+        )
+    return Decision(
+        IncidentRaised(
+            event_id=incident_id(event.job_id, event.attempt, "diagnosed", event.event_id),
+            job_id=event.job_id,
+            attempt=event.attempt,
+            kind="sdc",
+            action="alert",
+            rank=rank,
+            node=event.node,
+            message=message,
+            evidence={
+                "device": event.device,
+                **event.model_dump(mode="json", include={"passed", "checks", "error", "duration_s"}),
+            },
+        )
+    )
+
+
+def out_of_memory(event: OutOfMemoryHalted) -> Decision:
+    """The ranks' own halt on an out-of-memory they could not cure, recorded as the `oom` incident (same
+    id as their report, so a replay publishes it once)."""
+    return Decision(
+        IncidentRaised(
+            event_id=event.event_id,
+            job_id=event.job_id,
+            attempt=event.attempt,
+            kind="oom",
+            action="halt",
+            step=event.step,
+            rank=event.rank,
+            node=event.node if event.rank == 0 else None,
+            message=event.message,
+            evidence={
+                "micro_batch": event.micro_batch,
+                "grad_accum": event.grad_accum,
+                "checkpoint_step": event.checkpoint_step,
+            },
+        )
+    )
+
+
+def report_refused(event: ReportRefused) -> Decision:
+    """The agent refused what a rank of the job sent: an alert naming the field (the agent sends at most
+    one per job and field every 30 s, with the count since the last)."""
+    times = f" ({event.refused} refusals)" if event.refused > 1 else ""
+    return Decision(
+        IncidentRaised(
+            event_id=incident_id(event.job_id, event.attempt, "report_refused", event.event_id),
+            job_id=event.job_id,
+            attempt=event.attempt,
+            kind="report_refused",
+            action="alert",
+            rank=event.rank,
+            node=event.node,
+            message=f"rank {event.rank}'s {event.report} refused{times}: {event.field}: {event.reason}",
+            evidence={"report": event.report, "field": event.field, "refused": event.refused},
+        )
+    )

@@ -15,74 +15,18 @@ bad value. Whether that counts against the device depends on who says so:
   device and attempt, at most `DIAGNOSES_MAX` per job). Only the worker's `DeviceDiagnosed` with
   `passed` False makes the `sdc` verdict; a pass is an alert that the report was not upheld.
 
-Pure: no I/O.
+Pure: no I/O. The incidents of a replay and of a device check are built with every other decision, in
+`vigil_guardian.policy` (`replay_incident`, `diagnosed_incident`).
 """
 
 from __future__ import annotations
 
-from vigil.events import DeviceDiagnosed, DiagnoseDevice, IncidentRaised, StepReplayed
-from vigil_guardian.policy import Decision, incident_id
+from vigil.events import DeviceDiagnosed, DiagnoseDevice, StepReplayed
+from vigil_guardian.policy import checks_summary, incident_id
 from vigil_guardian.state import Control
 from vigil_guardian.verdict import Verdict
 
-
-def _where(rank: int, placement: dict[int, tuple[str, int]]) -> str:
-    node, device = placement.get(rank, ("?", -1))
-    return f"rank {rank}, GPU {device} of node {node}"
-
-
-def _number(x: float | None) -> str:
-    return "non-finite" if x is None else f"{x:.4g}"
-
-
 DIAGNOSES_MAX = 8  # a job's own replay reports ask the workers for at most this many device checks
-
-
-def replay_incident(
-    event: StepReplayed, placement: dict[int, tuple[str, int]], asks: list[DiagnoseDevice] | None = None
-) -> Decision:
-    """The incident for a held step: what was bad, where, and what the replay showed; with `asks`, the
-    report is a user program's, and the checks it asked for go out with it."""
-    culprit = event.culprits[0] if event.culprits else None
-    where = ", ".join(_where(r, placement) for r in event.culprits) or "no rank's loss (the gradients)"
-    values = "; ".join(f"rank {v.rank}: {_number(v.first)} then {_number(v.replay)}" for v in event.values)
-    if event.outcome == "transient":
-        action, verdict = "replay", f"transient on {where}: replay clean"
-    else:
-        start, end = event.skip_data or (event.data_position, event.data_position + 1)
-        action, verdict = "skip", f"reproduced on {where}: data {start:,}..{end - 1:,} skipped"
-    node, device = placement.get(culprit, (None, None)) if culprit is not None else (None, None)
-    vouched = asks is None
-    if not vouched:
-        checks = ", ".join(f"GPU {a.device} of node {a.node}" for a in asks or []) or "none (asked already)"
-        verdict += f"; the job's own report, not a strike: device check asked: {checks}"
-    return Decision(
-        IncidentRaised(
-            event_id=incident_id(event.job_id, event.attempt, "replay", event.event_id),
-            job_id=event.job_id,
-            attempt=event.attempt,
-            kind=event.kind,
-            action=action,
-            step=event.step,
-            rank=culprit,
-            node=node,
-            device=device,
-            message=f"step {event.step} held ({event.kind}): {verdict} ({values})",
-            evidence={
-                "outcome": event.outcome,
-                "culprits": event.culprits,
-                "values": [v.model_dump(mode="json") for v in event.values],
-                "data_position": event.data_position,
-                "skip_data": list(event.skip_data) if event.skip_data else None,
-                "held_s": event.held_s,
-                "devices": [list(placement[r]) for r in event.culprits if r in placement],
-                **event.evidence,
-                "vouched": vouched,
-                "diagnose": [[a.node, a.device] for a in asks or []],
-            },
-        ),
-        tuple(asks or ()),
-    )
 
 
 def diagnose(c: Control, rank: int, event: StepReplayed) -> DiagnoseDevice | None:
@@ -107,11 +51,6 @@ def diagnose(c: Control, rank: int, event: StepReplayed) -> DiagnoseDevice | Non
     )
 
 
-def _checks(event: DeviceDiagnosed) -> str:
-    found = ", ".join(f"{name} off by {err:.3g}" for name, err in event.checks.items())
-    return found or event.error or "no check ran"
-
-
 def diagnosis_verdict(event: DeviceDiagnosed, rank: int | None, step: int | None) -> Verdict:
     """The `sdc` verdict of a device that failed the worker's known-answer check."""
     return Verdict(
@@ -121,39 +60,8 @@ def diagnosis_verdict(event: DeviceDiagnosed, rank: int | None, step: int | None
         node=event.node,
         device=event.device,
         message=f"silent data corruption on GPU {event.device} of node {event.node}: it failed the "
-        f"worker's known-answer check ({_checks(event)}) after the job reported a transient fault",
+        f"worker's known-answer check ({checks_summary(event)}) after the job reported a transient fault",
         evidence={"diagnostic": event.model_dump(mode="json", include={"passed", "checks", "error"})},
-    )
-
-
-def diagnosed_incident(event: DeviceDiagnosed, rank: int | None, verdict: Verdict | None = None) -> Decision:
-    """An alert recording the worker's check: passed (the job's report is not upheld, no mark), could not
-    run, or failed while the job was being recovered anyway (`verdict`; the scheduler marks the device
-    from the worker's event itself). `device` stays unset: this incident marks nothing."""
-    if verdict is not None:
-        message = verdict.message
-    elif event.passed:
-        message = (
-            f"GPU {event.device} of node {event.node} passed the worker's known-answer check "
-            f"({_checks(event)}): the job's report of a transient fault is not upheld, the device stays"
-        )
-    else:
-        message = f"the check of GPU {event.device} of node {event.node} could not run: {_checks(event)}"
-    return Decision(
-        IncidentRaised(
-            event_id=incident_id(event.job_id, event.attempt, "diagnosed", event.event_id),
-            job_id=event.job_id,
-            attempt=event.attempt,
-            kind="sdc",
-            action="alert",
-            rank=rank,
-            node=event.node,
-            message=message,
-            evidence={
-                "device": event.device,
-                **event.model_dump(mode="json", include={"passed", "checks", "error", "duration_s"}),
-            },
-        )
     )
 
 

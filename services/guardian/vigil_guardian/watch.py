@@ -28,7 +28,6 @@ from vigil.events import (
     CheckpointSaved,
     DeviceDiagnosed,
     DumpStacks,
-    IncidentRaised,
     JobStateChanged,
     LaunchJob,
     Message,
@@ -48,9 +47,17 @@ from vigil.events import (
 )
 from vigil.jobstates import JobState
 from vigil_guardian.hang import STARTUPS_KEPT, job_hang
-from vigil_guardian.policy import Decision, Policy, incident_id
+from vigil_guardian.policy import (
+    Decision,
+    Policy,
+    diagnosed_incident,
+    incident_id,
+    out_of_memory,
+    replay_incident,
+    report_refused,
+)
 from vigil_guardian.rank_exit import rank_exit
-from vigil_guardian.replays import diagnose, diagnosed_incident, diagnosis_verdict, replay_incident, strike
+from vigil_guardian.replays import diagnose, diagnosis_verdict, strike
 from vigil_guardian.stacks import explained
 from vigil_guardian.state import Control, Recovering
 from vigil_guardian.verdict import Verdict
@@ -414,45 +421,3 @@ class JobWatch:
             case _:
                 assert_never(d.action)
         return d
-
-
-def out_of_memory(event: OutOfMemoryHalted) -> Decision:
-    """The ranks' own halt on an out-of-memory they could not cure, recorded as the `oom` incident (same
-    id as their report, so a replay publishes it once)."""
-    return Decision(
-        IncidentRaised(
-            event_id=event.event_id,
-            job_id=event.job_id,
-            attempt=event.attempt,
-            kind="oom",
-            action="halt",
-            step=event.step,
-            rank=event.rank,
-            node=event.node if event.rank == 0 else None,
-            message=event.message,
-            evidence={
-                "micro_batch": event.micro_batch,
-                "grad_accum": event.grad_accum,
-                "checkpoint_step": event.checkpoint_step,
-            },
-        )
-    )
-
-
-def report_refused(event: ReportRefused) -> Decision:
-    """The agent refused what a rank of the job sent: an alert naming the field (the agent sends at most
-    one per job and field every 30 s, with the count since the last)."""
-    times = f" ({event.refused} refusals)" if event.refused > 1 else ""
-    return Decision(
-        IncidentRaised(
-            event_id=incident_id(event.job_id, event.attempt, "report_refused", event.event_id),
-            job_id=event.job_id,
-            attempt=event.attempt,
-            kind="report_refused",
-            action="alert",
-            rank=event.rank,
-            node=event.node,
-            message=f"rank {event.rank}'s {event.report} refused{times}: {event.field}: {event.reason}",
-            evidence={"report": event.report, "field": event.field, "refused": event.refused},
-        )
-    )
