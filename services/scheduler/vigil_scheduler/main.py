@@ -99,7 +99,9 @@ async def _active(
             tasks.create_task(relay.run(until))
             tasks.create_task(scheduler.liveness_loop(until))
             tasks.create_task(scheduler.placement_loop(until))
-            tasks.create_task(handlers.sweep_loop(until))  # no job stays in a transition past the bound
+            tasks.create_task(
+                handlers.outcomes.sweep_loop(until)
+            )  # no job stays in a transition past the bound
             tasks.create_task(bus.consume_batches(HEARTBEATS, handlers.heartbeats, until))
             # a rank's start or exit counts only from the node its launch placed it on
             tasks.create_task(bus.consume(STATUS, handlers.status, until, admit=Origins(bus).admit))
