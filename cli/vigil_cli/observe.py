@@ -21,7 +21,7 @@ from vigil.events import (
 )
 from vigil_common import subjects
 from vigil_common.bus import Bus
-from vigil_common.embedded import resolve_urls
+from vigil_common.endpoints import resolve_urls
 from vigil_common.service import install_stop_signals, require_urls, setup_logging
 from vigil_common.settings import Settings
 from vigil_common.waiting import STOPPED, unless_stopped

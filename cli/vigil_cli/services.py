@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from vigil_common import credentials
-from vigil_common.embedded import resolve_urls
+from vigil_common.endpoints import resolve_urls
 from vigil_common.service import run_service
 from vigil_common.settings import Settings
 

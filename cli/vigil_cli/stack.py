@@ -22,7 +22,8 @@ from vigil_common import credentials
 from vigil_common.bus import Bus
 from vigil_common.confine import private_dir
 from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, write_endpoints
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
+from vigil_common.endpoints import write_endpoints
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
 

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from tests.helpers import eventually
-from vigil_common.embedded import free_port, resolve_urls
+from vigil_common.embedded import free_port
+from vigil_common.endpoints import resolve_urls
 from vigil_common.settings import Settings
 
 CHROMIUM = "/usr/bin/chromium"

@@ -22,7 +22,7 @@ from tests.helpers import eventually
 from tests.integration.guardian.test_e2e_ranks import TINY, TRAIN, Stack, whole_stack
 from vigil.events import JobStateChanged, RankExited, RankStarted, StepCompleted
 from vigil_common import credentials, readmodel, subjects
-from vigil_common.embedded import write_endpoints
+from vigil_common.endpoints import write_endpoints
 from vigil_worker.uids import processes_of
 
 pytestmark = [
