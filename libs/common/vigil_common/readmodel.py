@@ -1,5 +1,5 @@
-"""Telemetry's tables (migrations 0003, 0009, 0013): their step and bucket columns, which the telemetry
-writer stores, and the read side, for the gateway.
+"""The read side of telemetry's tables, for the gateway and the console: steps, checkpoints, incidents,
+GPU samples, and the console's downsampled curves. The tables' columns are `vigil_common.step_columns`.
 
 Every list is a page (`vigil_common.pages.Page`): `{"items": [...], "next": cursor | None}`,
 in a stable key order, so a cursor never skips or repeats an item.
@@ -14,42 +14,8 @@ from typing import Any
 import asyncpg
 
 from vigil_common.pages import Page, check_limit, decode_cursor, page
-
-# How a StepCompleted (`vigil.events`) is stored, in one place: the columns of `telemetry_steps`
-# (migrations 0003, 0008, 0009, 0014, 0017) with their Postgres types. The telemetry writer COPYs exactly
-# these, the read model and the benches take their column lists from here, and a test checks the table's
-# columns against it. Every field of the event is stored but STEP_NOT_STORED. (They sit here, beside the
-# reads, and not in the event's module: the SDK that ships the event knows nothing of Postgres.)
-STEP_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("event_id", "text"),
-    ("job_id", "text"),
-    ("attempt", "int"),
-    ("step", "int8"),
-    ("rank", "int"),
-    ("node", "text"),
-    ("loss", "float8"),
-    ("grad_norm", "float8"),
-    ("lr", "float8"),
-    ("tokens", "int8"),
-    ("tokens_per_s", "float8"),
-    ("data_time_s", "float8"),
-    ("forward_time_s", "float8"),
-    ("backward_time_s", "float8"),
-    ("comm_time_s", "float8"),
-    ("optimizer_time_s", "float8"),
-    ("step_time_s", "float8"),
-    ("mem_allocated_bytes", "int8"),
-    ("mem_peak_bytes", "int8"),
-    ("skipped", "bool"),
-    ("data_position", "int8"),
-    ("occurred_at", "timestamptz"),
-    ("flops_per_token", "float8"),
-    ("mfu", "float8"),
-    ("micro_batch", "int"),
-    ("generation", "int"),
-)
-STEP_FIELDS: tuple[str, ...] = tuple(name for name, _ in STEP_COLUMNS)
-STEP_NOT_STORED = frozenset({"type", "schema_version", "local_finite"})  # the envelope's tag, and a v2 flag
+from vigil_common.step_columns import BUCKET_WIDTHS, SERIES_METRICS, STEP_FIELDS
+from vigil_common.visibility import sees_job_of
 
 _STEP_FIELDS = ", ".join(f for f in STEP_FIELDS if f not in ("event_id", "job_id"))  # a job's page of steps
 
@@ -150,11 +116,10 @@ async def incidents(
     key = decode_cursor(cursor, ("bigint",))  # seq
     owner, team = visible_to or (None, None)
     rows = await pool.fetch(
-        """SELECT id, job_id, attempt, kind, action, step, rank, node, device, message, evidence, occurred_at,
-                  seq
+        f"""SELECT id, job_id, attempt, kind, action, step, rank, node, device, message, evidence,
+                  occurred_at, seq
            FROM telemetry_incidents
-           WHERE ($1::text IS NULL OR job_id = $1) AND ($2::bigint IS NULL OR seq < $2)
-             AND ($4::text IS NULL OR job_id IN (SELECT id FROM jobs WHERE owner = $4 OR team = $5::text))
+           WHERE ($1::text IS NULL OR job_id = $1) AND ($2::bigint IS NULL OR seq < $2) AND {sees_job_of(4)}
            ORDER BY seq DESC LIMIT $3""",
         job_id,
         key[0] if key else None,
@@ -215,25 +180,6 @@ async def job_progress(pool: asyncpg.Pool, job_ids: list[str]) -> dict[str, dict
 
 
 # --- for the web console: downsampled curves, one step's phases, marks, counts ---------------------------
-
-SERIES_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s")
-
-# Downsampled curves kept as steps arrive (`telemetry_step_buckets`, migration 0013; the telemetry writer
-# adds each batch): per job, rank and width, one row per `width` consecutive steps (bucket = step //
-# width) with, per metric, the sum and count of its finite values, their min and max, and how many were
-# not finite. Sums and counts merge, so a shown bucket of k stored ones is one GROUP BY. The widths are
-# fixed: one added later would hold only the steps stored after it (a migration must fill it).
-BUCKET_WIDTHS = (4, 16, 64, 256, 1024, 4096, 16384, 65536)
-BUCKET_PARTS = (("sum", "float8"), ("n", "int"), ("lo", "float8"), ("hi", "float8"), ("bad", "int"))
-BUCKET_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("job_id", "text"),
-    ("width", "int"),
-    ("rank", "int"),
-    ("bucket", "int8"),
-    ("first_step", "int8"),
-    ("last_step", "int8"),
-    *((f"{m}_{part}", t) for m in SERIES_METRICS for part, t in BUCKET_PARTS),
-)
 
 
 def shown_width(wanted: int) -> int:

@@ -21,6 +21,7 @@ import asyncpg
 
 from vigil_common import credentials
 from vigil_common.pages import Page, check_limit, decode_cursor, page
+from vigil_common.visibility import sees_job_of
 
 Action = Literal[
     "submit",
@@ -83,9 +84,8 @@ async def list_records(
     key = decode_cursor(cursor, ("bigint",))
     owner, team = visible_to or (None, None)
     rows = await pool.fetch(
-        """SELECT seq, occurred_at, action, job_id, attempt, actor, event_id, detail FROM audit_log
-           WHERE ($1::text IS NULL OR job_id = $1) AND ($2::bigint IS NULL OR seq < $2)
-             AND ($4::text IS NULL OR job_id IN (SELECT id FROM jobs WHERE owner = $4 OR team = $5::text))
+        f"""SELECT seq, occurred_at, action, job_id, attempt, actor, event_id, detail FROM audit_log
+           WHERE ($1::text IS NULL OR job_id = $1) AND ($2::bigint IS NULL OR seq < $2) AND {sees_job_of(4)}
            ORDER BY seq DESC LIMIT $3""",
         job_id,
         key[0] if key else None,

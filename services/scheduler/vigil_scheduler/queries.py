@@ -15,6 +15,7 @@ import asyncpg
 from vigil.errors import NotFound
 from vigil_common import readmodel
 from vigil_common.pages import Page, check_limit, decode_cursor, page
+from vigil_common.visibility import sees
 from vigil_scheduler import inventory, states
 from vigil_scheduler.inventory import ACTIVE_MARK
 from vigil_scheduler.lifecycle import JOB_COLUMNS, Job
@@ -62,11 +63,6 @@ def visibility(viewer: Principal) -> tuple[str, str | None] | None:
     return None if viewer.admin else (viewer.name, viewer.team)
 
 
-# The SQL test of `Principal.sees` on the jobs table, its parameters $n (owner) and $n+1 (team).
-def _sees(n: int) -> str:
-    return f"(${n}::text IS NULL OR owner = ${n} OR (team IS NOT NULL AND team = ${n + 1}::text))"
-
-
 class Visible:
     """Whether `viewer` sees a job, remembered per job (a job's owner and team never change): for a
     live stream that passes on events of the jobs its reader may see."""
@@ -102,7 +98,7 @@ async def list_jobs(
     owner, team = visibility(viewer) or (None, None)
     rows = await pool.fetch(
         f"""SELECT {JOB_COLUMNS} FROM jobs
-            WHERE ($1::text IS NULL OR state = $1) AND ($2::bigint IS NULL OR seq < $2) AND {_sees(4)}
+            WHERE ($1::text IS NULL OR state = $1) AND ($2::bigint IS NULL OR seq < $2) AND {sees(4)}
             ORDER BY seq DESC LIMIT $3""",
         state,
         key[0] if key else None,

@@ -3,7 +3,7 @@
 Steps go to the time-partitioned `telemetry_steps` (see `partitions`); a trigger there keeps the
 per-step aggregates across ranks (`telemetry_step_aggregates`), which outlive the raw rows, and the
 writer adds each batch's new steps to the console's downsampled curves (`telemetry_step_buckets`).
-The step columns are `vigil_common.readmodel.STEP_COLUMNS` (re-exported here).
+The step columns are `vigil_common.step_columns.STEP_COLUMNS` (re-exported here).
 
 Each writer takes a connection inside the caller's transaction and inserts a whole batch at once
 (steps: COPY; the others: one `INSERT ... SELECT FROM unnest(...)`), and an event already stored
@@ -28,7 +28,7 @@ from vigil.events import (
     RollbackCompleted,
     StepCompleted,
 )
-from vigil_common.readmodel import BUCKET_COLUMNS, BUCKET_WIDTHS, SERIES_METRICS, STEP_COLUMNS, STEP_FIELDS
+from vigil_common.step_columns import BUCKET_COLUMNS, BUCKET_WIDTHS, SERIES_METRICS, STEP_COLUMNS, STEP_FIELDS
 
 __all__ = ["STEP_COLUMNS", "STEP_FIELDS"]  # and the writers below
 

@@ -18,7 +18,7 @@ from vigil.events import (
     RollbackCompleted,
     StepCompleted,
 )
-from vigil_common import readmodel, subjects
+from vigil_common import readmodel, step_columns, subjects
 from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
 from vigil_telemetry.main import run
@@ -257,7 +257,7 @@ async def test_killed_mid_stream_and_restarted_stores_exactly_one_row_per_event(
     }
     assert ids == {e.event_id for e in events}
     # every event went into the buckets once (the batch in flight at the kill and the duplicates too)
-    for width in readmodel.BUCKET_WIDTHS:
+    for width in step_columns.BUCKET_WIDTHS:
         added = await pool.fetchval(
             "SELECT sum(loss_n + loss_bad) FROM telemetry_step_buckets WHERE job_id = $1 AND width = $2",
             job_id,
@@ -267,7 +267,7 @@ async def test_killed_mid_stream_and_restarted_stores_exactly_one_row_per_event(
 
 
 async def test_the_tables_have_the_columns_the_writer_and_reader_name(pool, migrated):
-    """readmodel.STEP_COLUMNS and readmodel.BUCKET_COLUMNS against a migrated Postgres, types included."""
+    """step_columns.STEP_COLUMNS and step_columns.BUCKET_COLUMNS against a migrated Postgres, types included."""
     udt = {"text": "text", "int4": "int", "int8": "int8", "float8": "float8", "bool": "bool"}
     udt["timestamptz"] = "timestamptz"
 
@@ -281,5 +281,5 @@ async def test_the_tables_have_the_columns_the_writer_and_reader_name(pool, migr
 
     steps = await columns("telemetry_steps")
     assert steps.pop("seq") == "int8"
-    assert steps == dict(readmodel.STEP_COLUMNS)
-    assert await columns("telemetry_step_buckets") == dict(readmodel.BUCKET_COLUMNS)
+    assert steps == dict(step_columns.STEP_COLUMNS)
+    assert await columns("telemetry_step_buckets") == dict(step_columns.BUCKET_COLUMNS)

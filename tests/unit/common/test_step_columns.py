@@ -1,5 +1,5 @@
-"""The step columns are written once: `readmodel.STEP_COLUMNS` (what a StepCompleted is stored as) and
-`readmodel.BUCKET_COLUMNS` (the console's downsampled curves). The event, the migrations' tables, the
+"""The step columns are written once: `step_columns.STEP_COLUMNS` (what a StepCompleted is stored as) and
+`step_columns.BUCKET_COLUMNS` (the console's downsampled curves). The event, the migrations' tables, the
 telemetry writer and the read model all agree with them, so a column added in one place alone fails
 here. (tests/integration/telemetry/test_ingest.py checks the same against a migrated Postgres.)"""
 
@@ -9,9 +9,9 @@ import itertools
 import re
 
 from vigil.events import StepCompleted
-from vigil_common import readmodel
+from vigil_common import readmodel, step_columns
 from vigil_common.db import load_migrations
-from vigil_common.readmodel import STEP_COLUMNS, STEP_FIELDS, STEP_NOT_STORED
+from vigil_common.step_columns import STEP_COLUMNS, STEP_FIELDS, STEP_NOT_STORED
 from vigil_telemetry import store
 
 SQL_TYPES = {
@@ -63,28 +63,28 @@ def test_the_steps_table_has_exactly_the_step_columns() -> None:
 
 
 def test_the_buckets_table_has_exactly_the_bucket_columns() -> None:
-    assert table_columns("telemetry_step_buckets") == dict(readmodel.BUCKET_COLUMNS)
-    metrics = {name.rsplit("_", 1)[0] for name, _ in readmodel.BUCKET_COLUMNS[6:]}
-    assert metrics == set(readmodel.SERIES_METRICS) <= set(STEP_FIELDS)
+    assert table_columns("telemetry_step_buckets") == dict(step_columns.BUCKET_COLUMNS)
+    metrics = {name.rsplit("_", 1)[0] for name, _ in step_columns.BUCKET_COLUMNS[6:]}
+    assert metrics == set(step_columns.SERIES_METRICS) <= set(STEP_FIELDS)
 
 
 def test_the_writer_and_the_readers_take_their_lists_from_the_one_place() -> None:
     assert store.STEP_COLUMNS is STEP_COLUMNS and store.STEP_FIELDS is STEP_FIELDS
     assert f"({', '.join(STEP_FIELDS)})" in store.MOVE_STAGE
     assert all(f"{n} {t}" in store.CREATE_STAGE for n, t in STEP_COLUMNS)
-    assert f"({', '.join(n for n, _ in readmodel.BUCKET_COLUMNS)})" in store.ADD_TO_BUCKETS
+    assert f"({', '.join(n for n, _ in step_columns.BUCKET_COLUMNS)})" in store.ADD_TO_BUCKETS
     # a job's page of steps: every stored column but the two the query itself filters on
     read = [c.strip() for c in readmodel._STEP_FIELDS.split(",")]
     assert read == [f for f in STEP_FIELDS if f not in ("event_id", "job_id")]
 
 
 def test_every_bucket_width_is_a_multiple_of_the_finest_the_writer_groups_by_first() -> None:
-    assert min(readmodel.BUCKET_WIDTHS) == store.FINEST
-    assert all(w % store.FINEST == 0 for w in readmodel.BUCKET_WIDTHS)
+    assert min(step_columns.BUCKET_WIDTHS) == store.FINEST
+    assert all(w % store.FINEST == 0 for w in step_columns.BUCKET_WIDTHS)
 
 
 def test_a_shown_width_is_served_by_at_most_two_stored_rows_a_point() -> None:
-    widest = readmodel.BUCKET_WIDTHS[-1]
+    widest = step_columns.BUCKET_WIDTHS[-1]
     for wanted in [*range(1, 5000), *range(5000, 600_000, 997)]:
         shown = readmodel.shown_width(wanted)
         assert wanted <= shown <= 2 * wanted, wanted  # at most the points asked for, at least half
@@ -98,7 +98,7 @@ def test_a_shown_width_is_served_by_at_most_two_stored_rows_a_point() -> None:
 
 
 def test_bucket_widths_nest() -> None:
-    widths = readmodel.BUCKET_WIDTHS
+    widths = step_columns.BUCKET_WIDTHS
     assert all(b % a == 0 for a, b in itertools.pairwise(widths))
     sql = next(m.sql for m in load_migrations() if "CREATE TABLE telemetry_step_buckets" in m.sql)
     backfilled = re.search(r"unnest\(ARRAY\[([\d, ]+)\]\)", sql)

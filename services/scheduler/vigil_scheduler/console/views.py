@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vigil.jobstates import TERMINAL_STATES, JobState
-from vigil_common.readmodel import SERIES_METRICS, shown_width
+from vigil_common.readmodel import shown_width
+from vigil_common.step_columns import SERIES_METRICS
 
 DEFAULT_POINTS = 1000
 MAX_POINTS = 2000
