@@ -38,12 +38,12 @@ from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, ConsumerSpec, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_worker import pods, tenancy
+from vigil_worker import tenancy
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
-from vigil_worker.launch import agent_socket, prepare_ranks, warm_argv
-from vigil_worker.procs import Exit, RankRecord, RankTable
-from vigil_worker.relay import Relay
+from vigil_worker.launch import prepare_ranks, warm_argv
+from vigil_worker.procs import Exit, RankRecord, RankToStart
+from vigil_worker.runtime import Runtime
 from vigil_worker.stacks import dump, fit
 from vigil_worker.tenancy import Tenancy
 from vigil_worker.warm import WarmRanks
@@ -57,18 +57,14 @@ LOG_TAIL_BYTES = 4000
 
 
 class Worker:
-    def __init__(self, settings: Settings, bus: Bus, inventory: Inventory) -> None:
+    def __init__(self, settings: Settings, bus: Bus, inventory: Inventory, runtime: Runtime) -> None:
         self.settings = settings
         self.bus = bus
         self.inventory = inventory
         self.node = settings.node_name
-        self.table = RankTable(settings.data_dir.resolve() / "worker" / self.node)
+        # processes, or Kubernetes pods (`vigil_worker.runtime`), chosen before this
+        self.table, self.relay, self.pods = runtime.table, runtime.relay, runtime.pods
         self.tenancy = Tenancy(settings)  # each job's user and cgroup here
-        self.relay = Relay(
-            bus, self.node, agent_socket(settings), settings.checkpoint_root, self.table.find
-        )  # the ranks' only way to the bus
-        # --- Kubernetes: ranks in pods, linked over TCP (VIGIL_RANK_RUNTIME=kubernetes; see pods.py) ---
-        self.pods = pods.install(self, settings, bus, inventory.kind)
         self.warm: WarmRanks | None = None  # built-in trainer ranks kept warm (`start_warm`)
         self.started_at = datetime.now(UTC)
         self._ending: dict[int, float] = {}  # pid -> when SIGTERM was sent
@@ -155,7 +151,7 @@ class Worker:
                     log.warning("a warm rank could not take rank %d of %s: %s", p.rank, job, exc)
                     standby.proc.kill()
                     standby = None
-            rank_of = dict(
+            who = RankToStart(
                 job_id=job,
                 attempt=launch.attempt,
                 rank=p.rank,
@@ -165,12 +161,12 @@ class Worker:
                 token=r.token,
                 uid=None if user is None else user.uid,
                 world_size=launch.world_size,
+                builtin=launch.spec.entrypoint is None,
             )
             if standby is not None:
-                record = self.table.adopt(standby.proc, **rank_of)
+                record = self.table.adopt(standby.proc, who)
             else:
-                builtin = launch.spec.entrypoint is None
-                record = self.table.start(r.argv, r.env, cwd=r.cwd, builtin=builtin, enter=enter, **rank_of)
+                record = self.table.start(who, r.argv, r.env, cwd=r.cwd, enter=enter)
             log.info(
                 "started rank %d of %s attempt %d on device %d: pid %d, uid %s%s",
                 p.rank,

@@ -23,6 +23,7 @@ from vigil_common.service import require_urls
 from vigil_common.settings import Settings
 from vigil_worker.agent import Worker, consumers, consumers_ready
 from vigil_worker.inventory import Inventory
+from vigil_worker.runtime import choose_runtime
 from vigil_worker.warm import WarmRanks
 
 log = logging.getLogger("vigil.worker")
@@ -47,7 +48,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         )  # its NATS role may not change them
 
         # --- recover: the truth about ranks a previous run started; their links ---------------------------
-        worker = Worker(settings, bus, inventory)
+        worker = Worker(settings, bus, inventory, choose_runtime(settings, bus, inventory.kind))
         await worker.recover()
         await worker.relay.start()  # ranks still running from a previous run reconnect here
         stack.push_async_callback(worker.relay.close)

@@ -38,7 +38,7 @@ from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_worker import rank_pod as rp
 from vigil_worker.k8s_api import KubeApi, in_cluster_namespace
-from vigil_worker.procs import Exit, RankRecord, RankTable
+from vigil_worker.procs import Exit, RankRecord, RankTable, RankToStart
 
 log = logging.getLogger("vigil.worker")
 
@@ -83,29 +83,27 @@ class PodRankTable(RankTable):
 
     def start(
         self,
+        who: RankToStart,
         argv: list[str],
         env: dict[str, str],
         *,
-        job_id: str,
-        attempt: int,
-        rank: int,
-        device: int,
-        log_path: Path,
-        exit_path: Path,
-        token: str = "",
         cwd: Path | None = None,
-        builtin: bool = False,
-        world_size: int = 0,
-        uid: int | None = None,
         enter: Callable[[], None] | None = None,
     ) -> RankRecord:
-        """Record one rank of the job's pod. No token (the relay mints it on the first link); `uid` and
+        """Record one rank of the job's pod. No token (the relay mints it on the first link); its `uid` and
         `enter` are the process runtime's (a pod's uid is the job's own, `rank_pod.job_uid`): unused."""
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        job_id, attempt, rank, device, exit_path = (
+            who.job_id,
+            who.attempt,
+            who.rank,
+            who.device,
+            who.exit_path,
+        )
+        who.log_path.parent.mkdir(parents=True, exist_ok=True)
         record = RankRecord(
             job_id=job_id, attempt=attempt, rank=rank, device=device,
-            pid=synthetic_pid(job_id, attempt, rank), ticks=0, log_path=str(log_path),
-            exit_path=str(exit_path), token="", builtin=builtin, world_size=world_size,
+            pid=synthetic_pid(job_id, attempt, rank), ticks=0, log_path=str(who.log_path),
+            exit_path=str(exit_path), token="", builtin=who.builtin, world_size=who.world_size,
         )  # fmt: skip
         launch_file = exit_path.parent / "launch.json"  # the built-in trainer's: from the pod's annotation
         argv = [rp.POD_LAUNCH_FILE if a == str(launch_file) else a for a in argv]

@@ -38,6 +38,23 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class RankToStart:
+    """One rank a launch starts on this node, as the agent and both rank runtimes (`RankTable`'s processes,
+    `PodRankTable`'s pods) name it."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    device: int
+    log_path: Path
+    exit_path: Path
+    token: str = ""  # its link's credential (a pod's is minted by its relay on the first link: none here)
+    uid: int | None = None  # the job's own user on this node (None: the worker's)
+    world_size: int = 0
+    builtin: bool = False  # the built-in trainer (a warm rank can take it), not the job's own program
+
+
 @dataclass
 class RankRecord:
     job_id: str
@@ -115,31 +132,22 @@ class RankTable:
 
     def start(
         self,
+        who: RankToStart,
         argv: list[str],
         env: dict[str, str],
         *,
-        job_id: str,
-        attempt: int,
-        rank: int,
-        device: int,
-        log_path: Path,
-        exit_path: Path,
-        token: str = "",
         cwd: Path | None = None,
-        builtin: bool = False,
-        world_size: int = 0,
-        uid: int | None = None,
         enter: Callable[[], None] | None = None,
     ) -> RankRecord:
-        """Start one rank. `token` reaches it on an inherited pipe (`protocol.RANK_TOKEN_FD_ENV` names the
+        """Start one rank. Its token reaches it on an inherited pipe (`protocol.RANK_TOKEN_FD_ENV` names the
         descriptor), never in its environment; `enter` runs in the child before exec (its cgroup, its
         user: `tenancy.enter`)."""
-        self.clear(log_path, exit_path)
+        self.clear(who.log_path, who.exit_path)
         read_end, write_end = os.pipe()
         try:
-            os.write(write_end, token.encode())  # a few dozen bytes: far below a pipe's buffer
+            os.write(write_end, who.token.encode())  # a few dozen bytes: far below a pipe's buffer
             os.close(write_end)
-            with log_path.open("ab") as log:
+            with who.log_path.open("ab") as log:
                 proc = subprocess.Popen(  # an argument list: no shell ever sees job input
                     argv,
                     env={**env, proto.RANK_TOKEN_FD_ENV: str(read_end)},
@@ -154,10 +162,7 @@ class RankTable:
                 )
         finally:
             os.close(read_end)
-        return self.adopt(
-            proc, job_id=job_id, attempt=attempt, rank=rank, device=device, log_path=log_path,
-            exit_path=exit_path, token=token, uid=uid, builtin=builtin, world_size=world_size,
-        )  # fmt: skip
+        return self.adopt(proc, who)
 
     @staticmethod
     def clear(log_path: Path, exit_path: Path) -> None:
@@ -166,37 +171,23 @@ class RankTable:
         exit_path.unlink(missing_ok=True)
         last_step_path(exit_path).unlink(missing_ok=True)
 
-    def adopt(
-        self,
-        proc: subprocess.Popen[bytes],
-        *,
-        job_id: str,
-        attempt: int,
-        rank: int,
-        device: int,
-        log_path: Path,
-        exit_path: Path,
-        token: str,
-        uid: int | None = None,
-        builtin: bool = True,
-        world_size: int = 0,
-    ) -> RankRecord:
+    def adopt(self, proc: subprocess.Popen[bytes], who: RankToStart) -> RankRecord:
         """Track a rank process: one `start` started, or a warm rank (`vigil_worker.warm`) just handed its
         launch (after `clear`)."""
         ticks = start_ticks(proc.pid)
         record = RankRecord(
-            job_id=job_id,
-            attempt=attempt,
-            rank=rank,
-            device=device,
+            job_id=who.job_id,
+            attempt=who.attempt,
+            rank=who.rank,
+            device=who.device,
             pid=proc.pid,
             ticks=ticks if ticks is not None else -1,
-            log_path=str(log_path),
-            exit_path=str(exit_path),
-            token=token,
-            uid=uid,
-            builtin=builtin,
-            world_size=world_size,
+            log_path=str(who.log_path),
+            exit_path=str(who.exit_path),
+            token=who.token,
+            uid=who.uid,
+            builtin=who.builtin,
+            world_size=who.world_size,
         )
         self._children[proc.pid] = proc
         self.records.append(record)

@@ -34,7 +34,7 @@ from vigil_worker import rank_pod as rp
 from vigil_worker.k8s_api import KubeApi
 from vigil_worker.pod_relay import PodRelay
 from vigil_worker.pod_table import TERMINATE_GRACE_S, PodRankTable
-from vigil_worker.procs import Exit
+from vigil_worker.procs import Exit, RankToStart
 
 pytestmark = pytest.mark.integration
 
@@ -164,10 +164,11 @@ def start(t: PodRankTable, job_id: str, rank: int, local_world: int = 2, attempt
     env = {"RANK": str(rank), "LOCAL_WORLD_SIZE": str(local_world), "WORLD_SIZE": str(local_world),
            "NODE_RANK": "0", proto.RANK_TOKEN_FD_ENV: "never-in-a-pod-spec-fd"}  # fmt: skip
     argv = ["python", "-m", "vigil_worker.trainer", "--launch", str(run_dir / "launch.json")]
-    return t.start(
-        argv, env, job_id=job_id, attempt=attempt, rank=rank, device=rank, builtin=True, world_size=local_world,
+    who = RankToStart(
+        job_id=job_id, attempt=attempt, rank=rank, device=rank, builtin=True, world_size=local_world,
         log_path=t.settings.log_dir / job_id / f"rank-{rank}.log", exit_path=run_dir / f"rank-{rank}.exit",
     )  # fmt: skip
+    return t.start(who, argv, env)
 
 
 async def test_a_jobs_ranks_become_one_pod_whose_exits_are_reported_and_whose_objects_go_after(table, job_id):

@@ -3,14 +3,15 @@ import sys
 import pytest
 
 from vigil_worker.inventory import Inventory, _nvml
-from vigil_worker.procs import RankTable, start_ticks
+from vigil_worker.procs import RankTable, RankToStart, start_ticks
 
 
 def start(table, tmp_path, code: str, rank: int = 0):
-    return table.start(
-        [sys.executable, "-c", code], {}, job_id="j1", attempt=1, rank=rank, device=rank,
+    who = RankToStart(
+        job_id="j1", attempt=1, rank=rank, device=rank,
         log_path=tmp_path / f"r{rank}.log", exit_path=tmp_path / f"r{rank}.exit",
     )  # fmt: skip
+    return table.start(who, [sys.executable, "-c", code], {})
 
 
 def test_child_exit_code_and_log(tmp_path):
