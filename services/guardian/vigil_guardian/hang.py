@@ -187,12 +187,13 @@ def job_hang(
         waits = {r: (rec.since, rec.to_step - 1 if rec.to_step else None) for r in ranks}
         return _judged("rollback", now, waits, rollback_limit(spec, c.checkpoint_bytes), c)
     if running(c, progress):
+        # the phase is the saved control state's (`Control.stepped`); the times are the windows'
         start = c.running_since or c.launched_at or now
-        starting = {r: (start, None) for r in ranks if r not in progress}
+        starting = {r: (start, None) for r in ranks if r not in c.stepped}
         v = _judged("startup", now, starting, startup_limit(spec, c.startups, c.checkpoint_bytes), c)
         if v is not None:
             return v
-        stepped = {r: progress[r] for r in ranks if r in progress}
+        stepped = {r: progress.get(r, (start, None)) for r in ranks if r in c.stepped}
         done = c.final_step is not None and not starting
         if done and all(s is not None and s >= (c.final_step or 0) for _, s in stepped.values()):
             p99_step_s = None
