@@ -260,6 +260,8 @@ def plan(
     placed: list[Placement] = []
     blocked = False
     for request in sorted(queue, key=lambda r: (-r.priority, r.seq)):
+        if blocked and not reserve:
+            break  # behind a blocked job only a spare is placed, and there is none
         quota = (request.job_id, request.owner, request.team, request.world_size)
         if ledger is not None and (why := ledger.refusal(*quota)) is not None:
             ledger.waiting[request.job_id] = why
