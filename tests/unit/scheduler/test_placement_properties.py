@@ -64,7 +64,7 @@ def test_place_respects_every_rule_and_places_what_fits() -> None:
     placed: list[int] = []
 
     @given(inventories(), requests)
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=300, deadline=None, derandomize=True)  # the same examples each run: a fixed count
     def check(inv: Inventory, request: PlacementRequest) -> None:
         p = place(request, inv)
         assert (p is not None) == fits_now(inv, request), (inv, request)
@@ -74,6 +74,7 @@ def test_place_respects_every_rule_and_places_what_fits() -> None:
 
     check()
     assert len(placed) >= 50, f"only {len(placed)} of 300 examples placed: the property says little"
+    print(f"\nplacement rules: {len(placed)} of 300 placed")
 
 
 def respects_every_rule(inv: Inventory, request: PlacementRequest, p: Placement) -> None:
@@ -96,7 +97,7 @@ def test_fewest_nodes() -> None:
     placed: list[int] = []
 
     @given(inventories(), requests)
-    @settings(max_examples=200, deadline=None)
+    @settings(max_examples=200, deadline=None, derandomize=True)  # the same examples each run: a fixed count
     def check(inv: Inventory, request: PlacementRequest) -> None:
         p = place(request, inv)
         if p is None:
@@ -108,6 +109,7 @@ def test_fewest_nodes() -> None:
 
     check()
     assert len(placed) >= 30 and max(placed) >= 2, placed  # multi-node placements among them
+    print(f"\nfewest nodes: {len(placed)} placed, {sum(n >= 2 for n in placed)} on several nodes")
 
 
 @given(inventories(), st.lists(requests, min_size=1, max_size=6))
