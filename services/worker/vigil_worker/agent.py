@@ -18,7 +18,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from vigil.errors import RetryableError, SpecError
+from vigil.errors import SpecError
 from vigil.events import (
     CancelJob,
     DeviceDiagnosed,
@@ -34,8 +34,8 @@ from vigil.events import (
 )
 from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
 from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
-from vigil_common import credentials, subjects
-from vigil_common.bus import Bus, ConsumerSpec, Delivery
+from vigil_common import subjects
+from vigil_common.bus import Bus, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_worker import tenancy
@@ -475,31 +475,3 @@ def _oom_killed() -> bool:
         return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0 for line in events.splitlines())
     except (OSError, ValueError):
         return False
-
-
-def consumers(node: str) -> tuple[ConsumerSpec, ConsumerSpec]:
-    """This node's durable consumers: launches, and commands (cancel is the agent's; the rest, the ranks')."""
-    launches_name, commands_name = credentials.worker_consumers(node)  # the names its NATS user owns
-    launches = ConsumerSpec(
-        stream=subjects.JOBS,
-        durable=launches_name,
-        filter_subject=subjects.ALL_LAUNCHES,
-        deliver_new=True,  # a new worker starts with new launches, not the stream's history
-    )
-    commands = ConsumerSpec(
-        stream=subjects.COMMANDS,
-        durable=commands_name,
-        filter_subject=subjects.ALL_CMDS,
-        deliver_new=True,
-    )
-    return launches, commands
-
-
-async def consumers_ready(bus: Bus, specs: tuple[ConsumerSpec, ...], timeout_s: float = 30.0) -> None:
-    """Return once every consumer in `specs` exists on the server; RetryableError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    for spec in specs:
-        while await bus.consumer_state(spec) is None:
-            if time.monotonic() > deadline:
-                raise RetryableError(f"consumer {spec.durable} not created within {timeout_s}s")
-            await asyncio.sleep(0.05)  # polling the server for the consumer to exist

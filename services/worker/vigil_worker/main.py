@@ -21,7 +21,8 @@ from vigil_common.addresses import advertised_address
 from vigil_common.bus import Bus
 from vigil_common.service import require_urls
 from vigil_common.settings import Settings
-from vigil_worker.agent import Worker, consumers, consumers_ready
+from vigil_worker.agent import Worker
+from vigil_worker.consumers import consumers, consumers_ready
 from vigil_worker.inventory import Inventory
 from vigil_worker.runtime import choose_runtime
 from vigil_worker.warm import WarmRanks

@@ -20,7 +20,7 @@ from vigil.events import CancelJob, HaltJob, Message
 from vigil_common import credentials, subjects
 from vigil_common.bus import Bus, Delivery
 from vigil_common.embedded import EmbeddedNats
-from vigil_worker.agent import consumers
+from vigil_worker.consumers import consumers
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 

@@ -15,7 +15,7 @@ from vigil_common.bus import ConsumerSpec
 from vigil_guardian import service as guardian_service
 from vigil_scheduler import main as scheduler_main
 from vigil_telemetry import main as telemetry_main
-from vigil_worker import agent
+from vigil_worker import consumers as worker_consumers
 
 ROOT = Path(__file__).resolve().parents[3]
 NODES = ("n1", "gpu-a")
@@ -34,7 +34,7 @@ def specs_of(module: ModuleType) -> list[ConsumerSpec]:
 def used_by(role: str) -> set[tuple[str, str]]:
     """(stream, consumer) of every ConsumerSpec the role's service uses, and its scans."""
     if role.startswith("worker-"):
-        specs = list(agent.consumers(role.removeprefix("worker-")))
+        specs = list(worker_consumers.consumers(role.removeprefix("worker-")))
     else:
         specs = specs_of(SERVICES[role])
     used = {(s.stream.name, s.durable) for s in specs}
@@ -57,7 +57,7 @@ def test_consumer_specs_are_declared_where_this_test_looks() -> None:
         ROOT / "services/scheduler/vigil_scheduler/main.py",
         ROOT / "services/guardian/vigil_guardian/service.py",
         ROOT / "services/telemetry/vigil_telemetry/main.py",
-        ROOT / "services/worker/vigil_worker/agent.py",
+        ROOT / "services/worker/vigil_worker/consumers.py",
     }
     found = {path for path in (ROOT / "services").rglob("*.py") if "ConsumerSpec(" in path.read_text()}
     assert found <= checked, sorted(map(str, found - checked))
