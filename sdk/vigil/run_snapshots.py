@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from vigil import collective
 from vigil import snapshot as snap
+from vigil.snapshot_files import snapshot_folder_from_env
 
 log = logging.getLogger("vigil")
 
@@ -60,7 +61,7 @@ class RunSnapshots:
         """Every rank together: the folder on this node (`VIGIL_SNAPSHOT_DIR`) where every rank has one
         (a rank without: none of them writes, the exchange pairs ranks), and the peer exchange's own gloo
         group, apart from training's."""
-        folder = snap.snapshot_folder_from_env(job_id)
+        folder = snapshot_folder_from_env(job_id)
         group = None
         if collective.distributed():
             import torch.distributed as dist

@@ -10,7 +10,7 @@ waits for that work, so a snapshot is whole, own copy and peer copy, one step af
 Layout under the job's snapshot folder on a node: `rank_<r>/step_<S>.bin` (rank r's own) and
 `peer_<r>/step_<S>.bin` (rank r's shard held for it), each beside its `.json` manifest (step, data
 position, skip windows, bytes, SHA-256), written last by an atomic rename: a torn snapshot has none
-and is never whole. The newest `KEEP` of each are kept.
+and is never whole. The newest `KEEP` of each are kept (`vigil.snapshot_files`).
 
 The host copy of the newest disk checkpoint's step also stays in the process (`held`): an in-place
 rollback to it (a rollback goes to a disk checkpoint's step) reads nothing. A relaunch (`resume`)
@@ -21,44 +21,23 @@ takes the newest step every rank has whole, its own copy or the one its peer hol
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import logging
 import math
-import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from vigil.errors import CheckpointError
-from vigil.protocol import SNAPSHOT_DIR_ENV
+from vigil.snapshot_files import SnapshotFolder, SnapshotManifest, sha256_of
 
 log = logging.getLogger("vigil")
 
-FORMAT = "vigil-snapshot/1"
-KEEP = 2  # snapshots of each shard kept on a node (the newest may be torn when a rank dies)
 AUTO_COST = 0.02  # memory_every "auto": snapshot every step where that costs under 2 % of the step,
 AUTO_SPACED_COST = 0.01  # else every N steps, N keeping it under 1 % (the overhead bench's 1.03 holds
 # Vigil's other costs too: about 1.6 % of a tiny CPU step)
-
-
-class SnapshotManifest(BaseModel):
-    """A snapshot's `.json`: read back as untrusted input."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    format: Literal["vigil-snapshot/1"] = FORMAT
-    job_id: str = Field(max_length=256)
-    rank: int = Field(ge=0, le=1_000_000, description="whose shard")
-    step: int = Field(ge=0, le=2**62)
-    data_position: int = Field(ge=0, le=2**62)
-    skip_windows: list[tuple[int, int]] = Field(default_factory=list, max_length=100_000)
-    bytes: int = Field(ge=0, le=2**62)
-    sha256: str = Field(min_length=64, max_length=64)
 
 
 # --- pure logic ---------------------------------------------------------------------------------------
@@ -112,81 +91,6 @@ def auto_interval(cost_s: float, step_s: float) -> int:
     if step_s <= 0 or cost_s <= AUTO_COST * step_s:
         return 1
     return max(1, math.ceil(cost_s / (AUTO_SPACED_COST * step_s)))
-
-
-# --- the files on this node ---------------------------------------------------------------------------
-
-
-def _sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-class SnapshotFolder:
-    """One job's snapshot files on one node (the folder holds every local rank's, each its own files)."""
-
-    def __init__(self, root: Path, job_id: str) -> None:
-        self.root, self.job_id = root, job_id
-
-    def shard_dir(self, kind: Literal["rank", "peer"], rank: int) -> Path:
-        return self.root / f"{kind}_{rank}"
-
-    def write(self, kind: Literal["rank", "peer"], m: SnapshotManifest, data: bytes | memoryview) -> None:
-        """The snapshot's bytes, then its manifest by atomic rename (its last write); older ones pruned."""
-        folder = self.shard_dir(kind, m.rank)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        stem = folder / f"step_{m.step:08d}"
-        with open(stem.with_suffix(".bin"), "wb") as fh:
-            fh.write(data)
-        tmp = stem.with_suffix(".json.tmp")
-        tmp.write_text(m.model_dump_json())
-        os.replace(tmp, stem.with_suffix(".json"))
-        for step in self.steps(kind, m.rank)[:-KEEP]:
-            self.remove(kind, m.rank, step)
-
-    def steps(self, kind: Literal["rank", "peer"], rank: int) -> list[int]:
-        """Steps with a manifest (not verified), oldest first."""
-        folder = self.shard_dir(kind, rank)
-        if not folder.is_dir():
-            return []
-        names = (p.name[5:13] for p in folder.glob("step_*.json"))
-        return sorted(int(n) for n in names if n.isdigit())
-
-    def read(self, kind: Literal["rank", "peer"], rank: int, step: int) -> tuple[SnapshotManifest, bytes]:
-        """The snapshot's manifest and bytes, checked against each other; CheckpointError otherwise."""
-        stem = self.shard_dir(kind, rank) / f"step_{step:08d}"
-        try:
-            m = SnapshotManifest.model_validate_json(stem.with_suffix(".json").read_bytes())
-            data = stem.with_suffix(".bin").read_bytes()
-        except (OSError, ValidationError) as exc:
-            raise CheckpointError(f"snapshot {stem}: unreadable ({exc})") from exc
-        if (m.job_id, m.rank, m.step) != (self.job_id, rank, step):
-            names = f"{m.job_id} rank {m.rank} step {m.step}"
-            raise CheckpointError(f"snapshot {stem}: its manifest names {names}")
-        if len(data) != m.bytes:
-            raise CheckpointError(f"snapshot {stem}: {len(data)} bytes, its manifest says {m.bytes}")
-        if _sha256(data) != m.sha256:
-            raise CheckpointError(f"snapshot {stem}: does not match its SHA-256 (corrupt)")
-        return m, data
-
-    def whole(self, kind: Literal["rank", "peer"], rank: int) -> tuple[int, ...]:
-        """The steps whose snapshot verifies (a refused one is logged and removed)."""
-        good = []
-        for step in self.steps(kind, rank):
-            try:
-                self.read(kind, rank, step)
-                good.append(step)
-            except CheckpointError as exc:
-                log.error("vigil: refusing in-memory snapshot: %s", exc)
-                self.remove(kind, rank, step)
-        return tuple(good)
-
-    def remove(self, kind: Literal["rank", "peer"], rank: int, step: int) -> None:
-        stem = self.shard_dir(kind, rank) / f"step_{step:08d}"
-        for suffix in (".json", ".json.tmp", ".bin"):  # the manifest first: never whole half-removed
-            stem.with_suffix(suffix).unlink(missing_ok=True)
-
-    def remove_shard(self, kind: Literal["rank", "peer"], rank: int) -> None:
-        shutil.rmtree(self.shard_dir(kind, rank), ignore_errors=True)
 
 
 # --- host copies ----------------------------------------------------------------------------------------
@@ -370,7 +274,7 @@ class Snapshots:
     def _persist(self, host: Any, m: SnapshotManifest) -> None:
         assert self.folder is not None
         data = serialize(host)
-        m = m.model_copy(update={"bytes": len(data), "sha256": _sha256(data)})
+        m = m.model_copy(update={"bytes": len(data), "sha256": sha256_of(data)})
         try:
             self.folder.write("rank", m, data)
         except OSError as exc:  # a full tmpfs: no own copy of this step; the exchange still runs
@@ -483,7 +387,7 @@ class Snapshots:
                 else:
                     m = SnapshotManifest.model_validate_json(bytes(_recv(src, self.group)))
                     data = bytes(_recv(src, self.group))
-                    if len(data) != m.bytes or _sha256(data) != m.sha256 or (m.rank, m.step) != (r, step):
+                    if len(data) != m.bytes or sha256_of(data) != m.sha256 or (m.rank, m.step) != (r, step):
                         raise CheckpointError(f"the peer copy of rank {r} step {step} arrived corrupt")
                     mine = (m, data)
                     log.warning("vigil: rank %d takes its snapshot of step %d from rank %d", r, step, src)
@@ -538,9 +442,3 @@ def _tensor(data: bytes | memoryview) -> Any:
     if isinstance(data, memoryview) and not data.readonly:
         return torch.frombuffer(data, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def snapshot_folder_from_env(job_id: str) -> SnapshotFolder | None:
-    """The job's snapshot folder on this node, from `VIGIL_SNAPSHOT_DIR`; None without it."""
-    path = os.environ.get(SNAPSHOT_DIR_ENV)
-    return SnapshotFolder(Path(path), job_id) if path else None

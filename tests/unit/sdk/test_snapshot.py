@@ -12,10 +12,7 @@ import torch
 from vigil.errors import CheckpointError
 from vigil.manifest import MANIFEST, step_dir
 from vigil.snapshot import (
-    KEEP,
     Holdings,
-    SnapshotFolder,
-    SnapshotManifest,
     Snapshots,
     auto_interval,
     choose_step,
@@ -26,6 +23,7 @@ from vigil.snapshot import (
     serialize,
     to_host,
 )
+from vigil.snapshot_files import KEEP, SnapshotFolder, SnapshotManifest
 from vigil.spec import CheckpointSpec
 
 
