@@ -159,7 +159,8 @@ class Window:
     stages: Stages
     stored: int  # step rows telemetry stored meanwhile
     db_bytes: int  # the database's growth meanwhile
-    judged: dict[str, int]  # per guardian, the events it was delivered meanwhile
+    judged: dict[str, int]  # per guardian, the events it acknowledged meanwhile
+    offered: dict[str, int]  # per guardian, the events its shares' consumers were offered meanwhile
     machine_busy: float  # every process on the machine, ours or not
     loadavg: list[float]  # at its end
 
@@ -332,7 +333,7 @@ class _Fleet:
         states = ("RUNNING", "HALTED", "ROLLING_BACK")
         return sum([await _count(self.http, "/api/v1/jobs", state=s) for s in states]) >= n
 
-    async def _judged(self) -> dict[str, int]:
+    async def _judged(self) -> dict[str, tuple[int, int]]:
         """`judged_by_guardian`; empty when the server is too busy to answer."""
         with contextlib.suppress(nats.errors.TimeoutError):
             return await judged_by_guardian(self.pool, self.bus)
@@ -370,7 +371,8 @@ class _Fleet:
             stages=stages,
             stored=rows1 - rows0,
             db_bytes=size1 - size0,
-            judged={who: n - judged0[who] for who, n in sorted(judged1.items()) if who in judged0},
+            judged={who: n[0] - judged0[who][0] for who, n in sorted(judged1.items()) if who in judged0},
+            offered={who: n[1] - judged0[who][1] for who, n in sorted(judged1.items()) if who in judged0},
             machine_busy=machine_busy(ticks0, ticks1),
             loadavg=loadavg(),
         )
@@ -614,6 +616,7 @@ def _report(
         telemetry_replicas=plan.telemetry,
         guardians=plan.guardians,
         events_per_s_by_guardian={who: round(n / at.elapsed, 1) for who, n in at.judged.items()},
+        offered_per_s_by_guardian={who: round(n / at.elapsed, 1) for who, n in at.offered.items()},
         phases=plan.phases,
         target_step_events_per_s=at.rate,
         published_step_events=sum(s.get("step", 0) for s in sim_stats),  # the simulators' whole run

@@ -102,17 +102,19 @@ async def guardian_has(bus: Bus, job: str) -> bool:
     return (info.ack_floor.stream_seq if info.ack_floor else 0) >= seq
 
 
-async def judged_by_guardian(pool: Any, bus: Bus) -> dict[str, int]:
-    """Per guardian (pid@host), the messages its shares' consumers have had delivered and acknowledged."""
-    acked = {
-        c.name: c.ack_floor.consumer_seq if c.ack_floor else 0
-        for c in await durables(bus, [subjects.JOBS.name])
-    }
-    return {
-        h.instance: sum(acked.get(credentials.guardian_input(k), 0) for k in h.shares)
-        for h in await lease.holders(pool)
-        if h.role == "guardian"
-    }
+async def judged_by_guardian(pool: Any, bus: Bus) -> dict[str, tuple[int, int]]:
+    """Per guardian (pid@host): the messages its shares' consumers have acknowledged, and the messages
+    those consumers were offered (delivered or still pending). Jobs fall into shares by a hash of their
+    random ids, so a guardian whose shares hold no running job is offered nothing and judges nothing."""
+    infos = await durables(bus, [subjects.JOBS.name])
+    acked = {c.name: c.ack_floor.consumer_seq if c.ack_floor else 0 for c in infos}
+    offered = {c.name: (c.delivered.consumer_seq if c.delivered else 0) + (c.num_pending or 0) for c in infos}
+    out: dict[str, tuple[int, int]] = {}
+    for h in await lease.holders(pool):
+        if h.role == "guardian":
+            names = [credentials.guardian_input(k) for k in h.shares]
+            out[h.instance] = (sum(acked.get(n, 0) for n in names), sum(offered.get(n, 0) for n in names))
+    return out
 
 
 @dataclass

@@ -39,11 +39,13 @@ def test_a_small_fleet_runs_and_reports() -> None:
         "postgres",
         "nats-server",
     } <= set(res["cpu_s_under_load"])
-    # two guardians (the default) divided the shares; each judged its jobs' events
-    assert res["guardians"] == 2 and len(res["events_per_s_by_guardian"]) == 2, res[
-        "events_per_s_by_guardian"
-    ]
-    assert all(rate > 0 for rate in res["events_per_s_by_guardian"].values()), res["events_per_s_by_guardian"]
+    # two guardians (the default) divided the shares; each judged the events its shares were offered. Jobs
+    # fall into shares by a hash of their random ids: 3 jobs and a few probes all in one guardian's shares
+    # happen (1 CI run in ~30), and then the other is rightly offered nothing.
+    judged, offered = res["events_per_s_by_guardian"], res["offered_per_s_by_guardian"]
+    assert res["guardians"] == 2 and len(judged) == 2 and judged.keys() == offered.keys(), (judged, offered)
+    assert sum(offered.values()) > 0 and sum(judged.values()) > 0, (judged, offered)
+    assert all(judged[who] > 0 for who, rate in offered.items() if rate > 0), (judged, offered)
     # what holds it back: every durable's backlog and every process's CPU through the run
     assert "telemetry-steps" in res["consumers"] and any(c.startswith("guardian") for c in res["consumers"])
     assert isinstance(res["holding_back"], list) and res["timeline"]

@@ -102,7 +102,7 @@ def window(nodes: int, cores_per_s: dict[str, float], backlog: list[int] | None 
     return Window(
         nodes=nodes, step_hz=1.0, elapsed=10.0, cpu_s={k: v * 10 for k, v in cores_per_s.items()},
         watch=watch, probes=[0.004, 0.006], stages=Stages(), stored=nodes * 8 * 10, db_bytes=0,
-        judged={}, machine_busy=0.5, loadavg=[1.0, 1.0, 1.0],
+        judged={}, offered={}, machine_busy=0.5, loadavg=[1.0, 1.0, 1.0],
     )  # fmt: skip
 
 
