@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# What a lent GPU is for, in under five minutes: one JSON line per check (bench/vigil_bench/gpu_check.py):
+# What a lent GPU is for, in under eight minutes: one JSON line per check (bench/vigil_bench/gpu_check.py):
 # the gpu tests, `vigil bench mfu`, the overhead bench at one rank, a held sdc and spike on the device,
-# one NVML sample. Without a GPU it runs the CPU half and says what it skipped (CI runs that half).
+# the in-memory snapshot and rollback paths (bf16, ZeRO 1 and 2), a warm rank's first step, one NVML
+# sample, and a 2-rank NCCL kill-and-replace where 2+ GPUs are. Without a GPU it runs the CPU half and
+# says what it skipped (CI runs that half). `gpu-check.sh CHECK ...` runs only the checks named.
 #
 # Here: the project's .venv. On a machine with its own CUDA torch and none of Vigil's dependencies (the
 # device machines): wheels built beside the repository in .whl/ (README, "A GPU check") are installed

@@ -1,17 +1,25 @@
-"""`scripts/gpu-check.sh`: what a lent GPU should be used for, in one run of under five minutes.
+"""`scripts/gpu-check.sh`: what a lent GPU should be used for, in one run of under eight minutes.
 
-`python -m vigil_bench.gpu_check` prints one JSON line per check, as it finishes:
+`python -m vigil_bench.gpu_check [CHECK ...]` prints one JSON line per check (all of them, or those
+named), as it finishes:
 
 - `pytest_gpu`: the tests marked `gpu`;
+- `nvml`: one sample of device 0 through the worker's own NVML inventory;
+- `held_on_device`: a held sdc NaN and an sdc spike, each replayed clean, on the device;
+- `snapshot_rollback_on_device`: the in-memory snapshot and rollback paths, bf16, ZeRO 1 and 2: a fault
+  while held rolled back from memory, a crash relaunched from a snapshot, every loss the fault-free
+  run's (`gpu_recovery`);
+- `warm_rank_on_device`: a warm rank takes a job on the device: launch to first step, beside a cold start;
 - `mfu`: `vigil bench mfu`, the trainer beside the same model in a plain PyTorch loop;
 - `overhead_one_rank`: `vigil bench overhead`, one rank on the GPU (trainer vs plain DeepSpeed);
-- `held_on_device`: a held sdc NaN and an sdc spike, each replayed clean, on the device;
-- `nvml`: one sample of device 0 through the worker's own NVML inventory.
+- `nccl_kill_and_replace`: a 2-rank NCCL job's rank 1 killed and replaced, where 2+ GPUs are (skipped
+  on one GPU, and not written yet for more).
 
 Each line is `{"check": ..., "status": "pass" | "fail" | "skip", "seconds": ..., ...}`. On a machine
-without a GPU the CPU half runs (`mfu` with one pair of runs and fewer steps, `held_on_device` on the
-CPU) and the rest says `skip` with the reason; CI runs that half (tests/integration/bench). The exit
-code is 1 when a check failed.
+without a GPU the CPU half runs (`mfu` with one pair of runs and fewer steps, `held_on_device`, the
+snapshot and rollback check at ZeRO 1 and the warm rank on the CPU) and the rest says `skip` with the
+reason; CI runs that half (tests/integration/bench). The exit code is 1 when a check failed, 2 for an
+unknown check's name.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from vigil_bench.gpu_recovery import nccl_kill_and_replace, snapshot_rollback_on_device, warm_rank_on_device
 
 REPO = Path(__file__).resolve().parents[2]
 Result = dict[str, Any]
@@ -166,15 +176,24 @@ CHECKS: tuple[tuple[str, Callable[[bool], Result]], ...] = (
     ("pytest_gpu", pytest_gpu),
     ("nvml", nvml),
     ("held_on_device", held_on_device),
+    ("snapshot_rollback_on_device", snapshot_rollback_on_device),
+    ("warm_rank_on_device", warm_rank_on_device),
     ("mfu", mfu),
     ("overhead_one_rank", overhead_one_rank),
+    ("nccl_kill_and_replace", nccl_kill_and_replace),
 )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    names = sys.argv[1:] if argv is None else argv
+    if unknown := sorted(set(names) - {name for name, _ in CHECKS}):
+        print(f"unknown check(s) {unknown}; the checks: {[name for name, _ in CHECKS]}", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     failed = 0
     for name, check in CHECKS:
+        if names and name not in names:
+            continue
         t0 = time.perf_counter()
         try:
             result = check(cuda)
