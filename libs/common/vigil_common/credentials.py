@@ -4,10 +4,10 @@ Roles (what the NATS server enforces, statically, from the `authorization` block
 
 | role | publishes | cannot |
 | --- | --- | --- |
-| `scheduler` | launch, `_control` status, cmd, incidents; creates, updates streams | node step/status |
+| `scheduler` | launch, `_control` status, cmd, incidents, pings; creates streams | node step/status |
 | `guardian` | cmd, incidents | launch, status, step, node events |
 | `telemetry` | nothing but dead letters (read only) | any event, any command |
-| `worker-<node>` | its node's heartbeat, gpu, and step/status of any job | cmd, launch, incidents, others' |
+| `worker-<node>` | its heartbeat, gpu, any job's step/status; answers its ping | cmd, launch, incidents |
 | `admin` | everything (`vigil up` itself, the CLI, benches) | |
 
 JetStream: every role reads stream state, never changes, deletes or purges a stream (the scheduler
@@ -15,7 +15,8 @@ creates and updates them). A role creates, updates, reads, pulls from, acknowled
 the consumers it owns (`consumers(role)`), by name: the name is in the create request's subject, and a
 request without a name (whose body could carry any name) is refused. A role subscribes only below its
 own inbox prefix (`inbox_prefix`: its deliveries and API replies) and to the subjects it watches
-(`watched`), answers no request (no `allow_responses`) and publishes into no inbox, so nobody reads
+(`watched`), answers no request (no `allow_responses`; a worker answers its own node's ping, one reply
+per request) and publishes into no other inbox, so nobody reads
 another role's deliveries or pushes into them. A delivery that names another consumer in its ack
 subject (a pull request's reply set to someone else's inbox) is dropped by the bus (`Bus._foreign`).
 
@@ -113,8 +114,12 @@ def consumers(role: str) -> tuple[tuple[str, str], ...]:
 
 def listened(role: str) -> tuple[str, ...]:
     """The subjects `role` hears as they are published (`Bus.listen`, a core subscription, nothing
-    stored is read): every guardian hears every GPU sample."""
-    return (subjects.ALL_GPU,) if role == GUARDIAN else ()
+    stored is read): every guardian hears every GPU sample; a worker, its node's pings."""
+    if role == GUARDIAN:
+        return (subjects.ALL_GPU,)
+    if role.startswith("worker-"):
+        return (subjects.ping(role.removeprefix("worker-")),)
+    return ()
 
 
 def watched(role: str) -> tuple[str, ...]:
@@ -143,9 +148,9 @@ def _is_worker(role: str) -> bool:
 def permissions(role: str) -> dict[str, object]:
     """The NATS `permissions` block of a role: publish and subscribe allow lists (all else denied).
 
-    No role but admin answers requests (no `allow_responses`), creates a consumer without a name (a
-    nameless create may carry any name in its body and so replace another's consumer), or subscribes
-    outside its own inbox and the subjects it watches."""
+    No role but admin answers requests (no `allow_responses`; a worker answers its node's ping), creates
+    a consumer without a name (a nameless create may carry any name in its body and so replace another's
+    consumer), or subscribes outside its own inbox and the subjects it watches."""
     if role == ADMIN:
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     publish: tuple[str, ...]
@@ -155,6 +160,7 @@ def permissions(role: str) -> dict[str, object]:
             subjects.CONTROL_STATUS,
             subjects.ALL_CMDS,
             subjects.ALL_INCIDENTS,
+            subjects.ALL_PINGS,
             *_STREAM_ADMIN,
         )
     elif role == GUARDIAN:
@@ -188,10 +194,13 @@ def permissions(role: str) -> dict[str, object]:
     if role in SERVICE_ROLES:
         streams.add(subjects.JOBS.name)
     reads = [f"$JS.API.STREAM.MSG.GET.{name}" for name in sorted(streams)]
-    return {
+    granted: dict[str, object] = {
         "publish": {"allow": [*publish, *dead_letters, *_JS_READ, *reads, *owned]},
         "subscribe": {"allow": [f"{inbox_prefix(role)}.>", *watches, *listened(role)]},
     }
+    if role.startswith("worker-"):  # its ping's one reply, to the asker's inbox, within 5 s
+        granted["allow_responses"] = {"max": 1, "expires": "5s"}
+    return granted
 
 
 def command_publishers() -> tuple[str, ...]:

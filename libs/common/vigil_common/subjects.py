@@ -57,6 +57,12 @@ def gpu(node: str) -> str:
     return f"{PREFIX}.node.{node_token(node)}.gpu"
 
 
+def ping(node: str) -> str:
+    """A node's worker answers a request here while its NATS connection stands (core NATS, never stored):
+    the scheduler asks when it has reason to think the node gone (`vigil_common.bus.presence`)."""
+    return f"{PREFIX}.node.{node_token(node)}.ping"
+
+
 def launch(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id, 'job id')}.launch"
 
@@ -206,6 +212,7 @@ def probe(name: str) -> str:
 
 ALL_HEARTBEATS = f"{PREFIX}.node.*.heartbeat"
 ALL_GPU = f"{PREFIX}.node.*.gpu"
+ALL_PINGS = f"{PREFIX}.node.*.ping"
 ALL_LAUNCHES = f"{PREFIX}.job.*.launch"
 ALL_STEPS = f"{PREFIX}.job.*.step.*"
 ALL_STATUS = f"{PREFIX}.job.*.status.*"

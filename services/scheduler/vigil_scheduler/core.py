@@ -9,7 +9,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
@@ -23,6 +23,7 @@ from vigil.events import IncidentRaised, LaunchJob, RankPlacement
 from vigil.jobstates import TERMINAL_STATES, JobState
 from vigil.spec import JobSpec
 from vigil_common import subjects, tracing
+from vigil_common.bus import Presence
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, quotas, states
@@ -42,6 +43,7 @@ _SCHEDULE_LOCK = 0x76736368  # "vsch": one placement pass at a time, across sche
 # Rendezvous ports: below Linux's default ephemeral range (32768-60999), from which every outgoing
 # connection takes its local port: a port there may be taken by a connection when rank 0 binds it.
 MASTER_PORTS = range(29500, 32768)
+PRESENCE_AGAIN_S = 0.2  # a node's worker found gone is asked once more, this much later
 
 
 def new_job_id() -> str:
@@ -50,11 +52,17 @@ def new_job_id() -> str:
 
 class Scheduler:
     def __init__(
-        self, settings: Settings, pool: asyncpg.Pool, relay: Relay, provider: TracerProvider | None = None
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        relay: Relay,
+        provider: TracerProvider | None = None,
+        presence: Callable[[str], Awaitable[Presence]] | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.relay = relay
+        self.presence = presence  # is a node's worker still connected? (`Bus.presence` of its ping)
         self.tracer = tracing.tracer(provider, "vigil.scheduler")
         self._placement_wanted = asyncio.Event()
         self._rng = random.Random()
@@ -282,16 +290,45 @@ class Scheduler:
                 log.warning(
                     "node %s lost: no heartbeat for %d intervals", node, self.settings.node_lost_after
                 )
-                for job_id in await inventory.jobs_on_node(conn, node):
-                    await self.requeue_locked(
-                        conn,
-                        job_id,
-                        f"node {node} lost (no heartbeat for {self.settings.node_lost_after} intervals)",
-                        node=node,
-                    )
+                await self._requeue_jobs_on(
+                    conn, node, f"no heartbeat for {self.settings.node_lost_after} intervals"
+                )
         if lost:
             self.want_placement()
         return lost
+
+    async def check_peers(self, job_id: str, node: str, why: str) -> list[str]:
+        """A rank of `job_id` on `node` failed: its peers' nodes whose worker's NATS connection is closed
+        (the server answers their ping "no responders") are lost now, not after three heartbeats. The
+        failed collective and the closed connection together say the machine, or its worker and ranks,
+        died; a worker that only restarts never fails a peer's collective. Returns the nodes lost."""
+        if self.presence is None:
+            return []
+        async with self.pool.acquire() as conn:
+            peers = [n for n in await inventory.nodes_of_job(conn, job_id) if n != node]
+        gone = await self._gone(peers)
+        if gone:  # asked twice: one "no responders" is not the whole proof
+            await asyncio.sleep(PRESENCE_AGAIN_S)
+            gone = await self._gone(gone)
+        if not gone:
+            return []
+        async with self.tx() as conn:
+            lost = await inventory.mark_lost(conn, gone)
+            for n in lost:
+                log.warning("node %s lost: its worker's connection is closed, and %s", n, why)
+                await self._requeue_jobs_on(conn, n, f"its worker's connection is closed, and {why}")
+        if lost:
+            self.want_placement()
+        return lost
+
+    async def _gone(self, nodes: list[str]) -> list[str]:
+        assert self.presence is not None
+        answers = await asyncio.gather(*(self.presence(subjects.ping(n)) for n in nodes))
+        return [n for n, a in zip(nodes, answers, strict=True) if a is Presence.GONE]
+
+    async def _requeue_jobs_on(self, conn: asyncpg.Connection, node: str, why: str) -> None:
+        for job_id in await inventory.jobs_on_node(conn, node):
+            await self.requeue_locked(conn, job_id, f"node {node} lost ({why})", node=node)
 
     async def requeue_locked(
         self, conn: asyncpg.Connection, job_id: str, cause: str, *, node: str | None = None

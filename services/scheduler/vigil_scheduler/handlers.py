@@ -102,6 +102,9 @@ class Handlers:
             case RankStarted():
                 await self._on_current(status, self._rank_started)
             case RankExited():
+                if status.job_id and _peer_failed(status):  # its peer may be a machine gone: ask first
+                    why = f"rank {status.rank} on {status.node} failed ({status.failure})"
+                    await self.s.check_peers(status.job_id, status.node, why)
                 await self._on_current(status, self._rank_exited)
             case CheckpointSaved():
                 await self._checkpoint_saved(status)
@@ -394,6 +397,12 @@ _AUDITED: dict[type[Message], audit.Action] = {
     ResumeJob: "resume",
     CancelJob: "cancel",
 }
+
+
+def _peer_failed(event: RankExited) -> bool:
+    """A rank that failed on its own (not ended by Vigil, preempted, refused, nor exited 0): on a job of
+    several nodes, a collective that lost its peer is the commonest such failure."""
+    return event.exit_code != 0 and event.failure not in ("ok", "killed_by_vigil", "preempted", "spec")
 
 
 async def _classify_exit(conn: asyncpg.Connection, job: Job, event: RankExited) -> Happened:

@@ -123,6 +123,26 @@ async def lost_nodes(conn: asyncpg.Connection, lost_after: int, not_before: date
     return sorted(r["name"] for r in rows)
 
 
+async def mark_lost(conn: asyncpg.Connection, nodes: list[str]) -> list[str]:
+    """Mark lost those of `nodes` still alive (on evidence stronger than silence: `Scheduler.check_peers`)."""
+    rows = await conn.fetch(
+        """UPDATE nodes SET alive = false, lost_at = now() WHERE alive AND name = ANY($1::text[])
+           RETURNING name""",
+        nodes,
+    )
+    return sorted(r["name"] for r in rows)
+
+
+async def nodes_of_job(conn: asyncpg.Connection, job_id: str) -> list[str]:
+    """The live nodes that hold a device of `job_id`."""
+    rows = await conn.fetch(
+        """SELECT DISTINCT d.node FROM devices d JOIN nodes n ON n.name = d.node
+           WHERE d.job_id = $1 AND n.alive ORDER BY d.node""",
+        job_id,
+    )
+    return [r["node"] for r in rows]
+
+
 async def jobs_on_node(conn: asyncpg.Connection, node: str) -> list[str]:
     rows = await conn.fetch(
         "SELECT DISTINCT job_id FROM devices WHERE node = $1 AND job_id IS NOT NULL ORDER BY job_id", node

@@ -59,7 +59,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     async with service_connect(settings, BUS_NAME, manage_streams=True) as conn:
         provider, pool, bus = conn.provider, conn.pool, conn.bus
         relay = Relay(pool, bus, provider)
-        scheduler = Scheduler(settings, pool, relay, provider)
+        scheduler = Scheduler(settings, pool, relay, provider, presence=bus.presence)
         handlers = Handlers(scheduler)
         if users_file is not None:  # before the gateway answers: its tokens count at once
             async with pool.acquire() as db, db.transaction():

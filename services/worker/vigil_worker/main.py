@@ -17,6 +17,7 @@ import logging
 import signal
 from contextlib import AsyncExitStack
 
+from vigil_common import subjects
 from vigil_common.addresses import advertised_address
 from vigil_common.bus import Bus
 from vigil_common.service import require_urls
@@ -71,8 +72,12 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(bus.consume(launches, worker.on_launch, stop))
             tg.create_task(bus.consume(commands, worker.on_command, stop))
-            # heartbeats make the scheduler place work here: only once the launch consumer exists
+            answering = asyncio.Event()  # the scheduler's quick check that this node is still there
+            tg.create_task(bus.answer_pings(subjects.ping(settings.node_name), stop, answering))
+            # heartbeats make the scheduler place work here: only once the launch consumer exists, and the
+            # ping is answered
             await consumers_ready(bus, (launches, commands))
+            await answering.wait()
             tg.create_task(worker.heartbeat_loop(stop))
             tg.create_task(worker.sample_loop(stop))
             tg.create_task(worker.monitor_loop(stop))

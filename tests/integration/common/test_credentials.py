@@ -20,7 +20,7 @@ from tests.unit.common.samples import SAMPLES
 from vigil.errors import RetryableError
 from vigil.events import HaltJob, IncidentRaised, Message, NodeHeartbeat, StepCompleted
 from vigil_common import credentials, subjects
-from vigil_common.bus import Bus, ConsumerSpec
+from vigil_common.bus import Bus, ConsumerSpec, Presence
 from vigil_common.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.integration
@@ -227,3 +227,35 @@ async def test_a_consumer_made_with_the_shared_inbox_prefix_is_replaced_on_upgra
     assert got == [incident]
     info = await admin.js.consumer_info(spec.stream.name, spec.durable)
     assert (info.config.deliver_subject or "").startswith("_INBOX_telemetry.")
+
+
+async def test_a_worker_answers_its_ping_while_connected_and_the_server_says_when_it_is_gone(
+    secured: tuple[EmbeddedNats, Path],
+) -> None:
+    """The scheduler's quick check of a node (`Bus.presence`): answered while the worker is connected,
+    "no responders" from the server itself once its connection closed; no other role can answer it."""
+    server, _ = secured
+    scheduler = await Bus.connect(server.url_for(credentials.SCHEDULER), "test-scheduler")
+    worker = await Bus.connect(server.url_for(credentials.worker_role("n1")), "test-worker")
+    guardian = await Bus.connect(server.url_for(credentials.GUARDIAN), "test-guardian")
+    stop, ready = asyncio.Event(), asyncio.Event()
+    try:
+        assert await scheduler.presence(subjects.ping("n1")) is Presence.GONE  # nobody answers yet
+        answering = asyncio.create_task(worker.answer_pings(subjects.ping("n1"), stop, ready))
+        await asyncio.wait_for(ready.wait(), 10)
+        assert await scheduler.presence(subjects.ping("n1"), timeout_s=10) is Presence.ANSWERED
+        await worker.close()  # the connection closes: the server drops the subscription at once
+        stop.set()
+        await answering
+        stop.clear()
+        assert await scheduler.presence(subjects.ping("n1"), timeout_s=10) is Presence.GONE
+        # another role may not subscribe to a node's ping (its subscription is refused: still nobody)
+        hijack = asyncio.create_task(guardian.answer_pings(subjects.ping("n1"), stop))
+        await guardian.nc.flush()
+        assert await scheduler.presence(subjects.ping("n1"), timeout_s=10) is Presence.GONE
+        stop.set()
+        await asyncio.wait_for(hijack, 10)
+    finally:
+        stop.set()
+        for bus in (scheduler, worker, guardian):
+            await bus.close()

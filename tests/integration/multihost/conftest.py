@@ -34,6 +34,7 @@ from vigil_common.bus import Bus
 from vigil_common.db import create_pool
 from vigil_common.embedded import EmbeddedNats, free_port
 from vigil_common.settings import Settings
+from vigil_worker.warm import STANDBY_MODULE
 
 from .netns import Host, Network, remove_leftovers
 
@@ -209,10 +210,13 @@ class Workers:
         self._kill_ranks(host)
 
     def _kill_ranks(self, host: Host) -> None:
-        """Ranks outlive their worker by design: end this test's (their command lines name its data dir)."""
+        """Ranks outlive their worker by design: end this test's (their command lines name its data dir)
+        and the warm ranks in the host (a launched one runs a job's rank under the standby's command line;
+        the workers of the tests before closed theirs)."""
+        marks = (str(self.data_dir).encode(), STANDBY_MODULE.encode())
         for pid in host.pids():
             with contextlib.suppress(OSError):
-                if str(self.data_dir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if any(mark in Path(f"/proc/{pid}/cmdline").read_bytes() for mark in marks):
                     os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:

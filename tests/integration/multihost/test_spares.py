@@ -21,7 +21,9 @@ from .netns import Network
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 
 HOSTS = ["a", "b", "c"]
-PLANE = {"hot_spares": 1}
+# Silence ends a node after 20 heartbeats (10 s): a killed host's loss is known sooner, from stronger
+# evidence (`test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory`).
+PLANE = {"hot_spares": 1, "node_lost_after": 20}
 
 
 def spec(name: str, nodes: int, **train: Any) -> dict[str, Any]:
@@ -90,10 +92,12 @@ MEMORY_EVERY = 1
 async def test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory(
     plane: Plane, workers: Workers, network: Network
 ) -> None:
-    """Host b dies (its worker and rank SIGKILLed) mid-run. The job goes on hosta and the spare from the
-    in-memory snapshots (the lost rank's shard from its peer copy on hosta: the only disk checkpoint is
-    step 0's), redoing at most `memory_every` + 1 steps (a snapshot is whole one step after it is taken), and
-    every loss after the restore is the fault-free run's."""
+    """Host b dies (its worker and rank SIGKILLed) mid-run. Its loss is known as soon as the survivor's
+    collective fails (its worker's connection is closed: the scheduler's ping is answered "no
+    responders"). The job goes on hosta and the spare from the in-memory snapshots (the lost rank's shard
+    from its peer copy on hosta: the only disk checkpoint is step 0's), redoing at most `memory_every` + 1
+    steps (a snapshot is whole one step after it is taken), and every loss after the restore is the
+    fault-free run's."""
     a, b, c = network.hosts
     wa, wb, wc = workers.start(a), workers.start(b), workers.start(c)
     await wait_alive(plane, workers, wa.node, wb.node, wc.node)
@@ -110,6 +114,15 @@ async def test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory(
     workers.kill(b)
     killed = time.time()
     await wait_state(plane.bus, job_id, "PENDING", timeout_s=30, cause=f"node {wb.node} lost")
+    # known from the survivor's failed collective and the dead worker's closed connection, not from
+    # 20 missed heartbeats
+    lost = await next_event(
+        plane.bus,
+        subjects.incident(job_id),
+        lambda e: isinstance(e, IncidentRaised) and e.kind == "node_lost",
+    )
+    assert isinstance(lost, IncidentRaised) and lost.node == wb.node, lost
+    assert "worker's connection is closed, and rank 0 on" in lost.message, lost.message
     second = await launched(plane.bus, job_id, attempt=2, timeout_s=30)
     assert sorted(p.node for p in second.placement) == [wa.node, wc.node]
     # the only disk checkpoint is the start's (step 0): a relaunch that goes on past it restored memory

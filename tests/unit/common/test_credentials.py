@@ -108,7 +108,12 @@ def test_a_role_touches_only_its_own_consumers_by_name(role: str) -> None:
 @pytest.mark.parametrize("role", [r for r in ROLES if r != credentials.ADMIN])
 def test_a_role_reads_only_its_own_inbox_and_what_it_watches(role: str) -> None:
     granted = credentials.permissions(role)
-    assert "allow_responses" not in granted
+    if role.startswith("worker-"):  # its node's ping, and nothing else: one reply per request it heard
+        assert granted["allow_responses"] == {"max": 1, "expires": "5s"}
+        assert credentials.listened(role) == (subjects.ping(role.removeprefix("worker-")),)
+    else:
+        assert "allow_responses" not in granted
+    assert subjects.ping("n1") not in credentials.listened(credentials.SCHEDULER)
     prefix = credentials.inbox_prefix(role)
     assert prefix == f"_INBOX_{role}"
     assert allowed(role, "subscribe") == [

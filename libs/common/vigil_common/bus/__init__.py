@@ -10,7 +10,8 @@
   effect, where one stands, deleting one; `deliveries`: what they are given and whether they delivered it.
 - `watch`: the stored messages of some subjects, read from their stream one by one (no consumer), for
   the CLI, SSE and the ranks' commands; `scan`: stored messages since a time, through a named consumer;
-  `listen`: what is published from now on (core NATS, nothing stored).
+  `listen`: what is published from now on (core NATS, nothing stored); `presence`: whether a process
+  (a node's worker) is still connected, by a request its server answers "no responders" once it is not.
 - `decoding`: only the types a subject carries, from the stream that stores it, from an admitted origin.
 
 Import what a caller needs from here: `from vigil_common.bus import Bus, ConsumerSpec, Delivery`.
@@ -30,6 +31,7 @@ from vigil_common.bus.deliveries import (
     not_delivered_by,
 )
 from vigil_common.bus.listen import Listening
+from vigil_common.bus.presence import Presence, Presences
 from vigil_common.bus.scan import Scanning
 from vigil_common.bus.streams import Stored
 from vigil_common.bus.watch import EventStream, Watching
@@ -44,12 +46,13 @@ __all__ = [
     "Delivery",
     "EventStream",
     "Handler",
+    "Presence",
     "Stored",
     "msg_id",
     "not_delivered_by",
 ]
 
 
-class Bus(Consumers, Watching, Scanning, Listening):
+class Bus(Consumers, Watching, Scanning, Listening, Presences):
     """A connected NATS client with JetStream. Build with `await Bus.connect(url, name)`; close with
     `await bus.close()` (or `async with`)."""
