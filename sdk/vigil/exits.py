@@ -4,7 +4,9 @@ leaves none, and its RankExited.last_step stays None).
 
 Exit codes: 0 done; 1 anything else (traceback in the log); 2 bad spec or arguments; 3 no usable
 checkpoint; 4 preempted (every rank wrote the emergency checkpoint first); 5 stopped to be relaunched
-from a checkpoint (a program that cannot roll back in place; rank 0 reported `RestartRequested`); an
+from a checkpoint (a program that cannot roll back in place; rank 0 reported `RestartRequested`); 6
+parked: a collective failed (a peer died) and the built-in trainer's process waits for its job's next
+attempt (`vigil_worker.trainer.park`: the worker reports it as this exit code, the process lives on); an
 injected crash exits with the code its fault names.
 """
 
@@ -14,6 +16,7 @@ import os
 from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_SPEC, EXIT_CHECKPOINT, EXIT_PREEMPTED, EXIT_RESTART = 0, 1, 2, 3, 4, 5
+EXIT_PARKED = 6
 
 
 def write_exit_file(code: int) -> None:

@@ -43,6 +43,7 @@ MODULE_NAMES: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
     ("deepspeed.runtime.lr_schedules", "WarmupCosineLR"),
+    *(("deepspeed.utils.groups", name) for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "mesh_device")),
 )
 # attributes of a DeepSpeedEngine this module reads or writes (besides its documented methods)
 ENGINE_NAMES: tuple[str, ...] = (
@@ -73,6 +74,13 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "global_samples",
     "dp_process_group",
     "elastic_checkpoint",
+    "_WORLD_GROUP",
+    "_DATA_PARALLEL_GROUP",
+    "_MODEL_PARALLEL_GROUP",
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+    "_EXPERT_PARALLEL_GROUP",
+    "_EXPERT_DATA_PARALLEL_GROUP",
+    "_ALL_TO_ALL_GROUP",
 )
 
 
@@ -179,6 +187,24 @@ def comm_backend() -> Any:
     if backend is None:
         raise RuntimeError("vigil: DeepSpeed's comm backend needs deepspeed.init_distributed() first")
     return backend
+
+
+def forget_groups() -> None:
+    """After `torch.distributed.destroy_process_group()` in a process that goes on (a rank that waits for
+    its job's next attempt, `vigil_worker.trainer.park`): DeepSpeed's comm backend and its cached groups
+    name the destroyed group. Dropped, the next `deepspeed.init_distributed` and engine make new ones."""
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.utils import groups
+
+    ds_comm.cdb = None
+    cached = ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP")
+    cached += ("_ZERO_PARAM_INTRA_PARALLEL_GROUP",)
+    for name in (*cached, "mesh_device", "mpu"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP"):
+        if isinstance(by_key := getattr(groups, name, None), dict):
+            by_key.clear()
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------

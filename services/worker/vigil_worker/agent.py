@@ -32,13 +32,13 @@ from vigil.events import (
     RankStarted,
     StacksDumped,
 )
-from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC, read_last_step
+from vigil.exits import EXIT_PARKED, EXIT_PREEMPTED, EXIT_SPEC, read_last_step
 from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
 from vigil_common import subjects
 from vigil_common.bus import Bus, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_worker import tenancy
+from vigil_worker import parked, tenancy
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import prepare_ranks, warm_argv
@@ -109,12 +109,14 @@ class Worker:
                         launch, p.rank, f"node {self.node} is being preempted", failure="preempted"
                     )
             return
-        older = self.table.running(job)
+        takers = parked.takers(self.table, launch, self.node)  # survivors parked in their processes
+        handed: set[int] = set()
+        older = [r for r in self.table.running(job) if r not in takers.values()]
         if older:  # a newer attempt replaces the old ranks
             log.warning(
                 "%s attempt %d supersedes attempt %d: ending its ranks", job, launch.attempt, older[0].attempt
             )
-            await self.end_ranks(older)
+        await self.end_ranks(older + parked.in_the_way(self.table, launch, self.node))
         self.table.attempts[job] = launch.attempt
         self.table.save()  # before starting: a crash now must not start this attempt twice
 
@@ -142,15 +144,6 @@ class Worker:
                     launch, p.rank, f"device {p.device} is not on node {self.node}"
                 )
                 continue
-            standby = self.warm.take(p.device) if self.warm is not None and warm_argv(r.argv) else None
-            if standby is not None:
-                self.table.clear(r.log_path, r.exit_path)
-                try:
-                    standby.hand(r, user, group)
-                except OSError as exc:  # it died since it was ready: start the rank as usual
-                    log.warning("a warm rank could not take rank %d of %s: %s", p.rank, job, exc)
-                    standby.proc.kill()
-                    standby = None
             who = RankToStart(
                 job_id=job,
                 attempt=launch.attempt,
@@ -163,6 +156,25 @@ class Worker:
                 world_size=launch.world_size,
                 builtin=launch.spec.entrypoint is None,
             )
+            if p.rank in takers and (
+                kept := parked.hand_over(self.table, takers[p.rank], r, who, user, group)
+            ):
+                handed.add(takers.pop(p.rank).attempt)
+                log.info(
+                    "rank %d of %s attempt %d goes on in its own process (pid %d), parked since it failed",
+                    p.rank, job, launch.attempt, kept.pid,
+                )  # fmt: skip
+                await self._rank_started(launch, p.rank, kept.pid, r.log_path)
+                continue
+            standby = self.warm.take(p.device) if self.warm is not None and warm_argv(r.argv) else None
+            if standby is not None:
+                self.table.clear(r.log_path, r.exit_path)
+                try:
+                    standby.hand(r, user, group)
+                except OSError as exc:  # it died since it was ready: start the rank as usual
+                    log.warning("a warm rank could not take rank %d of %s: %s", p.rank, job, exc)
+                    standby.proc.kill()
+                    standby = None
             if standby is not None:
                 record = self.table.adopt(standby.proc, who)
             else:
@@ -177,17 +189,25 @@ class Worker:
                 "the worker's" if user is None else user.uid,
                 " (warm)" if standby is not None else "",
             )
-            await self.bus.publish(
-                subjects.status(job, self.node),
-                RankStarted(
-                    job_id=job,
-                    attempt=launch.attempt,
-                    rank=p.rank,
-                    node=self.node,
-                    pid=record.pid,
-                    log_path=str(r.log_path),
-                ),
-            )
+            await self._rank_started(launch, p.rank, record.pid, r.log_path)
+        if takers:  # parked ranks the launch did not take after all (their hand-over failed)
+            await self.end_ranks(list(takers.values()))
+        for attempt in sorted(handed):  # the attempts the parked ranks left: their cgroups go
+            await self._settle(job, attempt)
+
+    async def _rank_started(self, launch: LaunchJob, rank: int, pid: int, log_path: Path) -> None:
+        assert launch.job_id is not None
+        await self.bus.publish(
+            subjects.status(launch.job_id, self.node),
+            RankStarted(
+                job_id=launch.job_id,
+                attempt=launch.attempt,
+                rank=rank,
+                node=self.node,
+                pid=pid,
+                log_path=str(log_path),
+            ),
+        )
 
     async def _publish_exit_without_start(
         self,
@@ -310,22 +330,59 @@ class Worker:
         for r in list(self.table.running()):
             ended = self.table.poll(r)
             if ended is None:
+                if (why := parked.newly_parked(r)) is not None:
+                    await self._report_parked(r, why)
+                elif parked.waited_too_long(r) and not r.killed:
+                    log.warning("rank %d of %s: parked for %.0fs, no attempt took it", r.rank, r.job_id,
+                                parked.PARKED_FOR_S)  # fmt: skip
+                    self.table.terminate(r)
+                    self._ending.setdefault(r.pid, now)
                 since = self._ending.get(r.pid)
                 if r.killed and since is not None and now - since > KILL_GRACE_S:
                     self.table.signal(r, signal.SIGKILL)
                 continue
             await self._report_exit(r, ended)
-            if not r.killed and ended.code not in (0, EXIT_PREEMPTED):
-                # one rank died: take its siblings here down too (they would block in a collective)
+            if not r.killed and r.parked_at is None and ended.code not in (0, EXIT_PREEMPTED):
+                # one rank died: take its siblings here down too (they would block in a collective),
+                # but for those that park when their collective fails (they wait for the next attempt)
                 siblings = [
-                    s for s in self.table.running(r.job_id) if s.attempt == r.attempt and not s.killed
+                    s
+                    for s in self.table.running(r.job_id)
+                    if s.attempt == r.attempt and not s.killed and not parked.parks(s, self.settings)
                 ]
                 for s in siblings:
                     log.warning("rank %d of %s died: ending rank %d", r.rank, r.job_id, s.rank)
                     self.table.terminate(s)
                     self._ending.setdefault(s.pid, now)
 
+    async def _report_parked(self, r: RankRecord, why: str) -> None:
+        """A rank parked (`parked`): to the control plane it exited; its process waits here."""
+        r.parked_at = time.time()
+        self.table.save()
+        log.warning("rank %d of %s attempt %d parked in its process: %s", r.rank, r.job_id, r.attempt,
+                    why.splitlines()[-1][:300])  # fmt: skip
+        await self.bus.publish(
+            subjects.status(r.job_id, self.node),
+            RankExited(
+                job_id=r.job_id,
+                attempt=r.attempt,
+                rank=r.rank,
+                node=self.node,
+                exit_code=EXIT_PARKED,
+                signal=None,
+                failure="error",
+                last_step=read_last_step(r.exit_path),
+                log_tail=_tail(Path(r.log_path)),
+            ),
+        )
+
     async def _report_exit(self, r: RankRecord, ended: Exit) -> None:
+        if r.parked_at is not None:  # its RankExited went out as it parked: its process ended since
+            log.info("rank %d of %s attempt %d, parked, ended", r.rank, r.job_id, r.attempt)
+            self._ending.pop(r.pid, None)
+            self.table.mark_reported(r)
+            await self._settle(r.job_id, r.attempt)
+            return
         if r.killed:
             failure = "killed_by_vigil"
         elif ended.lost:
@@ -426,7 +483,7 @@ class Worker:
     # --- heartbeats and samples ---------------------------------------------------------------------------
 
     def heartbeat(self) -> NodeHeartbeat:
-        busy = {r.device for r in self.table.running()}
+        busy = {r.device for r in self.table.running() if r.parked_at is None}  # a parked rank lets go
         return NodeHeartbeat(
             node=self.node,
             address=self.settings.node_address,

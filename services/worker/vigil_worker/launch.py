@@ -41,6 +41,7 @@ from vigil.events import LaunchJob, RankPlacement
 from vigil_common.confine import OutsideRoots, within
 from vigil_common.settings import Settings
 from vigil_worker.tenancy import JobUser, job_dir, snapshot_dir
+from vigil_worker.trainer.park import PARK_ENV
 
 PYTHON_NAMES = ("python", "python3")  # an entrypoint's argv[0] that means the worker's own interpreter
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -205,6 +206,8 @@ def rank_env(
     env[proto.NODE_ENV] = settings.node_name
     env[proto.AGENT_SOCKET_ENV] = str(socket_path)
     env[proto.EXIT_FILE_ENV] = str(exit_path)
+    if launch.spec.entrypoint is None and settings.rank_runtime == "process":
+        env[PARK_ENV] = "1"  # a failed collective: it waits for the next attempt in its process (`park`)
     env[proto.CHECKPOINT_ROOT_ENV] = str(settings.checkpoint_root)
     env[proto.CHECKPOINT_KEEP_ENV] = str(launch.spec.checkpoint.keep)
     if (snapshots := snapshot_dir(settings, str(launch.job_id))) is not None:

@@ -72,6 +72,7 @@ class RankRecord:
     world_size: int = 0  # the job's ranks (its reports may name no other); 0: not known
     killed: bool = False  # ended by this worker (cancel, newer attempt, a sibling's death)
     reported: bool = False  # RankExited published
+    parked_at: float | None = None  # its collective failed: it waits for the job's next attempt (`park`)
 
     def alive(self) -> bool:
         return start_ticks(self.pid) == self.ticks
@@ -191,6 +192,28 @@ class RankTable:
         )
         self._children[proc.pid] = proc
         self.records.append(record)
+        self.save()
+        return record
+
+    def hand_over(self, parked: RankRecord, who: RankToStart) -> RankRecord:
+        """The parked process of `parked` goes on as `who` (its job's next attempt, same device): tracked
+        under the new attempt, the old record done without a signal (its RankExited went out as it parked)."""
+        record = RankRecord(
+            job_id=who.job_id,
+            attempt=who.attempt,
+            rank=who.rank,
+            device=who.device,
+            pid=parked.pid,
+            ticks=parked.ticks,
+            log_path=str(who.log_path),
+            exit_path=str(who.exit_path),
+            token=who.token,
+            uid=who.uid,
+            builtin=who.builtin,
+            world_size=who.world_size,
+        )
+        parked.reported = True
+        self.records = [r for r in self.records if not r.reported] + [record]
         self.save()
         return record
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.worker.conftest import Cluster, launch, rank_logs, record, tiny_spec, until_exited
 from vigil import events as ev
+from vigil.exits import EXIT_PARKED
 from vigil_common import subjects
 from vigil_worker.trainer import checkpoint as ckpt
 
@@ -89,6 +90,10 @@ async def test_a_crashed_rank_is_relaunched_from_its_peer_copy_and_trains_as_wit
 
     rec, resumed = await crash_and_relaunch(ready_cluster, bus, job_id, lose_own_copy)
     assert resumed == 8  # not the disk checkpoint's 5: the snapshot of step 8, rank 1's from its peer
+    # in-job restart: rank 0 failed its collective and parked; attempt 2 went on in its own process
+    pids = {(e.attempt, e.rank): e.pid for e in rec.of(ev.RankStarted)}
+    assert pids[(2, 0)] == pids[(1, 0)] and pids[(2, 1)] != pids[(1, 1)], pids
+    assert {e.rank: e.exit_code for e in rec.of(ev.RankExited, attempt=1)} == {0: EXIT_PARKED, 1: 7}
     assert 9 - resumed <= N  # steps redone: those done since the snapshot
     logs = rank_logs(ready_cluster, job_id, tail=10**7)
     assert "rank 1 takes its snapshot of step 8 from rank 0" in logs

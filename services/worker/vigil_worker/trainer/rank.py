@@ -10,7 +10,8 @@ arrives. Each setup step is a function (`rank_env`, `read_job`, `init_process_gr
 same rank.
 
 Exit codes: 0 done; 2 bad spec or arguments; 3 no usable checkpoint; 4 preempted (after the emergency
-checkpoint); 1 anything else (traceback in the log).
+checkpoint); 1 anything else (traceback in the log). A rank whose collective failed, started by a worker
+that hands over, does not exit: it waits for its job's next attempt in its process (`park`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vigil.exits import (
     EXIT_CHECKPOINT,
     EXIT_ERROR,
     EXIT_OK,
+    EXIT_PARKED,
     EXIT_PREEMPTED,
     EXIT_SPEC,
     write_exit_file,
@@ -262,27 +264,68 @@ def load_data(args: argparse.Namespace, spec: JobSpec) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> int:
-    """Run one rank; `observer` (default: none) hears each step's and each rollback's timing."""
+    """Run one rank; `observer` (default: none) hears each step's and each rollback's timing. A rank whose
+    collective failed may wait in this process for its job's next attempt and run it here (`park`)."""
+    from vigil_worker.trainer import park
+    from vigil_worker.trainer.standby import become_rank
+
+    stack_dump.install()  # the worker's fallback when py-spy cannot read this process
+    while True:
+        code, parked = _attempt(argv, observer or NullObserver())
+        if parked is None:
+            return code
+        handed = park.wait_for_next_attempt(parked)
+        if handed is None:
+            write_exit_file(EXIT_ERROR)
+            return EXIT_ERROR
+        launch, log_fd = handed
+        become_rank(launch, log_fd)
+        argv = launch["argv"]
+        sys.argv = [sys.argv[0], *argv]
+
+
+def _attempt(argv: list[str] | None, observer: Observer) -> tuple[int, str | None]:
+    """One attempt's rank: its exit code, and why it parked (None: it did not)."""
+    from vigil.errors import CheckpointError, SpecError
+    from vigil_worker.trainer import park
+
     args = parse_args(argv)
     env = rank_env()
-    stack_dump.install()  # the worker's fallback when py-spy cannot read this process
-    from vigil.errors import CheckpointError, SpecError
-
-    code = EXIT_ERROR
+    code, parked = EXIT_ERROR, None
     try:
-        code = _run(args, env, observer or NullObserver())
+        code = _run(args, env, observer)
     except SpecError as exc:
         log.error("bad job spec: %s", exc)
         code = EXIT_SPEC
     except CheckpointError as exc:
         log.error("checkpoint: %s", exc)
         code = EXIT_CHECKPOINT
+    except Exception as exc:
+        if not park.may_park(exc):
+            raise
+        log.exception("a collective failed")
+        code, parked = EXIT_PARKED, f"{type(exc).__name__}: {exc}"
     finally:
-        write_exit_file(code)  # 1 when an exception escapes (its traceback follows in the log)
-    return code
+        if parked is None:
+            write_exit_file(code)  # 1 when an exception escapes (its traceback follows in the log)
+    return code, parked
 
 
 def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
+    from vigil_worker.trainer import park
+
+    job = read_job(args, env.world)
+    root = args.checkpoint_root.resolve()
+    run = open_run(job, env, args.node, root)  # the rank's session with Vigil, as any program's
+    try:
+        return _train(args, env, observer, job, root, run)
+    except Exception as exc:
+        if park.may_park(exc):
+            run.close()  # its events out and its link closed: the next attempt opens its own
+        raise
+
+
+def _train(args: argparse.Namespace, env: RankEnv, observer: Observer, job: Job, root: Path, run: Run) -> int:
     import torch.distributed as dist
 
     from vigil.identity import first_position
@@ -297,9 +340,6 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     from vigil_worker.trainer.loop import train
     from vigil_worker.trainer.mfu import flops_per_token
 
-    job = read_job(args, env.world)
-    root = args.checkpoint_root.resolve()
-    run = open_run(job, env, args.node, root)  # the rank's session with Vigil, as any program's
     run.notice.install()  # from now on a SIGUSR1 is a preemption notice
 
     # --- process group and comm timer ---------------------------------------------------------------------

@@ -53,12 +53,14 @@ def warm_up() -> None:
     import vigil_worker.trainer.rank  # noqa: F401
 
 
-def become_rank(launch: Launch) -> None:
-    """Take on the launched rank's output, cgroup, user, environment, folder and token."""
+def become_rank(launch: Launch, log: int | None = None) -> None:
+    """Take on the launched rank's output (`log`: its descriptor, already open), cgroup, user, environment,
+    folder and token."""
     from vigil import protocol as proto
     from vigil_worker.tenancy import become
 
-    log = os.open(launch["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # as the worker's own
+    if log is None:
+        log = os.open(launch["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # as the worker's own
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)

@@ -1,0 +1,128 @@
+"""The worker's side of in-job restart: a rank whose collective failed waits in its process for its job's
+next attempt (`vigil_worker.trainer.park`), and the worker hands that attempt to it.
+
+- A parked rank is seen by the monitor (its marker beside the exit file) and reported exited
+  (`EXIT_PARKED`): the control plane judges the failure as any other. Its device is offered again.
+- The job's next attempt placing the same rank on the same device here goes to the parked process
+  (`hand_over`): moved into the new attempt's cgroup, and given on its Unix socket the launch a warm
+  rank would get with its new log's descriptor. Only the ranks that are gone start new processes.
+- A parked rank that the next attempt does not take (placed elsewhere, another job's launch on its
+  device, the job ended) is ended as any rank is; one left waiting `PARKED_FOR_S` ends too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+from vigil.events import LaunchJob
+from vigil_common.settings import Settings
+from vigil_worker.cgroups import JobCgroup
+from vigil_worker.launch import RankLaunch, warm_argv
+from vigil_worker.procs import RankRecord, RankTable, RankToStart
+from vigil_worker.tenancy import JobUser
+from vigil_worker.trainer.park import next_socket, parked_marker
+
+log = logging.getLogger("vigil.worker")
+
+PARKED_FOR_S = 60.0  # a parked rank no attempt took by then is ended (a relaunch comes in seconds)
+HAND_OVER_S = 5.0  # the hand-over's connection and writes (the parked rank listens before its marker)
+
+
+def newly_parked(record: RankRecord) -> str | None:
+    """Why `record`'s process parked, once it has (and it was not ended meanwhile); else None."""
+    if record.parked_at is not None or record.killed or not record.builtin:
+        return None
+    try:
+        return parked_marker(record.exit_path).read_text(errors="replace").strip() or "a collective failed"
+    except FileNotFoundError:
+        return None
+
+
+def parks(record: RankRecord, settings: Settings) -> bool:
+    """`record`'s process parks when its collective fails (`launch.rank_env` allowed it)."""
+    return record.builtin and settings.rank_runtime == "process"
+
+
+def waited_too_long(record: RankRecord, now: float | None = None) -> bool:
+    return record.parked_at is not None and (now or time.time()) - record.parked_at > PARKED_FOR_S
+
+
+def takers(table: RankTable, launch: LaunchJob, node: str) -> dict[int, RankRecord]:
+    """The parked ranks of `launch`'s job here that its ranks on this node take over: same rank, same
+    device (the in-memory snapshot of the rank is on this node); the built-in trainer only."""
+    if launch.spec.entrypoint is not None or launch.job_id is None:
+        return {}
+    parked = {
+        (r.rank, r.device): r
+        for r in table.running(launch.job_id)
+        if r.parked_at is not None and not r.killed
+    }
+    return {
+        p.rank: parked[(p.rank, p.device)]
+        for p in launch.placement
+        if p.node == node and (p.rank, p.device) in parked
+    }
+
+
+def in_the_way(table: RankTable, launch: LaunchJob, node: str) -> list[RankRecord]:
+    """Other jobs' parked ranks on the devices `launch` takes here: they let go first."""
+    devices = {p.device for p in launch.placement if p.node == node}
+    return [
+        r
+        for r in table.running()
+        if r.parked_at is not None and r.job_id != launch.job_id and r.device in devices and not r.killed
+    ]
+
+
+def hand_over(
+    table: RankTable,
+    parked: RankRecord,
+    rank: RankLaunch,
+    who: RankToStart,
+    user: JobUser | None,
+    group: JobCgroup | None,
+) -> RankRecord | None:
+    """Give `parked`'s process the next attempt's rank `who`; None when it cannot take it (its socket
+    or its process gone): the caller ends it and starts the rank as usual."""
+    argv = warm_argv(rank.argv)
+    if argv is None or not parked.alive():
+        return None
+    try:
+        if group is not None:  # as root: a job's user may not move itself between cgroups
+            for procs in group.procs_files():
+                with open(procs, "wb") as out:
+                    out.write(str(parked.pid).encode())
+        RankTable.clear(rank.log_path, rank.exit_path)
+        log_fd = os.open(rank.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as exc:
+        log.warning("rank %d of %s: its parked process cannot be handed over (%s)", who.rank, who.job_id, exc)
+        return None
+    launch = {
+        "argv": argv,
+        "env": rank.env,
+        "cwd": str(rank.cwd) if rank.cwd else None,
+        "log": str(rank.log_path),
+        "token": rank.token,
+        "uid": None,  # already the job's user
+        "gid": None,
+        "cgroup": [],  # moved above
+    }
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(HAND_OVER_S)
+            conn.connect(str(next_socket(parked.exit_path)))
+            line = json.dumps(launch).encode() + b"\n"
+            sent = socket.send_fds(conn, [line], [log_fd])
+            if sent < len(line):  # nothing more when all went (the rank may have closed its end by now)
+                conn.sendall(line[sent:])
+    except OSError as exc:
+        log.warning("rank %d of %s: its parked process cannot be handed over (%s)", who.rank, who.job_id, exc)
+        return None
+    finally:
+        os.close(log_fd)
+    parked_marker(parked.exit_path).unlink(missing_ok=True)
+    return table.hand_over(parked, who)

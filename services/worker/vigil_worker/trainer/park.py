@@ -1,0 +1,139 @@
+"""A rank whose collective failed waits in its process for its job's next attempt (in-job restart).
+
+When a peer dies (its machine lost, its process killed), the survivors' next collective fails: gloo reads
+"Connection closed by peer", NCCL reports its error or its timeout. Relaunching the survivors too would
+start their processes again (imports, CUDA context) only to rebuild the same rank. Instead a survivor
+of the built-in trainer, started by a worker that allows it (`PARK_ENV`), parks:
+
+1. it closes its `vigil.Run` (its events out), destroys the process group and drops DeepSpeed's cached
+   groups (`ds_compat.forget_groups`), and frees what the engine held;
+2. it listens on a Unix socket beside its exit file (`next_socket`, 0600) and writes the parked marker
+   (`parked_marker`, the failure's text): the worker reports the rank as exited (`EXIT_PARKED`), so
+   that the control plane judges the failure as it judges any (the peer's node asked, lost, the job
+   requeued);
+3. it waits for the worker's connection. The worker hands it the job's next attempt when that attempt
+   places this rank on the same node and device: a warm rank's launch (`trainer.standby.Launch`) and
+   the new log's descriptor (SCM_RIGHTS: the logs' folder is not the job user's), with the process
+   already moved into the new attempt's cgroup. The rank takes its log, token, folder and environment
+   (`standby.become_rank`) and runs `rank.main` again: a new process group at the new rendezvous, a
+   new engine, and the newest whole in-memory snapshot restored, as any relaunch does.
+
+The worker ends a parked rank the next attempt does not take (placed elsewhere, another job on its
+device, the job ended, or waited too long). Only the lost ranks start new processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vigil_worker.trainer.standby import Launch
+
+log = logging.getLogger("vigil.rank")
+
+HANDED_MAX_BYTES = 1 << 20  # a launch's JSON line (its environment holds the job's spec)
+PARK_ENV = "VIGIL_PARK"  # "1": the worker hands this rank its job's next attempt when it fails a collective
+# What a failed collective says (gloo's transport, NCCL, c10d's store), in the exception or its causes.
+COLLECTIVE_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "NCCL error",
+    "NCCL communicator was aborted",
+    "DistNetworkError",
+    "DistBackendError",
+)
+
+
+def parked_marker(exit_path: str | Path) -> Path:
+    """Where a parked rank says why it parked: beside its exit file."""
+    return Path(exit_path).with_suffix(".parked")
+
+
+def next_socket(exit_path: str | Path) -> Path:
+    """The Unix socket a parked rank takes its next attempt from (the launch, and its log's descriptor):
+    beside its exit file."""
+    return Path(exit_path).with_suffix(".next")
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """`exc` (or what caused it) is a collective that lost its peer."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = f"{type(e).__name__}: {e}"
+        if isinstance(e, RuntimeError | ConnectionError | TimeoutError) and any(
+            marker in text for marker in COLLECTIVE_FAILURES
+        ):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def may_park(exc: BaseException) -> bool:
+    """Park on `exc`: a collective failed, and the worker that started this rank hands over."""
+    handed_over = os.environ.get(PARK_ENV) == "1" and bool(os.environ.get("VIGIL_EXIT_FILE"))
+    return handed_over and collective_failed(exc)
+
+
+def wait_for_next_attempt(reason: str) -> tuple[Launch, int] | None:
+    """Let go of the failed process group, tell the worker, and wait for the job's next attempt here: its
+    launch and its log's descriptor (the worker opens the log: its folder is not the job user's)."""
+    release_process_group()
+    exit_file = Path(os.environ["VIGIL_EXIT_FILE"])
+    path = next_socket(exit_file)
+    path.unlink(missing_ok=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        try:
+            listener.bind(str(path))
+            os.chmod(path, 0o600)
+            listener.listen(1)
+        except OSError as exc:  # a path too long for a socket's address, say: this rank ends as before
+            log.error("parked: cannot listen on %s (%s): exiting", path, exc)
+            return None
+        parked_marker(exit_file).write_text(reason[-2000:] + "\n")
+        log.warning("parked: a collective failed; waiting in this process for the job's next attempt")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        conn, _ = listener.accept()  # the worker, as root
+    path.unlink(missing_ok=True)
+    with conn:
+        data, fds, _, _ = socket.recv_fds(conn, HANDED_MAX_BYTES, 1)
+        while data and not data.endswith(b"\n"):
+            more = conn.recv(HANDED_MAX_BYTES)
+            if not more:
+                break
+            data += more
+    if not data.strip() or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        log.warning("parked: the worker let go (the next attempt is not here)")
+        return None
+    launch: Launch = json.loads(data)
+    return launch, fds[0]
+
+
+def release_process_group() -> None:
+    """Destroy the failed process group (what it says once a peer is gone is no use) and DeepSpeed's hold
+    on it; collect what the dead engine held (a GPU's memory too)."""
+    import torch
+    import torch.distributed as dist
+
+    from vigil.integrations import ds_compat
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a group whose peer is gone may fail to shut down cleanly
+            dist.destroy_process_group()
+    ds_compat.forget_groups()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
