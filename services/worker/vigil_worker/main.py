@@ -56,8 +56,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         stack.push_async_callback(worker.relay.close)
         if settings.rank_runtime == "process":  # built-in trainer ranks kept warm for the next launches
             devices = [d.index for d in inventory.devices]
-            running = worker.table.running
-            worker.warm = await WarmRanks(settings, inventory.kind, devices, lambda: len(running())).start()
+            running = worker.table.running  # a parked rank (waiting for its job's next attempt) is idle
+            busy = lambda: sum(r.parked_at is None for r in running())  # noqa: E731
+            worker.warm = await WarmRanks(settings, inventory.kind, devices, busy).start()
             stack.push_async_callback(worker.warm.close)
         kinds = {d.kind for d in inventory.devices}
         log.info(

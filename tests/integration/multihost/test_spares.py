@@ -12,7 +12,7 @@ import pytest
 
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
 from tests.integration.worker.conftest import tiny_spec
-from vigil.events import CheckpointSaved, IncidentRaised
+from vigil.events import CheckpointSaved, IncidentRaised, RankStarted
 from vigil_common import subjects
 
 from .conftest import Plane, Workers, unique, wait_alive
@@ -94,10 +94,10 @@ async def test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory(
 ) -> None:
     """Host b dies (its worker and rank SIGKILLed) mid-run. Its loss is known as soon as the survivor's
     collective fails (its worker's connection is closed: the scheduler's ping is answered "no
-    responders"). The job goes on hosta and the spare from the in-memory snapshots (the lost rank's shard
-    from its peer copy on hosta: the only disk checkpoint is step 0's), redoing at most `memory_every` + 1
-    steps (a snapshot is whole one step after it is taken), and every loss after the restore is the
-    fault-free run's."""
+    responders"). The survivor parks in its process; the job goes on there and on the spare (in-job
+    restart), from the in-memory snapshots (the lost rank's shard from its peer copy on hosta: the only
+    disk checkpoint is step 0's), redoing at most `memory_every` + 1 steps (a snapshot is whole one step
+    after it is taken), and every loss after the restore is the fault-free run's."""
     a, b, c = network.hosts
     wa, wb, wc = workers.start(a), workers.start(b), workers.start(c)
     await wait_alive(plane, workers, wa.node, wb.node, wc.node)
@@ -128,6 +128,18 @@ async def test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory(
     # the only disk checkpoint is the start's (step 0): a relaunch that goes on past it restored memory
     assert (second.resume_from or "").endswith("step_00000000"), second.resume_from
     await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
+    # in-job restart: hosta's rank failed its collective, parked, and went on in its own process
+    (kept,) = [p.rank for p in first.placement if p.node == wa.node]
+    pids = [
+        await next_event(
+            plane.bus,
+            subjects.job_status(job_id),
+            lambda e, at=at: isinstance(e, RankStarted) and e.attempt == at and e.rank == kept,
+        )
+        for at in (1, 2)
+    ]
+    assert [p.node for p in second.placement if p.rank == kept] == [wa.node]
+    assert pids[0].pid == pids[1].pid, pids  # type: ignore[attr-defined]
 
     rows = await plane.pool.fetch(
         "SELECT job_id, attempt, step, rank, loss, occurred_at FROM telemetry_steps"

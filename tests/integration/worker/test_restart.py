@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from tests.helpers import eventually
 from tests.integration.worker.conftest import (
     launch,
     launch_on,
@@ -19,6 +20,7 @@ from tests.integration.worker.conftest import (
     wait_heartbeat,
 )
 from vigil import events as ev
+from vigil.exits import EXIT_PARKED
 from vigil_common import subjects
 from vigil_worker.procs import start_ticks
 
@@ -63,18 +65,24 @@ async def test_restarted_worker_adopts_running_ranks_and_reports_how_they_ended(
         await rec.until(lambda r: r.of(ev.StepCompleted, rank=0, step=seen + 3))
         assert not rec.of(ev.RankExited)
 
-        # down again; meanwhile the job is cancelled: node b ends rank 1 and rank 0 fails out of its collective
+        # down again; meanwhile the job is cancelled: node b ends rank 1 and rank 0 fails out of its
+        # collective: it parks in its process (waiting for a next attempt), with nobody watching
         await asyncio.to_thread(stop_worker, ready_cluster.workers[0])
         await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="test"))
         await rec.until(lambda r: r.exits().get(1), fail_on_exit=False)
-        await gone(rank0.pid)
-        assert 0 not in rec.exits()  # nobody was watching rank 0 when it ended
 
-        # the restarted worker reports how it ended, from the exit code the rank left behind
+        async def parked() -> list[object]:
+            return list(ready_cluster.data_dir.glob(f"**/{job_id}/attempt-1/rank-0.parked"))
+
+        await eventually(parked, timeout=60, what="rank 0 parked")
+        assert 0 not in rec.exits() and start_ticks(rank0.pid) is not None  # nobody watching: still parked
+
+        # the restarted worker reports it (parked: exit code 6, a failure) and, taking the cancel, ends it
         ready_cluster.workers[0] = start_worker(nats_url, ready_cluster.data_dir, node_a, 1)
         exits = await until_exited(rec, timeout=60)
+        await gone(rank0.pid)
     assert exits[1].failure == "killed_by_vigil"
-    assert exits[0].node == node_a and exits[0].exit_code not in (0, None), rank_logs(ready_cluster, job_id)
+    assert exits[0].node == node_a and exits[0].exit_code == EXIT_PARKED, rank_logs(ready_cluster, job_id)
     assert exits[0].failure == "error"
     beat = await wait_heartbeat(bus, node_a)
     assert beat.free == [0]

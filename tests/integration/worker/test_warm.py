@@ -25,6 +25,7 @@ from tests.integration.worker.conftest import (
     wait_heartbeat,
 )
 from vigil import events as ev
+from vigil.exits import EXIT_PARKED
 from vigil_common import subjects
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -111,7 +112,11 @@ async def test_a_crash_and_its_relaunch_run_on_warm_ranks(nats_url, bus, job_id,
             policies = {e.rank: policy_of(e.pid) for e in rec.of(ev.RankStarted, attempt=2)}
             second = await until_exited(rec, 2, timeout=180)
         assert {r: e.exit_code for r, e in second.items()} == {0: 0, 1: 0}, rank_logs_of(tmp_path, job_id)
-        await log_says(worker.log, "(warm)", 4)
+        # rank 0 failed its collective and parked: attempt 2 went on in its process; rank 1 took a warm one
+        assert first[0].exit_code == EXIT_PARKED, rank_logs_of(tmp_path, job_id)
+        again = {e.rank: e.pid for e in rec.of(ev.RankStarted, attempt=2)}
+        assert again[0] == started[0] and again[1] not in started.values(), (started, again)
+        await log_says(worker.log, "(warm)", 3)
         resumed = sorted({e.step for e in rec.of(ev.StepCompleted, attempt=2)})
         assert resumed == list(range(4, STEPS)), resumed
         # a warm rank imports on idle cycles (SCHED_IDLE); the rank it becomes runs as any process does
