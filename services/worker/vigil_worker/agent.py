@@ -32,13 +32,13 @@ from vigil.events import (
     RankStarted,
     StacksDumped,
 )
-from vigil.exits import EXIT_PARKED, EXIT_PREEMPTED, EXIT_SPEC, read_last_step
+from vigil.exits import EXIT_PREEMPTED, EXIT_SPEC
 from vigil.preemption import SIGNAL as PREEMPTION_SIGNAL
 from vigil_common import subjects
 from vigil_common.bus import Bus, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_worker import parked, tenancy
+from vigil_worker import exit_report, parked, tenancy
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import prepare_ranks, warm_argv
@@ -53,7 +53,6 @@ log = logging.getLogger("vigil.worker")
 KILL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 MONITOR_INTERVAL_S = 0.2
 NOTICE_POLL_S = 1.0  # how often the preemption notice file is looked for
-LOG_TAIL_BYTES = 4000
 
 
 class Worker:
@@ -361,20 +360,7 @@ class Worker:
         self.table.save()
         log.warning("rank %d of %s attempt %d parked in its process: %s", r.rank, r.job_id, r.attempt,
                     why.splitlines()[-1][:300])  # fmt: skip
-        await self.bus.publish(
-            subjects.status(r.job_id, self.node),
-            RankExited(
-                job_id=r.job_id,
-                attempt=r.attempt,
-                rank=r.rank,
-                node=self.node,
-                exit_code=EXIT_PARKED,
-                signal=None,
-                failure="error",
-                last_step=read_last_step(r.exit_path),
-                log_tail=_tail(Path(r.log_path)),
-            ),
-        )
+        await self.bus.publish(subjects.status(r.job_id, self.node), exit_report.rank_parked(r, self.node))
 
     async def _report_exit(self, r: RankRecord, ended: Exit) -> None:
         if r.parked_at is not None:  # its RankExited went out as it parked: its process ended since
@@ -383,18 +369,7 @@ class Worker:
             self.table.mark_reported(r)
             await self._settle(r.job_id, r.attempt)
             return
-        if r.killed:
-            failure = "killed_by_vigil"
-        elif ended.lost:
-            failure = "lost"
-        elif ended.signal is not None:
-            failure = "oom" if ended.signal == signal.SIGKILL and _oom_killed() else "signal"
-        elif ended.code == EXIT_PREEMPTED:
-            failure = "preempted"
-        elif ended.code == EXIT_SPEC and r.builtin:  # a user's program may exit 2 for its own reasons
-            failure = "spec"
-        else:
-            failure = "ok" if ended.code == 0 else "error"
+        failure = exit_report.failure_of(r, ended)
         log.log(
             logging.INFO if failure in ("ok", "killed_by_vigil", "preempted") else logging.WARNING,
             "rank %d of %s attempt %d exited: code %s signal %s (%s)",
@@ -405,20 +380,8 @@ class Worker:
             ended.signal,
             failure,
         )
-        await self.bus.publish(
-            subjects.status(r.job_id, self.node),
-            RankExited(
-                job_id=r.job_id,
-                attempt=r.attempt,
-                rank=r.rank,
-                node=self.node,
-                exit_code=ended.code,
-                signal=ended.signal,
-                failure=failure,
-                last_step=read_last_step(r.exit_path),
-                log_tail=_tail(Path(r.log_path)),
-            ),
-        )
+        event = exit_report.rank_exited(r, self.node, ended, failure)
+        await self.bus.publish(subjects.status(r.job_id, self.node), event)
         self._ending.pop(r.pid, None)
         self.table.mark_reported(r)
         if self.warm is not None:
@@ -514,21 +477,3 @@ class Worker:
             except Exception as exc:
                 log.warning("device samples not published: %s", exc)
             await wait_any(stop, timeout_s=self.settings.gpu_sample_interval_s)
-
-
-def _tail(path: Path) -> str:
-    try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
-            return fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _oom_killed() -> bool:
-    """Best effort: did the kernel's OOM killer act recently (cgroup v2 counter)?"""
-    try:
-        events = Path("/sys/fs/cgroup/memory.events").read_text()
-        return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0 for line in events.splitlines())
-    except (OSError, ValueError):
-        return False

@@ -1,0 +1,123 @@
+"""In-job restart's two sides without a job: which failures park a rank, which parked ranks a launch
+takes, and the hand-over itself, to a real process parked with the trainer's own `park` code."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vigil.events import LaunchJob, RankPlacement
+from vigil.exits import EXIT_PARKED
+from vigil.spec import JobSpec
+from vigil_worker import exit_report, parked
+from vigil_worker.launch import RankLaunch
+from vigil_worker.procs import RankTable, RankToStart
+from vigil_worker.trainer import park
+
+GLOO = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[10.77.185.2]:56747. This is typically caused by a remote worker crashing."
+)
+
+
+def test_a_failed_collective_parks_and_nothing_else_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert park.collective_failed(RuntimeError(GLOO))
+    assert park.collective_failed(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system"))
+    try:  # a wrapper around the collective's error, as DeepSpeed or a user's code may raise
+        try:
+            raise RuntimeError(GLOO)
+        except RuntimeError as inner:
+            raise ValueError("the step failed") from inner
+    except ValueError as outer:
+        assert park.collective_failed(outer)
+    for other in (RuntimeError("CUDA out of memory"), ValueError("Connection reset by peer"), KeyError("x")):
+        assert not park.collective_failed(other), other
+    monkeypatch.delenv(park.PARK_ENV, raising=False)
+    monkeypatch.setenv("VIGIL_EXIT_FILE", "/tmp/x.exit")
+    assert not park.may_park(RuntimeError(GLOO))  # its worker does not hand over: it exits as before
+    monkeypatch.setenv(park.PARK_ENV, "1")
+    assert park.may_park(RuntimeError(GLOO)) and not park.may_park(RuntimeError("CUDA out of memory"))
+
+
+def launch(job: str, attempt: int, devices: dict[int, int], entrypoint: bool = False) -> LaunchJob:
+    spec = JobSpec(name="p", **({"entrypoint": {"argv": ["python", "x.py"]}} if entrypoint else {}))
+    return LaunchJob(
+        job_id=job, attempt=attempt, spec=spec, master_addr="127.0.0.1", master_port=29500,
+        placement=[RankPlacement(rank=r, node="n", device=d, local_rank=r) for r, d in devices.items()],
+    )  # fmt: skip
+
+
+def record(table: RankTable, tmp_path: Path, job: str, rank: int, device: int, code: str = "") -> object:
+    who = RankToStart(
+        job_id=job, attempt=1, rank=rank, device=device, log_path=tmp_path / f"{job}-{rank}.log",
+        exit_path=tmp_path / f"{job}-{rank}.exit", token="t", builtin=True,
+    )  # fmt: skip
+    return table.start(who, [sys.executable, "-c", code or "import time; time.sleep(60)"], {})
+
+
+def test_a_launch_takes_its_jobs_parked_ranks_on_the_same_device_and_others_let_go(tmp_path: Path) -> None:
+    table = RankTable(tmp_path / "state")
+    try:
+        same, moved, other = (
+            record(table, tmp_path, j, r, d) for j, r, d in (("j1", 0, 0), ("j1", 1, 1), ("j2", 0, 2))
+        )
+        for r in (same, moved, other):
+            r.parked_at = time.time()  # type: ignore[attr-defined]
+        nxt = launch("j1", 2, {0: 0, 1: 2})  # rank 1 moves to device 2, where j2's parked rank waits
+        assert parked.takers(table, nxt, "n") == {0: same}
+        assert parked.in_the_way(table, nxt, "n") == [other]
+        assert parked.takers(table, launch("j1", 2, {0: 0, 1: 1}, entrypoint=True), "n") == {}  # own program
+        assert parked.waited_too_long(same, time.time() + parked.PARKED_FOR_S + 1)  # type: ignore[arg-type]
+        exited = exit_report.rank_parked(same, "n")  # type: ignore[arg-type]
+        assert (exited.exit_code, exited.failure, exited.signal) == (EXIT_PARKED, "error", None)
+    finally:
+        for r in table.running():
+            table.signal(r, 9)
+
+
+PARKED_RANK = """
+import json, os, sys
+from vigil_worker.trainer import park
+park.release_process_group = lambda: None  # no process group in this test
+got = park.wait_for_next_attempt("RuntimeError: Connection closed by peer")
+launch, log = got
+os.write(log, json.dumps(launch["argv"]).encode())  # its output, on the log the worker opened
+"""
+
+
+def test_the_worker_hands_the_next_attempt_to_the_parked_process(tmp_path: Path) -> None:
+    table = RankTable(tmp_path / "state")
+    exit_file = tmp_path / "j1-0.exit"
+    who1 = RankToStart(
+        job_id="j1", attempt=1, rank=0, device=0, log_path=tmp_path / "a1.log", exit_path=exit_file,
+        token="t1", builtin=True,
+    )  # fmt: skip
+    env = {**os.environ, "VIGIL_EXIT_FILE": str(exit_file), "PYTHONPATH": os.pathsep.join(sys.path)}
+    old = table.start(who1, [sys.executable, "-c", PARKED_RANK], env)
+    deadline = time.monotonic() + 60
+    while (why := parked.newly_parked(old)) is None:  # the monitor's view: it parked
+        assert time.monotonic() < deadline, (tmp_path / "a1.log").read_text()
+        time.sleep(0.05)  # polling a file the child writes, with a deadline
+    assert "Connection closed by peer" in why
+
+    run_dir = tmp_path / "attempt-2"
+    rank = RankLaunch(
+        placement=RankPlacement(rank=0, node="n", device=0, local_rank=0),
+        argv=[sys.executable, "-m", "vigil_worker.trainer", "--launch", "x.json"],
+        env={"RANK": "0"}, cwd=None, token="t2", log_path=run_dir / "a2.log", exit_path=run_dir / "rank-0.exit",
+    )  # fmt: skip
+    who2 = RankToStart(
+        job_id="j1", attempt=2, rank=0, device=0, log_path=rank.log_path, exit_path=rank.exit_path,
+        token="t2", builtin=True,
+    )  # fmt: skip
+    kept = parked.hand_over(table, old, rank, who2, None, None)
+    assert kept is not None and kept.pid == old.pid and (kept.attempt, kept.token) == (2, "t2")
+    assert [r.attempt for r in table.running("j1")] == [2] and old.reported
+    table._children[kept.pid].wait(60)
+    assert json.loads(rank.log_path.read_text()) == ["--launch", "x.json"]  # written on the handed log
+    assert not park.parked_marker(exit_file).exists() and not park.next_socket(exit_file).exists()
