@@ -108,6 +108,7 @@ class Worker:
                         launch, p.rank, f"node {self.node} is being preempted", failure="preempted"
                     )
             return
+        await self.monitor_once()  # a survivor that parked since the last look is taken too
         takers = parked.takers(self.table, launch, self.node)  # survivors parked in their processes
         handed: set[int] = set()
         older = [r for r in self.table.running(job) if r not in takers.values()]

@@ -84,7 +84,8 @@ PARKED_RANK = """
 import json, os, sys
 from vigil_worker.trainer import park
 park.release_process_group = lambda: None  # no process group in this test
-got = park.wait_for_next_attempt("RuntimeError: Connection closed by peer")
+park.begin("RuntimeError: Connection closed by peer")
+got = park.wait_for_next_attempt()
 launch, log = got
 os.write(log, json.dumps(launch["argv"]).encode())  # its output, on the log the worker opened
 """

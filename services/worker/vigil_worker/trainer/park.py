@@ -5,12 +5,12 @@ When a peer dies (its machine lost, its process killed), the survivors' next col
 start their processes again (imports, CUDA context) only to rebuild the same rank. Instead a survivor
 of the built-in trainer, started by a worker that allows it (`PARK_ENV`), parks:
 
-1. it closes its `vigil.Run` (its events out), destroys the process group and drops DeepSpeed's cached
+1. first of all, as the failure is caught (`begin`), it listens on a Unix socket beside its exit file
+   (`next_socket`, 0600) and writes the parked marker (`parked_marker`, the failure's text): the worker
+   reports the rank as exited (`EXIT_PARKED`), so that the control plane judges the failure as it
+   judges any (the peer's node asked, lost, the job requeued), and a relaunch that comes fast finds it;
+2. it closes its `vigil.Run` (its events out), destroys the process group and drops DeepSpeed's cached
    groups (`ds_compat.forget_groups`), and frees what the engine held;
-2. it listens on a Unix socket beside its exit file (`next_socket`, 0600) and writes the parked marker
-   (`parked_marker`, the failure's text): the worker reports the rank as exited (`EXIT_PARKED`), so
-   that the control plane judges the failure as it judges any (the peer's node asked, lost, the job
-   requeued);
 3. it waits for the worker's connection. The worker hands it the job's next attempt when that attempt
    places this rank on the same node and device: a warm rank's launch (`trainer.standby.Launch`) and
    the new log's descriptor (SCM_RIGHTS: the logs' folder is not the job user's), with the process
@@ -85,27 +85,44 @@ def may_park(exc: BaseException) -> bool:
     return handed_over and collective_failed(exc)
 
 
-def wait_for_next_attempt(reason: str) -> tuple[Launch, int] | None:
-    """Let go of the failed process group, tell the worker, and wait for the job's next attempt here: its
-    launch and its log's descriptor (the worker opens the log: its folder is not the job user's)."""
-    release_process_group()
+_listening: socket.socket | None = None  # `begin`'s, until `wait_for_next_attempt`
+
+
+def begin(reason: str) -> None:
+    """At once, as the failure is caught: listen beside the exit file and write the marker, so that the
+    worker may hand the next attempt over (it queues on the socket) while this rank still lets go of the
+    old attempt (its Run's last events, the process group). A rank that cannot listen exits as before."""
+    global _listening
     exit_file = Path(os.environ["VIGIL_EXIT_FILE"])
     path = next_socket(exit_file)
     path.unlink(missing_ok=True)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        try:
-            listener.bind(str(path))
-            os.chmod(path, 0o600)
-            listener.listen(1)
-        except OSError as exc:  # a path too long for a socket's address, say: this rank ends as before
-            log.error("parked: cannot listen on %s (%s): exiting", path, exc)
-            return None
-        parked_marker(exit_file).write_text(reason[-2000:] + "\n")
-        log.warning("parked: a collective failed; waiting in this process for the job's next attempt")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(1)
+    except OSError as exc:  # a path too long for a socket's address, say
+        listener.close()
+        log.error("parked: cannot listen on %s (%s): exiting", path, exc)
+        return
+    _listening = listener
+    parked_marker(exit_file).write_text(reason[-2000:] + "\n")
+
+
+def wait_for_next_attempt() -> tuple[Launch, int] | None:
+    """Let go of the failed process group and wait for the job's next attempt here (`begin` first): its
+    launch and its log's descriptor (the worker opens the log: its folder is not the job user's)."""
+    global _listening
+    listener, _listening = _listening, None
+    if listener is None:
+        return None
+    release_process_group()
+    log.warning("parked: a collective failed; waiting in this process for the job's next attempt")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    with listener:
         conn, _ = listener.accept()  # the worker, as root
-    path.unlink(missing_ok=True)
+    next_socket(os.environ["VIGIL_EXIT_FILE"]).unlink(missing_ok=True)
     with conn:
         data, fds, _, _ = socket.recv_fds(conn, HANDED_MAX_BYTES, 1)
         while data and not data.endswith(b"\n"):

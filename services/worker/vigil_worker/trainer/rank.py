@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
         code, parked = _attempt(argv, observer or NullObserver())
         if parked is None:
             return code
-        handed = park.wait_for_next_attempt(parked)
+        handed = park.wait_for_next_attempt()
         if handed is None:
             write_exit_file(EXIT_ERROR)
             return EXIT_ERROR
@@ -321,6 +321,7 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
         return _train(args, env, observer, job, root, run)
     except Exception as exc:
         if park.may_park(exc):
+            park.begin(f"{type(exc).__name__}: {exc}")  # the worker may hand the next attempt over now
             run.close()  # its events out and its link closed: the next attempt opens its own
         raise
 
