@@ -356,12 +356,13 @@ class Worker:
                     self._ending.setdefault(s.pid, now)
 
     async def _report_parked(self, r: RankRecord, why: str) -> None:
-        """A rank parked (`parked`): to the control plane it exited; its process waits here."""
+        """A rank parked (`parked`): to the control plane it exited; its process waits here. Noted once
+        the event is stored (a failed publish is tried again on the monitor's next look)."""
+        await self.bus.publish(subjects.status(r.job_id, self.node), exit_report.rank_parked(r, self.node))
         r.parked_at = time.time()
         self.table.save()
         log.warning("rank %d of %s attempt %d parked in its process: %s", r.rank, r.job_id, r.attempt,
                     why.splitlines()[-1][:300])  # fmt: skip
-        await self.bus.publish(subjects.status(r.job_id, self.node), exit_report.rank_parked(r, self.node))
 
     async def _report_exit(self, r: RankRecord, ended: Exit) -> None:
         if r.parked_at is not None:  # its RankExited went out as it parked: its process ended since

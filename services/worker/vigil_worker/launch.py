@@ -26,6 +26,7 @@ import fcntl
 import fnmatch
 import hashlib
 import ipaddress
+import json
 import os
 import secrets
 import socket
@@ -232,6 +233,26 @@ def warm_argv(argv: list[str]) -> list[str] | None:
     job's own program (never run by a warm rank: its imports are its own)."""
     head = [sys.executable, "-m", TRAINER_MODULE]
     return argv[len(head) :] if argv[: len(head)] == head else None
+
+
+def handed_launch(
+    rank: RankLaunch, uid: int | None = None, gid: int | None = None, procs: list[bytes] | None = None
+) -> bytes:
+    """What a waiting built-in trainer process is handed to become `rank` (`trainer.standby.Launch`, one
+    JSON line): a warm rank (its user and cgroup to join) or a parked one (already both)."""
+    argv = warm_argv(rank.argv)
+    assert argv is not None, "only the built-in trainer waits to be handed a rank"
+    launch = {
+        "argv": argv,
+        "env": rank.env,
+        "cwd": str(rank.cwd) if rank.cwd else None,
+        "log": str(rank.log_path),
+        "token": rank.token,
+        "uid": uid,
+        "gid": gid,
+        "cgroup": [os.fsdecode(p) for p in procs or []],
+    }
+    return json.dumps(launch).encode() + b"\n"
 
 
 def standby_env(settings: Settings, kind: str, device: int | None) -> dict[str, str]:

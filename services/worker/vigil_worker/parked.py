@@ -12,7 +12,6 @@ next attempt (`vigil_worker.trainer.park`), and the worker hands that attempt to
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -21,7 +20,7 @@ import time
 from vigil.events import LaunchJob
 from vigil_common.settings import Settings
 from vigil_worker.cgroups import JobCgroup
-from vigil_worker.launch import RankLaunch, warm_argv
+from vigil_worker.launch import RankLaunch, handed_launch, warm_argv
 from vigil_worker.procs import RankRecord, RankTable, RankToStart
 from vigil_worker.tenancy import JobUser
 from vigil_worker.trainer.park import next_socket, parked_marker
@@ -88,8 +87,7 @@ def hand_over(
 ) -> RankRecord | None:
     """Give `parked`'s process the next attempt's rank `who`; None when it cannot take it (its socket
     or its process gone): the caller ends it and starts the rank as usual."""
-    argv = warm_argv(rank.argv)
-    if argv is None or not parked.alive():
+    if warm_argv(rank.argv) is None or not parked.alive():
         return None
     try:
         if group is not None:  # as root: a job's user may not move itself between cgroups
@@ -101,21 +99,11 @@ def hand_over(
     except OSError as exc:
         log.warning("rank %d of %s: its parked process cannot be handed over (%s)", who.rank, who.job_id, exc)
         return None
-    launch = {
-        "argv": argv,
-        "env": rank.env,
-        "cwd": str(rank.cwd) if rank.cwd else None,
-        "log": str(rank.log_path),
-        "token": rank.token,
-        "uid": None,  # already the job's user
-        "gid": None,
-        "cgroup": [],  # moved above
-    }
+    line = handed_launch(rank)  # its user already the job's, its cgroup the new attempt's (above)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(HAND_OVER_S)
             conn.connect(str(next_socket(parked.exit_path)))
-            line = json.dumps(launch).encode() + b"\n"
             sent = socket.send_fds(conn, [line], [log_fd])
             if sent < len(line):  # nothing more when all went (the rank may have closed its end by now)
                 conn.sendall(line[sent:])

@@ -176,20 +176,7 @@ class RankTable:
         """Track a rank process: one `start` started, or a warm rank (`vigil_worker.warm`) just handed its
         launch (after `clear`)."""
         ticks = start_ticks(proc.pid)
-        record = RankRecord(
-            job_id=who.job_id,
-            attempt=who.attempt,
-            rank=who.rank,
-            device=who.device,
-            pid=proc.pid,
-            ticks=ticks if ticks is not None else -1,
-            log_path=str(who.log_path),
-            exit_path=str(who.exit_path),
-            token=who.token,
-            uid=who.uid,
-            builtin=who.builtin,
-            world_size=who.world_size,
-        )
+        record = _record(who, proc.pid, ticks if ticks is not None else -1)
         self._children[proc.pid] = proc
         self.records.append(record)
         self.save()
@@ -198,20 +185,7 @@ class RankTable:
     def hand_over(self, parked: RankRecord, who: RankToStart) -> RankRecord:
         """The parked process of `parked` goes on as `who` (its job's next attempt, same device): tracked
         under the new attempt, the old record done without a signal (its RankExited went out as it parked)."""
-        record = RankRecord(
-            job_id=who.job_id,
-            attempt=who.attempt,
-            rank=who.rank,
-            device=who.device,
-            pid=parked.pid,
-            ticks=parked.ticks,
-            log_path=str(who.log_path),
-            exit_path=str(who.exit_path),
-            token=who.token,
-            uid=who.uid,
-            builtin=who.builtin,
-            world_size=who.world_size,
-        )
+        record = _record(who, parked.pid, parked.ticks)
         parked.reported = True
         self.records = [r for r in self.records if not r.reported] + [record]
         self.save()
@@ -281,3 +255,20 @@ class RankTable:
         record.reported = True
         self.records = [r for r in self.records if not r.reported]
         self.save()
+
+
+def _record(who: RankToStart, pid: int, ticks: int) -> RankRecord:
+    return RankRecord(
+        job_id=who.job_id,
+        attempt=who.attempt,
+        rank=who.rank,
+        device=who.device,
+        pid=pid,
+        ticks=ticks,
+        log_path=str(who.log_path),
+        exit_path=str(who.exit_path),
+        token=who.token,
+        uid=who.uid,
+        builtin=who.builtin,
+        world_size=who.world_size,
+    )

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,7 +25,7 @@ from dataclasses import dataclass, field
 
 from vigil_common.settings import Settings
 from vigil_worker import cgroups
-from vigil_worker.launch import RankLaunch, standby_env, warm_argv
+from vigil_worker.launch import RankLaunch, handed_launch, standby_env
 from vigil_worker.tenancy import JobUser
 from vigil_worker.trainer.standby import READY
 
@@ -47,21 +45,11 @@ class Standby:
 
     def hand(self, rank: RankLaunch, user: JobUser | None, group: cgroups.JobCgroup | None) -> None:
         """Make it `rank`: its launch, one JSON line on its stdin (see `trainer.standby.Launch`)."""
-        argv = warm_argv(rank.argv)
-        assert argv is not None, "a warm rank runs the built-in trainer only"
         rank.log_path.parent.mkdir(parents=True, exist_ok=True)
-        launch = {
-            "argv": argv,
-            "env": rank.env,
-            "cwd": str(rank.cwd) if rank.cwd else None,
-            "log": str(rank.log_path),
-            "token": rank.token,
-            "uid": user.uid if user is not None else None,
-            "gid": user.gid if user is not None else None,
-            "cgroup": [os.fsdecode(p) for p in group.procs_files()] if group is not None else [],
-        }
+        procs = group.procs_files() if group is not None else []
+        line = handed_launch(rank, user.uid if user else None, user.gid if user else None, procs)
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(launch).encode() + b"\n")
+        self.proc.stdin.write(line)
         self.proc.stdin.close()  # its launch said: nothing more comes this way
         if self.proc.stdout is not None:
             self.proc.stdout.close()
