@@ -33,6 +33,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vigil import protocol as proto
+
 if TYPE_CHECKING:
     from vigil_worker.trainer.standby import Launch
 
@@ -81,7 +83,7 @@ def collective_failed(exc: BaseException) -> bool:
 
 def may_park(exc: BaseException) -> bool:
     """Park on `exc`: a collective failed, and the worker that started this rank hands over."""
-    handed_over = os.environ.get(PARK_ENV) == "1" and bool(os.environ.get("VIGIL_EXIT_FILE"))
+    handed_over = os.environ.get(PARK_ENV) == "1" and bool(os.environ.get(proto.EXIT_FILE_ENV))
     return handed_over and collective_failed(exc)
 
 
@@ -93,7 +95,7 @@ def begin(reason: str) -> None:
     worker may hand the next attempt over (it queues on the socket) while this rank still lets go of the
     old attempt (its Run's last events, the process group). A rank that cannot listen exits as before."""
     global _listening
-    exit_file = Path(os.environ["VIGIL_EXIT_FILE"])
+    exit_file = Path(os.environ[proto.EXIT_FILE_ENV])
     path = next_socket(exit_file)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -122,7 +124,7 @@ def wait_for_next_attempt() -> tuple[Launch, int] | None:
         handler.flush()
     with listener:
         conn, _ = listener.accept()  # the worker, as root
-    next_socket(os.environ["VIGIL_EXIT_FILE"]).unlink(missing_ok=True)
+    next_socket(os.environ[proto.EXIT_FILE_ENV]).unlink(missing_ok=True)
     with conn:
         data, fds, _, _ = socket.recv_fds(conn, HANDED_MAX_BYTES, 1)
         while data and not data.endswith(b"\n"):
