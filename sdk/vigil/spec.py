@@ -2,6 +2,10 @@
 
 Unknown fields are rejected, ranges are checked, and every error names its field.
 A spec never carries a shell command, and no field of it reaches a shell.
+
+Sections of their own live beside it and are re-exported here (`from vigil.spec import X` names every
+one): `spec_resources` (nodes, devices, limits, elastic), `spec_guardian`, `spec_faults`; the strict base
+model is `spec_base`'s.
 """
 
 from __future__ import annotations
@@ -10,8 +14,6 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -22,62 +24,68 @@ from pydantic import (
 
 from vigil import documents
 from vigil.errors import SpecError
+from vigil.spec_base import Action, FieldError, StrictModel
+from vigil.spec_faults import (
+    FAULT_KINDS,
+    CrashFault,
+    Fault,
+    HangFault,
+    NanFault,
+    OomFault,
+    SdcFault,
+    SlowRankFault,
+    SpikeFault,
+)
+from vigil.spec_guardian import (
+    CHECKPOINT_READ_BYTES_S,
+    DEFAULT_HANG_FLOOR_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    STARTUP_FLOOR_S,
+    STARTUP_MULTIPLE,
+    GuardianSpec,
+)
+from vigil.spec_resources import ElasticSpec, Resources, grad_accum_at, shrink_node_counts
 
-# What the guardian does about a fault: a `GuardianSpec` field per kind, and the `action` an
-# `IncidentRaised` reports (`vigil.events`).
-Action = Literal["alert", "halt", "rollback", "fail"]
+__all__ = [
+    "CHECKPOINT_READ_BYTES_S",
+    "DEFAULT_HANG_FLOOR_S",
+    "DEFAULT_STARTUP_TIMEOUT_S",
+    "PRESETS",
+    "STARTUP_FLOOR_S",
+    "STARTUP_MULTIPLE",
+    "Action",
+    "CheckpointSpec",
+    "CommSpec",
+    "CrashFault",
+    "DataSpec",
+    "ElasticSpec",
+    "EntrypointSpec",
+    "Fault",
+    "FieldError",
+    "GuardianSpec",
+    "HangFault",
+    "JobSpec",
+    "MoESpec",
+    "ModelDims",
+    "ModelSpec",
+    "NanFault",
+    "OomFault",
+    "Resources",
+    "SdcFault",
+    "SlowRankFault",
+    "SpikeFault",
+    "StrictModel",
+    "TrainSpec",
+    "describe_errors",
+    "grad_accum_at",
+    "looks_like_credential",
+    "parse_spec",
+    "shrink_node_counts",
+]
+
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 ZeroStage = Literal["auto", 0, 1, 2, 3]
 PresetName = Literal["tiny", "small", "1b", "7b"]
-
-
-class FieldError(ValueError):
-    """A cross-field check's failure that names the field it is about (`faults.0.rank`)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(message)
-
-
-class StrictModel(BaseModel):
-    """Base for spec sections: unknown fields are errors, values are validated on assignment, nothing is
-    coerced (`steps: "10"` and `steps: true` are refused), floats are finite."""
-
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, frozen=True, strict=True, allow_inf_nan=False
-    )
-
-
-class Resources(StrictModel):
-    nodes: int = Field(1, ge=1, le=4096, description="nodes the job spans")
-    gpus_per_node: int = Field(
-        1, ge=1, le=64, description="device slots per node (CPU slots on a node without GPUs)"
-    )
-    # What the job's ranks on one node may use together (its cgroup there; see vigil_worker.cgroups).
-    max_processes: int = Field(
-        4096, ge=16, le=4_194_304, description="processes and threads of the job's ranks on a node at once"
-    )
-    memory_mb: int | None = Field(
-        None, ge=64, le=64 * 1024 * 1024, description="the job's ranks' memory on a node (MiB); unset: none"
-    )
-    cpus: float | None = Field(
-        None, ge=0.01, le=4096, description="CPU time of the job's ranks on a node, in cores; unset: no limit"
-    )
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @model_serializer(mode="wrap")
-    def _limits_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The limits only when they are not the defaults: a spec that sets none serialises as it did
-        before they existed (LaunchJob v1's wire format, which older workers, refusing unknown fields,
-        keep reading)."""
-        data = handler(self)
-        for name in ("max_processes", "memory_mb", "cpus"):
-            if name in data and data[name] == type(self).model_fields[name].default:
-                del data[name]
-        return data
 
 
 class MoESpec(StrictModel):
@@ -329,161 +337,6 @@ class CheckpointSpec(StrictModel):
         return v
 
 
-DEFAULT_HANG_FLOOR_S = 5.0  # a checkpoint save or an evaluation can take many times a sub-second step
-DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a 70B checkpoint, NCCL's start across hundreds of nodes: minutes
-# Once a job has measured a start-up, its limit is learned (`vigil_guardian.hang.startup_limit`):
-STARTUP_MULTIPLE = 3.0  # k x the job's longest measured start-up,
-STARTUP_FLOOR_S = 60.0  # never under this (a warm first start-up, then a cold relaunch that imports),
-CHECKPOINT_READ_BYTES_S = 200e6  # nor under the time its checkpoint takes to read (and hash) at this rate
-
-
-class GuardianSpec(StrictModel):
-    nan: Action = "rollback"
-    spike: Action = "rollback"
-    divergence: Action = "rollback"
-    imbalance: Action = "alert"
-    straggler: Action = "alert"
-    hang: Action = "rollback"
-    gpu_health: Action = "alert"
-    hang_timeout_s: float = Field(
-        60.0,
-        gt=0,
-        le=86_400,
-        description="hung after this long without a step, whatever the step time (once a rank has made its "
-        "first step of the attempt: before, `startup_timeout_s`), and a rollback after this long",
-    )
-    hang_step_multiple: float = Field(
-        10.0,
-        ge=2,
-        le=10_000,
-        description="k: also hung after k x the job's p99 step time (over `hang_window`) without a step",
-    )
-    hang_floor_s: float | None = Field(
-        None,
-        gt=0,
-        le=86_400,
-        description="the step-time limit never judges a shorter silence a hang (a save, an evaluation); "
-        f"null: {DEFAULT_HANG_FLOOR_S:g} s, or hang_timeout_s if that is shorter",
-    )
-    hang_window: int = Field(100, ge=10, le=10_000, description="the steps the p99 step time is taken over")
-    startup_timeout_s: float = Field(
-        DEFAULT_STARTUP_TIMEOUT_S,
-        gt=0,
-        le=7 * 86_400,
-        description="an attempt's start-up (from its launch to each rank's first step: imports, the process "
-        "group, building the engine, loading the checkpoint) is hung after this long; once the job has "
-        f"measured a start-up, the limit is the shorter of this and {STARTUP_MULTIPLE:g} x its longest "
-        f"start-up (at least {STARTUP_FLOOR_S:g} s), and never under the time its checkpoint takes to read "
-        f"at {CHECKPOINT_READ_BYTES_S / 1e6:g} MB/s. Step times never judge a start-up",
-    )
-    max_rollbacks: int = Field(3, ge=0, le=1000)
-    spike_zscore: float = Field(6.0, gt=0, le=1e6, description="robust z-score over the rolling median/MAD")
-    spike_window: int = Field(50, ge=5, le=10_000)
-    spike_warmup: int = Field(10, ge=1, le=10_000_000, description="steps seen before spikes are judged")
-    spike_skip_steps: int = Field(
-        1, ge=0, le=10_000, description="data window skipped after a spike or NaN the data reproduces"
-    )
-    replay: bool = Field(
-        True,
-        description="the built-in trainer holds a NaN or spike step whose action is rollback and replays "
-        "it once in place: clean, a transient fault (the device gets a strike); reproduced, the data "
-        "window is skipped; bad again right after a skip, a rollback",
-    )
-    sdc: Action = Field("rollback", description="a device with sdc_strikes strikes: relaunch without it")
-    sdc_strikes: int = Field(2, ge=1, le=1000, description="transient faults that mark a device unhealthy")
-    sdc_window: int = Field(10_000, ge=1, le=100_000_000, description="steps over which strikes count")
-    divergence_window: int = Field(50, ge=5, le=100_000)
-    divergence_tolerance: float = Field(
-        0.1,
-        gt=0,
-        le=1e6,
-        description="relative rise of the loss trend across the window (and a significant one)",
-    )
-    imbalance_threshold: float = Field(0.2, gt=0, lt=10)
-    imbalance_steps: int = Field(5, ge=1, le=10_000)
-
-    @property
-    def hang_floor(self) -> float:
-        """The floor in effect: `hang_floor_s`, else 5 s (never above `hang_timeout_s`)."""
-        if self.hang_floor_s is not None:
-            return self.hang_floor_s
-        return min(DEFAULT_HANG_FLOOR_S, self.hang_timeout_s)
-
-    @model_validator(mode="after")
-    def _floor_below_timeout(self) -> GuardianSpec:
-        if self.hang_floor_s is not None and self.hang_floor_s > self.hang_timeout_s:
-            raise FieldError(
-                "guardian.hang_floor_s",
-                f"guardian.hang_floor_s ({self.hang_floor_s:g}) exceeds guardian.hang_timeout_s "
-                f"({self.hang_timeout_s:g}): the floor is the shortest silence judged a hang, the timeout "
-                "the longest; lower the floor or raise the timeout",
-            )
-        return self
-
-
-class _Fault(StrictModel):
-    step: int = Field(ge=0, le=10_000_000, description="the step at which the fault fires")
-    rank: int = Field(0, ge=0, le=4096 * 64)
-    repeat: bool = Field(False, description="fire every time the step is reached, not only once per job")
-
-
-class _DataFault(_Fault):
-    """A fault in the data: it fires whenever `step` reads its data position again (a replay
-    reproduces it; skipping the data window cures it)."""
-
-    data_position: int | None = Field(
-        None,
-        ge=0,
-        le=10_000_000_000,
-        description="its data position; null: the one `step` first reads",
-    )
-
-
-class NanFault(_DataFault):
-    kind: Literal["nan"]
-
-
-class SpikeFault(_DataFault):
-    kind: Literal["spike"]
-    factor: float = Field(50.0, gt=1.0, le=1e6, description="the loss is multiplied by this")
-
-
-class SdcFault(_Fault):
-    """Silent data corruption: one rank's result of `step` is corrupted on its first execution only, as a
-    flipped bit in a GPU would (a replay of the step is clean)."""
-
-    kind: Literal["sdc"]
-    factor: float | None = Field(
-        None, gt=1.0, le=1e6, description="the loss (and so the gradient) is multiplied by this; null: NaN"
-    )
-
-
-class SlowRankFault(_Fault):
-    kind: Literal["slow_rank"]
-    delay_s: float = Field(0.2, gt=0, le=600, description="extra delay per step from `step` on")
-
-
-class CrashFault(_Fault):
-    kind: Literal["crash"]
-    exit_code: int = Field(3, ge=1, le=255)
-
-
-class HangFault(_Fault):
-    kind: Literal["hang"]
-
-
-class OomFault(_Fault):
-    """The step's first forward raises torch.OutOfMemoryError, as a CUDA OOM would."""
-
-    kind: Literal["oom"]
-
-
-Fault = Annotated[
-    NanFault | SpikeFault | SdcFault | SlowRankFault | CrashFault | HangFault | OomFault,
-    Field(discriminator="kind"),
-]
-
-
 class JobSpec(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     priority: int = Field(0, ge=-1000, le=1000)
@@ -547,16 +400,13 @@ def describe_errors(err: ValidationError) -> list[dict[str, str]]:
     out = []
     for e in err.errors(include_url=False):
         cause = (e.get("ctx") or {}).get("error")
-        prefix = [str(p) for p in e["loc"] if not (isinstance(p, str) and p in _FAULT_KINDS)]
+        prefix = [str(p) for p in e["loc"] if not (isinstance(p, str) and p in FAULT_KINDS)]
         loc = cause.field if isinstance(cause, FieldError) else ".".join(prefix)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         out.append({"field": loc or "(spec)", "message": msg})
     return out
-
-
-_FAULT_KINDS = {"nan", "spike", "slow_rank", "crash", "hang", "oom"}
 
 
 def parse_spec(data: bytes | str | dict[str, Any], *, content_type: str | None = None) -> JobSpec:
