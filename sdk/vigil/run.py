@@ -297,7 +297,9 @@ class Run:
     def restore(self, *, safe_globals: list[Any] | None = None) -> snap.Restored | None:
         """Every rank, on a relaunch: the newest in-memory snapshot every rank has whole (its own copy, or
         the one its peer holds), no older than `resume_from`; None: none, load `resume_from` from disk.
-        The state is read with `weights_only=True`: tensors, plain containers and `safe_globals`."""
+        The state is read with `weights_only=True`: tensors, plain containers and `safe_globals`. Where
+        the job changed its size since (an elastic job that shrank or grew: `got.resized_from`), the
+        state is a list: every former rank's state, in rank order, to re-partition."""
         if self.resume_from is None or self.checkpoint_root is None:
             return None
         got = self._open_snapshots().restore(
@@ -307,7 +309,8 @@ class Run:
             return None
         self._add_windows(got.skip_windows)
         self._state.next_step = got.step
-        log.info("vigil: restoring the in-memory snapshot of step %d", got.step)
+        former = f" (taken with {got.resized_from} ranks, {self.world_size} now)" if got.resized_from else ""
+        log.info("vigil: restoring the in-memory snapshot of step %d%s", got.step, former)
         return got
 
     def _open_snapshots(self) -> RunSnapshots:

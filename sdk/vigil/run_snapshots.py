@@ -139,17 +139,22 @@ class RunSnapshots:
         self, resume_from: Path, checkpoint_root: Path, *, skip: bool, safe_globals: list[Any] | None
     ) -> snap.Restored | None:
         """Every rank, on a relaunch: the newest snapshot every rank has whole, no older than
-        `resume_from` (`Snapshots.resume` says which may be taken); None: none."""
+        `resume_from` (`Snapshots.resume` says which may be taken); None: none. Where the job changed its
+        size since the snapshot (elastic), its state is every former rank's, in rank order (`resized_from`:
+        the former size)."""
         got = self.snapshots.resume(resume_from, checkpoint_root, skip=skip)
         if got is None:
             return None
-        m, data = got
+        m = got.manifest
         self._last = m.step
+        resized = got.world != self.snapshots.world
+        states = [snap.deserialize(data, safe_globals) for _, data in got.shards]
         return snap.Restored(
             step=m.step,
-            state=snap.deserialize(data, safe_globals),
+            state=states if resized else states[0],
             data_position=m.data_position,
             skip_windows=[(int(a), int(b)) for a, b in m.skip_windows],
+            resized_from=got.world if resized else None,
         )
 
     def drop_after(self, step: int) -> None:

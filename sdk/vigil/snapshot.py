@@ -59,11 +59,13 @@ def ring_source(rank: int, local_world: int, world: int) -> int | None:
 
 @dataclass(frozen=True)
 class Holdings:
-    """The whole snapshots one rank has: of its own shard, and of the shards it holds for peers."""
+    """The whole snapshots one rank has: of its own shard, and of the shards it holds for peers; and on
+    its node, the shards of the job at its other sizes (an elastic job that shrank or grew)."""
 
     rank: int
     own: tuple[int, ...] = ()
     peer: dict[int, tuple[int, ...]] = field(default_factory=dict)  # source rank -> its steps held here
+    elsewhere: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # (world, rank) -> steps
 
 
 def provider(holdings: list[Holdings], rank: int, step: int) -> int | None:
@@ -83,6 +85,28 @@ def choose_step(holdings: list[Holdings], world: int, *, lo: int, hi: int | None
         if all(provider(holdings, r, step) is not None for r in range(world)):
             return step
     return None
+
+
+def resized_provider(holdings: list[Holdings], world: int, rank: int, step: int) -> int | None:
+    """Which rank's node holds the shard of `rank` of the job at `world` ranks, of `step`."""
+    return next((h.rank for h in holdings if step in h.elsewhere.get((world, rank), ())), None)
+
+
+def choose_resized(holdings: list[Holdings], *, lo: int, hi: int | None = None) -> tuple[int, int] | None:
+    """The newest step in [lo, hi] of the job at another size whose every shard some rank's node holds:
+    (that size, the step); None: there is none."""
+    best: tuple[int, int] | None = None
+    worlds = {w for h in holdings for w, _ in h.elsewhere}
+    for world in worlds:
+        steps = {s for h in holdings for (w, _), v in h.elsewhere.items() if w == world for s in v}
+        for step in sorted(steps, reverse=True):
+            if step < lo or (hi is not None and step > hi):
+                continue
+            if all(resized_provider(holdings, world, r, step) is not None for r in range(world)):
+                if best is None or step > best[1]:
+                    best = (world, step)
+                break
+    return best
 
 
 def auto_interval(cost_s: float, step_s: float) -> int:
@@ -144,9 +168,23 @@ class Restored:
     """What `Run.restore` gives a program: the snapshot's step, its state, the data position it read."""
 
     step: int
-    state: Any
+    state: Any  # resized: every rank's state of the job at its former size, in rank order
     data_position: int
     skip_windows: list[tuple[int, int]] = field(default_factory=list)  # those the snapshot's step had
+    resized_from: int | None = None  # the job's size when the snapshot was taken, where it has changed since
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A relaunch's shards: this rank's own (`world` is the job's size), or, where the job has changed its
+    size since the snapshot, every shard of the job at its former size `world`, in rank order."""
+
+    world: int
+    shards: list[tuple[SnapshotManifest, bytes]]
+
+    @property
+    def manifest(self) -> SnapshotManifest:
+        return self.shards[0][0]
 
 
 @dataclass
@@ -184,7 +222,8 @@ class Snapshots:
         local_world: int,
         group: Any = None,
     ) -> None:
-        self.folder, self.job_id, self.rank, self.world = folder, job_id, rank, world
+        self.folder = folder.at_world(world) if folder is not None else None
+        self.job_id, self.rank, self.world = job_id, rank, world
         self.partner = ring_partner(rank, local_world, world) if group is not None else None
         self.source = ring_source(rank, local_world, world) if group is not None else None
         self.group = group
@@ -219,6 +258,7 @@ class Snapshots:
             skip_windows=[tuple(w) for w in skip_windows],  # type: ignore[misc]
             bytes=0,
             sha256="0" * 64,
+            world=self.world,
         )
         if pin:  # a rollback goes to a disk checkpoint's step: the newest one stays here, no other
             self.held = {step: Held(host, m)}
@@ -282,6 +322,8 @@ class Snapshots:
         if self.partner is not None:
             peer_m, peer_data = self._exchange(m, data)
             self.folder.write("peer", peer_m, peer_data)
+        for former in self.folder.other_worlds():  # the job resized: this size has a snapshot of its own
+            former.remove_world()
 
     def _exchange(self, m: SnapshotManifest, data: memoryview) -> tuple[SnapshotManifest, memoryview]:
         """Send this shard to the partner and receive the source's, on the snapshot group. Its hash is
@@ -300,7 +342,12 @@ class Snapshots:
         if self.folder is None:
             return Holdings(self.rank)
         peer = {self.source: self.folder.whole("peer", self.source)} if self.source is not None else {}
-        return Holdings(self.rank, self.folder.whole("rank", self.rank), peer)
+        elsewhere: dict[tuple[int, int], tuple[int, ...]] = {}
+        for former in self.folder.other_worlds():
+            for kind, r in former.shards():
+                steps = set(elsewhere.get((former.world, r), ())) | set(former.whole(kind, r))
+                elsewhere[(former.world, r)] = tuple(sorted(steps))
+        return Holdings(self.rank, self.folder.whole("rank", self.rank), peer, elsewhere)
 
     def in_process(self, step: int) -> Held | None:
         return self.held.get(step)
@@ -318,6 +365,11 @@ class Snapshots:
             for s in self.folder.steps(kind, r):
                 if s > step:
                     self.folder.remove(kind, r, s)
+        for former in self.folder.other_worlds():  # the job at its former size: abandoned steps too
+            for kind, r in former.shards():
+                for s in former.steps(kind, r):
+                    if s > step:
+                        former.remove(kind, r, s)
 
     def remove_all(self) -> None:
         """The job is done: this rank's files go (its own and those it held for its peer)."""
@@ -327,6 +379,8 @@ class Snapshots:
             self.folder.remove_shard("rank", self.rank)
             if self.source is not None:
                 self.folder.remove_shard("peer", self.source)
+            for former in self.folder.other_worlds():
+                former.remove_world()
 
     # --- a relaunch: agree on a step, then each rank gets its shard -----------------------------------
 
@@ -342,16 +396,16 @@ class Snapshots:
             dist.all_gather_object(everyone, mine, group=self.group)
         return choose_step(everyone, self.world, lo=lo, hi=hi), everyone
 
-    def resume(
-        self, resume_from: str | Path, checkpoint_root: Path, *, skip: bool
-    ) -> tuple[SnapshotManifest, bytes] | None:
+    def resume(self, resume_from: str | Path, checkpoint_root: Path, *, skip: bool) -> Fetched | None:
         """Every rank (collective), on a relaunch from the disk checkpoint `resume_from`: this rank's shard
         of the newest snapshot every rank has whole, no older than that checkpoint; None: load the disk.
 
         Steps newer than the checkpoint are taken only on a relaunch from the job's newest checkpoint
         with no data to skip (`skip` False: a crash, a hang, a preemption); a rollback's relaunch to an
         older step takes a snapshot of that very step at most (the steps after it are abandoned). Every
-        snapshot newer than the step loaded is dropped either way."""
+        snapshot newer than the step loaded is dropped either way. Where the job changed its size since
+        (elastic), the newest step of its former size whose every shard some node holds is taken, when it
+        is newer than any of its present size: every rank gets every shard (`fetch_resized`)."""
         import torch.distributed as dist
 
         from vigil.manifest import checkpoints, step_of
@@ -364,8 +418,15 @@ class Snapshots:
             newest[0] = max((s for s, _ in checkpoints(checkpoint_root, self.job_id)), default=None)
         if dist.is_initialized() and self.world > 1:
             dist.broadcast_object_list(newest, src=0, group=self.group)
-        step, holdings = self.agree(lo=lo, hi=None if newest[0] == lo and not skip else lo)
-        got = None if step is None else self.fetch(step, holdings)
+        hi = None if newest[0] == lo and not skip else lo
+        step, holdings = self.agree(lo=lo, hi=hi)
+        resized = choose_resized(holdings, lo=lo, hi=hi)
+        got: Fetched | None = None
+        if resized is not None and (step is None or resized[1] > step):
+            world, step = resized
+            got = Fetched(world, self.fetch_resized(world, step, holdings))
+        elif step is not None:
+            got = Fetched(self.world, [self.fetch(step, holdings)])
         self.drop_after(lo if step is None else step)
         return got
 
@@ -393,6 +454,62 @@ class Snapshots:
                     log.warning("vigil: rank %d takes its snapshot of step %d from rank %d", r, step, src)
         assert mine is not None
         return mine
+
+    def fetch_resized(
+        self, world: int, step: int, holdings: list[Holdings]
+    ) -> list[tuple[SnapshotManifest, bytes]]:
+        """Every rank (collective): every shard of `step` of the job at its former size `world`, in rank
+        order, each sent by a rank whose node holds it (checked against its manifest on arrival). Every
+        rank gets all of them: re-partitioning them to the present size needs the whole state."""
+        import torch.distributed as dist
+
+        assert self.folder is not None
+        former = self.folder.at_world(world)
+        out: list[tuple[SnapshotManifest, bytes]] = []
+        for r in range(world):
+            src = resized_provider(holdings, world, r, step)
+            assert src is not None
+            if self.rank == src:
+                m, data = _read_any(former, r, step)
+            if self.world > 1 and dist.is_initialized():
+                head = _broadcast(m.model_dump_json().encode() if self.rank == src else b"", src, self.group)
+                data = bytes(_broadcast(data if self.rank == src else b"", src, self.group))
+                if self.rank != src:
+                    m = SnapshotManifest.model_validate_json(bytes(head))
+                    if len(data) != m.bytes or sha256_of(data) != m.sha256 or (m.rank, m.step) != (r, step):
+                        raise CheckpointError(
+                            f"the copy of rank {r} (of {world}) step {step} arrived corrupt"
+                        )
+            out.append((m, data))
+        log.warning(
+            "vigil: the job had %d ranks at step %d, %d now: every rank takes all %d shards",
+            world,
+            step,
+            self.world,
+            world,
+        )
+        return out
+
+
+def _read_any(folder: SnapshotFolder, rank: int, step: int) -> tuple[SnapshotManifest, bytes]:
+    """Rank `rank`'s shard of `step` from this node: its own copy, else the peer copy held for it."""
+    try:
+        return folder.read("rank", rank, step)
+    except CheckpointError:
+        return folder.read("peer", rank, step)
+
+
+def _broadcast(data: bytes | memoryview, src: int, group: Any) -> memoryview:
+    """`data` from rank `src` to every rank of `group` (its length first)."""
+    import torch
+    import torch.distributed as dist
+
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(n, src, group=group)
+    buf = _tensor(data) if dist.get_rank() == src else torch.empty(int(n.item()), dtype=torch.uint8)
+    if int(n.item()):
+        dist.broadcast(buf, src, group=group)
+    return memoryview(buf.numpy())
 
 
 def _send(data: bytes | memoryview, dst: int, group: Any) -> None:

@@ -1,7 +1,9 @@
 """An in-memory snapshot's files on its node (`vigil.snapshot` takes them): under the job's snapshot folder
-(`VIGIL_SNAPSHOT_DIR`, on /dev/shm), `rank_<r>/step_<S>.bin` (rank r's own) and `peer_<r>/step_<S>.bin`
-(rank r's shard held for it), each beside its `.json` manifest, written last by an atomic rename: a torn
-snapshot has none and is never whole. The newest `KEEP` of each are kept."""
+(`VIGIL_SNAPSHOT_DIR`, on /dev/shm), `world_<W>/rank_<r>/step_<S>.bin` (rank r's own, of a job of W ranks)
+and `world_<W>/peer_<r>/step_<S>.bin` (rank r's shard held for it), each beside its `.json` manifest,
+written last by an atomic rename: a torn snapshot has none and is never whole. The newest `KEEP` of each
+are kept. A job that changed its size (elastic) finds the shards of its former size under their own
+`world_<W>`, until the new size has a snapshot of its own."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class SnapshotManifest(BaseModel):
     skip_windows: list[tuple[int, int]] = Field(default_factory=list, max_length=100_000)
     bytes: int = Field(ge=0, le=2**62)
     sha256: str = Field(min_length=64, max_length=64)
+    world: int | None = Field(None, ge=1, le=1_000_000, description="the job's ranks when it was taken")
 
 
 def sha256_of(data: bytes | memoryview) -> str:
@@ -42,13 +45,38 @@ def sha256_of(data: bytes | memoryview) -> str:
 
 
 class SnapshotFolder:
-    """One job's snapshot files on one node (the folder holds every local rank's, each its own files)."""
+    """One job's snapshot files on one node, of the job at one size (`world` ranks): the folder holds
+    every local rank's, each its own files."""
 
-    def __init__(self, root: Path, job_id: str) -> None:
-        self.root, self.job_id = root, job_id
+    def __init__(self, root: Path, job_id: str, world: int = 1) -> None:
+        self.root, self.job_id, self.world = root, job_id, world
 
     def shard_dir(self, kind: Literal["rank", "peer"], rank: int) -> Path:
-        return self.root / f"{kind}_{rank}"
+        return self.root / f"world_{self.world}" / f"{kind}_{rank}"
+
+    def at_world(self, world: int) -> SnapshotFolder:
+        """The same job's files on this node of the job at `world` ranks."""
+        return SnapshotFolder(self.root, self.job_id, world)
+
+    def other_worlds(self) -> list[SnapshotFolder]:
+        """The job's files on this node of its other sizes (elastic), by size."""
+        found = (p.name.removeprefix("world_") for p in self.root.glob("world_*") if p.is_dir())
+        return [self.at_world(int(w)) for w in sorted(found) if w.isdigit() and int(w) != self.world]
+
+    def shards(self) -> list[tuple[Literal["rank", "peer"], int]]:
+        """Every shard with a folder here: (kind, rank)."""
+        out: list[tuple[Literal["rank", "peer"], int]] = []
+        for kind in ("rank", "peer"):
+            base = self.root / f"world_{self.world}"
+            for p in base.glob(f"{kind}_*") if base.is_dir() else ():
+                number = p.name.removeprefix(f"{kind}_")
+                if number.isdigit():
+                    out.append((kind, int(number)))  # type: ignore[arg-type]
+        return sorted(out)
+
+    def remove_world(self) -> None:
+        """Every file of the job at this size, on this node."""
+        shutil.rmtree(self.root / f"world_{self.world}", ignore_errors=True)
 
     def write(self, kind: Literal["rank", "peer"], m: SnapshotManifest, data: bytes | memoryview) -> None:
         """The snapshot's bytes, then its manifest by atomic rename (its last write); older ones pruned."""
@@ -79,8 +107,8 @@ class SnapshotFolder:
             data = stem.with_suffix(".bin").read_bytes()
         except (OSError, ValidationError) as exc:
             raise CheckpointError(f"snapshot {stem}: unreadable ({exc})") from exc
-        if (m.job_id, m.rank, m.step) != (self.job_id, rank, step):
-            names = f"{m.job_id} rank {m.rank} step {m.step}"
+        if (m.job_id, m.rank, m.step) != (self.job_id, rank, step) or m.world not in (None, self.world):
+            names = f"{m.job_id} rank {m.rank} step {m.step} world {m.world}"
             raise CheckpointError(f"snapshot {stem}: its manifest names {names}")
         if len(data) != m.bytes:
             raise CheckpointError(f"snapshot {stem}: {len(data)} bytes, its manifest says {m.bytes}")
@@ -112,4 +140,4 @@ class SnapshotFolder:
 def snapshot_folder_from_env(job_id: str) -> SnapshotFolder | None:
     """The job's snapshot folder on this node, from `VIGIL_SNAPSHOT_DIR`; None without it."""
     path = os.environ.get(SNAPSHOT_DIR_ENV)
-    return SnapshotFolder(Path(path), job_id) if path else None
+    return SnapshotFolder(Path(path), job_id) if path else None  # at its size: `at_world`

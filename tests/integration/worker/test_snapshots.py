@@ -83,10 +83,10 @@ async def test_a_crashed_rank_is_relaunched_from_its_peer_copy_and_trains_as_wit
     expected = await fault_free(ready_cluster, bus, job_id + "-free")
 
     def lose_own_copy(job: str) -> None:  # the node of rank 1 lost its memory of the job
-        own = shm(ready_cluster, 1, job) / "rank_1"
+        own = shm(ready_cluster, 1, job) / "world_2" / "rank_1"
         assert sorted(p.name for p in own.glob("*.json")) == ["step_00000006.json", "step_00000008.json"]
         shutil.rmtree(own)
-        assert (shm(ready_cluster, 0, job) / "peer_1" / "step_00000008.json").is_file()
+        assert (shm(ready_cluster, 0, job) / "world_2" / "peer_1" / "step_00000008.json").is_file()
 
     rec, resumed = await crash_and_relaunch(ready_cluster, bus, job_id, lose_own_copy)
     assert resumed == 8  # not the disk checkpoint's 5: the snapshot of step 8, rank 1's from its peer
@@ -113,11 +113,13 @@ async def test_a_corrupt_or_torn_snapshot_is_refused_and_the_next_whole_one_used
     expected = await fault_free(ready_cluster, bus, job_id + "-free")
 
     def damage(job: str) -> None:
-        own = shm(ready_cluster, 0, job) / "rank_0" / "step_00000008.bin"  # rank 0's own copy: a flipped byte
+        own = (
+            shm(ready_cluster, 0, job) / "world_2" / "rank_0" / "step_00000008.bin"
+        )  # rank 0's own copy: a flipped byte
         data = bytearray(own.read_bytes())
         data[len(data) // 2] ^= 0xFF
         own.write_bytes(bytes(data))
-        torn = shm(ready_cluster, 1, job) / "peer_0" / "step_00000008.json"  # its peer copy: torn
+        torn = shm(ready_cluster, 1, job) / "world_2" / "peer_0" / "step_00000008.json"  # its peer copy: torn
         torn.unlink()
 
     rec, resumed = await crash_and_relaunch(ready_cluster, bus, job_id, damage)

@@ -15,9 +15,11 @@ from vigil.snapshot import (
     Holdings,
     Snapshots,
     auto_interval,
+    choose_resized,
     choose_step,
     deserialize,
     provider,
+    resized_provider,
     ring_partner,
     ring_source,
     serialize,
@@ -88,19 +90,21 @@ def test_a_snapshot_file_is_whole_only_with_its_manifest_and_matching_hash(tmp_p
     assert folder.steps("rank", 0) == [4, 6][-KEEP:]  # the oldest pruned
     assert folder.read("rank", 0, 6)[1] == b"x" * 6
 
-    (tmp_path / "rank_0" / "step_00000006.bin").write_bytes(b"y" * 6)  # same size, other bytes
+    (folder.shard_dir("rank", 0) / "step_00000006.bin").write_bytes(b"y" * 6)  # same size, other bytes
     with pytest.raises(CheckpointError, match="SHA-256"):
         folder.read("rank", 0, 6)
     assert folder.whole("rank", 0) == (4,)  # the corrupt one refused, and removed
     assert folder.steps("rank", 0) == [4]
 
-    (tmp_path / "rank_0" / "step_00000008.bin").write_bytes(b"z" * 8)  # torn: died before its manifest
+    (folder.shard_dir("rank", 0) / "step_00000008.bin").write_bytes(
+        b"z" * 8
+    )  # torn: died before its manifest
     assert folder.whole("rank", 0) == (4,)
     other = SnapshotFolder(tmp_path, "another-job")
     with pytest.raises(CheckpointError, match="names j"):
         other.read("rank", 0, 4)
-    bad = json.loads((tmp_path / "rank_0" / "step_00000004.json").read_text()) | {"bytes": -1}
-    (tmp_path / "rank_0" / "step_00000004.json").write_text(json.dumps(bad))
+    bad = json.loads((folder.shard_dir("rank", 0) / "step_00000004.json").read_text()) | {"bytes": -1}
+    (folder.shard_dir("rank", 0) / "step_00000004.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="unreadable"):
         folder.read("rank", 0, 4)
 
@@ -136,8 +140,8 @@ def test_one_rank_takes_keeps_drops_and_resumes_its_snapshots(tmp_path):
         (d / MANIFEST).write_text("{}")
     again = Snapshots(folder, job_id="j", rank=0, world=1, local_world=1)
     got = again.resume(step_dir(root, "j", 2), root, skip=False)
-    assert got is not None and got[0].step == 5
-    assert torch.equal(deserialize(got[1])["w"], torch.full((2,), 5.0))
+    assert got is not None and got.manifest.step == 5 and got.world == 1
+    assert torch.equal(deserialize(got.shards[0][1])["w"], torch.full((2,), 5.0))
     # with data to skip it is a rollback's relaunch: nothing newer than its checkpoint (none of step 2)
     assert again.resume(step_dir(root, "j", 2), root, skip=True) is None
     assert folder.steps("rank", 0) == []  # the abandoned steps' snapshots dropped
@@ -202,3 +206,42 @@ def test_a_run_ends_only_after_its_last_snapshot_is_written(tmp_path, monkeypatc
     run.close()
     assert written.is_set() and not any(t.name == "vigil-snapshot" for t in threading.enumerate())
     assert SnapshotFolder(tmp_path / "shm", "j").steps("rank", 0) == [3]
+
+
+def test_a_job_that_changed_size_takes_every_shard_of_its_former_size(tmp_path):
+    root, folder = tmp_path / "ckpt", SnapshotFolder(tmp_path / "shm", "j")
+    d = step_dir(root, "j", 2)
+    d.mkdir(parents=True)
+    (d / MANIFEST).write_text("{}")
+    # two ranks on this node took steps 3 and 4 (no peer exchange: both shards are here)
+    for rank in (0, 1):
+        two = Snapshots(folder, job_id="j", rank=rank, world=2, local_world=2)
+        for step in (3, 4):
+            two.take(step, {"w": torch.full((2,), 10.0 * rank + step)}, data_position=step, skip_windows=[])
+            two.wait()
+    assert folder.at_world(2).steps("rank", 1) == [3, 4]
+
+    one = Snapshots(folder, job_id="j", rank=0, world=1, local_world=1)
+    got = one.resume(step_dir(root, "j", 2), root, skip=False)
+    assert got is not None and got.world == 2 and got.manifest.step == 4
+    assert [deserialize(data)["w"].tolist() for _, data in got.shards] == [[4.0, 4.0], [14.0, 14.0]]
+
+    # the job at its new size takes a snapshot of its own: its former size's files go
+    one.take(5, {"w": torch.zeros(2)}, data_position=5, skip_windows=[])
+    one.wait()
+    assert folder.at_world(1).other_worlds() == []
+    assert not (tmp_path / "shm" / "world_2").exists()
+    again = Snapshots(folder, job_id="j", rank=0, world=1, local_world=1)
+    got = again.resume(step_dir(root, "j", 2), root, skip=False)
+    assert got is not None and got.world == 1 and got.manifest.step == 5
+
+
+def test_a_former_size_is_chosen_only_where_every_shard_is_held_and_newer_than_the_present_size():
+    h0 = Holdings(0, own=(6,), elsewhere={(2, 0): (4, 8), (2, 1): (4,)})
+    h1 = Holdings(1, own=(6,), elsewhere={(2, 1): (4, 8)})
+    assert choose_resized([h0, h1], lo=0) == (2, 8)  # rank 1's node holds the other shard of step 8
+    assert choose_resized([h0], lo=0) == (2, 4)  # alone, only step 4 is whole
+    assert choose_resized([h0, h1], lo=0, hi=5) == (2, 4)
+    assert choose_resized([h0, h1], lo=9) is None
+    assert choose_resized([Holdings(0, own=(6,))], lo=0) is None
+    assert resized_provider([h0, h1], 2, 1, 8) == 1
