@@ -19,13 +19,20 @@ Hot spares (`spare_nodes`, `VIGIL_HOT_SPARES`): whole free nodes held in reserve
 never use them; a job whose previous attempt lost a node or a device (`lost_capacity`) takes one when the
 free capacity does not hold it, ahead of the queue (a blocked head job does not hold it up). The reserve
 refills from freed capacity first: it is chosen before the queue is placed.
+
+Elastic shrink (`PlacementRequest.shrink_nodes`, from the spec's `resources.elastic`): a job that lost
+capacity, and fits neither on free capacity nor on a spare, continues on fewer nodes: the largest count
+it allows, on the nodes it held where they hold it (its parked survivors take the launch there), with
+`world_size x n / max_nodes` ranks. Like a spare, a shrink is not held up by a blocked head job (it then
+uses only the nodes it held and the spares). A job running shrunk that is requeued again tries its whole
+size first, and continues shrunk when that does not fit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 from vigil_scheduler.quotas import Ledger
 
@@ -122,12 +129,32 @@ class PlacementRequest:
     reusable: frozenset[tuple[str, int]] = field(default_factory=frozenset)
     owner: str | None = None  # whose quota the job counts against (`quotas`)
     team: str | None = None
+    # Elastic: the node counts below `max_nodes` it may continue on, largest first (each at
+    # `world_size / max_nodes` ranks a node); empty: it is not elastic (see `vigil.spec.shrink_node_counts`).
+    shrink_nodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be at least 1, got {self.max_nodes}")
+        if self.shrink_nodes:
+            if self.world_size % self.max_nodes:
+                raise ValueError(
+                    f"an elastic job's world_size ({self.world_size}) must be a multiple of its max_nodes "
+                    f"({self.max_nodes})"
+                )
+            counts = self.shrink_nodes
+            if any(not 1 <= n < self.max_nodes for n in counts) or any(a <= b for a, b in pairwise(counts)):
+                raise ValueError(
+                    f"shrink_nodes {self.shrink_nodes} must be distinct counts from {self.max_nodes - 1} "
+                    "down to 1, largest first"
+                )
+
+    def on_nodes(self, nodes: int) -> PlacementRequest:
+        """The same job asked for on `nodes` nodes (a shrink): `world_size x nodes / max_nodes` ranks."""
+        per_node = self.world_size // self.max_nodes
+        return replace(self, world_size=per_node * nodes, max_nodes=nodes, shrink_nodes=())
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +260,28 @@ def lost_capacity(request: PlacementRequest, inventory: Inventory) -> bool:
     return False
 
 
+def may_shrink(request: PlacementRequest, inventory: Inventory) -> bool:
+    """May the job continue on fewer nodes? It is elastic, and its previous attempt lost capacity
+    (`lost_capacity`) or already ran shrunk (held fewer devices than the job asks for)."""
+    if not request.shrink_nodes or not request.reusable:
+        return False
+    return lost_capacity(request, inventory) or len(request.reusable) < request.world_size
+
+
+def shrink(request: PlacementRequest, room: Inventory) -> Placement | None:
+    """The job on the largest node count of `request.shrink_nodes` that `room` holds; at each count, on
+    the nodes its previous attempt held first (its parked survivors take the launch), then anywhere in
+    `room`. None when no count fits."""
+    own = {name for name, _ in request.reusable}
+    survivors = _masked(room, own.__contains__)
+    for nodes in request.shrink_nodes:
+        smaller = request.on_nodes(nodes)
+        placement = place(smaller, survivors) or place(smaller, room)
+        if placement is not None:
+            return placement
+    return None
+
+
 def _masked(inventory: Inventory, keep: Callable[[str], bool]) -> Inventory:
     """The inventory with every node `keep` refuses taken out of placement (as if not alive)."""
     return Inventory(tuple(n if keep(n.name) else replace(n, alive=False) for n in inventory.nodes))
@@ -255,34 +304,42 @@ def plan(
     `spares` whole free nodes are held in reserve (`spare_nodes`): no placement uses them but that of a
     job that lost capacity (`lost_capacity`), and only where the free capacity does not hold it; behind a
     blocked job, such a job still takes a spare (with the nodes it held), and nothing else.
+
+    An elastic job that lost capacity and fits neither way is placed on fewer nodes (`shrink`), from the
+    free capacity and the spares; behind a blocked job, from the nodes it held and the spares only.
     """
     reserve = spare_nodes(inventory, spares)
     placed: list[Placement] = []
     blocked = False
     for request in sorted(queue, key=lambda r: (-r.priority, r.seq)):
-        if blocked and not reserve:
-            break  # behind a blocked job only a spare is placed, and there is none
+        if blocked and not (reserve or request.shrink_nodes):
+            continue  # behind a blocked job only a spare or a shrink is placed
         quota = (request.job_id, request.owner, request.team, request.world_size)
         if ledger is not None and (why := ledger.refusal(*quota)) is not None:
             ledger.waiting[request.job_id] = why
             continue
         public = _masked(inventory, lambda name: name not in reserve) if reserve else inventory
         may_spare = bool(reserve) and lost_capacity(request, inventory)
+        room = inventory if may_spare else public  # where it may go not held up by a blocked job
+        if blocked:  # behind a blocked job: the spares and its own nodes, never the free capacity
+            own = {name for name, _ in request.reusable} | (reserve if may_spare else set())
+            room = _masked(inventory, own.__contains__)
         placement = None
         if not blocked:
             placement = place(request, public)
             if placement is None and may_spare:
-                placement = place(request, inventory)  # the free capacity and the spares
-        elif may_spare:  # behind a blocked job: the spares and its own nodes, never the free capacity
-            own = {name for name, _ in request.reusable} | reserve
-            placement = place(request, _masked(inventory, own.__contains__))
+                placement = place(request, room)  # the free capacity and the spares
+        elif may_spare:
+            placement = place(request, room)
+        if placement is None and may_shrink(request, inventory):
+            placement = shrink(request, room)
         if placement is not None:
             inventory = inventory.assign(placement)
             placed.append(placement)
             if ledger is not None:
-                ledger.take(*quota)
+                ledger.take(request.job_id, request.owner, request.team, len(placement.ranks))
         elif not blocked and fits_ever(request, public):
-            blocked = True  # the jobs behind it wait, but for a spare
+            blocked = True  # the jobs behind it wait, but for a spare or a shrink
     return placed, inventory
 
 
