@@ -68,6 +68,8 @@ class AttemptOut(Out):
     attempt: int
     launched_at: datetime
     placement: list[RankOut]
+    # its ranks: fewer than the spec's nodes x gpus_per_node where an elastic job continued on fewer nodes
+    world_size: int | None = None  # None: from a server before it was reported
     resume_from: str | None
     ended: str | None  # the cause that ended it; None while it runs
 

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from vigil.errors import Conflict, NotFound, SpecError
 from vigil.events import IncidentRaised, LaunchJob, RankPlacement
 from vigil.jobstates import TERMINAL_STATES, JobState
-from vigil.spec import JobSpec
+from vigil.spec import JobSpec, Resources, grad_accum_at, shrink_node_counts
 from vigil_common import subjects, tracing
 from vigil_common.bus import Presence
 from vigil_common.service import wait_any
@@ -192,6 +192,7 @@ class Scheduler:
                     reusable=frozenset((p["node"], p["device"]) for p in job.previous_placement or []),
                     owner=job.owner,
                     team=job.team,
+                    shrink_nodes=_shrink_nodes(job.spec),
                 )
                 for job in jobs.values()
             ]
@@ -245,7 +246,7 @@ class Scheduler:
                 conn,
                 job,
                 JobState.SCHEDULED,
-                f"attempt {job.attempt} placed on {nodes}",
+                f"attempt {job.attempt} placed on {nodes}{_resized(job, launch)}",
                 placement=[r.model_dump() for r in ranks],
                 master_addr=master_addr,
                 master_port=port,
@@ -344,6 +345,15 @@ class Scheduler:
         moved = await lifecycle.requeue(conn, job, cause, max_attempts=self.settings.max_attempts)
         failed = moved.state == JobState.FAILED
         if node is not None:
+            evidence: dict[str, Any] = {"requeued_as_attempt": None if failed else moved.attempt}
+            message = cause
+            resources = Resources.model_validate(job.spec.get("resources") or {})
+            if resources.elastic is not None and not failed:
+                evidence["elastic"] = {"min_nodes": resources.min_nodes, "nodes": resources.nodes}
+                message += (
+                    f"; elastic (resources.elastic.min_nodes {resources.min_nodes}): where no spare or free"
+                    f" node replaces it, the job continues on fewer of its {resources.nodes} nodes"
+                )
             await lifecycle.raise_incident(
                 conn,
                 job,
@@ -353,8 +363,8 @@ class Scheduler:
                     kind="node_lost",
                     action="fail" if failed else "alert",
                     node=node,
-                    message=cause,
-                    evidence={"requeued_as_attempt": None if failed else moved.attempt},
+                    message=message,
+                    evidence=evidence,
                 ),
             )
         return moved
@@ -378,6 +388,35 @@ class Scheduler:
             except (asyncpg.PostgresError, OSError) as exc:
                 log.warning("node check failed, retrying: %s", exc)
             await wait_any(stop, timeout_s=tick)
+
+
+def _shrink_nodes(spec: dict[str, Any]) -> tuple[int, ...]:
+    """The node counts a stored spec lets its job continue on when it loses a node (`PlacementRequest.
+    shrink_nodes`); () for a job that is not elastic (most: read without validating the whole spec)."""
+    resources = spec.get("resources") or {}
+    if not resources.get("elastic"):
+        return ()
+    return shrink_node_counts(Resources.model_validate(resources), int(spec["train"]["grad_accum"]))
+
+
+def _resized(job: Job, launch: LaunchJob) -> str:
+    """What a launch's cause says of its size: an elastic job's attempt on fewer nodes than it asks for
+    (and the gradient accumulation that keeps its global batch), or back to its size after one."""
+    resources = launch.spec.resources
+    world = launch.world_size
+    if world < resources.world_size:
+        nodes = len({r.node for r in launch.placement})
+        said = (
+            f": elastic, continues on {nodes} of {resources.nodes} nodes ({world} of {resources.world_size}"
+            f" ranks; resources.elastic.min_nodes {resources.min_nodes}"
+        )
+        if launch.spec.entrypoint is None:  # the built-in trainer keeps the global batch so
+            grad_accum = launch.spec.train.grad_accum
+            said += f"; train.grad_accum {grad_accum} -> {grad_accum_at(resources, grad_accum, world)}"
+        return said + ")"
+    if job.previous_placement and len(job.previous_placement) < world:
+        return f": elastic, back on {resources.nodes} nodes ({world} ranks)"
+    return ""
 
 
 def _plain(value: Any) -> Any:

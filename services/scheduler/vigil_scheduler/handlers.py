@@ -144,8 +144,9 @@ class Handlers:
             job.id,
             job.attempt,
         )
-        if started >= job.world_size:
-            await self.apply(conn, job, Happened(JobEvent.ALL_STARTED, f"all {job.world_size} ranks started"))
+        if started >= job.attempt_world_size:
+            cause = f"all {job.attempt_world_size} ranks started"
+            await self.apply(conn, job, Happened(JobEvent.ALL_STARTED, cause))
         else:
             await self.apply(conn, job, Happened(JobEvent.RANK_STARTED, f"rank {event.rank} started"))
 
@@ -413,8 +414,8 @@ async def _classify_exit(conn: asyncpg.Connection, job: Job, event: RankExited) 
             job.id,
             job.attempt,
         )
-        if ok >= job.world_size:
-            return Happened(JobEvent.ALL_FINISHED, f"all {job.world_size} ranks exited 0")
+        if ok >= job.attempt_world_size:
+            return Happened(JobEvent.ALL_FINISHED, f"all {job.attempt_world_size} ranks exited 0")
         return Happened(JobEvent.RANK_FINISHED, f"rank {event.rank} exited 0")
     how = f"code {event.exit_code}" if event.exit_code is not None else f"signal {event.signal}"
     cause = f"rank {event.rank} on {event.node} exited with {how} ({event.failure})"
@@ -429,7 +430,7 @@ async def _classify_exit(conn: asyncpg.Connection, job: Job, event: RankExited) 
             job.id,
             job.attempt,
         )
-        if exited < job.world_size:
+        if exited < job.attempt_world_size:
             return Happened(JobEvent.RANK_ENDED, cause)
         cause = f"every rank was ended by its worker (last: rank {event.rank} on {event.node})"
         return Happened(JobEvent.ALL_ENDED, cause)

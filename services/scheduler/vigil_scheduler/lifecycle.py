@@ -79,6 +79,12 @@ class Job:
     def terminal(self) -> bool:
         return states.is_terminal(self.state)
 
+    @property
+    def attempt_world_size(self) -> int:
+        """The current attempt's ranks: its placement's once placed (fewer than `world_size`, what the job
+        asks for, when an elastic job continues on fewer nodes); before, `world_size`."""
+        return len(self.placement) if self.placement else self.world_size
+
 
 async def insert_job(
     conn: asyncpg.Connection,

@@ -58,7 +58,7 @@ class Outcomes:
         moved = await self._do(conn, job, outcome, happened)
         if outcome in (Outcome.RUN, Outcome.ROLL_BACK) and (await recovery.exits(conn, moved)).finished:
             # the ranks finished before the command reached them (or the resume)
-            done = Happened(JobEvent.ALL_FINISHED, f"all {job.world_size} ranks exited 0")
+            done = Happened(JobEvent.ALL_FINISHED, f"all {job.attempt_world_size} ranks exited 0")
             moved = await self.apply(conn, moved, done)
         return moved
 

@@ -155,6 +155,7 @@ async def _attempts(
                 "attempt": r["attempt"],
                 "launched_at": r["created_at"],
                 "placement": launch["placement"],
+                "world_size": len(launch["placement"]),
                 "resume_from": launch["resume_from"],
                 "ended": after[0]["cause"] if after else None,
             }

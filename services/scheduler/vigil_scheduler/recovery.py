@@ -49,7 +49,7 @@ async def exits(conn: asyncpg.Connection, job: Job) -> Exits:
         job.attempt,
     )
     return Exits(
-        job.world_size,
+        job.attempt_world_size,
         frozenset(r["rank"] for r in rows if r["exited_at"] is not None and r["exit_code"] == 0),
         frozenset(r["rank"] for r in rows if r["started_at"] is not None),
         frozenset(r["rank"] for r in rows if r["exited_at"] is not None),
