@@ -5,8 +5,11 @@ never one that breaks its integer gradient accumulation), on the nodes it held f
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.unit.scheduler.test_placement import node
+from tests.unit.scheduler.test_placement_properties import inventories
 from vigil_scheduler.placement import Inventory, PlacementRequest, may_shrink, plan
 from vigil_scheduler.quotas import Ledger, Quotas
 
@@ -157,3 +160,40 @@ def test_a_quota_counts_the_devices_a_shrink_holds():
 def test_a_request_refuses_shrink_counts_that_make_no_sense(world, max_nodes, shrink):
     with pytest.raises(ValueError):
         PlacementRequest(job_id="j", world_size=world, max_nodes=max_nodes, shrink_nodes=shrink)
+
+
+@st.composite
+def elastic_requests(draw: st.DrawFn) -> PlacementRequest:
+    nodes = draw(st.integers(2, 5))
+    per_node = draw(st.integers(1, 4))
+    counts = draw(st.sets(st.integers(1, nodes - 1), min_size=1))
+    held_nodes = draw(st.sets(st.sampled_from([f"n{i}" for i in range(7)]), min_size=1, max_size=nodes))
+    return PlacementRequest(
+        job_id="j",
+        world_size=nodes * per_node,
+        max_nodes=nodes,
+        reusable=frozenset((n, d) for n in held_nodes for d in range(per_node)),
+        shrink_nodes=tuple(sorted(counts, reverse=True)),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(inventories(), elastic_requests(), st.integers(0, 2))
+def test_an_elastic_placement_is_whole_or_an_allowed_smaller_gang(inv, req, spares):
+    placed, after = plan([req], inv, spares=spares)
+    if not placed:
+        return
+    (p,) = placed
+    per_node = req.world_size // req.max_nodes
+    size = len(p.ranks)
+    assert [r.rank for r in p.ranks] == list(range(size))  # ranks 0..W'-1
+    assert size == req.world_size or (
+        size // per_node in req.shrink_nodes and size % per_node == 0 and may_shrink(req, inv)
+    )
+    assert len(p.nodes) <= size // per_node
+    for r in p.ranks:  # only devices it may use: free, or its own previous attempt's
+        node = inv.node(r.node)
+        assert node is not None and node.alive
+        slot = next(d for d in node.devices if d.index == r.device)
+        assert slot.healthy and slot.job_id in (None, "j")
+    assert after.assigned("j") == p.devices
