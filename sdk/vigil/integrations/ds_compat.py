@@ -17,6 +17,12 @@ as an overflow). Whatever Vigil needs of them is here, each under the name it re
 - the engine's state as its checkpoint holds it, in memory (`engine_state`, `load_engine_state`: its
   counters `global_steps`, `global_samples`, and a ZeRO optimizer's `dp_process_group` and
   `elastic_checkpoint`), for in-memory snapshots;
+- re-partitioning a ZeRO 1/2 optimizer's state to another data-parallel size (`load_resized_engine_state`,
+  `load_resized_checkpoint`): the keys of its checkpoint dict (`deepspeed.checkpoint.constants`), its
+  own merge of every former partition (`_restore_elastic_base_optimizer_state`,
+  `_restore_from_elastic_fp32_weights`), its global state (`_load_global_state`) and the link of its
+  weight fragments (`_link_all_hp_params`); the engine's checkpoint file names
+  (`_get_all_zero_checkpoint_names`);
 - the modules DeepSpeed imports lazily on a rank's first engine (`LAZY_MODULES`), for a warm rank.
 
 `MODULE_NAMES`, `ENGINE_NAMES` and `PRIVATE_NAMES` list them: tests/unit/sdk/test_ds_compat.py checks that
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +50,15 @@ MODULE_NAMES: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
     ("deepspeed.runtime.lr_schedules", "WarmupCosineLR"),
+    *(
+        ("deepspeed.checkpoint.constants", name)
+        for name in (
+            "BASE_OPTIMIZER_STATE",
+            "BASE_OPTIMIZER_STATE_STEP",
+            "GROUP_PADDINGS",
+            "OPTIMIZER_STATE_DICT",
+        )
+    ),
     *(("deepspeed.utils.groups", name) for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "mesh_device")),
 )
 # attributes of a DeepSpeedEngine this module reads or writes (besides its documented methods)
@@ -56,6 +72,7 @@ ENGINE_NAMES: tuple[str, ...] = (
     "global_steps",
     "global_samples",
     "zero_load_from_fp32_weights",
+    "_get_all_zero_checkpoint_names",
 )
 # every private (or internal) DeepSpeed name used here; no other module of Vigil may use one
 PRIVATE_NAMES: tuple[str, ...] = (
@@ -74,6 +91,11 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "global_samples",
     "dp_process_group",
     "elastic_checkpoint",
+    "_restore_elastic_base_optimizer_state",
+    "_restore_from_elastic_fp32_weights",
+    "_load_global_state",
+    "_link_all_hp_params",
+    "_get_all_zero_checkpoint_names",
     "_WORLD_GROUP",
     "_DATA_PARALLEL_GROUP",
     "_MODEL_PARALLEL_GROUP",
@@ -269,3 +291,119 @@ def load_engine_state(engine: Any, state: dict[str, Any]) -> None:
     engine.global_steps = state["global_steps"]
     engine.global_samples = state["global_samples"]
     engine.skipped_steps = state["skipped_steps"]
+
+
+# --- another data-parallel size (elastic) -----------------------------------------------------------------
+
+
+def load_resized_engine_state(engine: Any, states: list[dict[str, Any]], rank: int) -> None:
+    """Load every former rank's `engine_state` (a job that shrank or grew: `states[r]` is former rank r's)
+    into this rank's engine at its present size: the module and counters as any rank had them (they are
+    the same on every rank under ZeRO 1 and 2), and the optimizer re-partitioned to the present
+    data-parallel size (`resize_optimizer`); without ZeRO every rank's optimizer is whole: former rank
+    `rank % len(states)`'s is loaded."""
+    if engine.zero_optimization_stage() == 3:
+        raise NotImplementedError(
+            "re-partitioning a ZeRO-3 engine's state (in-memory snapshots are off there)"
+        )
+    own = states[rank % len(states)]
+    engine.module.load_state_dict(own["module"], strict=True)
+    opt = engine.optimizer
+    if opt is not None and own["optimizer"] is not None:
+        if engine.zero_optimization():
+            resize_optimizer(engine, [s["optimizer"] for s in states])
+        elif engine.fp16_enabled() or engine.bfloat16_enabled():
+            opt.load_state_dict(own["optimizer"], load_optimizer_states=True)
+        else:
+            opt.load_state_dict(own["optimizer"])
+    if engine.lr_scheduler is not None and own["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(own["lr_scheduler"])
+    engine.global_steps = own["global_steps"]
+    engine.global_samples = own["global_samples"]
+    engine.skipped_steps = own["skipped_steps"]
+
+
+def resize_optimizer(engine: Any, former: list[dict[str, Any]]) -> None:
+    """A ZeRO 1/2 optimizer's state from every former partition (`former[r]`: its `state_dict()` on former
+    rank r, at any data-parallel size), re-partitioned to this engine's: the fp32 master weights and each
+    optimizer state tensor (Adam's `exp_avg`, `exp_avg_sq`) are joined without their padding and cut
+    again for the present size by DeepSpeed's own elastic-checkpoint code; the step count, the loss scaler
+    and the param groups' hyperparameters (the learning rate the schedule set) are the same on every former
+    rank. The optimizer keeps tensors it is given: pass copies."""
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS
+
+    opt = engine.optimizer
+    lean = [
+        _elastic_form(sd, BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, GROUP_PADDINGS) for sd in former
+    ]
+    opt._load_global_state(lean[0])
+    opt._restore_elastic_base_optimizer_state(lean)
+    if engine.zero_load_from_fp32_weights():
+        opt._restore_from_elastic_fp32_weights(lean)
+    else:
+        opt.refresh_fp32_params()
+    opt._link_all_hp_params()
+    base = former[0][BASE_OPTIMIZER_STATE]
+    if isinstance(base, dict):  # the elastic merge sets no hyperparameter: the learning rate, as saved
+        for group, saved in zip(opt.optimizer.param_groups, base["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _elastic_form(sd: dict[str, Any], base_key: str, step_key: str, paddings_key: str) -> dict[str, Any]:
+    """A ZeRO 1/2 optimizer's `state_dict()` as DeepSpeed writes it with `elastic_checkpoint`: the base
+    optimizer's state per param group (one flat partition each) without the partition's padding, and the
+    step count apart. Already in that form (a list), it is returned as it is."""
+    base = sd[base_key]
+    if not isinstance(base, dict):
+        return sd
+    groups, steps = [], set()
+    for i, group in enumerate(base["param_groups"]):
+        (pid,) = group["params"]  # ZeRO 1/2 hand the optimizer one flat partition per group
+        padding = sd[paddings_key][i] if sd.get(paddings_key) else 0
+        state = {}
+        for key, value in base["state"].get(pid, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                value = value[: value.numel() - padding]
+            elif key == "step":
+                steps.add(float(value))
+            state[key] = value
+        groups.append(state)
+    if len(steps) > 1:
+        raise ValueError(
+            f"vigil: the param groups' optimizer steps differ ({sorted(steps)}): cannot re-partition"
+        )
+    return {
+        **sd,
+        base_key: groups,
+        step_key: steps.pop() if steps else base["param_groups"][0].get("step", 0),
+    }
+
+
+def checkpoint_dp_size(path: str, tag: str) -> int | None:
+    """The data-parallel size a ZeRO checkpoint folder was saved at: how many optimizer partition files
+    (`*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`) it holds; None without any (no ZeRO)."""
+    from pathlib import Path
+
+    found = list((Path(path) / tag).glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    return len(found) or None
+
+
+def load_resized_checkpoint(engine: Any, path: str, tag: str) -> None:
+    """Load a DeepSpeed checkpoint folder saved at another data-parallel size (a ZeRO 1/2 job that shrank
+    or grew): the module, LR scheduler and counters through the engine's loader without the optimizer
+    (it refuses a ZeRO optimizer state of another size), then every former partition's file re-partitioned
+    to this engine's (`resize_optimizer`)."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    loaded, _ = engine.load_checkpoint(
+        path, tag=tag, load_optimizer_states=False, load_lr_scheduler_states=True
+    )
+    if loaded is None:
+        raise RuntimeError(f"DeepSpeed could not load {path}")
+    if not engine.zero_optimization() or engine.optimizer is None:
+        return
+    names = engine._get_all_zero_checkpoint_names(path, tag, engine.bfloat16_enabled())
+    if not all(os.path.exists(name) for name in names):  # saved with the other precision's file names
+        names = engine._get_all_zero_checkpoint_names(path, tag, not engine.bfloat16_enabled())
+    former = [engine.checkpoint_engine.load(name, map_location="cpu")[OPTIMIZER_STATE_DICT] for name in names]
+    resize_optimizer(engine, former)

@@ -51,20 +51,13 @@ def waited_too_long(record: RankRecord, now: float | None = None) -> bool:
 
 
 def takers(table: RankTable, launch: LaunchJob, node: str) -> dict[int, RankRecord]:
-    """The parked ranks of `launch`'s job here that its ranks on this node take over: same rank, same
-    device (the in-memory snapshot of the rank is on this node); the built-in trainer only."""
+    """The parked ranks of `launch`'s job here that its ranks on this node take over: the one on the same
+    device, whatever rank it was (a job that shrank or grew numbers its ranks anew; the snapshots are the
+    node's, not the process's); the built-in trainer only."""
     if launch.spec.entrypoint is not None or launch.job_id is None:
         return {}
-    parked = {
-        (r.rank, r.device): r
-        for r in table.running(launch.job_id)
-        if r.parked_at is not None and not r.killed
-    }
-    return {
-        p.rank: parked[(p.rank, p.device)]
-        for p in launch.placement
-        if p.node == node and (p.rank, p.device) in parked
-    }
+    parked = {r.device: r for r in table.running(launch.job_id) if r.parked_at is not None and not r.killed}
+    return {p.rank: parked[p.device] for p in launch.placement if p.node == node and p.device in parked}
 
 
 def in_the_way(table: RankTable, launch: LaunchJob, node: str) -> list[RankRecord]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vigil import manifest
 from vigil.errors import CheckpointError
+from vigil.integrations import ds_compat
 from vigil_worker.trainer import checkpoint as ckpt
 from vigil_worker.trainer.context import RankContext, TrainState
 
@@ -42,8 +43,19 @@ def save_emergency_checkpoint(ctx: RankContext, st: TrainState, why: str) -> flo
 
 
 def load_checkpoint(ctx: RankContext, path: Path) -> None:
-    """Load the verified checkpoint folder `path` in place into the running engine (the run's loader)."""
+    """Load the verified checkpoint folder `path` in place into the running engine (the run's loader); one
+    saved by another number of ranks (an elastic job that shrank or grew) is re-partitioned."""
     try:
+        saved_at = ds_compat.checkpoint_dp_size(str(path), ckpt.DS_TAG)
+        if saved_at is not None and saved_at != ctx.run.identity.world_size:  # elastic: another size
+            log.warning(
+                "checkpoint %s: saved by %d ranks, re-partitioned to %d",
+                path,
+                saved_at,
+                ctx.run.identity.world_size,
+            )
+            ds_compat.load_resized_checkpoint(ctx.engine, str(path), ckpt.DS_TAG)
+            return
         loaded, _ = ctx.engine.load_checkpoint(
             str(path), tag=ckpt.DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )

@@ -62,14 +62,17 @@ def micro_steps(ctx: RankContext, st: TrainState, step: int, pos: int, factor: f
         else:
             try:
                 # --- data: a pure function of (seed, data position, rank, micro-step); a split micro-step
-                # reads its part of the same rows ----------------------------------------------------------
+                # reads its part of the same rows; an elastic job at another size, the spec's rank's ---------
                 ta = clock.now()
+                rank, source = ctx.run.identity.rank, micro // split
+                if ctx.shape is not None and ctx.shape.resized:  # elastic: the spec-size rank's batch
+                    rank, source = ctx.shape.source(rank, source)
                 x, y = batch(
                     ctx.tokens,
                     seed=spec.train.seed,
                     data_position=pos,
-                    rank=ctx.run.identity.rank,
-                    micro=micro // split,
+                    rank=rank,
+                    micro=source,
                     micro_batch=B,
                     seq_len=T,
                     part=micro % split,

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from vigil.run import Run
     from vigil.spec import JobSpec
     from vigil_worker.trainer.ds_config import DeepSpeedPlan
+    from vigil_worker.trainer.elastic import Shape
     from vigil_worker.trainer.mfu import Peak
 
 log = logging.getLogger("vigil.rank")
@@ -122,18 +123,22 @@ def _setup_logging(rank: int) -> None:
 
 @dataclass(frozen=True)
 class Job:
-    """What to run: from a LaunchJob (the worker's) or a spec file, with the command line's overrides."""
+    """What to run: from a LaunchJob (the worker's) or a spec file, with the command line's overrides.
+    An elastic job at another size than its spec's trains by `spec` with the accumulation that keeps its
+    global batch (`elastic.shape_of`)."""
 
     spec: JobSpec
     job_id: str
     attempt: int
     resume_from: str | None
     skip_data: tuple[int, int] | None
+    shape: Shape
 
 
 def read_job(args: argparse.Namespace, world: int) -> Job:
     from vigil import events as ev
     from vigil.spec import parse_spec
+    from vigil_worker.trainer.elastic import shape_of
 
     if args.launch:
         launch = ev.decode(args.launch.read_bytes(), (ev.LaunchJob,))
@@ -146,8 +151,10 @@ def read_job(args: argparse.Namespace, world: int) -> Job:
         spec = parse_spec(args.spec.read_text())
         job_id, attempt, resume_from, skip_data = args.job_id or spec.name, args.attempt, None, None
     skip = tuple(args.skip_data) if args.skip_data else skip_data
+    spec, shape = shape_of(spec, world)
     return Job(
         spec=spec,
+        shape=shape,
         job_id=job_id,
         attempt=attempt,
         resume_from=args.resume_from or resume_from,
@@ -379,7 +386,15 @@ def _train(args: argparse.Namespace, env: RankEnv, observer: Observer, job: Job,
         observer=observer,
         flops_per_token=fpt,
         peak=peak,
+        shape=job.shape,
     )
+    if job.shape.resized and env.rank == 0:
+        log.warning(
+            "elastic: %d ranks (the spec's %d): %d micro-steps each, the same global batch",
+            env.world,
+            job.spec.resources.world_size,
+            job.shape.grad_accum,
+        )
 
     # --- how a rollback loads in place; resume (the newest whole in-memory snapshot, else the disk) ---------
     run.on_rollback(lambda path: load_checkpoint(ctx, path))
@@ -388,7 +403,10 @@ def _train(args: argparse.Namespace, env: RankEnv, observer: Observer, job: Job,
     position = 0
     got = run.restore(safe_globals=ds_compat.checkpoint_safe_globals()) if run.snapshotting else None
     if got is not None:
-        snapshots.load_rank_state(ctx, got.state)
+        if got.resized_from is not None:  # elastic: every former rank's, re-partitioned to this size
+            snapshots.load_resized_state(ctx, got.state)
+        else:
+            snapshots.load_rank_state(ctx, got.state)
         st.step, position = got.step, got.data_position
         log.warning(
             "resumed from the in-memory snapshot of step %d (relaunched from %s)", got.step, job.resume_from

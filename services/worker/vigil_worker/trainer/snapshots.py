@@ -3,7 +3,8 @@ them and exchanges them: `Run.snapshot`, `Run.restore`, as for any program).
 
 A rank's snapshot holds what its part of the disk checkpoint holds (`ds_compat.engine_state`: the
 module, its ZeRO optimizer partition, the LR scheduler, the step counters) and the RNG; its manifest the
-step, data position and skip windows. Not under ZeRO-3 (its module is partitioned: not done yet).
+step, data position and skip windows. Not under ZeRO-3 (its module is partitioned: not done yet). A job
+that changed its size (elastic) loads every former rank's snapshot, re-partitioned (`load_resized_state`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def rank_state(ctx: RankContext) -> dict[str, Any]:
 def load_rank_state(ctx: RankContext, state: dict[str, Any]) -> None:
     """Load a snapshot's state into the running engine, and its RNG."""
     ds_compat.load_engine_state(ctx.engine, state["engine"])
+    _load_rng(ctx, state)
+
+
+def load_resized_state(ctx: RankContext, states: list[dict[str, Any]]) -> None:
+    """Load every former rank's snapshot (an elastic job that shrank or grew): the engine's state
+    re-partitioned to this size (`ds_compat.load_resized_engine_state`), the RNG of the former rank of
+    the same number (or of `rank % former size`)."""
+    rank = ctx.run.identity.rank
+    ds_compat.load_resized_engine_state(ctx.engine, [s["engine"] for s in states], rank)
+    _load_rng(ctx, states[rank % len(states)])
+
+
+def _load_rng(ctx: RankContext, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"] and ctx.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
