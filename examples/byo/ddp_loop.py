@@ -7,7 +7,9 @@
 The SDK's core API, nothing else: the step boundary before the optimizer step, a report per step, a
 checkpoint every `--save-every` steps, and a loader so that a rollback happens in place. Each step's batch
 is drawn from its data position, so the guardian's skipped windows are honoured. The data is random
-tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once, `--crash-at K` kills
+tokens: nothing is downloaded. An elastic job (`resources.elastic`) relaunched on fewer ranks keeps its
+global batch (`run.on_resize`: more micro-steps per rank, each reading a spec-size rank's batch).
+`--nan-at K` makes rank 1's loss NaN at step K once, `--crash-at K` kills
 rank 1 at step K once, `--startup-delay S` starts every rank S seconds late (faults.py). The last line
 printed is JSON.
 """
@@ -15,6 +17,7 @@ printed is JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import vigil
+import vigil.elastic
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,7 +51,10 @@ class TinyLM(nn.Module):
     def __init__(self, vocab: int = 256, dim: int = 64) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=4 * dim, batch_first=True)
+        # no dropout: a step's loss is a pure function of the weights and the batch, whatever ran before
+        layer = nn.TransformerEncoderLayer(
+            dim, nhead=2, dim_feedforward=4 * dim, dropout=0.0, batch_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, num_layers=2)
         self.head = nn.Linear(dim, vocab)
 
@@ -88,6 +95,11 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
 
     run.on_rollback(load)  # a rollback loads in place; `after_step` then returns the checkpoint's step
+    # an elastic job (resources.elastic) relaunched on fewer ranks, or grown back: each rank runs as many
+    # micro-steps as keep the global batch, each reading the batch a rank of the spec's size read
+    resized: list[vigil.elastic.Resize] = []
+    run.on_resize(resized.append, grad_accum=1)
+    sources = [resized[0].source(rank, m)[0] for m in range(resized[0].grad_accum)] if resized else [rank]
     step = 0
     if run.resume_from is not None:  # relaunched from a checkpoint
         chosen = run.choose_checkpoint(str(run.resume_from), None)
@@ -98,10 +110,15 @@ def main() -> None:
         # --- forward and backward (DDP all-reduces the gradients in backward) ----------------------------
         crash_if_due(args, step, rank, markers)  # the injected faults, each once per job
         position = run.position(step)
-        loss = model(batch(position, rank, args))
-        if args.nan_at == step and rank == 1 and once(markers / f"nan-at-{step}.done"):
-            loss = loss * float("nan")
-        loss.backward()
+        loss = torch.zeros(())
+        for m, source in enumerate(sources):  # one micro-step at the spec's size
+            last = m == len(sources) - 1  # DDP all-reduces the summed gradients in the last one's backward
+            with contextlib.nullcontext() if last or world == 1 else model.no_sync():
+                part = model(batch(position, source, args)) / len(sources)
+                if args.nan_at == step and source == 1 and once(markers / f"nan-at-{step}.done"):
+                    part = part * float("nan")
+                part.backward()
+            loss = loss + part.detach()
         norm = nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         # --- the step boundary: is every rank's step finite, which commands are there (one all-reduce) ---
         ok = run.agree(torch.isfinite(loss) & torch.isfinite(norm))

@@ -28,6 +28,7 @@ from faults import add_arguments, crash_if_due, marker_dir, once, start_slowly
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import vigil
+import vigil.elastic
 from vigil.integrations import ds_compat
 from vigil.integrations.hf import VigilCallback, resume_checkpoint
 
@@ -128,11 +129,18 @@ def main() -> None:
             eos_token_id=0,
         )
     )
-    data = RandomTokens(args.steps * args.micro_batch * world, args.seq_len, 256)
+    # an elastic job (resources.elastic) relaunched on fewer ranks, or grown back: more gradient
+    # accumulation keeps the global batch (the Trainer's sampler then deals the samples at the new size)
+    resized: list[vigil.elastic.Resize] = []
+    run.on_resize(resized.append, grad_accum=1)
+    accumulation = resized[0].grad_accum if resized else 1
+    spec_world = resized[0].spec_world if resized else world
+    data = RandomTokens(args.steps * args.micro_batch * spec_world, args.seq_len, 256)
     training = TrainingArguments(
         output_dir=args.out,
         max_steps=args.steps,
         per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=accumulation,
         learning_rate=1e-3,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,

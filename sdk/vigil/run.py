@@ -51,6 +51,7 @@ from vigil import protocol as proto
 from vigil import snapshot as snap
 from vigil.boundary import Boundary, agree
 from vigil.checkpoints import Checkpoints
+from vigil.elastic import Resize, resize_of
 from vigil.exits import EXIT_PREEMPTED, write_exit_file, write_last_step
 from vigil.identity import Identity, first_position, parse_windows, spec_from_env
 from vigil.link import AgentLink, Link, NullLink, connect_from_env
@@ -252,6 +253,27 @@ class Run:
     def on_preemption(self, save: Callable[[int], Any]) -> None:
         """Register what to do before exiting on a preemption notice (e.g. save_checkpoint(step, ...))."""
         self._emergency = save
+
+    def on_resize(self, fn: Callable[[Resize], Any], *, grad_accum: int | None = None) -> None:
+        """`fn(resize)` when this attempt runs at another size than its spec asks for: an elastic job
+        (`resources.elastic`) that lost a node and went on with fewer, or grew back. `resize` says how many
+        micro-steps each rank runs to keep the global batch (`resize.grad_accum`) and which of the
+        spec-size ranks' batches each reads (`resize.source(rank, micro)`), for ranks that accumulate
+        `grad_accum` micro-steps at the spec's size (default: the spec's `train.grad_accum`). A program's
+        ranks start anew at each size (Vigil relaunches them): `fn` is called at most once, here. A
+        program that registers none is relaunched at the new size all the same, its global batch
+        changed with it."""
+        if self._spec is None:
+            return
+        shape = resize_of(self._spec, self.world_size, grad_accum)
+        if shape.resized:
+            log.warning(
+                "vigil: %d ranks, the spec's %d: %d micro-steps each keep its global batch",
+                shape.world,
+                shape.spec_world,
+                shape.grad_accum,
+            )
+            fn(shape)
 
     # --- in-memory snapshots ----------------------------------------------------------------------------
 

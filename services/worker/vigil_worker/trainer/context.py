@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from vigil.elastic import Resize
 from vigil.run import Run
 from vigil.spec import JobSpec
 from vigil_worker.trainer.clock import Clock
 from vigil_worker.trainer.comm import CommTimer
 from vigil_worker.trainer.ds_config import owns_step
-from vigil_worker.trainer.elastic import Shape
 from vigil_worker.trainer.faults import FaultInjector
 from vigil_worker.trainer.mfu import Peak
 from vigil_worker.trainer.observer import NullObserver, Observer
@@ -38,7 +38,7 @@ class RankContext:
     observer: Observer = field(default_factory=NullObserver)
     flops_per_token: float | None = None  # model FLOPs per token, for MFU
     peak: Peak | None = None  # the device's peak FLOP/s at this precision; None: no MFU
-    shape: Shape | None = None  # an elastic job at another size: which of the spec's batches each reads
+    shape: Resize | None = None  # an elastic job at another size: which of the spec's batches each reads
     judge: StepJudge = field(init=False)  # the spike rule's windows over every rank's losses
 
     def __post_init__(self) -> None:

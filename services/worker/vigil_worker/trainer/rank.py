@@ -44,10 +44,10 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from vigil.elastic import Resize
     from vigil.run import Run
     from vigil.spec import JobSpec
     from vigil_worker.trainer.ds_config import DeepSpeedPlan
-    from vigil_worker.trainer.elastic import Shape
     from vigil_worker.trainer.mfu import Peak
 
 log = logging.getLogger("vigil.rank")
@@ -132,7 +132,7 @@ class Job:
     attempt: int
     resume_from: str | None
     skip_data: tuple[int, int] | None
-    shape: Shape
+    shape: Resize
 
 
 def read_job(args: argparse.Namespace, world: int) -> Job:
