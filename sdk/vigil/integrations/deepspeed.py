@@ -135,7 +135,12 @@ def save(
 
 def load(engine: Any, path: str | Path) -> dict[str, Any]:
     """Load a checkpoint `save` wrote (weights, optimizer and LR schedule) into the engine, in place;
-    returns the client state saved with it."""
+    returns the client state saved with it (none from one saved at another data-parallel size: an
+    elastic job's, re-partitioned)."""
+    if ds_compat.saved_at_another_size(engine, str(path), TAG):  # an elastic job at another size
+        ds_compat.load_resized_checkpoint(engine, str(path), TAG)
+        _losses.pop(id(engine), None)
+        return {}
     loaded, client_state = engine.load_checkpoint(str(path), tag=TAG)
     if loaded is None:
         raise RuntimeError(f"vigil: DeepSpeed found no checkpoint '{TAG}' in {path}")
@@ -161,7 +166,10 @@ def resume(engine: Any, run: Run | None = None) -> int:
     step, or 0 when the job starts from scratch."""
     r = _run(run)
     if r.snapshotting and (got := r.restore(safe_globals=ds_compat.checkpoint_safe_globals())) is not None:
-        ds_compat.load_engine_state(engine, got.state)
+        if got.resized_from is not None:  # an elastic job at another size: every former rank's, re-cut
+            ds_compat.load_resized_engine_state(engine, got.state, r.rank)
+        else:
+            ds_compat.load_engine_state(engine, got.state)
         return got.step
     chosen = r.resume_checkpoint()
     if chosen is None:

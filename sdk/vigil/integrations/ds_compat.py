@@ -73,6 +73,7 @@ ENGINE_NAMES: tuple[str, ...] = (
     "global_samples",
     "zero_load_from_fp32_weights",
     "_get_all_zero_checkpoint_names",
+    "dp_world_size",
 )
 # every private (or internal) DeepSpeed name used here; no other module of Vigil may use one
 PRIVATE_NAMES: tuple[str, ...] = (
@@ -379,13 +380,14 @@ def _elastic_form(sd: dict[str, Any], base_key: str, step_key: str, paddings_key
     }
 
 
-def checkpoint_dp_size(path: str, tag: str) -> int | None:
-    """The data-parallel size a ZeRO checkpoint folder was saved at: how many optimizer partition files
-    (`*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`) it holds; None without any (no ZeRO)."""
+def saved_at_another_size(engine: Any, path: str, tag: str) -> int | None:
+    """The data-parallel size a ZeRO checkpoint folder was saved at (how many optimizer partition files,
+    `*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`, it holds) where it is not this engine's; None: the
+    same size, or no ZeRO partitions."""
     from pathlib import Path
 
-    found = list((Path(path) / tag).glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    return len(found) or None
+    saved = len(list((Path(path) / tag).glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    return saved if saved and saved != engine.dp_world_size else None
 
 
 def load_resized_checkpoint(engine: Any, path: str, tag: str) -> None:

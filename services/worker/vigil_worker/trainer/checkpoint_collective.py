@@ -46,8 +46,7 @@ def load_checkpoint(ctx: RankContext, path: Path) -> None:
     """Load the verified checkpoint folder `path` in place into the running engine (the run's loader); one
     saved by another number of ranks (an elastic job that shrank or grew) is re-partitioned."""
     try:
-        saved_at = ds_compat.checkpoint_dp_size(str(path), ckpt.DS_TAG)
-        if saved_at is not None and saved_at != ctx.run.identity.world_size:  # elastic: another size
+        if saved_at := ds_compat.saved_at_another_size(ctx.engine, str(path), ckpt.DS_TAG):  # elastic
             log.warning(
                 "checkpoint %s: saved by %d ranks, re-partitioned to %d",
                 path,
