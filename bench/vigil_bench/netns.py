@@ -1,4 +1,5 @@
-"""Hosts made of Linux network namespaces, for tests that need more than one machine.
+"""Hosts made of Linux network namespaces, for the tests and benches that need more than one machine
+(the `multihost` tests, `vigil bench elastic`).
 
 `Network.create(["a", "b"])` makes, in the test's own (root) namespace, a bridge holding the first address
 of a private 10.x.y.0/24 that no route here uses yet, and per host a network namespace with its own

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,34 +25,23 @@ import pytest
 from tests.helpers import eventually
 from tests.integration.scheduler.conftest import fresh_database
 from vigil.events import NodeHeartbeat
+from vigil_bench.hosts import Workers, cannot_make_hosts
+from vigil_bench.netns import Network, remove_leftovers
 from vigil_cli.stack import SERVICES, run_services
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool
 from vigil_common.embedded import EmbeddedNats, free_port
 from vigil_common.settings import Settings
-from vigil_worker.warm import STANDBY_MODULE
-
-from .netns import Host, Network, remove_leftovers
 
 TOKEN = "multihost-token-0123456789abcdef"
-VIGIL = str(Path(sys.executable).parent / "vigil")
-
-
-def _cannot_make_hosts() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    missing = [b for b in ("ip", "nsenter", "unshare") if not shutil.which(b)]
-    if missing:
-        return f"{', '.join(missing)} not found: scripts/install.sh installs iproute2 (ip); util-linux has the rest"
-    return None
 
 
 @pytest.fixture(scope="module")
 def network(request: pytest.FixtureRequest) -> Iterator[Network]:
     """hosta and hostb for one test module (making them takes a tenth of a second; a module's `HOSTS`
     names others); removed after it, at exit, or on SIGTERM/SIGHUP, whatever happens."""
-    if reason := _cannot_make_hosts():
+    if reason := cannot_make_hosts():
         pytest.skip(reason)
     remove_leftovers()
     net = Network.create(list(getattr(request.module, "HOSTS", ["a", "b"])))
@@ -154,83 +140,6 @@ async def plane(
         await http.aclose()
         await pool.close()
         await bus.close()
-
-
-@dataclass
-class HostWorker:
-    host: Host
-    node: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-@dataclass
-class Workers:
-    """`vigil worker` processes started in the hosts by one test, on a data dir they share (as nodes share
-    checkpoint storage); stopped, with whatever their ranks left running, when the test ends."""
-
-    nats_url: str
-    data_dir: Path
-    started: list[HostWorker] = field(default_factory=list)
-
-    def start(self, host: Host, *, slots: int = 1, node: str | None = None, **env: str) -> HostWorker:
-        """A worker in `host`, advertising the host's address; named after the host (its UTS host name,
-        Vigil's default node name) unless `node` is given."""
-        full = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")}
-        full.update(
-            VIGIL_NATS_URL=self.nats_url,
-            VIGIL_DATA_DIR=str(self.data_dir),
-            VIGIL_NODE_ADDRESS=host.address,
-            VIGIL_CPU_SLOTS=str(slots),
-            VIGIL_HEARTBEAT_INTERVAL_S="0.5",
-            VIGIL_GPU_SAMPLE_INTERVAL_S="1",
-            OMP_NUM_THREADS="1",  # the hosts share this machine's cores
-            **env,
-        )
-        if node is not None:
-            full["VIGIL_NODE_NAME"] = node
-        log = self.data_dir / f"worker-{node or host.hostname}-{len(self.started)}.log"
-        with log.open("ab") as out:
-            proc = host.popen([VIGIL, "worker"], env=full, stdout=out, stderr=subprocess.STDOUT)
-        worker = HostWorker(host, node or host.hostname, proc, log)
-        self.started.append(worker)
-        return worker
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"== {w.log.name}\n{w.log.read_text(errors='replace')[-3000:]}" for w in self.started
-        )
-
-    def kill(self, host: Host) -> None:
-        """SIGKILL this test's workers in `host` and their ranks (the machine dies)."""
-        for w in self.started:
-            if w.host is host and w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
-        self._kill_ranks(host)
-
-    def _kill_ranks(self, host: Host) -> None:
-        """Ranks outlive their worker by design: end this test's (their command lines name its data dir)
-        and the warm ranks in the host (a launched one runs a job's rank under the standby's command line;
-        the workers of the tests before closed theirs)."""
-        marks = (str(self.data_dir).encode(), STANDBY_MODULE.encode())
-        for pid in host.pids():
-            with contextlib.suppress(OSError):
-                if any(mark in Path(f"/proc/{pid}/cmdline").read_bytes() for mark in marks):
-                    os.kill(pid, signal.SIGKILL)
-
-    def stop(self) -> None:
-        for w in self.started:
-            if w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGTERM)
-        for w in self.started:
-            try:
-                w.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
-        for host in {w.host.netns: w.host for w in self.started}.values():
-            self._kill_ranks(host)
 
 
 @pytest.fixture

@@ -24,11 +24,11 @@ import pytest
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
 from tests.integration.slurm.conftest import BINARIES, COMMON_CONF, SlurmCluster, start_munged, stop_daemon
 from vigil.events import RankStarted, StepCompleted
+from vigil_bench.netns import Host, Network
 from vigil_cli.slurm import worker_name
 from vigil_common import subjects
 
 from .conftest import TOKEN, Plane
-from .netns import Host, Network
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slurm, pytest.mark.multihost]
 

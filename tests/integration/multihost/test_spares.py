@@ -13,10 +13,10 @@ import pytest
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
 from tests.integration.worker.conftest import tiny_spec
 from vigil.events import CheckpointSaved, IncidentRaised, RankStarted
+from vigil_bench.netns import Network
 from vigil_common import subjects
 
 from .conftest import Plane, Workers, unique, wait_alive
-from .netns import Network
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 

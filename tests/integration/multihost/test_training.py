@@ -15,10 +15,10 @@ from tests.helpers import eventually
 from tests.integration.scheduler.conftest import launched, next_event, wait_state
 from tests.integration.worker.conftest import tiny_spec
 from vigil.events import CheckpointSaved, IncidentRaised, RankStarted, RollbackCompleted
+from vigil_bench.netns import Host, Network
 from vigil_common import subjects
 
 from .conftest import Plane, Workers, heartbeat_of, unique, wait_alive
-from .netns import Host, Network
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 
