@@ -26,11 +26,11 @@ from vigil_common import subjects, tracing
 from vigil_common.bus import Presence
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, quotas, states
+from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, quotas, recovery, states
 from vigil_scheduler import idempotency as idempotency_keys
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
-from vigil_scheduler.placement import Placement, PlacementRequest, plan
+from vigil_scheduler.placement import Placement, PlacementRequest, grow, plan
 from vigil_scheduler.principals import Principal
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class Scheduler:
     async def schedule_pass(self) -> list[Placement]:
         """Place queued jobs in priority, then submission order; launch each placed one (via the outbox)."""
         async with self.tx() as conn:
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEDULE_LOCK)
+            await lock_placement(conn)
             rows = await conn.fetch(
                 f"SELECT {lifecycle.JOB_COLUMNS} FROM jobs WHERE queued"
                 " ORDER BY priority DESC, seq FOR UPDATE"
@@ -182,20 +182,7 @@ class Scheduler:
                 return []
             jobs = {job.id: job for job in map(Job.from_row, rows)}
             snapshot = await inventory.load_inventory(conn)
-            requests = [
-                PlacementRequest(
-                    job_id=job.id,
-                    world_size=job.world_size,
-                    max_nodes=job.max_nodes,
-                    priority=job.priority,
-                    seq=job.seq,
-                    reusable=frozenset((p["node"], p["device"]) for p in job.previous_placement or []),
-                    owner=job.owner,
-                    team=job.team,
-                    shrink_nodes=_shrink_nodes(job.spec),
-                )
-                for job in jobs.values()
-            ]
+            requests = [_request(job, job.previous_placement) for job in jobs.values()]
             ledger = quotas.Ledger(await self.load_quotas(conn), await _holdings(conn))
             placed, _ = plan(requests, snapshot, ledger, spares=self.settings.hot_spares)
             await _note_waiting(conn, jobs, ledger.waiting)
@@ -204,6 +191,19 @@ class Scheduler:
                 assert node is not None
                 await self._launch(conn, jobs[placement.job_id], placement, node.address)
             return placed
+
+    async def whole_size_fits(self, conn: asyncpg.Connection, job: Job) -> Placement | None:
+        """Would the queue place `job`, running shrunk, at its whole size now (`placement.grow`): on the
+        devices it holds and the free capacity, in queue order among the queued jobs, under the quotas? In
+        the caller's transaction, which holds the placement lock (`lock_placement`)."""
+        rows = await conn.fetch(
+            f"SELECT {lifecycle.JOB_COLUMNS} FROM jobs WHERE queued AND id <> $1 ORDER BY priority DESC, seq",
+            job.id,
+        )
+        queue = [_request(queued, queued.previous_placement) for queued in map(Job.from_row, rows)]
+        snapshot = await inventory.load_inventory(conn)
+        ledger = quotas.Ledger(await self.load_quotas(conn), await _holdings(conn))
+        return grow(_request(job, job.placement), queue, snapshot, ledger, spares=self.settings.hot_spares)
 
     async def _launch(
         self, conn: asyncpg.Connection, job: Job, placement: Placement, master_addr: str
@@ -251,6 +251,11 @@ class Scheduler:
                 master_addr=master_addr,
                 master_port=port,
             )
+            if _grew_back(job, launch):  # said where incidents are read too
+                n, where = launch.spec.resources.nodes, f" from {job.resume_from}" if job.resume_from else ""
+                message = f"grew back to {n} of {n} nodes (capacity returned): attempt {job.attempt}"
+                message += f" on {nodes}{where}"
+                await recovery.raise_about(conn, job, message, nodes=len(placement.nodes), ranks=len(ranks))
             await outbox.enqueue(conn, subjects.launch(job.id), launch)
         log.info("job %s attempt %d scheduled on %s", job.id, job.attempt, nodes)
 
@@ -390,6 +395,28 @@ class Scheduler:
             await wait_any(stop, timeout_s=tick)
 
 
+async def lock_placement(conn: asyncpg.Connection) -> None:
+    """Hold the placement lock until the transaction ends: one placement pass, or one decision to grow a
+    job (`Scheduler.whole_size_fits`), at a time across schedulers."""
+    await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEDULE_LOCK)
+
+
+def _request(job: Job, held: list[dict[str, Any]] | None) -> PlacementRequest:
+    """What the job asks of placement at its whole size; `held`: the devices it may have again (its
+    previous attempt's, or for a job growing the ones it runs on)."""
+    return PlacementRequest(
+        job_id=job.id,
+        world_size=job.world_size,
+        max_nodes=job.max_nodes,
+        priority=job.priority,
+        seq=job.seq,
+        reusable=frozenset((p["node"], p["device"]) for p in held or []),
+        owner=job.owner,
+        team=job.team,
+        shrink_nodes=_shrink_nodes(job.spec),
+    )
+
+
 def _shrink_nodes(spec: dict[str, Any]) -> tuple[int, ...]:
     """The node counts a stored spec lets its job continue on when it loses a node (`PlacementRequest.
     shrink_nodes`); () for a job that is not elastic (most: read without validating the whole spec)."""
@@ -414,9 +441,15 @@ def _resized(job: Job, launch: LaunchJob) -> str:
             grad_accum = launch.spec.train.grad_accum
             said += f"; train.grad_accum {grad_accum} -> {grad_accum_at(resources, grad_accum, world)}"
         return said + ")"
-    if job.previous_placement and len(job.previous_placement) < world:
-        return f": elastic, back on {resources.nodes} nodes ({world} ranks)"
+    if _grew_back(job, launch):
+        nodes = resources.nodes
+        return f": elastic, grew back to {nodes} of {nodes} nodes (capacity returned; {world} ranks)"
     return ""
+
+
+def _grew_back(job: Job, launch: LaunchJob) -> bool:
+    """An elastic job's attempt at its whole size after one on fewer ranks."""
+    return bool(job.previous_placement) and len(job.previous_placement or []) < launch.world_size
 
 
 def _plain(value: Any) -> Any:

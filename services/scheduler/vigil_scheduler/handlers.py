@@ -50,7 +50,7 @@ from vigil.events import (
 from vigil.jobstates import PREEMPTED, JobState
 from vigil_common.bus import SENDER_HEADER, Delivery
 from vigil_scheduler import audit, inventory, lifecycle, recovery, states
-from vigil_scheduler.core import Scheduler
+from vigil_scheduler.core import Scheduler, lock_placement
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outcomes import Happened, Outcomes, supersede
 from vigil_scheduler.states import JobEvent, Outcome
@@ -172,7 +172,7 @@ class Handlers:
 
     async def _checkpoint_saved(self, event: CheckpointSaved) -> None:
         async with self.s.tx() as conn:
-            if event.job_id is None or await lifecycle.get_job(conn, event.job_id) is None:
+            if event.job_id is None or (job := await lifecycle.get_job(conn, event.job_id)) is None:
                 return
             await conn.execute(
                 """INSERT INTO scheduler_checkpoints (job_id, step, path, data_position, attempt)
@@ -185,6 +185,28 @@ class Handlers:
                 event.data_position,
                 event.attempt,
             )
+        if _may_grow(job) and event.attempt == job.attempt:
+            await self._grow(event)
+
+    async def _grow(self, event: CheckpointSaved) -> None:
+        """An elastic job running on fewer nodes than it asks for reached a checkpoint boundary: when the
+        queue would place it at its whole size now (`Scheduler.whole_size_fits`), this attempt ends and the
+        next, at that size, resumes from this checkpoint (`Outcome.GROW`). Decided under the placement lock,
+        so the placement pass that follows sees the queue this decision saw."""
+        async with self.s.tx() as conn:
+            await lock_placement(conn)
+            job = await self._current(conn, event)
+            if job is None or not _may_grow(job):
+                return
+            fit = await self.s.whole_size_fits(conn, job)
+            if fit is None:
+                return  # no room yet, or a job ahead of it takes it: the next checkpoint asks again
+            nodes, step = len(fit.nodes), event.step
+            cause = (
+                f"{lifecycle.GROW_BACK} to {nodes} nodes (capacity returned): attempt {job.attempt + 1}"
+                f" resumes at {job.world_size} ranks from the checkpoint of step {step}"
+            )
+            await self.apply(conn, job, Happened(JobEvent.GROW, cause, target=(event.step, event.path, None)))
 
     async def _checkpoint_refused(self, event: CheckpointRefused) -> None:
         """A checkpoint that did not load is bad for good (of any attempt: the files do not heal)."""
@@ -384,6 +406,15 @@ class Handlers:
             job = await self._current(conn, event)
             if job is not None:
                 await apply(conn, job, event)
+
+
+def _may_grow(job: Job) -> bool:
+    """An elastic job whose attempt runs on fewer ranks than it asks for, in a phase where it grows."""
+    return (
+        job.attempt_world_size < job.world_size
+        and bool((job.spec.get("resources") or {}).get("elastic"))
+        and states.outcome(job.state, job.queued, JobEvent.GROW) == Outcome.GROW
+    )
 
 
 def _checks(event: DeviceDiagnosed) -> str:

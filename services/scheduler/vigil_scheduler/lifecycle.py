@@ -23,6 +23,11 @@ JOB_COLUMNS = """id, seq, name, state, priority, spec, world_size, max_nodes, at
     trace_context, created_at, updated_at, finished_at, owner, team, queue_reason, progress_at, recovery,
     recovery_incidents"""
 
+# The cause of the transition that ends an elastic job's shrunk attempt to place it at its whole size again
+# (`Outcome.GROW`) starts with this: such an attempt, like a preempted one, did not fail, and does not count
+# against VIGIL_MAX_ATTEMPTS.
+GROW_BACK = "grow back"
+
 
 @dataclass(frozen=True)
 class Job:
@@ -176,12 +181,14 @@ async def requeue(
     resume_from: str | None = None,
     skip_data: tuple[int, int] | None = None,
     preempted: bool = False,
+    counted: bool = True,
 ) -> Job:
     """Start the next attempt: back to the queue (PENDING, or ROLLING_BACK for a restart) with
     attempt + 1, resuming from `resume_from` or the newest valid checkpoint. Past `max_attempts`
-    (attempts that ended preempted do not count) the job is FAILED with the cause. A preempted attempt's
-    devices are not offered back to the job: it goes elsewhere."""
-    used = job.attempt - await preempted_attempts(conn, job.id)
+    (attempts that ended preempted, or to grow back, do not count; nor this one, when not `counted`) the
+    job is FAILED with the cause. A preempted attempt's devices are not offered back to the job: it goes
+    elsewhere."""
+    used = job.attempt - await uncounted_attempts(conn, job.id) - (0 if counted else 1)
     if used >= max_attempts:
         return await transition(
             conn,
@@ -234,10 +241,14 @@ async def release_devices(conn: asyncpg.Connection, job_id: str) -> None:
     )
 
 
-async def preempted_attempts(conn: asyncpg.Connection, job_id: str) -> int:
-    """How many of the job's attempts ended on a preemption notice (a rank exited `preempted`)."""
+async def uncounted_attempts(conn: asyncpg.Connection, job_id: str) -> int:
+    """How many of the job's attempts did not fail: those that ended on a preemption notice (a rank exited
+    `preempted`), and those ended to grow the job back to its whole size (`GROW_BACK`)."""
     return await conn.fetchval(
-        "SELECT count(DISTINCT attempt) FROM job_ranks WHERE job_id = $1 AND failure = 'preempted'", job_id
+        """SELECT (SELECT count(DISTINCT attempt) FROM job_ranks WHERE job_id = $1 AND failure = 'preempted')
+             + (SELECT count(*) FROM job_transitions WHERE job_id = $1 AND left(cause, length($2)) = $2)""",
+        job_id,
+        GROW_BACK,
     )
 
 

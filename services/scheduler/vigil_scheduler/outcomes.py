@@ -101,6 +101,19 @@ class Outcomes:
                 assert happened.target is not None
                 step, checkpoint, skip = happened.target
                 return await self._relaunch(conn, job, step, checkpoint, skip, cause)
+            case Outcome.GROW:
+                assert happened.target is not None and happened.cause.startswith(lifecycle.GROW_BACK)
+                moved = await lifecycle.requeue(  # its devices stay its own until it is placed again
+                    conn,
+                    job,
+                    cause,
+                    max_attempts=self.s.settings.max_attempts,
+                    to_state=JobState.ROLLING_BACK,
+                    resume_from=happened.target[1],
+                    counted=False,
+                )
+                self.s.want_placement()
+                return moved
             case Outcome.SETTLE:
                 return await self._settle(conn, job, happened)
             case Outcome.UNQUEUE:

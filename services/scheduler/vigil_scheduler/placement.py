@@ -26,6 +26,10 @@ it allows, on the nodes it held where they hold it (its parked survivors take th
 `world_size x n / max_nodes` ranks. Like a spare, a shrink is not held up by a blocked head job (it then
 uses only the nodes it held and the spares). A job running shrunk that is requeued again tries its whole
 size first, and continues shrunk when that does not fit.
+
+Elastic grow (`grow`): a job running shrunk grows back to its whole size when that placement, as one of
+its own in queue order, fits now on the devices it holds plus the free capacity (never a spare): a job
+ahead of it in the queue that fits takes the room first, and a blocked head holds it up as any job.
 """
 
 from __future__ import annotations
@@ -280,6 +284,31 @@ def shrink(request: PlacementRequest, room: Inventory) -> Placement | None:
         if placement is not None:
             return placement
     return None
+
+
+def grow(
+    request: PlacementRequest,
+    queue: Iterable[PlacementRequest],
+    inventory: Inventory,
+    ledger: Ledger | None = None,
+    *,
+    spares: int = 0,
+) -> Placement | None:
+    """The whole-size placement of a job running shrunk, if the queue would give it one now.
+
+    `request` is the job at its whole size, `reusable` the devices it holds now (running); `queue` the jobs
+    waiting for a placement. The job is placed among them in queue order (`plan`), as if it were queued: on
+    its own devices and the free capacity, never on a spare, and never shrunk. None:
+    a job ahead of it takes the room, a blocked job ahead of it holds it up, its quota does not allow it,
+    or the room is not there.
+    """
+    whole = replace(request, shrink_nodes=())
+    if lost_capacity(whole, inventory):
+        return None  # a device it runs on is failing: that is a recovery's to handle, not a growth's
+    others = [r for r in queue if r.job_id != request.job_id]
+    placed, _ = plan([*others, whole], inventory, ledger, spares=spares)
+    mine = next((p for p in placed if p.job_id == request.job_id), None)
+    return mine if mine is not None and len(mine.ranks) == request.world_size else None
 
 
 def _masked(inventory: Inventory, keep: Callable[[str], bool]) -> Inventory:

@@ -3,6 +3,8 @@
     PENDING -> SCHEDULED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
     RUNNING -> HALTED -> ROLLING_BACK -> RUNNING
     ROLLING_BACK -> SCHEDULED            (a restart: the new attempt is placed and launched)
+    RUNNING -> ROLLING_BACK              (an elastic job running shrunk grows back at a checkpoint: the
+                                          next attempt, at its whole size, from that checkpoint)
     ROLLING_BACK -> ROLLING_BACK         (a restart asked for during an in-place rollback: its program
                                           cannot load in place; the next attempt, from the checkpoint)
     HALTED | ROLLING_BACK -> SUCCEEDED   (the ranks finished before the rollback reached them, and the bad
@@ -129,6 +131,7 @@ class JobEvent(StrEnum):
     FAIL = "fail"  # IncidentRaised with action "fail"
     RANKS_LOST = "ranks_lost"  # a node lost, or its worker restarted: the attempt's ranks are gone
     TIMED_OUT = "timed_out"  # the sweeper: no progress for VIGIL_TRANSITION_TIMEOUT_S
+    GROW = "grow"  # CheckpointSaved of an elastic job running shrunk whose whole size fits again
 
 
 class Outcome(StrEnum):
@@ -144,6 +147,7 @@ class Outcome(StrEnum):
     SUCCEED = "succeed"  # -> SUCCEEDED
     REQUEUE = "requeue"  # the next attempt, queued PENDING (or FAILED past VIGIL_MAX_ATTEMPTS)
     RELAUNCH = "relaunch"  # the next attempt from the command's checkpoint, ROLLING_BACK until placed
+    GROW = "grow"  # RELAUNCH at the job's whole size from the checkpoint; not counted as a failed attempt
     SETTLE = "settle"  # the ranks finished (or went quiet) during a halt or rollback: `settlement`
     UNQUEUE = "unqueue"  # a restart that found no placement: PENDING, waiting like any queued job
     FAIL = "fail"  # -> FAILED, the ranks cancelled
@@ -169,6 +173,7 @@ _QUEUED = {
     _E.CANCEL: _O.CANCEL,
     _E.FAIL: _O.FAIL,
     _E.RANKS_LOST: _O.IGNORE,
+    _E.GROW: _O.IGNORE,  # nothing runs shrunk: its placement tries the whole size first anyway
 }
 # What ranks on devices do in every placed phase, before each phase's own differences.
 _PLACED = {
@@ -194,6 +199,9 @@ _PLACED = {
     _E.FAIL: _O.FAIL,
     _E.RANKS_LOST: _O.REQUEUE,
     _E.TIMED_OUT: _O.IGNORE,
+    # only a running job grows: not one whose ranks are still starting, halted or rolling back (its
+    # next checkpoint, once it runs again, is the next chance)
+    _E.GROW: _O.IGNORE,
 }
 
 OUTCOMES: dict[Phase, dict[JobEvent, Outcome]] = {
@@ -205,7 +213,11 @@ OUTCOMES: dict[Phase, dict[JobEvent, Outcome]] = {
         _E.RANKS_HALTED: _O.IGNORE,
         _E.TIMED_OUT: _O.REQUEUE,  # launched, but a rank's start never came
     },
-    Phase.RUNNING: {**_PLACED, _E.RANKS_HALTED: _O.HALT},  # the HaltJob may still be on its way
+    Phase.RUNNING: {
+        **_PLACED,
+        _E.RANKS_HALTED: _O.HALT,  # the HaltJob may still be on its way
+        _E.GROW: _O.GROW,
+    },
     Phase.HALTED: {
         **_PLACED,
         # every rank exited 0 before the rollback (which may still come) reached them

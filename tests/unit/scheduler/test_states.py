@@ -50,7 +50,7 @@ def test_every_outcome_is_a_transition_the_machine_allows(p: Phase) -> None:
     for event, result in OUTCOMES[p].items():
         if result in _TO:
             assert allowed(state, _TO[result]), (p, event, result)
-        if result in (Outcome.REQUEUE, Outcome.RELAUNCH, Outcome.SETTLE):
+        if result in (Outcome.REQUEUE, Outcome.RELAUNCH, Outcome.SETTLE, Outcome.GROW):
             assert allowed(state, JobState.FAILED), (p, event)
             target = JobState.PENDING if result == Outcome.REQUEUE else JobState.ROLLING_BACK
             assert allowed(state, target), (p, event, result)
@@ -91,6 +91,14 @@ def test_an_ended_job_ignores_every_late_event() -> None:
         (JobState.RUNNING, False, JobEvent.TIMED_OUT, Outcome.IGNORE),
         (JobState.SCHEDULED, False, JobEvent.TIMED_OUT, Outcome.REQUEUE),
         (JobState.ROLLING_BACK, False, JobEvent.TIMED_OUT, Outcome.SETTLE),
+        # elastic grow: a running job only; never one starting, halted, rolling back, queued or ended
+        (JobState.RUNNING, False, JobEvent.GROW, Outcome.GROW),
+        (JobState.SCHEDULED, False, JobEvent.GROW, Outcome.IGNORE),
+        (JobState.HALTED, False, JobEvent.GROW, Outcome.IGNORE),
+        (JobState.ROLLING_BACK, False, JobEvent.GROW, Outcome.IGNORE),
+        (JobState.ROLLING_BACK, True, JobEvent.GROW, Outcome.IGNORE),
+        (JobState.PENDING, True, JobEvent.GROW, Outcome.IGNORE),
+        (JobState.SUCCEEDED, False, JobEvent.GROW, Outcome.IGNORE),
     ],
 )
 def test_pairs(state: JobState, queued: bool, event: JobEvent, expected: Outcome) -> None:
@@ -172,7 +180,7 @@ class Model:
                 return replace(m, state=JobState.SUCCEEDED)
             case Outcome.REQUEUE:
                 return replace(m, state=JobState.PENDING, queued=True, attempt=m.attempt + 1, ok=frozenset())
-            case Outcome.RELAUNCH:
+            case Outcome.RELAUNCH | Outcome.GROW:
                 return m.relaunched()
             case Outcome.SETTLE:
                 return m.settle(timed_out=event == JobEvent.TIMED_OUT)
@@ -307,3 +315,17 @@ def test_after_any_events_the_sweeper_leaves_no_job_in_a_transition(events: list
     m = m.apply(JobEvent.TIMED_OUT).apply(JobEvent.TIMED_OUT)  # a relaunch's placement is bounded too
     waiting = m.state == JobState.HALTED and m.halted and not m.rollback
     assert phase(m.state, m.queued) not in SWEPT or waiting, m.log
+
+
+def test_only_a_running_job_grows() -> None:
+    growing = {p for p, row in OUTCOMES.items() if row[JobEvent.GROW] != Outcome.IGNORE}
+    assert growing == {Phase.RUNNING}
+    assert outcome(JobState.RUNNING, False, JobEvent.GROW) == Outcome.GROW
+
+
+def test_a_grow_waits_in_the_queue_for_its_placement_and_the_sweeper_bounds_it() -> None:
+    m = Model().apply(JobEvent.GROW)
+    assert (m.state, m.queued, m.attempt) == (JobState.ROLLING_BACK, True, 2), m.log
+    assert m.apply(JobEvent.GROW) == replace(m, log=(*m.log, "ROLLING_BACK/grow->ignore"))
+    assert m.apply(JobEvent.TIMED_OUT).state == JobState.PENDING  # no placement in time: queued as any job
+    assert m.apply(JobEvent.PLACED).state == JobState.SCHEDULED
