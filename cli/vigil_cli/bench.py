@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "sdk": "vigil_bench.sdk",
     "goodput": "vigil_bench.goodput",
     "mfu": "vigil_bench.mfu",
+    "elastic": "vigil_bench.elastic",
 }
 
 
