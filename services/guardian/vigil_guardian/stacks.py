@@ -19,47 +19,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vigil.events import RankStacks, StackFrame, StacksDumped, ThreadStack
+from vigil.events import RankStacks, StackFrame, StacksDumped
+from vigil_common.stack_frames import collective, main_thread
 from vigil_guardian.verdict import Verdict
 
-COLLECTIVES = frozenset(
-    {
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_object",
-        "all_to_all",
-        "all_to_all_single",
-        "barrier",
-        "monitored_barrier",
-        "broadcast",
-        "broadcast_object_list",
-        "reduce",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "gather",
-        "scatter",
-        "send",
-        "recv",
-        "isend",
-        "irecv",
-        "wait",
-        # DDP all-reduces gradients from autograd hooks in C++: a rank waiting for it sits in backward
-        "backward",
-        "_engine_run_backward",
-        "run_backward",
-        # NCCL's collectives are asynchronous: a rank waits for them where the stream is synchronized
-        "synchronize",
-    }
-)
-_COMM_FILES = (
-    "torch/distributed/",
-    "deepspeed/comm/",
-    "c10d",
-    "torch/autograd/",
-    "torch/_tensor.py",
-    "torch/cuda/",
-)
 MAX_GROUPS = 16  # in the incident's evidence; the rest are counted
 SUMMARY_GROUPS = 4  # in the incident's message
 PATH_FRAMES = 12  # of each group's call path, innermost first
@@ -195,19 +158,6 @@ def pick_outlier(groups: list[Group], hint: int | None) -> Group | None:
     free = [g for g in groups if g.collective is None]
     candidates = free or groups
     return min(candidates, key=lambda g: (len(g.ranks), hint not in g.ranks, g.ranks))
-
-
-def main_thread(r: RankStacks) -> ThreadStack | None:
-    """The thread that runs the training loop: `MainThread`, else the first dumped."""
-    return next((t for t in r.threads if t.name == "MainThread"), r.threads[0] if r.threads else None)
-
-
-def collective(path: Iterable[StackFrame]) -> StackFrame | None:
-    """The innermost frame of a collective of torch.distributed (or DeepSpeed's comm) in `path`."""
-    for f in path:
-        if f.function.rsplit(".", 1)[-1] in COLLECTIVES and any(p in f.file for p in _COMM_FILES):
-            return f
-    return None
 
 
 def where(path: tuple[StackFrame, ...]) -> StackFrame | None:

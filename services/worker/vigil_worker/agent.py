@@ -38,6 +38,7 @@ from vigil_common import subjects
 from vigil_common.bus import Bus, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
+from vigil_common.stack_frames import waits_in_collective
 from vigil_worker import exit_report, parked, tenancy
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
@@ -70,6 +71,7 @@ class Worker:
         self.preempting = False  # a preemption notice came: no new ranks here
         self._checks: dict[str, asyncio.Task[None]] = {}  # DiagnoseDevice event id -> its running check
         self._dumps: dict[str, asyncio.Task[None]] = {}  # DumpStacks event id -> its dump
+        self._waiting: dict[str, tuple[int, dict[int, bool]]] = {}  # job -> attempt, rank in a collective
 
     # --- startup: the truth about ranks a previous run started ---------------------------------------------
 
@@ -109,6 +111,10 @@ class Worker:
                     )
             return
         await self.monitor_once()  # a survivor that parked since the last look is taken too
+        first, waiters = parked.hung_first(self.table, launch, self.settings, self._waiting.pop(job, None))
+        if first:  # a hang: its hung ranks end first, and those that waited for them park
+            await self.end_ranks(first)
+            await self._until_parked(waiters, parked.PARK_WINDOW_S)
         takers = parked.takers(self.table, launch, self.node)  # survivors parked in their processes
         handed: set[int] = set()
         older = [r for r in self.table.running(job) if r not in takers.values()]
@@ -265,6 +271,10 @@ class Worker:
         bound = max(0.2, command.within_s * 0.75)  # the rest of the guardian's wait is the trip back
         dumps = await asyncio.gather(*(dump(r.rank, r.pid, r.exit_path, bound) for r in ranks))
         took = time.monotonic() - started
+        self._waiting[str(command.job_id)] = (
+            command.attempt,
+            {d.rank: waits_in_collective(d) for d in dumps},
+        )
         failed = [d.rank for d in dumps if d.error]
         log.warning("%s: dumped the stacks of ranks %s in %.2fs%s", command.job_id, [r.rank for r in ranks],
                     took, f" (not: {failed})" if failed else "")  # fmt: skip
@@ -322,6 +332,15 @@ class Worker:
             await self.monitor_once()
             if any(not r.reported for r in ranks):
                 await asyncio.sleep(MONITOR_INTERVAL_S)  # polling the processes, not synchronisation
+
+    async def _until_parked(self, ranks: list[RankRecord], within_s: float) -> None:
+        """Until each of `ranks` has parked or exited, for `within_s` at most."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            await self.monitor_once()
+            if all(r.parked_at is not None or r.reported for r in ranks):
+                return
+            await asyncio.sleep(MONITOR_INTERVAL_S)  # polling the processes, not synchronisation
 
     # --- the monitor ----------------------------------------------------------------------------------------
 

@@ -8,6 +8,9 @@ next attempt (`vigil_worker.trainer.park`), and the worker hands that attempt to
   rank would get with its new log's descriptor. Only the ranks that are gone start new processes.
 - A parked rank that the next attempt does not take (placed elsewhere, another job's launch on its
   device, the job ended) is ended as any rank is; one left waiting `PARKED_FOR_S` ends too.
+- A hung attempt's ranks end in two waves (`hung_first`): those whose stacks, dumped for the hang, wait
+  in no collective (the hung ones) first; those that waited for them in a collective then see it fail
+  and park within `PARK_WINDOW_S`, and take the next attempt as any survivor does.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from vigil_worker.trainer.park import next_socket, parked_marker
 log = logging.getLogger("vigil.worker")
 
 PARKED_FOR_S = 60.0  # a parked rank no attempt took by then is ended (a relaunch comes in seconds)
+PARK_WINDOW_S = 1.5  # a hung attempt's waiting ranks park this soon after the hung ones end (gloo: ms)
 HAND_OVER_S = 5.0  # the hand-over's connection and writes (the parked rank listens before its marker)
 
 
@@ -44,6 +48,25 @@ def newly_parked(record: RankRecord) -> str | None:
 def parks(record: RankRecord, settings: Settings) -> bool:
     """`record`'s process parks when its collective fails (`launch.rank_env` allowed it)."""
     return record.builtin and settings.rank_runtime == "process"
+
+
+def hung_first(
+    table: RankTable, launch: LaunchJob, settings: Settings, waiting: tuple[int, dict[int, bool]] | None
+) -> tuple[list[RankRecord], list[RankRecord]]:
+    """The ranks of `launch`'s job here that an older attempt left running, split by where their stacks
+    (`waiting`: the attempt dumped, and whether each rank waited in a collective) said they were: those
+    to end first (in no collective: hung), and those that wait for them, which park once they are gone.
+    Nothing to split (([], [])) unless the stacks of that very attempt were dumped here and its ranks
+    park."""
+    if waiting is None or launch.job_id is None:
+        return [], []
+    attempt, in_collective = waiting
+    older = [r for r in table.running(launch.job_id) if r.attempt == attempt < launch.attempt]
+    older = [r for r in older if r.parked_at is None and not r.killed and parks(r, settings)]
+    if not older or not any(in_collective.get(r.rank, False) for r in older):
+        return [], []
+    first = [r for r in older if not in_collective.get(r.rank, False)]
+    return first, [r for r in older if r not in first]
 
 
 def waited_too_long(record: RankRecord, now: float | None = None) -> bool:

@@ -27,11 +27,14 @@ from vigil.events import (
     JobStateChanged,
     LaunchJob,
     Message,
+    RankExited,
+    RankStarted,
     RestartJob,
     RollbackCompleted,
     RollbackJob,
     StepCompleted,
 )
+from vigil.exits import EXIT_PARKED
 from vigil.integrations.ds_compat import checkpoint_safe_globals
 from vigil_cli.stack import run_services
 from vigil_common import readmodel, subjects
@@ -265,6 +268,11 @@ async def test_a_hung_rank_gives_a_hang_incident_and_a_relaunch_that_finishes(st
     relaunch = [launch for launch in run.of(LaunchJob) if launch.attempt == 2]
     assert relaunch and relaunch[0].resume_from and relaunch[0].resume_from.endswith("step_00000003")
     assert max(e.step for e in run.of(StepCompleted) if e.attempt == 2) == 9
+    # the hung rank ended first: rank 0, which waited for it in a collective, parked and went on in its
+    # process (in-job restart); rank 1 started anew
+    pids = {(e.attempt, e.rank): e.pid for e in run.of(RankStarted)}
+    assert pids[(2, 0)] == pids[(1, 0)] and pids[(2, 1)] != pids[(1, 1)], pids
+    assert {e.rank: e.exit_code for e in run.of(RankExited) if e.attempt == 1} == {0: EXIT_PARKED, 1: None}
 
 
 async def test_a_spec_its_worker_refuses_fails_at_once_without_a_relaunch(stack: Stack):
