@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from vigil import collective
 from vigil import snapshot as snap
+from vigil.snapshot_choice import auto_interval
 from vigil.snapshot_files import snapshot_folder_from_env
 
 log = logging.getLogger("vigil")
@@ -115,7 +116,7 @@ class RunSnapshots:
         self._last = step
 
     def _agree_interval(self, step_s: float) -> None:
-        n = collective.highest(snap.auto_interval(self.cost.each_s, step_s))
+        n = collective.highest(auto_interval(self.cost.each_s, step_s))
         self.every, self.tuned = n, True
         log.info(
             "vigil: in-memory snapshots (auto): every %d step(s) (one costs %.1f ms against a %.1f ms step)",

@@ -11,19 +11,16 @@ import torch
 
 from vigil.errors import CheckpointError
 from vigil.manifest import MANIFEST, step_dir
-from vigil.snapshot import (
+from vigil.snapshot import Snapshots, deserialize, serialize, to_host
+from vigil.snapshot_choice import (
     Holdings,
-    Snapshots,
     auto_interval,
     choose_resized,
     choose_step,
-    deserialize,
     provider,
     resized_provider,
     ring_partner,
     ring_source,
-    serialize,
-    to_host,
 )
 from vigil.snapshot_files import KEEP, SnapshotFolder, SnapshotManifest
 from vigil.spec import CheckpointSpec
