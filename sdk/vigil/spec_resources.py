@@ -24,7 +24,13 @@ class ElasticSpec(StrictModel):
 
     min_nodes: int = Field(ge=1, le=MAX_NODES, description="the fewest nodes the job continues on")
     max_nodes: int | None = Field(
-        None, ge=1, le=MAX_NODES, description="the most nodes it grows back to; null: resources.nodes"
+        None,
+        ge=1,
+        le=MAX_NODES,
+        description=(
+            "validated (at least resources.nodes) but unused: a job running shrunk grows back to"
+            " resources.nodes; growing past resources.nodes is not built"
+        ),
     )
 
 
