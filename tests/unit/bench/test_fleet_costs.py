@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vigil_bench.fleet import AUTO, Plan, Window, _auto_nodes
+from vigil_bench.fleet import _auto_nodes
 from vigil_bench.fleet_costs import by_service, costs, fit, ranks_at_busy, render, sizing
+from vigil_bench.fleet_plan import AUTO, Plan, Window
 from vigil_bench.fleet_probes import Stages
 from vigil_bench.fleet_watch import Watch
 
