@@ -81,7 +81,10 @@ class SnapshotFolder:
     def write(self, kind: Literal["rank", "peer"], m: SnapshotManifest, data: bytes | memoryview) -> None:
         """The snapshot's bytes, then its manifest by atomic rename (its last write); older ones pruned."""
         folder = self.shard_dir(kind, m.rank)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # never a folder above the job's (the node's is its worker's, made before any rank starts): a rank
+        # that made a missing node folder would own it, and lock every other job's ranks out of it
+        for made in (self.root, folder.parent, folder):
+            made.mkdir(mode=0o700, exist_ok=True)
         stem = folder / f"step_{m.step:08d}"
         with open(stem.with_suffix(".bin"), "wb") as fh:
             fh.write(data)

@@ -26,6 +26,7 @@ PROGRAM = textwrap.dedent(
 
     phase, root, shm = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    (shm / f"node{rank}").mkdir(parents=True, exist_ok=True)  # its node's folder, as its worker makes it
     os.environ["VIGIL_SNAPSHOT_DIR"] = str(shm / f"node{rank}" / "j")  # each rank on a node of its own
     dist.init_process_group("gloo")
     who = Identity("j", 1, rank, world, rank, f"node{rank}")

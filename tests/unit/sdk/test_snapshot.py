@@ -242,3 +242,15 @@ def test_a_former_size_is_chosen_only_where_every_shard_is_held_and_newer_than_t
     assert choose_resized([h0, h1], lo=9) is None
     assert choose_resized([Holdings(0, own=(6,))], lo=0) is None
     assert resized_provider([h0, h1], 2, 1, 8) == 1
+
+
+def test_a_rank_never_makes_its_nodes_snapshot_folder(tmp_path):
+    """The node's folder is its worker's (0711): a rank that made it would own it and lock every other
+    job's ranks out; the job's own folder under it a rank may make again."""
+    gone = SnapshotFolder(tmp_path / "vigil-node" / "j", "j")
+    with pytest.raises(FileNotFoundError):
+        gone.write("rank", _manifest(1, b"x"), b"x")
+    assert not (tmp_path / "vigil-node").exists()
+    (tmp_path / "vigil-node").mkdir()
+    gone.write("rank", _manifest(1, b"x"), b"x")
+    assert gone.read("rank", 0, 1)[1] == b"x"
