@@ -102,8 +102,8 @@ async def test_a_crashed_rank_is_relaunched_from_its_peer_copy_and_trains_as_wit
     for key, loss in expected.items():
         assert got[key] == pytest.approx(loss, rel=1e-5), key
     # the job is done: its ranks removed their snapshots from both nodes' memory
-    assert not list(shm(ready_cluster, 0, job_id).glob("*/*.bin"))
-    assert not list(shm(ready_cluster, 1, job_id).glob("*/*.bin"))
+    assert not list(shm(ready_cluster, 0, job_id).rglob("*.bin"))
+    assert not list(shm(ready_cluster, 1, job_id).rglob("*.bin"))
 
 
 async def test_a_corrupt_or_torn_snapshot_is_refused_and_the_next_whole_one_used(
@@ -137,9 +137,10 @@ async def test_a_relaunch_with_no_whole_snapshot_loads_the_disk_checkpoint(
     cleanup.append(job_id)
 
     def wipe(job: str) -> None:
-        for node in (0, 1):
-            for manifest in shm(ready_cluster, node, job).glob("*/*.json"):
-                manifest.write_text(json.dumps({"format": "vigil-snapshot/1"}))  # unreadable
+        manifests = [m for node in (0, 1) for m in shm(ready_cluster, node, job).glob("world_2/*/*.json")]
+        assert len(manifests) == 8, manifests  # 2 nodes x (own + peer) x the newest 2 steps
+        for manifest in manifests:
+            manifest.write_text(json.dumps({"format": "vigil-snapshot/1"}))  # unreadable
 
     _, resumed = await crash_and_relaunch(ready_cluster, bus, job_id, wipe)
     assert resumed == 5  # the disk checkpoint's step
