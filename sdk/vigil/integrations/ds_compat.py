@@ -266,17 +266,20 @@ def engine_state(engine: Any) -> dict[str, Any]:
     }
 
 
-def load_engine_state(engine: Any, state: dict[str, Any]) -> None:
+def load_engine_state(engine: Any, state: dict[str, Any], former: list[Any] | None = None) -> None:
     """Load what `engine_state` returned into the running engine, as its `load_checkpoint` loads a
     checkpoint (the module, then the optimizer from its fp32 partition, the scheduler, the counters).
-    The optimizer keeps the tensors it is given (torch's `load_state_dict` does not copy them): pass
-    a state nobody else holds."""
+    `former`: every former rank's ZeRO optimizer state of a job that changed its size, re-partitioned to
+    this engine's (`resize_optimizer`) instead of `state`'s own partition. The optimizer keeps the tensors
+    it is given (torch's `load_state_dict` does not copy them): pass a state nobody else holds."""
     import torch.distributed as dist
 
     engine.module.load_state_dict(state["module"], strict=True)
     opt = engine.optimizer
     if opt is not None and state["optimizer"] is not None:
-        if engine.zero_optimization():
+        if engine.zero_optimization() and former is not None:
+            resize_optimizer(engine, former)
+        elif engine.zero_optimization():
             if opt.elastic_checkpoint:
                 raise NotImplementedError("in-memory snapshots of a ZeRO optimizer with elastic_checkpoint")
             shards: list[Any] = [None] * dist.get_world_size(group=opt.dp_process_group)
@@ -307,21 +310,7 @@ def load_resized_engine_state(engine: Any, states: list[dict[str, Any]], rank: i
         raise NotImplementedError(
             "re-partitioning a ZeRO-3 engine's state (in-memory snapshots are off there)"
         )
-    own = states[rank % len(states)]
-    engine.module.load_state_dict(own["module"], strict=True)
-    opt = engine.optimizer
-    if opt is not None and own["optimizer"] is not None:
-        if engine.zero_optimization():
-            resize_optimizer(engine, [s["optimizer"] for s in states])
-        elif engine.fp16_enabled() or engine.bfloat16_enabled():
-            opt.load_state_dict(own["optimizer"], load_optimizer_states=True)
-        else:
-            opt.load_state_dict(own["optimizer"])
-    if engine.lr_scheduler is not None and own["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(own["lr_scheduler"])
-    engine.global_steps = own["global_steps"]
-    engine.global_samples = own["global_samples"]
-    engine.skipped_steps = own["skipped_steps"]
+    load_engine_state(engine, states[rank % len(states)], former=[s["optimizer"] for s in states])
 
 
 def resize_optimizer(engine: Any, former: list[dict[str, Any]]) -> None:
