@@ -173,3 +173,18 @@ async def heartbeat_of(bus: Bus, node: str, timeout: float = 30) -> NodeHeartbea
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+async def stored_steps(
+    plane: Plane, reference: str, job_id: str
+) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int, int], Any]]:
+    """What telemetry stored of two jobs' steps: the fault-free `reference`'s loss by (step, rank), and
+    `job_id`'s rows by (attempt, step, rank)."""
+    rows = await plane.pool.fetch(
+        "SELECT job_id, attempt, step, rank, loss, occurred_at FROM telemetry_steps"
+        " WHERE job_id = ANY($1::text[])",
+        [reference, job_id],
+    )
+    ref = {(r["step"], r["rank"]): r["loss"] for r in rows if r["job_id"] == reference}
+    got = {(r["attempt"], r["step"], r["rank"]): r for r in rows if r["job_id"] == job_id}
+    return ref, got

@@ -18,7 +18,7 @@ from vigil.events import RankStarted
 from vigil_bench.netns import Network
 from vigil_common import subjects
 
-from .conftest import Plane, Workers, unique, wait_alive
+from .conftest import Plane, Workers, stored_steps, unique, wait_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 
@@ -69,13 +69,7 @@ async def test_an_elastic_job_that_loses_a_host_goes_on_with_the_other_from_memo
     ]
     assert pids[0].pid == pids[1].pid, pids  # type: ignore[attr-defined]  # in-job restart, renumbered
 
-    rows = await plane.pool.fetch(
-        "SELECT job_id, attempt, step, rank, loss, occurred_at FROM telemetry_steps"
-        " WHERE job_id = ANY($1::text[])",
-        [reference, job_id],
-    )
-    ref = {(r["step"], r["rank"]): r["loss"] for r in rows if r["job_id"] == reference}
-    got = {(r["attempt"], r["step"], r["rank"]): r for r in rows if r["job_id"] == job_id}
+    ref, got = await stored_steps(plane, reference, job_id)
     last1 = max(s for (at, s, _) in got if at == 1)
     first2 = min(s for (at, s, _) in got if at == 2)
     resumed = min(r["occurred_at"].timestamp() for (at, _, _), r in got.items() if at == 2)

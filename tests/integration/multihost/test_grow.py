@@ -16,7 +16,7 @@ from tests.integration.worker.conftest import tiny_spec
 from vigil_bench.netns import Network
 from vigil_common import subjects
 
-from .conftest import Plane, Workers, unique, wait_alive
+from .conftest import Plane, Workers, stored_steps, unique, wait_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 
@@ -63,13 +63,7 @@ async def test_an_elastic_job_grows_back_to_both_hosts_at_its_next_checkpoint(
     assert "grew back to 2 of 2 nodes (capacity returned; 2 ranks)" in scheduled.cause
     await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
 
-    rows = await plane.pool.fetch(
-        "SELECT job_id, attempt, step, rank, loss, occurred_at FROM telemetry_steps"
-        " WHERE job_id = ANY($1::text[])",
-        [reference, job_id],
-    )
-    ref = {(r["step"], r["rank"]): r["loss"] for r in rows if r["job_id"] == reference}
-    got = {(r["attempt"], r["step"], r["rank"]): r for r in rows if r["job_id"] == job_id}
+    ref, got = await stored_steps(plane, reference, job_id)
     last2 = max(s for (at, s, _) in got if at == 2)
     first3 = min(s for (at, s, _) in got if at == 3)
     whole = min(r["occurred_at"].timestamp() for (at, _, _), r in got.items() if at == 3)

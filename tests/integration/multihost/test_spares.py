@@ -16,7 +16,7 @@ from vigil.events import CheckpointSaved, IncidentRaised, RankStarted
 from vigil_bench.netns import Network
 from vigil_common import subjects
 
-from .conftest import Plane, Workers, unique, wait_alive
+from .conftest import Plane, Workers, stored_steps, unique, wait_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 
@@ -141,13 +141,7 @@ async def test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory(
     assert [p.node for p in second.placement if p.rank == kept] == [wa.node]
     assert pids[0].pid == pids[1].pid, pids  # type: ignore[attr-defined]
 
-    rows = await plane.pool.fetch(
-        "SELECT job_id, attempt, step, rank, loss, occurred_at FROM telemetry_steps"
-        " WHERE job_id = ANY($1::text[])",
-        [reference, job_id],
-    )
-    ref = {(r["step"], r["rank"]): r["loss"] for r in rows if r["job_id"] == reference}
-    got = {(r["attempt"], r["step"], r["rank"]): r for r in rows if r["job_id"] == job_id}
+    ref, got = await stored_steps(plane, reference, job_id)
     last1 = max(s for (at, s, _) in got if at == 1)
     first2 = min(s for (at, s, _) in got if at == 2)
     resumed = min(r["occurred_at"].timestamp() for (at, _, _), r in got.items() if at == 2)
