@@ -4,7 +4,8 @@ Unknown fields are rejected, ranges are checked, and every error names its field
 A spec never carries a shell command, and no field of it reaches a shell.
 
 Sections of their own live beside it and are re-exported here (`from vigil.spec import X` names every
-one): `spec_resources` (nodes, devices, limits, elastic), `spec_guardian`, `spec_faults`; the strict base
+one): `spec_resources` (nodes, devices, limits, elastic), `spec_scheduling` (preemptible, time limit),
+`spec_guardian`, `spec_faults`; the strict base
 model is `spec_base`'s.
 """
 
@@ -45,6 +46,7 @@ from vigil.spec_guardian import (
     GuardianSpec,
 )
 from vigil.spec_resources import ElasticSpec, Resources, grad_accum_at, shrink_node_counts
+from vigil.spec_scheduling import SchedulingSpec, format_duration, parse_duration
 
 __all__ = [
     "CHECKPOINT_READ_BYTES_S",
@@ -71,14 +73,17 @@ __all__ = [
     "NanFault",
     "OomFault",
     "Resources",
+    "SchedulingSpec",
     "SdcFault",
     "SlowRankFault",
     "SpikeFault",
     "StrictModel",
     "TrainSpec",
     "describe_errors",
+    "format_duration",
     "grad_accum_at",
     "looks_like_credential",
+    "parse_duration",
     "parse_spec",
     "shrink_node_counts",
 ]
@@ -350,6 +355,7 @@ class JobSpec(StrictModel):
     entrypoint: EntrypointSpec | None = Field(
         None, description="the user's own training program; null: the built-in GPT trainer (`model`)"
     )
+    scheduling: SchedulingSpec = SchedulingSpec()
 
     @model_serializer(mode="wrap")
     def _one_program(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -358,6 +364,8 @@ class JobSpec(StrictModel):
         fields, keep reading it); one with an entrypoint leaves out the built-in trainer's `model`, so
         that what is stored reads back (the two are exclusive)."""
         data = handler(self)
+        if data.get("scheduling", 0) == {}:
+            del data["scheduling"]  # neither field set: the wire format of before the section existed
         if data.get("entrypoint", 0) is None:
             del data["entrypoint"]
         elif "entrypoint" in data:

@@ -98,6 +98,25 @@ class Settings(BaseSettings):
         description="whole free nodes the scheduler holds in reserve (they run warm ranks and no job) for a "
         "running job that loses a node or a device: it takes one at once, ahead of the queue; 0: none",
     )
+    preemptible_below_priority: int = Field(
+        100,
+        ge=-1001,
+        le=1001,
+        description="a job of lower priority whose spec leaves scheduling.preemptible unset may be preempted "
+        "by a job of higher priority (it resumes from the step it stopped at); -1001: none by default",
+    )
+    time_limit_default_s: float | None = Field(
+        None, ge=1, description="an attempt's time limit where the spec sets none; unset: no limit"
+    )
+    time_limit_max_s: float | None = Field(
+        None, ge=1, description="the longest scheduling.time_limit a spec may ask for; unset: no maximum"
+    )
+    fairshare_half_life_h: float = Field(
+        168.0,
+        gt=0,
+        le=24 * 3650,
+        description="half-life of a team's GPU-hours in its fair-share usage (Slurm's PriorityDecayHalfLife)",
+    )
     transition_timeout_s: float = Field(
         300.0,
         ge=1,
