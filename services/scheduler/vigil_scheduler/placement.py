@@ -11,9 +11,11 @@ does not fit right now (all ranks or none). The rules, in order:
    the fewest free devices that still holds the remainder), so big free nodes stay whole for big jobs.
 4. On GPU nodes, devices joined by NVLink are preferred when only part of a node's free devices is used.
 
-`plan(queue, inventory, ledger)` walks a queue in priority, then submission order, and places what
-fits; with a `quotas.Ledger`, a job its owner's or team's GPU quota holds back waits (with the reason
-in `ledger.waiting`) without holding up the jobs behind it.
+`plan(queue, inventory, ledger, backfill=...)` walks a queue in priority, then fair-share (`fairshare`),
+then submission order, and places what fits; with a `quotas.Ledger`, a job its owner's or team's GPU quota
+holds back waits (with the reason in `ledger.waiting`) without holding up the jobs behind it. The first job
+that does not fit gets a reservation, and the jobs behind it that do not delay it start now (EASY
+backfill, `backfill`; the clock and the running jobs come in a `backfill.Backfill`).
 
 Hot spares (`spare_nodes`, `VIGIL_HOT_SPARES`): whole free nodes held in reserve. The queue's placements
 never use them; a job whose previous attempt lost a node or a device (`lost_capacity`) takes one when the
@@ -38,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, pairwise
 
+from vigil_scheduler.backfill import Backfill, fits_behind, reserve
 from vigil_scheduler.quotas import Ledger
 
 # How many equally good best-fit nodes are compared by NVLink quality (bounds the cost on big clusters).
@@ -136,6 +139,10 @@ class PlacementRequest:
     # Elastic: the node counts below `max_nodes` it may continue on, largest first (each at
     # `world_size / max_nodes` ranks a node); empty: it is not elastic (see `vigil.spec.shrink_node_counts`).
     shrink_nodes: tuple[int, ...] = ()
+    # How long an attempt may run (seconds; None: no limit): when its devices free up (`backfill`).
+    time_limit: float | None = None
+    # Its team's fair-share factor (`fairshare.factors`), 1 (no usage) down to 0: orders equal priorities.
+    share_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -316,59 +323,77 @@ def _masked(inventory: Inventory, keep: Callable[[str], bool]) -> Inventory:
     return Inventory(tuple(n if keep(n.name) else replace(n, alive=False) for n in inventory.nodes))
 
 
+def queue_order(request: PlacementRequest) -> tuple[int, float, int]:
+    """The queue's order: priority high to low, then fair-share factor high to low, then submission."""
+    return (-request.priority, -request.share_factor, request.seq)
+
+
 def plan(
     queue: Iterable[PlacementRequest],
     inventory: Inventory,
     ledger: Ledger | None = None,
     *,
     spares: int = 0,
+    backfill: Backfill | None = None,
 ) -> tuple[list[Placement], Inventory]:
-    """Place jobs in queue order (priority high to low, then submission order).
+    """Place jobs in queue order (`queue_order`: priority, then fair share, then submission order).
 
-    A job that does not fit now but would fit once devices free up blocks the jobs behind it, so a
-    big job is not starved by a stream of small ones. A job that could never fit (more ranks than
-    the healthy cluster holds) blocks nobody, and neither does a job its quota holds back (`ledger`:
-    it waits for its own owner's or team's jobs, not for devices, so others' jobs go ahead).
+    A job that does not fit now but would fit once devices free up is blocked: it gets a reservation
+    (`backfill.reserve`, into `backfill.reservation`): the earliest time the running jobs' time limits free
+    enough devices, and the devices it would then use. A job behind it starts now only when it ends before
+    that time or uses none of those devices (`backfill.fits_behind`); without a reservation time (a job
+    with no time limit holds what it needs) the jobs behind it wait, so a big job is not starved by a stream
+    of small ones. A job that could never fit (more ranks than the healthy cluster holds) blocks nobody, and
+    neither does a job its quota holds back (`ledger`: it waits for its own owner's or team's jobs, not for
+    devices, so others' jobs go ahead).
 
     `spares` whole free nodes are held in reserve (`spare_nodes`): no placement uses them but that of a
     job that lost capacity (`lost_capacity`), and only where the free capacity does not hold it; behind a
-    blocked job, such a job still takes a spare (with the nodes it held), and nothing else.
+    blocked job, such a job still takes a spare (with the nodes it held).
 
     An elastic job that lost capacity and fits neither way is placed on fewer nodes (`shrink`), from the
     free capacity and the spares; behind a blocked job, from the nodes it held and the spares only.
+
+    `backfill` None: a clock at 0 and no running job known, so a blocked job holds up the queue behind it.
     """
-    reserve = spare_nodes(inventory, spares)
+    backfill = backfill if backfill is not None else Backfill()
+    backfill.reservation, backfill.backfilled = None, {}
+    reserve_nodes = spare_nodes(inventory, spares)
     placed: list[Placement] = []
-    blocked = False
-    for request in sorted(queue, key=lambda r: (-r.priority, r.seq)):
-        if blocked and not (reserve or request.shrink_nodes):
-            continue  # behind a blocked job only a spare or a shrink is placed
+    for request in sorted(queue, key=queue_order):
+        held = backfill.reservation
+        if held is not None and held.start is None and not (reserve_nodes or request.shrink_nodes):
+            continue  # behind a blocked job with no reservation time only a spare or a shrink is placed
         quota = (request.job_id, request.owner, request.team, request.world_size)
         if ledger is not None and (why := ledger.refusal(*quota)) is not None:
             ledger.waiting[request.job_id] = why
             continue
-        public = _masked(inventory, lambda name: name not in reserve) if reserve else inventory
-        may_spare = bool(reserve) and lost_capacity(request, inventory)
+        public = _masked(inventory, lambda name: name not in reserve_nodes) if reserve_nodes else inventory
+        may_spare = bool(reserve_nodes) and lost_capacity(request, inventory)
         room = inventory if may_spare else public  # where it may go not held up by a blocked job
-        if blocked:  # behind a blocked job: the spares and its own nodes, never the free capacity
-            own = {name for name, _ in request.reusable} | (reserve if may_spare else set())
+        if held is not None:  # behind a blocked job: the spares and its own nodes, never the free capacity
+            own = {name for name, _ in request.reusable} | (reserve_nodes if may_spare else set())
             room = _masked(inventory, own.__contains__)
         placement = None
-        if not blocked:
+        if held is None:
             placement = place(request, public)
             if placement is None and may_spare:
                 placement = place(request, room)  # the free capacity and the spares
-        elif may_spare:
-            placement = place(request, room)
+        else:
+            if may_spare:
+                placement = place(request, room)
+            if placement is None and (fit := fits_behind(request, public, held, backfill.now)) is not None:
+                placement, backfill.backfilled[request.job_id] = fit
         if placement is None and may_shrink(request, inventory):
             placement = shrink(request, room)
         if placement is not None:
             inventory = inventory.assign(placement)
             placed.append(placement)
+            backfill.started(placement, request)
             if ledger is not None:
                 ledger.take(request.job_id, request.owner, request.team, len(placement.ranks))
-        elif not blocked and fits_ever(request, public):
-            blocked = True  # the jobs behind it wait, but for a spare or a shrink
+        elif held is None and fits_ever(request, public):
+            backfill.reservation = reserve(request, public, backfill.running, backfill.now)
     return placed, inventory
 
 
