@@ -50,6 +50,8 @@ IncidentKind = Literal[
     "sdc",
     "report_refused",
     "lifecycle",  # the scheduler's: a halt or rollback its ranks outran, a transition that timed out
+    "preemption",  # the scheduler's: a job of higher priority preempted this one (`PreemptJob`)
+    "time_limit",  # the scheduler's: an attempt ran past its scheduling.time_limit (`PreemptJob`)
 ]
 # What an incident did: a spec action, or the ranks' own recovery of a held step ("replay": the replay
 # was clean, a transient fault; "skip": the data reproduced it and its window was skipped). A spec's
@@ -649,6 +651,25 @@ class CancelJob(Command):
     reason: str = ""
 
 
+# Why the scheduler stops an attempt on the spot path (`PreemptJob`): a job of higher priority needs its
+# devices (the job is requeued and resumes from the step it stopped at), or the attempt ran past its
+# scheduling.time_limit (the job ends FAILED, its emergency checkpoint kept for the user to resume from).
+StopKind = Literal["preempt", "time_limit"]
+
+
+class PreemptJob(Command):
+    """The scheduler stops the attempt's ranks on the spot path: the workers holding them send each a
+    preemption notice; the ranks finish the step, write the emergency checkpoint (or snapshot) within
+    VIGIL_PREEMPTION_GRACE_S and exit `preempted`; a rank still running after the grace is ended.
+    Only this job's ranks of this attempt; every other rank on the node trains on."""
+
+    type: Literal["job.preempt"] = "job.preempt"
+    schema_version: Literal[1] = 1
+    kind: StopKind
+    reason: str = Field(max_length=2000)
+    by_job: str | None = Field(None, max_length=64, description="the job that needs the devices (preempt)")
+
+
 # --- incidents -----------------------------------------------------------------------------------------
 
 
@@ -732,6 +753,7 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     DumpStacks,
     ResumeJob,
     CancelJob,
+    PreemptJob,
     IncidentRaised,
     IncidentRaisedV1,
     MessageDeadLettered,
@@ -763,7 +785,9 @@ StatusEvent = (
     | JobStateChanged
 )
 # `vigil.job.<job>.cmd`: commands about a running job (the scheduler's input from the guardian and tools).
-JobCommand = HaltJob | RollbackJob | RestartJob | DiagnoseDevice | DumpStacks | ResumeJob | CancelJob
+JobCommand = (
+    HaltJob | RollbackJob | RestartJob | DiagnoseDevice | DumpStacks | ResumeJob | CancelJob | PreemptJob
+)
 # VIGIL_JOBS (launches, steps, status, in one order): a guardian share's input.
 JobStreamEvent = LaunchJob | StepCompleted | StatusEvent
 # What the guardian's decision core judges: its shares' job events and the devices' samples.

@@ -35,6 +35,8 @@ Action = Literal[
     "token",
     "revoke",
     "quota",
+    "preempt",  # the scheduler stopped a job for one of higher priority (`preempting`)
+    "time_limit",  # the scheduler stopped an attempt past its scheduling.time_limit
 ]
 
 

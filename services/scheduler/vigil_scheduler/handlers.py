@@ -30,6 +30,7 @@ from vigil.events import (
     Message,
     NodeHeartbeat,
     OutOfMemoryHalted,
+    PreemptJob,
     RankExited,
     RanksHalted,
     RankStarted,
@@ -287,6 +288,8 @@ class Handlers:
                 await self._on_current(command, self._cancelled)
             case DiagnoseDevice() | DumpStacks():
                 pass  # the workers': the scheduler keeps no state about them
+            case PreemptJob():
+                pass  # the scheduler's own (`preempting`): recorded and audited when it was sent
             case _:
                 assert_never(command)
 

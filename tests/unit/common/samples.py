@@ -226,6 +226,12 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
     ),
     ev.ResumeJob: ev.ResumeJob(**JOB, reason="operator"),
     ev.CancelJob: ev.CancelJob(**JOB, reason="user"),
+    ev.PreemptJob: ev.PreemptJob(
+        **JOB,
+        kind="preempt",
+        reason="preempted by j-fedcba987654 (priority 50 > 10): needs 4 GPUs",
+        by_job="j-fedcba987654",
+    ),
     ev.IncidentRaisedV1: ev.IncidentRaisedV1(
         **JOB,
         kind="spike",
