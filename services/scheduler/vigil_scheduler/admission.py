@@ -10,12 +10,14 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 from vigil.errors import SpecError
-from vigil.spec import JobSpec
+from vigil.spec import JobSpec, format_duration
 from vigil_common.settings import Settings
 
 
 def check(spec: JobSpec, settings: Settings) -> None:
-    """SpecError naming the field when this cluster would refuse to run `spec`'s program."""
+    """SpecError naming the field when this cluster would refuse to run `spec`'s program, or to let it run
+    as long as it asks (`scheduling.time_limit` over VIGIL_TIME_LIMIT_MAX_S)."""
+    check_time_limit(spec, settings)
     entry = spec.entrypoint
     if entry is None:
         return
@@ -44,3 +46,14 @@ def check(spec: JobSpec, settings: Settings) -> None:
                 }
             ]
         )
+
+
+def check_time_limit(spec: JobSpec, settings: Settings) -> None:
+    """SpecError naming `scheduling.time_limit` when it exceeds VIGIL_TIME_LIMIT_MAX_S."""
+    limit, most = spec.scheduling.time_limit, settings.time_limit_max_s
+    if limit is not None and most is not None and limit > most:
+        message = (
+            f"{format_duration(limit)} exceeds this cluster's maximum of {format_duration(most)} "
+            "(VIGIL_TIME_LIMIT_MAX_S): ask for less, and resume a longer run from its checkpoint"
+        )
+        raise SpecError([{"field": "scheduling.time_limit", "message": message}])

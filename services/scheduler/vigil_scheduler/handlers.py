@@ -50,7 +50,7 @@ from vigil.events import (
 )
 from vigil.jobstates import PREEMPTED, JobState
 from vigil_common.bus import SENDER_HEADER, Delivery
-from vigil_scheduler import audit, inventory, lifecycle, recovery, states
+from vigil_scheduler import audit, inventory, lifecycle, preempting, recovery, states, time_limits
 from vigil_scheduler.core import Scheduler, lock_placement
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outcomes import Happened, Outcomes, supersede
@@ -453,8 +453,14 @@ async def _classify_exit(conn: asyncpg.Connection, job: Job, event: RankExited) 
         return Happened(JobEvent.RANK_FINISHED, f"rank {event.rank} exited 0")
     how = f"code {event.exit_code}" if event.exit_code is not None else f"signal {event.signal}"
     cause = f"rank {event.rank} on {event.node} exited with {how} ({event.failure})"
+    stopped = await preempting.stop_of(conn, job)  # the scheduler's own notice, if it sent one
+    if stopped is not None and stopped.kind == "time_limit":  # ended, not requeued
+        happened, cause = await time_limits.at_limit(conn, job, event.rank, stopped.reason)
+        return Happened(happened, cause, reason=cause)
     if event.failure == "preempted":  # all ranks saved the emergency checkpoint
         cause = f"{PREEMPTED}: rank {event.rank} on {event.node} checkpointed and exited"
+        if stopped is not None:  # "preempted by j-... (priority 50 > 10): needs 4 GPUs; rank 0 on ..."
+            cause = f"{stopped.reason}; rank {event.rank} on {event.node} checkpointed and exited"
         return Happened(JobEvent.RANK_PREEMPTED, cause, preempted=True)
     if event.failure == "killed_by_vigil":
         # A worker ends a rank's siblings when it dies: the rank that died tells us why. Only when every

@@ -1,5 +1,6 @@
 """What each classified event does to a job (`Outcomes.apply`: the one table, `states.OUTCOMES`, for the
-job's phase), and the sweeper that resolves a job stalled in a transition (`Outcomes.sweep_loop`).
+job's phase), and the sweeper that resolves a job stalled in a transition and stops an attempt past its
+time limit (`Outcomes.sweep_loop`).
 
 The handlers (`vigil_scheduler.handlers`) record what an event says and classify it as a `Happened`; this
 module acts on it: a transition, a requeue, a relaunch from a checkpoint, the settlement of a recovery
@@ -25,7 +26,7 @@ from vigil.events import (
 from vigil.jobstates import JobState
 from vigil_common import subjects
 from vigil_common.service import wait_any
-from vigil_scheduler import lifecycle, outbox, recovery, states
+from vigil_scheduler import lifecycle, outbox, preempting, recovery, states, time_limits
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.states import JobEvent, Outcome, Settlement
@@ -131,6 +132,10 @@ class Outcomes:
                 )
                 self.s.want_placement()
                 return moved
+            case Outcome.STOP:  # the placement pass stops its victims itself (`preempting.preempt_for`)
+                assert happened.event == JobEvent.OVER_TIME
+                await preempting.stop(conn, job, "time_limit", cause)
+                return job
             case _:
                 assert_never(outcome)
 
@@ -274,11 +279,28 @@ class Outcomes:
             await self.apply(conn, job, Happened(JobEvent.TIMED_OUT, what))
         return True
 
+    async def stop_overdue(self) -> list[str]:
+        """Stop every attempt running past its time limit (`time_limits.overdue`): the spot path's notice,
+        the grace period and the emergency checkpoint, then the job ends (`OVER_TIME`). The ids stopped."""
+        default = self.s.settings.time_limit_default_s
+        async with self.s.pool.acquire() as conn:
+            due = await time_limits.overdue(conn, default)
+        for job_id in due:
+            async with self.s.tx() as conn:
+                job = await lifecycle.lock_job(conn, job_id)
+                if job is None or not await time_limits.overdue(conn, default, job_id):
+                    continue  # it moved meanwhile
+                why = time_limits.notice(job, default)
+                log.warning("%s: %s", job.id, why)
+                await self.apply(conn, job, Happened(JobEvent.OVER_TIME, why))
+        return due
+
     async def sweep_loop(self, stop: asyncio.Event) -> None:
         tick = min(5.0, max(0.2, self.s.settings.transition_timeout_s / 4))
         while not stop.is_set():
             try:
                 await self.sweep()
+                await self.stop_overdue()
             except (asyncpg.PostgresError, OSError, VigilError) as exc:
                 log.warning("transition sweep failed, retrying: %s", exc)
             await wait_any(stop, timeout_s=tick)

@@ -132,6 +132,10 @@ class JobEvent(StrEnum):
     RANKS_LOST = "ranks_lost"  # a node lost, or its worker restarted: the attempt's ranks are gone
     TIMED_OUT = "timed_out"  # the sweeper: no progress for VIGIL_TRANSITION_TIMEOUT_S
     GROW = "grow"  # CheckpointSaved of an elastic job running shrunk whose whole size fits again
+    PREEMPT = "preempt"  # the placement pass chose the attempt as a victim for a job of higher priority
+    OVER_TIME = "over_time"  # the sweeper: the attempt ran past its time limit (spec, or the default)
+    RANK_STOPPED = "rank_stopped"  # a rank of an attempt stopped at its time limit exited, not every rank yet
+    ALL_STOPPED = "all_stopped"  # ...every rank of it exited: its emergency checkpoint is written
 
 
 class Outcome(StrEnum):
@@ -152,6 +156,9 @@ class Outcome(StrEnum):
     UNQUEUE = "unqueue"  # a restart that found no placement: PENDING, waiting like any queued job
     FAIL = "fail"  # -> FAILED, the ranks cancelled
     CANCEL = "cancel"  # -> CANCELLED
+    # the spot path for the attempt's ranks (`PreemptJob`, `vigil_scheduler.preempting.stop`): they finish
+    # the step, write the emergency checkpoint and exit `preempted`; the state stays until they have
+    STOP = "stop"
 
 
 _O = Outcome
@@ -174,6 +181,8 @@ _QUEUED = {
     _E.FAIL: _O.FAIL,
     _E.RANKS_LOST: _O.IGNORE,
     _E.GROW: _O.IGNORE,  # nothing runs shrunk: its placement tries the whole size first anyway
+    _E.PREEMPT: _O.IGNORE,  # no ranks to stop (a victim requeued before its preemption was decided)
+    _E.OVER_TIME: _O.IGNORE,  # its limit counts from its next start
 }
 # What ranks on devices do in every placed phase, before each phase's own differences.
 _PLACED = {
@@ -202,6 +211,12 @@ _PLACED = {
     # only a running job grows: not one whose ranks are still starting, halted or rolling back (its
     # next checkpoint, once it runs again, is the next chance)
     _E.GROW: _O.IGNORE,
+    # only a running job is stopped on the spot path: ranks starting, halted or rolling back are at no step
+    # boundary that takes the notice (a preemption picks another victim; the limit is enforced once it runs)
+    _E.PREEMPT: _O.IGNORE,
+    _E.OVER_TIME: _O.IGNORE,
+    _E.RANK_STOPPED: _O.WAIT,  # its siblings write their part of the emergency checkpoint
+    _E.ALL_STOPPED: _O.FAIL,  # ended at its time limit (not requeued), the checkpoint kept to resume from
 }
 
 OUTCOMES: dict[Phase, dict[JobEvent, Outcome]] = {
@@ -217,6 +232,8 @@ OUTCOMES: dict[Phase, dict[JobEvent, Outcome]] = {
         **_PLACED,
         _E.RANKS_HALTED: _O.HALT,  # the HaltJob may still be on its way
         _E.GROW: _O.GROW,
+        _E.PREEMPT: _O.STOP,
+        _E.OVER_TIME: _O.STOP,
     },
     Phase.HALTED: {
         **_PLACED,

@@ -37,3 +37,15 @@ def test_a_workdir_under_a_code_root_is_taken(tmp_path: Path) -> None:
     settings = Settings.load(data_dir=tmp_path, code_roots=[tmp_path / "code", tmp_path / "more"])
     for workdir in (None, "proj", "proj/sub", str(tmp_path / "more" / "proj")):
         admission.check(own(workdir), settings)
+
+
+def test_a_time_limit_over_the_clusters_maximum_is_refused_naming_the_field(tmp_path: Path) -> None:
+    capped = Settings.load(data_dir=tmp_path, time_limit_max_s=3600)
+    long = JobSpec.model_validate({"name": "long", "scheduling": {"time_limit": "2h"}})
+    with pytest.raises(SpecError) as refused:
+        admission.check(long, capped)
+    error = refused.value.errors[0]
+    assert error["field"] == "scheduling.time_limit" and "2h" in error["message"] and "1h" in error["message"]
+    admission.check(JobSpec.model_validate({"name": "ok", "scheduling": {"time_limit": "1h"}}), capped)
+    admission.check(JobSpec(name="unset"), capped)  # the default applies, not the maximum
+    admission.check(long, Settings.load(data_dir=tmp_path))  # no maximum set

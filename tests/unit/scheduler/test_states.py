@@ -99,6 +99,18 @@ def test_an_ended_job_ignores_every_late_event() -> None:
         (JobState.ROLLING_BACK, True, JobEvent.GROW, Outcome.IGNORE),
         (JobState.PENDING, True, JobEvent.GROW, Outcome.IGNORE),
         (JobState.SUCCEEDED, False, JobEvent.GROW, Outcome.IGNORE),
+        # issue 41: a preemption or a time limit stops a running attempt only; at its limit it then ends
+        (JobState.RUNNING, False, JobEvent.PREEMPT, Outcome.STOP),
+        (JobState.RUNNING, False, JobEvent.OVER_TIME, Outcome.STOP),
+        (JobState.SCHEDULED, False, JobEvent.PREEMPT, Outcome.IGNORE),
+        (JobState.HALTED, False, JobEvent.OVER_TIME, Outcome.IGNORE),
+        (JobState.PENDING, True, JobEvent.PREEMPT, Outcome.IGNORE),
+        (JobState.ROLLING_BACK, True, JobEvent.OVER_TIME, Outcome.IGNORE),
+        (JobState.SUCCEEDED, False, JobEvent.PREEMPT, Outcome.IGNORE),
+        (JobState.RUNNING, False, JobEvent.RANK_STOPPED, Outcome.WAIT),
+        (JobState.RUNNING, False, JobEvent.ALL_STOPPED, Outcome.FAIL),
+        (JobState.PENDING, True, JobEvent.ALL_STOPPED, Outcome.IMPOSSIBLE),
+        (JobState.FAILED, False, JobEvent.ALL_STOPPED, Outcome.IGNORE),
     ],
 )
 def test_pairs(state: JobState, queued: bool, event: JobEvent, expected: Outcome) -> None:
@@ -168,8 +180,8 @@ class Model:
         match result:
             case Outcome.WAIT if event == JobEvent.RANKS_HALTED:
                 return replace(m, halted=True)
-            case Outcome.IGNORE | Outcome.WAIT | Outcome.IMPOSSIBLE:
-                return m
+            case Outcome.IGNORE | Outcome.WAIT | Outcome.IMPOSSIBLE | Outcome.STOP:
+                return m  # STOP: the notice goes to the ranks; their exits move the job
             case Outcome.RUN:
                 m = replace(m, state=JobState.RUNNING, rollback=False, halted=False)
             case Outcome.HALT:
@@ -329,3 +341,13 @@ def test_a_grow_waits_in_the_queue_for_its_placement_and_the_sweeper_bounds_it()
     assert m.apply(JobEvent.GROW) == replace(m, log=(*m.log, "ROLLING_BACK/grow->ignore"))
     assert m.apply(JobEvent.TIMED_OUT).state == JobState.PENDING  # no placement in time: queued as any job
     assert m.apply(JobEvent.PLACED).state == JobState.SCHEDULED
+
+
+def test_only_a_running_attempt_is_stopped_on_the_spot_path() -> None:
+    for event in (JobEvent.PREEMPT, JobEvent.OVER_TIME):
+        stopping = {p for p, row in OUTCOMES.items() if row[event] == Outcome.STOP}
+        assert stopping == {Phase.RUNNING}, event
+    stopped = Model().apply(JobEvent.PREEMPT)
+    assert (stopped.state, stopped.attempt) == (JobState.RUNNING, 1), stopped.log
+    assert stopped.apply(JobEvent.RANK_PREEMPTED).queued  # a preemption's exit requeues it
+    assert stopped.apply(JobEvent.ALL_STOPPED).state == JobState.FAILED  # a time limit's ends it

@@ -8,7 +8,7 @@ CREATE TABLE job_stops (
     kind         text NOT NULL CHECK (kind IN ('preempt', 'time_limit')),
     by_job       text REFERENCES jobs (id),
     reason       text NOT NULL,
-    devices      integer NOT NULL DEFAULT 0,
+    devices      jsonb NOT NULL DEFAULT '[]',          -- [[node, index], ...] it held: free for by_job once it exits
     requested_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (job_id, attempt)
 );
