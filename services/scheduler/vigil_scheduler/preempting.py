@@ -165,7 +165,7 @@ async def preempt_for(
         devices = snapshot.assigned(job.id)
         reason = (
             f"preempted by {blocked.job_id} (priority {blocked.priority} > {job.priority}): needs "
-            f"{blocked.world_size} {_devices(snapshot)}"
+            f"{_amount(blocked.world_size, snapshot)}"
         )
         if await stop(
             conn,
@@ -220,6 +220,8 @@ def _flag(value: Any) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-def _devices(snapshot: Inventory) -> str:
-    kinds = {d.kind for n in snapshot.nodes for d in n.devices}
-    return "GPUs" if kinds == {"gpu"} or not kinds else "devices"
+def _amount(count: int, snapshot: Inventory) -> str:
+    """`count` devices as a person says it: "4 GPUs", "1 CPU slot"."""
+    gpus = any(d.kind == "gpu" for n in snapshot.nodes for d in n.devices)
+    what = "GPU" if gpus else "CPU slot"
+    return f"{count} {what}{'' if count == 1 else 's'}"

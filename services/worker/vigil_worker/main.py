@@ -25,6 +25,7 @@ from vigil_common.settings import Settings
 from vigil_worker.agent import Worker
 from vigil_worker.consumers import consumers, consumers_ready
 from vigil_worker.inventory import Inventory
+from vigil_worker.job_preemption import Commands
 from vigil_worker.runtime import choose_runtime
 from vigil_worker.warm import WarmRanks
 
@@ -72,7 +73,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, notice.set)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(bus.consume(launches, worker.on_launch, stop))
-            tg.create_task(bus.consume(commands, worker.on_command, stop))
+            # cancel is the agent's, a job's preemption `job_preemption`'s, the rest the ranks'
+            tg.create_task(bus.consume(commands, Commands(worker).on_command, stop))
             answering = asyncio.Event()  # the scheduler's quick check that this node is still there
             tg.create_task(bus.answer_pings(subjects.ping(settings.node_name), stop, answering))
             # heartbeats make the scheduler place work here: only once the launch consumer exists, and the
