@@ -1,7 +1,8 @@
-"""The README's Hugging Face `Trainer` script, as printed there, as two ranks started the way torchrun
-starts them: it reads the job's spec (`run.spec`), trains `train.steps` steps and saves every
-`checkpoint.every` into `$HOME/out/my-run`. Without an agent the SDK is inert; the spec still comes
-from `VIGIL_JOB_SPEC`, as the worker sets it."""
+"""The Hugging Face `Trainer` script of the guide "Your own training code" (docs/guides/own-code.md; the
+README's until the documentation site), as printed there, as two ranks started the way torchrun starts
+them: it reads the job's spec (`run.spec`), trains `train.steps` steps and saves every `checkpoint.every`
+into `$HOME/out/my-run`. Without an agent the SDK is inert; the spec still comes from `VIGIL_JOB_SPEC`,
+as the worker sets it."""
 
 from __future__ import annotations
 
@@ -16,19 +17,19 @@ from vigil import protocol as proto
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.byo]
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guides" / "own-code.md"
 
 
-def readme_script(marker: str) -> str:
-    """The README's one Python block that holds `marker`."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+def guide_script(marker: str) -> str:
+    """The guide's one Python block that holds `marker`."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
     (block,) = [b for b in blocks if marker in b]
     return block
 
 
-def test_the_readmes_trainer_script_reads_its_spec_and_saves_every_checkpoint_every(tmp_path: Path) -> None:
+def test_the_guides_trainer_script_reads_its_spec_and_saves_every_checkpoint_every(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(readme_script("VigilCallback()"))
+    script.write_text(guide_script("VigilCallback()"))
     home = tmp_path / "home"
     home.mkdir()
     spec = {"name": "readme", "train": {"steps": 6}, "checkpoint": {"every": 3, "keep": 2}}
