@@ -91,7 +91,11 @@ def print_job(console: Console, job: dict[str, Any]) -> None:
     owner = job.get("owner")
     if owner:
         console.print(f"  owner {owner}" + (f" (team {job['team']})" if job.get("team") else ""))
-    if job.get("queue_reason"):
+    if queued := job.get("queue"):
+        start = queued["estimated_start"] or "unknown"
+        console.print(f"  queue: position {queued['position']}, estimated start {start}")
+        console.print(f"  waits: {queued['reason']}")
+    elif job.get("queue_reason"):
         console.print(f"  waits: {job['queue_reason']}")
     if job.get("reason"):
         console.print(f"  reason: {job['reason']}")

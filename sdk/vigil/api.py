@@ -74,10 +74,46 @@ class AttemptOut(Out):
     ended: str | None  # the cause that ended it; None while it runs
 
 
+class QueueEntryOut(Out):
+    """A queued job's place in the queue (`GET /api/v1/queue`, and a queued job's detail)."""
+
+    id: str
+    name: str
+    owner: str = "admin"
+    team: str | None = None
+    priority: int
+    gpus: int  # the devices it asks for
+    position: int  # 1: the next to be placed, in the whole queue
+    reason: str  # why it waits, in words
+    estimated_start: datetime | None = None  # from the running jobs' time limits; None: unknown
+    reserved: bool = False  # the blocked head: devices are reserved for it from `estimated_start`
+    starting: bool = False  # it waits for nothing: the next placement pass places it
+    created_at: datetime
+
+
+class TeamStandingOut(Out):
+    """A team's place in the fair share: its share and usage, each normalised over the teams taking part."""
+
+    team: str | None  # None: users without a team
+    share: float
+    usage: float
+    gpu_hours: float  # decayed by VIGIL_FAIRSHARE_HALF_LIFE_H
+    ratio: float  # usage / share: over 1 is over its share
+    factor: float  # Slurm's fair-share factor, 2^(-usage/share): orders jobs of equal priority
+
+
+class QueueOut(Out):
+    items: list[QueueEntryOut]  # in queue order
+    next: str | None = None  # the queue is one page
+    teams: list[TeamStandingOut] = []
+    as_of: datetime
+
+
 class JobDetailOut(JobOut):
     transitions: list[TransitionOut]
     attempts: list[AttemptOut]
     ranks: list[RankStatusOut]  # of the current attempt
+    queue: QueueEntryOut | None = None  # a queued job's position, why it waits and its estimated start
 
 
 class JobPage(Out):
@@ -229,9 +265,20 @@ class TeamIn(BaseModel):
     gpus: int | None = Field(None, ge=0, le=1_000_000, description="devices the team's jobs hold at once")
 
 
+class TeamShareIn(BaseModel):
+    """`PUT /api/v1/teams/{name}/share`: the team's weight in the fair share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    share: float = Field(
+        gt=0, le=1_000_000, allow_inf_nan=False, description="the team's weight in the fair share (default 1)"
+    )
+
+
 class TeamOut(Out):
     name: str
     gpus: int | None = None
+    share: float = 1.0  # its weight in the fair share
     source: str = "api"
 
 

@@ -39,6 +39,7 @@ from vigil.api import (
     NodePage,
     Page,
     PrincipalOut,
+    QueueOut,
     RevokedOut,
     TeamList,
     TeamOut,
@@ -162,6 +163,11 @@ class Client:
         """One job with its transitions, attempts and the ranks of its current attempt."""
         return JobDetailOut.model_validate(self._call("GET", f"/api/v1/jobs/{_segment(job_id)}"))
 
+    def queue(self) -> QueueOut:
+        """The queued jobs in queue order, each with its position, why it waits and its estimated start,
+        and the teams' fair-share standings."""
+        return QueueOut.model_validate(self._call("GET", "/api/v1/queue"))
+
     def cancel(self, job_id: str) -> JobOut:
         return JobOut.model_validate(self._call("POST", f"/api/v1/jobs/{_segment(job_id)}/cancel"))
 
@@ -245,6 +251,12 @@ class Client:
         """Set a team's GPU quota (None: no limit). Admin only."""
         return TeamOut.model_validate(
             self._call("PUT", f"/api/v1/teams/{_segment(name)}", json={"gpus": gpus})
+        )
+
+    def set_share(self, name: str, share: float) -> TeamOut:
+        """Set a team's weight in the fair share (> 0; 1 unless set). Admin only."""
+        return TeamOut.model_validate(
+            self._call("PUT", f"/api/v1/teams/{_segment(name)}/share", json={"share": share})
         )
 
     # --- live events --------------------------------------------------------------------------------

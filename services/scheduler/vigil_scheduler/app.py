@@ -32,6 +32,7 @@ from vigil_scheduler.gateway.controllers import (
     JobController,
 )
 from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
+from vigil_scheduler.gateway.queue import QueueController
 from vigil_scheduler.gateway.users import MeController, TeamController, UserController
 from vigil_scheduler.users import Authenticator
 
@@ -88,6 +89,7 @@ def create_app(deps: Deps) -> Litestar:
             MeController,
             UserController,
             TeamController,
+            QueueController,
         ],
         guards=[bearer_guard],
         security=[{"bearer": []}],

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from vigil.errors import Conflict, NotFound, SpecError
 from vigil.events import IncidentRaised, LaunchJob, RankPlacement
 from vigil.jobstates import TERMINAL_STATES, JobState
-from vigil.spec import JobSpec, Resources, grad_accum_at, shrink_node_counts
+from vigil.spec import JobSpec, Resources, grad_accum_at
 from vigil_common import subjects, tracing
 from vigil_common.bus import Presence
 from vigil_common.service import wait_any
@@ -30,8 +30,9 @@ from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, quot
 from vigil_scheduler import idempotency as idempotency_keys
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
-from vigil_scheduler.placement import Placement, PlacementRequest, grow, plan
+from vigil_scheduler.placement import Placement, grow, plan
 from vigil_scheduler.principals import Principal
+from vigil_scheduler.schedule_inputs import holdings, load_inputs, quotas_of, request_of
 
 log = logging.getLogger(__name__)
 # A placement pass asked for inside `Scheduler.tx` waits for the commit (the list records the ask).
@@ -158,20 +159,13 @@ class Scheduler:
 
     async def load_quotas(self, conn: asyncpg.Connection | asyncpg.Pool | None = None) -> quotas.Quotas:
         """The GPU quotas of every user and team that has one."""
-        conn = conn or self.pool
-        rows = await conn.fetch(
-            "SELECT 'user' AS kind, name, gpus FROM users WHERE gpus IS NOT NULL"
-            " UNION ALL SELECT 'team', name, gpus FROM teams WHERE gpus IS NOT NULL"
-        )
-        return quotas.Quotas(
-            users={r["name"]: r["gpus"] for r in rows if r["kind"] == "user"},
-            teams={r["name"]: r["gpus"] for r in rows if r["kind"] == "team"},
-        )
+        return await quotas_of(conn or self.pool)
 
     # --- placement -----------------------------------------------------------------------------------
 
     async def schedule_pass(self) -> list[Placement]:
-        """Place queued jobs in priority, then submission order; launch each placed one (via the outbox)."""
+        """Place queued jobs in priority, fair-share, then submission order, with EASY backfill behind a
+        blocked head (`placement.plan`); launch each placed one (via the outbox)."""
         async with self.tx() as conn:
             await lock_placement(conn)
             rows = await conn.fetch(
@@ -182,9 +176,13 @@ class Scheduler:
                 return []
             jobs = {job.id: job for job in map(Job.from_row, rows)}
             snapshot = await inventory.load_inventory(conn)
-            requests = [_request(job, job.previous_placement) for job in jobs.values()]
-            ledger = quotas.Ledger(await self.load_quotas(conn), await _holdings(conn))
-            placed, _ = plan(requests, snapshot, ledger, spares=self.settings.hot_spares)
+            facts = await load_inputs(conn, self.settings, (job.team for job in jobs.values()))
+            requests = [
+                facts.request(request_of(job, job.previous_placement), job.spec) for job in jobs.values()
+            ]
+            ledger = quotas.Ledger(await self.load_quotas(conn), await holdings(conn))
+            backfill = facts.backfill()  # out: backfill.reservation, the blocked head job (or None)
+            placed, _ = plan(requests, snapshot, ledger, spares=self.settings.hot_spares, backfill=backfill)
             await _note_waiting(conn, jobs, ledger.waiting)
             for placement in placed:
                 node = snapshot.node(placement.ranks[0].node)
@@ -200,10 +198,10 @@ class Scheduler:
             f"SELECT {lifecycle.JOB_COLUMNS} FROM jobs WHERE queued AND id <> $1 ORDER BY priority DESC, seq",
             job.id,
         )
-        queue = [_request(queued, queued.previous_placement) for queued in map(Job.from_row, rows)]
+        queue = [request_of(queued, queued.previous_placement) for queued in map(Job.from_row, rows)]
         snapshot = await inventory.load_inventory(conn)
-        ledger = quotas.Ledger(await self.load_quotas(conn), await _holdings(conn))
-        return grow(_request(job, job.placement), queue, snapshot, ledger, spares=self.settings.hot_spares)
+        ledger = quotas.Ledger(await self.load_quotas(conn), await holdings(conn))
+        return grow(request_of(job, job.placement), queue, snapshot, ledger, spares=self.settings.hot_spares)
 
     async def _launch(
         self, conn: asyncpg.Connection, job: Job, placement: Placement, master_addr: str
@@ -401,31 +399,6 @@ async def lock_placement(conn: asyncpg.Connection) -> None:
     await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEDULE_LOCK)
 
 
-def _request(job: Job, held: list[dict[str, Any]] | None) -> PlacementRequest:
-    """What the job asks of placement at its whole size; `held`: the devices it may have again (its
-    previous attempt's, or for a job growing the ones it runs on)."""
-    return PlacementRequest(
-        job_id=job.id,
-        world_size=job.world_size,
-        max_nodes=job.max_nodes,
-        priority=job.priority,
-        seq=job.seq,
-        reusable=frozenset((p["node"], p["device"]) for p in held or []),
-        owner=job.owner,
-        team=job.team,
-        shrink_nodes=_shrink_nodes(job.spec),
-    )
-
-
-def _shrink_nodes(spec: dict[str, Any]) -> tuple[int, ...]:
-    """The node counts a stored spec lets its job continue on when it loses a node (`PlacementRequest.
-    shrink_nodes`); () for a job that is not elastic (most: read without validating the whole spec)."""
-    resources = spec.get("resources") or {}
-    if not resources.get("elastic"):
-        return ()
-    return shrink_node_counts(Resources.model_validate(resources), int(spec["train"]["grad_accum"]))
-
-
 def _resized(job: Job, launch: LaunchJob) -> str:
     """What a launch's cause says of its size: an elastic job's attempt on fewer nodes than it asks for
     (and the gradient accumulation that keeps its global batch), or back to its size after one."""
@@ -455,15 +428,6 @@ def _grew_back(job: Job, launch: LaunchJob) -> bool:
 def _plain(value: Any) -> Any:
     """A mark's column as JSON holds it (times as ISO text)."""
     return value.isoformat() if isinstance(value, datetime) else value
-
-
-async def _holdings(conn: asyncpg.Connection) -> list[quotas.Holding]:
-    """The devices each job holds now, with its owner and team (what quotas count)."""
-    rows = await conn.fetch(
-        """SELECT j.id, j.owner, j.team, count(*) AS devices FROM devices d JOIN jobs j ON j.id = d.job_id
-           GROUP BY j.id, j.owner, j.team"""
-    )
-    return [quotas.Holding(r["id"], r["owner"], r["team"], r["devices"]) for r in rows]
 
 
 async def _note_waiting(conn: asyncpg.Connection, jobs: dict[str, Job], waiting: dict[str, str]) -> None:

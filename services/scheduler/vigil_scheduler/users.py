@@ -1,6 +1,6 @@
-"""Users, teams, their tokens and quotas in Postgres (migration 0016), and the authentication of a
-bearer token: the admin's (VIGIL_API_TOKEN, compared in constant time) or a user's (its SHA-256 looked
-up, never the token itself)."""
+"""Users, teams, their tokens, quotas and fair-share weights in Postgres (migrations 0016, 0022), and the
+authentication of a bearer token: the admin's (VIGIL_API_TOKEN, compared in constant time) or a user's
+(its SHA-256 looked up, never the token itself)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 
 from vigil.errors import NotFound, SpecError
-from vigil_scheduler import audit
+from vigil_scheduler import audit, fairshare
 from vigil_scheduler.principals import (
     ADMIN,
     Principal,
@@ -108,11 +108,34 @@ async def put_team(conn: asyncpg.Connection, name: str, gpus: int | None, actor:
     check_name(name, "team")
     row = await conn.fetchrow(
         """INSERT INTO teams (name, gpus) VALUES ($1, $2)
-           ON CONFLICT (name) DO UPDATE SET gpus = $2, updated_at = now() RETURNING name, gpus, source""",
+           ON CONFLICT (name) DO UPDATE SET gpus = $2, updated_at = now()
+           RETURNING name, gpus, share, source""",
         name,
         gpus,
     )
     await audit.record(conn, "quota", actor, None, detail={"team": name, "gpus": gpus})
+    return dict(row)
+
+
+async def set_share(conn: asyncpg.Connection, name: str, share: float, actor: str) -> dict[str, Any]:
+    """Set team `name`'s weight in the fair share (creating the team); SpecError naming a bad name or
+    share."""
+    try:
+        check_name(name, "team")
+    except ValueError as exc:
+        raise SpecError([{"field": "name", "message": str(exc)}]) from exc
+    try:
+        share = fairshare.check_share(share)
+    except ValueError as exc:
+        raise SpecError([{"field": "share", "message": str(exc)}]) from exc
+    row = await conn.fetchrow(
+        """INSERT INTO teams (name, share) VALUES ($1, $2)
+           ON CONFLICT (name) DO UPDATE SET share = $2, updated_at = now()
+           RETURNING name, gpus, share, source""",
+        name,
+        share,
+    )
+    await audit.record(conn, "quota", actor, None, detail={"team": name, "share": share})
     return dict(row)
 
 
@@ -127,7 +150,7 @@ async def list_users(pool: asyncpg.Pool) -> list[dict[str, Any]]:
 
 
 async def list_teams(pool: asyncpg.Pool) -> list[dict[str, Any]]:
-    return [dict(r) for r in await pool.fetch("SELECT name, gpus, source FROM teams ORDER BY name")]
+    return [dict(r) for r in await pool.fetch("SELECT name, gpus, share, source FROM teams ORDER BY name")]
 
 
 async def sync_file(conn: asyncpg.Connection, users: UsersFile) -> None:

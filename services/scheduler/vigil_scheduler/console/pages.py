@@ -29,6 +29,7 @@ from vigil_scheduler.gateway import sse
 from vigil_scheduler.gateway.auth import principal
 from vigil_scheduler.gateway.params import JOB_ID, Attempt, DeviceIndex, JobId, NodeName, Step
 from vigil_scheduler.gateway.parsing import off_loop
+from vigil_scheduler.gateway.queue import may_wait, queue_entry, queue_of
 from vigil_scheduler.principals import Principal
 
 Pool = NamedDependency[asyncpg.Pool]
@@ -119,10 +120,14 @@ class ConsoleController(Controller):
         return Redirect(f"/jobs/{job_id}", status_code=303)
 
     @get("/jobs/{job_id:str}")
-    async def job(self, request: Request, pool: Pool, job_id: JobId) -> Template:
-        """The frame (title, forms, empty tables): the page fills it from `job_data`."""
+    async def job(self, request: Request, pool: Pool, scheduler: SchedulerDep, job_id: JobId) -> Template:
+        """The frame (title, forms, empty tables): the page fills it from `job_data`. A queued job's place
+        in the queue (position, why it waits, estimated start) is said in the frame."""
         job = await queries.job_detail(pool, job_id, principal(request))
-        return Template("job.html", context={"job": job, "error": None})
+        queued = None
+        if may_wait(job):  # its place in the queue
+            queued = await queue_entry(pool, scheduler.settings, principal(request), job_id)
+        return Template("job.html", context={"job": job, "queue": queued, "error": None})
 
     @get("/jobs/{job_id:str}/trace")
     async def trace(
@@ -181,6 +186,12 @@ class ConsoleController(Controller):
     @get("/cluster/{node:str}/{index:int}")
     async def gpu(self, node: NodeName, index: DeviceIndex) -> Template:
         return Template("gpu.html", context={"node": node, "index": index})
+
+    @get("/queue")
+    async def queue(self, request: Request, scheduler: SchedulerDep) -> Template:
+        """The queued jobs in queue order: position, why each waits, estimated start; teams' fair share."""
+        found = await queue_of(scheduler.pool, scheduler.settings, principal(request))
+        return Template("queue.html", context={"queue": found})
 
     @get("/incidents")
     async def incidents(self, request: Request, pool: Pool) -> Template:

@@ -46,6 +46,7 @@ from vigil_scheduler.gateway.params import (
     Rank,
 )
 from vigil_scheduler.gateway.parsing import off_loop
+from vigil_scheduler.gateway.queue import may_wait, queue_entry
 from vigil_scheduler.gateway.schemas import SubmitOperation, error_responses
 
 Pool = NamedDependency[asyncpg.Pool]
@@ -121,8 +122,13 @@ class JobController(Controller):
         summary="One job: state, placement, attempts, last step, latest loss",
         responses=ONE_JOB,
     )
-    async def get_job(self, request: Request, pool: Pool, job_id: JobId) -> JobDetailOut:
-        return JobDetailOut.model_validate(await queries.job_detail(pool, job_id, principal(request)))
+    async def get_job(
+        self, request: Request, pool: Pool, scheduler: SchedulerDep, job_id: JobId
+    ) -> JobDetailOut:
+        detail = await queries.job_detail(pool, job_id, principal(request))
+        if may_wait(detail):  # its place in the queue
+            detail["queue"] = await queue_entry(pool, scheduler.settings, principal(request), job_id)
+        return JobDetailOut.model_validate(detail)
 
     @post(
         "/{job_id:str}/cancel",

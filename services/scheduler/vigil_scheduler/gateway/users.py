@@ -1,4 +1,5 @@
-"""Users, tokens and team quotas over HTTP: `GET /me` for anyone, the rest for an admin's token only."""
+"""Users, tokens, team quotas and fair-share weights over HTTP: `GET /me` for anyone, the rest for an
+admin's token only."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from vigil.api import (
     TeamIn,
     TeamList,
     TeamOut,
+    TeamShareIn,
     TokenOut,
     UserIn,
     UserList,
@@ -90,7 +92,7 @@ class TeamController(Controller):
     tags = ["users"]
     guards = [admin_guard]
 
-    @get("/", summary="Teams with their GPU quota", responses=ADMIN_ONLY)
+    @get("/", summary="Teams with their GPU quota and fair-share weight", responses=ADMIN_ONLY)
     async def list_teams(self, pool: Pool) -> TeamList:
         return TeamList(items=[TeamOut.model_validate(t) for t in await users.list_teams(pool)])
 
@@ -98,4 +100,17 @@ class TeamController(Controller):
     async def put_team(self, request: Request, pool: Pool, name: Name, data: JSONBody[TeamIn]) -> TeamOut:
         async with pool.acquire() as conn, conn.transaction():
             row = await users.put_team(conn, name, data.gpus, actor(request))
+        return TeamOut.model_validate(row)
+
+    @put(
+        "/{name:str}/share",
+        status_code=HTTP_200_OK,
+        summary="Set a team's weight in the fair share (default 1)",
+        responses=ADMIN_ONLY,
+    )
+    async def put_share(
+        self, request: Request, pool: Pool, name: Name, data: JSONBody[TeamShareIn]
+    ) -> TeamOut:
+        async with pool.acquire() as conn, conn.transaction():
+            row = await users.set_share(conn, name, data.share, actor(request))
         return TeamOut.model_validate(row)

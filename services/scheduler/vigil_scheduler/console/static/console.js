@@ -256,6 +256,7 @@ const Vigil = (() => {
       case "job": jobPage(args.job); break;
       case "gpu": gpuPage(args.node, Number(args.index)); break;
       case "incidents": incidentFeed(); break;
+      case "queue": reloadOnEvents(["job.state_changed"]); break;
     }
   }
 
