@@ -76,16 +76,23 @@ class Inputs:
 
 
 async def load_inputs(
-    conn: asyncpg.Connection, settings: Settings, waiting_teams: Iterable[str | None]
+    conn: asyncpg.Connection,
+    settings: Settings,
+    waiting_teams: Iterable[str | None],
+    *,
+    always_share: bool = False,
 ) -> Inputs:
-    """The clock, the running jobs and the standings of the teams with usage or with a job waiting."""
+    """The clock, the running jobs and the standings of the teams with usage or with a job waiting. With jobs
+    of one team waiting, the fair share orders nothing: its usage query is skipped (no standings) unless
+    `always_share` (the queue's readers want the standings)."""
     now = float(await conn.fetchval("SELECT extract(epoch FROM now())"))
-    hours = fairshare.decayed_gpu_hours(
-        await usage(conn, settings.fairshare_half_life_h), now, settings.fairshare_half_life_h
-    )
     jobs = await running(conn, settings.time_limit_default_s)
-    active = {*waiting_teams, *(team for team, _ in jobs)}
-    standing = fairshare.standings(await shares(conn), hours, active)
+    teams = set(waiting_teams)
+    standing: dict[fairshare.Team, fairshare.Standing] = {}
+    if always_share or len(teams) > 1:
+        half_life_h = settings.fairshare_half_life_h
+        hours = fairshare.decayed_gpu_hours(await usage(conn, half_life_h), now, half_life_h)
+        standing = fairshare.standings(await shares(conn), hours, teams | {team for team, _ in jobs})
     return Inputs(now, tuple(r for _, r in jobs), standing, settings.time_limit_default_s)
 
 
@@ -177,7 +184,7 @@ async def read_queue(pool: asyncpg.Pool, settings: Settings, sees: Callable[[Job
         )
         jobs = {job.id: job for job in map(Job.from_row, rows)}
         snapshot = await inventory.load_inventory(conn)
-        facts = await load_inputs(conn, settings, (job.team for job in jobs.values()))
+        facts = await load_inputs(conn, settings, (job.team for job in jobs.values()), always_share=True)
         ledger = quotas.Ledger(await quotas_of(conn), await holdings(conn))
     requests = [facts.request(request_of(job, job.previous_placement), job.spec) for job in jobs.values()]
     visible = {job_id for job_id, job in jobs.items() if sees(job)}

@@ -4,16 +4,25 @@ why, with the reservation's time; a team that used its share waits behind one th
 
 from __future__ import annotations
 
+import asyncio
+import json
 from datetime import datetime
 
 import pytest
+from click.testing import CliRunner, Result
 
 from tests.helpers import eventually
+from vigil_cli.main import cli
 from vigil_common.bus import Bus
 
-from .conftest import launched, spec, start_ranks, wait_state
+from .conftest import TOKEN, launched, spec, start_ranks, wait_state
 
 pytestmark = pytest.mark.integration
+
+
+async def vigil(scheduler, *args: str) -> Result:
+    env = {"VIGIL_API_TOKEN": TOKEN, "VIGIL_HTTP_PORT": str(scheduler.settings.http_port), "COLUMNS": "200"}
+    return await asyncio.to_thread(CliRunner().invoke, cli, list(args), env=env)  # the CLI is synchronous
 
 
 async def test_a_short_job_backfills_behind_the_reserved_head_and_the_queue_says_why(
@@ -55,8 +64,8 @@ async def test_equal_priorities_go_to_the_team_below_its_share_first(
 ) -> None:
     refused = await scheduler.http.put("/api/v1/teams/vision/share", json={"share": 0})
     assert refused.status_code == 422 and "share" in refused.text
-    set_ = await scheduler.http.put("/api/v1/teams/vision/share", json={"share": 2})
-    assert set_.status_code == 200 and set_.json()["share"] == 2.0
+    done = await vigil(scheduler, "teams", "set-share", "vision", "2")
+    assert done.exit_code == 0 and done.output.strip() == "team vision: share 2", done.output
     teams = (await scheduler.http.get("/api/v1/teams")).json()["items"]
     assert [(t["name"], t["share"]) for t in teams] == [("vision", 2.0)]
     node = nodes(slots=2)
@@ -78,7 +87,11 @@ async def test_equal_priorities_go_to_the_team_below_its_share_first(
 
     items = await eventually(ordered, what="nlp's job ahead of vision's, submitted earlier")
     assert items[1]["reason"].endswith("team vision over its share (1.5x)")  # shares 2:1, all usage vision's
-    standing = {t["team"]: t for t in (await scheduler.http.get("/api/v1/queue")).json()["teams"]}
+    shown = await vigil(scheduler, "queue", "--json")
+    assert shown.exit_code == 0, shown.output
+    standing = {t["team"]: t for t in json.loads(shown.output)["teams"]}
+    table = await vigil(scheduler, "queue")
+    assert "team vision over its share (1.5x)" in table.output and nlp in table.output
     assert standing["vision"]["ratio"] == pytest.approx(1.5) and standing["nlp"]["factor"] == 1.0
     assert (await alice.post(f"/api/v1/jobs/{used}/cancel")).status_code == 200
     await launched(bus, nlp)
