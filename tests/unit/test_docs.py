@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -18,13 +19,28 @@ MAX_README_LINES = 250
 # The README's (and the quickstart's) two commands: CI runs the test command (.ci/run), and
 # tests/integration/demo/test_demo.py runs the demo.
 SETUP = ["bash scripts/install.sh", ".venv/bin/vigil demo", "bash scripts/test.sh"]
-# Commands printed on a guide page that no test runs yet, by page. Move one out when a test runs it;
-# a command printed on a guide and in neither place fails here.
+# Commands printed on a guide page (its fenced bash blocks) and the test that runs each as printed.
+RUN_BY: dict[str, dict[str, str]] = {
+    "gpus.md": {"bash scripts/gpu-check.sh": "tests/integration/bench/test_gpu_check.py"},
+}
+# Commands printed on a guide page that no test runs as printed yet, by page. Move one to RUN_BY when a
+# test runs it; a command printed on a guide and in neither place fails here.
 NOT_YET_RUN: dict[str, set[str]] = {
     # issue 42 §1: the `compose` marker's test runs the stack for real (with an override file)
     "compose.md": {"cp deploy/env.example .env", "docker compose up --build -d", "docker compose ps"},
     # scripts/install.sh installs ".[test]", which holds the worker and byo extras; not this line itself
     "own-code.md": {'.venv/bin/pip install ".[worker,byo]"'},
+    # tests/unit/test_k8s.py and test_helm.py render and validate these objects; no cluster applies them
+    "kubernetes.md": {
+        "kubectl apply -k deploy/k8s/overlays/gpu",
+        "helm install vigil deploy/helm/vigil -f my-values.yaml",
+    },
+    # tests/integration/slurm submits vigil-job.sbatch to a real one-node Slurm with options of its own;
+    # vigil-workers.sbatch is not submitted by any test
+    "slurm.md": {
+        "sbatch --nodes=8 --time=7-00:00:00 deploy/slurm/vigil-workers.sbatch",
+        "sbatch --nodes=2 deploy/slurm/vigil-job.sbatch job.yaml",
+    },
 }
 
 
@@ -76,10 +92,16 @@ def test_every_quickstart_command_is_run_by_a_test() -> None:
 
 def test_every_guide_command_is_run_by_a_test_or_listed_as_not_yet() -> None:
     printed = {page.name: {c for block in bash_blocks(page) for c in block} for page in guide_pages()}
-    unknown = {name: sorted(cmds - NOT_YET_RUN.get(name, set())) for name, cmds in printed.items()}
+    known = {name: set(RUN_BY.get(name, {})) | NOT_YET_RUN.get(name, set()) for name in printed}
+    unknown = {name: sorted(cmds - known[name]) for name, cmds in printed.items()}
     assert not {k: v for k, v in unknown.items() if v}, f"commands no test runs: {unknown}"
-    stale = {name: sorted(cmds - printed.get(name, set())) for name, cmds in NOT_YET_RUN.items()}
+    listed = {name: set(RUN_BY.get(name, {})) | NOT_YET_RUN.get(name, set()) for name in RUN_BY | NOT_YET_RUN}
+    stale = {name: sorted(cmds - printed.get(name, set())) for name, cmds in listed.items()}
     assert not {k: v for k, v in stale.items() if v}, f"no longer printed on the guide: {stale}"
+    for runs in RUN_BY.values():
+        for command, test in runs.items():
+            script = command.split()[-1] if command.startswith("bash ") else command.split()[0]
+            assert Path(script).name in (ROOT / test).read_text(), f"{test} does not run {command!r}"
 
 
 def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page() -> None:
