@@ -11,6 +11,7 @@ Each page holds a marker comment that the hook replaces, so the text around it s
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def settings_rows() -> list[tuple[str, str, str]]:
 
     rows = []
     for name, info in Settings.model_fields.items():
-        meaning = (info.description or UNDESCRIBED.get(name, "")).replace("|", "\\|")
+        meaning = html.escape(info.description or UNDESCRIBED.get(name, ""), quote=False).replace("|", "\\|")
         rows.append((f"`{ENV_PREFIX}{name.upper()}`", _default(info), meaning))
     return rows
 
