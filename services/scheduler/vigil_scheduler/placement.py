@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, pairwise
 
-from vigil_scheduler.backfill import Backfill, fits_behind, reserve
+from vigil_scheduler.backfill import Backfill, reserve
 from vigil_scheduler.quotas import Ledger
 
 # How many equally good best-fit nodes are compared by NVLink quality (bounds the cost on big clusters).
@@ -360,6 +360,7 @@ def plan(
     backfill.reservation, backfill.backfilled = None, {}
     reserve_nodes = spare_nodes(inventory, spares)
     placed: list[Placement] = []
+    public, public_of = inventory, None  # the inventory without the spares (`public_of`: made from)
     for request in sorted(queue, key=queue_order):
         held = backfill.reservation
         if held is not None and held.start is None and not (reserve_nodes or request.shrink_nodes):
@@ -368,10 +369,14 @@ def plan(
         if ledger is not None and (why := ledger.refusal(*quota)) is not None:
             ledger.waiting[request.job_id] = why
             continue
-        public = _masked(inventory, lambda name: name not in reserve_nodes) if reserve_nodes else inventory
+        if not reserve_nodes:
+            public = inventory
+        elif public_of is not inventory:  # made again only once a placement changed the inventory
+            public, public_of = _masked(inventory, lambda name: name not in reserve_nodes), inventory
         may_spare = bool(reserve_nodes) and lost_capacity(request, inventory)
         room = inventory if may_spare else public  # where it may go not held up by a blocked job
-        if held is not None:  # behind a blocked job: the spares and its own nodes, never the free capacity
+        if held is not None and (may_spare or request.shrink_nodes):
+            # behind a blocked job: the spares and its own nodes, never the free capacity
             own = {name for name, _ in request.reusable} | (reserve_nodes if may_spare else set())
             room = _masked(inventory, own.__contains__)
         placement = None
@@ -382,7 +387,7 @@ def plan(
         else:
             if may_spare:
                 placement = place(request, room)
-            if placement is None and (fit := fits_behind(request, public, held, backfill.now)) is not None:
+            if placement is None and (fit := backfill.fit_behind(request, public)) is not None:
                 placement, backfill.backfilled[request.job_id] = fit
         if placement is None and may_shrink(request, inventory):
             placement = shrink(request, room)

@@ -13,7 +13,8 @@ and the running jobs' expected ends) over a snapshot, and says for each queued j
 
 The estimated start (`forecast`) replays the queue forward in time: at each running job's expected end its
 devices free up and the queue is planned again from that moment; a job's estimate is the first moment it
-is placed. None where no end is known (a job without a time limit holds what it needs) or a quota holds it.
+is placed. None where no end is known (a job without a time limit holds what it needs), a quota holds it, or
+it would start only after `MAX_EVENTS` job ends.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from vigil_scheduler import fairshare
 from vigil_scheduler.backfill import Backfill, Running, freed
 from vigil_scheduler.placement import Inventory, PlacementRequest, fits_ever, plan, queue_order, spare_nodes
 from vigil_scheduler.quotas import Ledger
+
+# The forecast replays at most this many moments (job ends); jobs placed only later have no estimate. Each
+# moment is one `plan` over what is left of the queue: this bounds a reader's cost on a long queue.
+MAX_EVENTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +114,7 @@ def forecast(
     (quotas left out); a job missing from the answer has no estimate."""
     running, remaining = list(running), list(queue)
     starts: dict[str, float] = {}
-    for _ in range(len(running) + len(remaining) + 1):  # each turn places a job or frees one
+    for _ in range(min(len(running) + len(remaining) + 1, MAX_EVENTS)):  # each turn places or frees a job
         clock = Backfill(now=now, running=tuple(running))
         placed, inventory = plan(remaining, inventory, spares=spares, backfill=clock)
         starts.update((p.job_id, now) for p in placed)

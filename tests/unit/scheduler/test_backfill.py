@@ -3,8 +3,11 @@ behind it that start now because they end before it or use none of its devices."
 
 from __future__ import annotations
 
-from vigil_scheduler.backfill import Backfill, Reservation, Running, fits_behind, reserve
-from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot, plan
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vigil_scheduler.backfill import Backfill, Reservation, Running, fits_behind, freed, reserve
+from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot, place, plan
 
 NOW = 1_000_000.0
 
@@ -120,3 +123,42 @@ def test_equal_priorities_go_by_fair_share_factor_then_submission_order() -> Non
     ]
     assert [p.job_id for p in plan(queue, cluster)[0]] == ["urgent"]
     assert [p.job_id for p in plan(queue[:2], cluster)[0]] == ["light-team"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ends=st.lists(st.integers(min_value=-100, max_value=10_000), min_size=4, max_size=12),
+    world=st.integers(min_value=1, max_value=16),
+    max_nodes=st.integers(min_value=1, max_value=4),
+)
+def test_the_reservation_is_the_first_end_after_which_place_succeeds(
+    ends: list[int], world: int, max_nodes: int
+):
+    # Four 4-device nodes; each running job holds devices round-robin over them; half end, some never do.
+    owner = {(f"n{i % 4}", i // 4): f"r{i % len(ends)}" for i in range(16)}
+    cluster = Inventory(
+        tuple(
+            NodeState(
+                f"n{n}",
+                tuple(Slot(index=i, job_id=owner[(f"n{n}", i)], reported_free=False) for i in range(4)),
+            )
+            for n in range(4)
+        )
+    )
+    jobs = [
+        Running(
+            f"r{j}",
+            frozenset(d for d, o in owner.items() if o == f"r{j}"),
+            None if end % 3 == 0 else NOW + end,
+        )
+        for j, end in enumerate(ends)
+    ]
+    head = req("head", world, seq=1, max_nodes=max_nodes)
+    got = reserve(head, cluster, jobs, NOW)
+    expected, inventory = None, cluster  # the reference: free one job at a time, in end order, and try
+    for job in sorted((j for j in jobs if j.ends_at is not None), key=lambda j: (j.ends_at, j.job_id)):
+        inventory = freed(inventory, job.devices)
+        if (fit := place(head, inventory)) is not None:
+            expected = (max(NOW, job.ends_at), frozenset(fit.devices))
+            break
+    assert (got.start, got.devices) == (expected or (None, frozenset()))
