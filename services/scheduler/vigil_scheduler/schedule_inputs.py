@@ -82,17 +82,17 @@ async def load_inputs(
     *,
     always_share: bool = False,
 ) -> Inputs:
-    """The clock, the running jobs and the standings of the teams with usage or with a job waiting. With jobs
-    of one team waiting, the fair share orders nothing: its usage query is skipped (no standings) unless
-    `always_share` (the queue's readers want the standings)."""
+    """The clock, the running jobs and the standings of the teams with usage, a job waiting or a job running.
+    While one team alone waits and runs, the fair share decides nothing (no order among teams, nobody
+    borrowing): its usage query is skipped (no standings) unless `always_share` (the queue's readers)."""
     now = float(await conn.fetchval("SELECT extract(epoch FROM now())"))
     jobs = await running(conn, settings.time_limit_default_s)
-    teams = set(waiting_teams)
+    teams = {*waiting_teams, *(team for team, _ in jobs)}
     standing: dict[fairshare.Team, fairshare.Standing] = {}
     if always_share or len(teams) > 1:
         half_life_h = settings.fairshare_half_life_h
         hours = fairshare.decayed_gpu_hours(await usage(conn, half_life_h), now, half_life_h)
-        standing = fairshare.standings(await shares(conn), hours, teams | {team for team, _ in jobs})
+        standing = fairshare.standings(await shares(conn), hours, teams)
     return Inputs(now, tuple(r for _, r in jobs), standing, settings.time_limit_default_s)
 
 
