@@ -57,6 +57,11 @@ async def test_a_short_job_backfills_behind_the_reserved_head_and_the_queue_says
     assert (await scheduler.http.get(f"/api/v1/jobs/{short}")).json()["queue"] is None
     page = await scheduler.http.get("/queue")  # the console's page
     assert page.status_code == 200 and first["reason"] in page.text and endless in page.text
+    page = await scheduler.http.get(f"/jobs/{head}")  # and the job's page
+    assert (
+        page.status_code == 200
+        and f"queue position 1, estimated start {reserved:%Y-%m-%d %H:%M} UTC" in page.text
+    )
 
 
 async def test_equal_priorities_go_to_the_team_below_its_share_first(
