@@ -31,6 +31,7 @@ from vigil_scheduler import idempotency as idempotency_keys
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, grow, plan
+from vigil_scheduler.preempting import preempt_for
 from vigil_scheduler.principals import Principal
 from vigil_scheduler.schedule_inputs import holdings, load_inputs, quotas_of, request_of
 
@@ -188,6 +189,10 @@ class Scheduler:
                 node = snapshot.node(placement.ranks[0].node)
                 assert node is not None
                 await self._launch(conn, jobs[placement.job_id], placement, node.address)
+            # the blocked job of highest priority stops the victims that make room for it, teams over their
+            # share first (`preempting`): they exit, and a later pass places it first
+            over = {team for team, standing in facts.standing.items() if standing.over_share}
+            await preempt_for(conn, self.settings, requests, placed, ledger.waiting, over.__contains__)
             return placed
 
     async def whole_size_fits(self, conn: asyncpg.Connection, job: Job) -> Placement | None:
