@@ -92,6 +92,11 @@ async def test_equal_priorities_go_to_the_team_below_its_share_first(
 
     items = await eventually(ordered, what="nlp's job ahead of vision's, submitted earlier")
     assert items[1]["reason"].endswith("team vision over its share (1.5x)")  # shares 2:1, all usage vision's
+    # a user sees their team's jobs, each at its place in the whole queue
+    assert [(e["id"], e["position"]) for e in (await bob.get("/api/v1/queue")).json()["items"]] == [
+        (vision, 2)
+    ]
+    assert [e["id"] for e in (await carol.get("/api/v1/queue")).json()["items"]] == [nlp]
     shown = await vigil(scheduler, "queue", "--json")
     assert shown.exit_code == 0, shown.output
     standing = {t["team"]: t for t in json.loads(shown.output)["teams"]}
