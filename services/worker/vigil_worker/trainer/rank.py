@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from vigil import stack_dump
+from vigil import preemption, stack_dump
 from vigil.exits import (
     EXIT_CHECKPOINT,
     EXIT_ERROR,
@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
     from vigil_worker.trainer.standby import become_rank
 
     stack_dump.install()  # the worker's fallback when py-spy cannot read this process
+    preemption.listen_early()  # a notice during the imports is kept, not the end of the process
     while True:
         code, parked = _attempt(argv, observer or NullObserver())
         if parked is None:
