@@ -116,6 +116,8 @@ class TeamEntry(BaseModel):
 
     name: str
     gpus: int | None = Field(None, ge=0, le=1_000_000)
+    # its weight in the fair share; unset: left as it is (1, or what `vigil teams set-share` made it)
+    share: float | None = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
 
     @field_validator("name")
     @classmethod
@@ -124,7 +126,8 @@ class TeamEntry(BaseModel):
 
 
 class UsersFile(BaseModel):
-    """VIGIL_USERS_FILE: `users: [{name, team, admin, gpus, token_sha256}]`, `teams: [{name, gpus}]`."""
+    """VIGIL_USERS_FILE: `users: [{name, team, admin, gpus, token_sha256}]`, `teams: [{name, gpus,
+    share}]`."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -159,10 +159,12 @@ async def sync_file(conn: asyncpg.Connection, users: UsersFile) -> None:
     await conn.execute("DELETE FROM api_tokens WHERE source = 'file'")
     for team in users.teams:
         await conn.execute(
-            """INSERT INTO teams (name, gpus, source) VALUES ($1, $2, 'file')
-               ON CONFLICT (name) DO UPDATE SET gpus = $2, source = 'file', updated_at = now()""",
+            """INSERT INTO teams (name, gpus, source, share) VALUES ($1, $2, 'file', coalesce($3, 1))
+               ON CONFLICT (name) DO UPDATE SET gpus = $2, source = 'file', share = coalesce($3, teams.share),
+                   updated_at = now()""",
             team.name,
             team.gpus,
+            team.share,
         )
     for user in users.users:
         await conn.execute(

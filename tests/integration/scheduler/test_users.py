@@ -147,7 +147,7 @@ async def test_the_users_file_counts_from_the_start(db_url: str, nats_url: str, 
     users.write_text(
         "users:\n"
         f"  - {{name: dana, team: vision, gpus: 1, token_sha256: {token_sha256(token)}}}\n"
-        "teams:\n  - {name: vision, gpus: 8}\n"
+        "teams:\n  - {name: vision, gpus: 8}\n  - {name: nlp, share: 3}\n"
     )
     settings = scheduler_settings(db_url, nats_url, tmp_path, users_file=users)
     stop = asyncio.Event()
@@ -159,6 +159,12 @@ async def test_the_users_file_counts_from_the_start(db_url: str, nats_url: str, 
             assert (await dana.get("/api/v1/me")).json()["name"] == "dana"
             r = await dana.post("/api/v1/jobs", json=spec(per_node=2))
             assert r.status_code == 422 and "user dana's quota of 1" in r.json()["fields"][0]["message"]
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}) as admin:
+            teams = (await admin.get("/api/v1/teams")).json()["items"]
+            assert [(t["name"], t["gpus"], t["share"]) for t in teams] == [
+                ("nlp", None, 3.0),
+                ("vision", 8, 1.0),
+            ]
     finally:
         stop.set()
         with contextlib.suppress(Exception):

@@ -38,6 +38,8 @@ def test_the_users_file_reads_yaml_and_json() -> None:
         f"users:\n  - {{name: alice, team: vision, gpus: 4, token_sha256: {digest}}}\nteams: [{{name: vision, gpus: 8}}]"
     )
     assert users.users[0].token_sha256 == [digest] and users.teams[0].gpus == 8
+    assert users.teams[0].share is None  # unset: the share stays as the API set it
+    assert parse_users_file("teams: [{name: nlp, share: 3}]").teams[0].share == 3.0
     assert parse_users_file('{"users": [{"name": "bob", "admin": true}]}').users[0].admin
 
 
@@ -50,6 +52,8 @@ def test_the_users_file_reads_yaml_and_json() -> None:
         ("users: [{name: a, gpus: -1}]", "users.0.gpus"),
         ("users: [{name: a, password: x}]", "users.0.password"),
         ("teams: [{name: 'a b'}]", "teams.0.name"),
+        ("teams: [{name: a, share: 0}]", "teams.0.share"),
+        ("teams: [{name: a, share: .inf}]", "teams.0.share"),
         ("users: [{name: a}, {name: a}]", "more than once"),
         ("users: [", "not YAML"),
     ],
