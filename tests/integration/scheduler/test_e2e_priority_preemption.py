@@ -20,7 +20,7 @@ from vigil.events import CheckpointSaved, IncidentRaised, NodeHeartbeat, Preempt
 from vigil_common import subjects
 from vigil_common.bus import Bus
 
-from .conftest import Running, launched, next_event, running, scheduler_settings, wait_state
+from .conftest import Running, count_on, launched, next_event, running, scheduler_settings, wait_state
 from .test_e2e_failover import kill_our_rank
 from .test_e2e_failover import start_worker as start_failover_worker
 from .test_e2e_preemption import steps_of
@@ -123,6 +123,8 @@ async def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_n
     assert got["attempt"] == 2, "the preempted attempt did not count against max_attempts=1"
     incident = await next_event(bus, subjects.incident(low), lambda e: isinstance(e, IncidentRaised))
     assert incident.kind == "preemption" and incident.evidence["by_job"] == high
+    # one preemption in flight: the passes that ran before the victim exited sent no second notice
+    assert await count_on(bus, subjects.COMMANDS.name, subjects.cmd(low)) == 1
     audit = await scheduler.pool.fetch("SELECT action, actor, detail FROM audit_log WHERE job_id = $1", low)
     preempted = [r for r in audit if r["action"] == "preempt"]
     assert len(preempted) == 1 and json.loads(preempted[0]["detail"])["by_job"] == high, audit
