@@ -99,12 +99,17 @@ async def load_inputs(
 async def running(
     conn: asyncpg.Connection, default_limit_s: float | None
 ) -> list[tuple[str | None, Running]]:
-    """Every job holding devices, with its team: its devices and its expected end (its attempt's placement
-    plus its time limit; None without a limit)."""
+    """Every job holding devices, with its team: its devices and its expected end (its attempt's start plus
+    its time limit; None without a limit). The start is its first rank's, from which the limit is enforced
+    (`time_limits.overdue`); before any rank started, its placement's."""
     rows = await conn.fetch(
         """SELECT j.id, j.team, j.spec, array_agg(d.node) AS nodes, array_agg(d.index) AS indices,
-                  (SELECT extract(epoch FROM max(t.occurred_at)) FROM job_transitions t
-                    WHERE t.job_id = j.id AND t.attempt = j.attempt AND t.to_state = 'SCHEDULED') AS started
+                  extract(epoch FROM coalesce(
+                      (SELECT min(r.started_at) FROM job_ranks r
+                        WHERE r.job_id = j.id AND r.attempt = j.attempt),
+                      (SELECT max(t.occurred_at) FROM job_transitions t
+                        WHERE t.job_id = j.id AND t.attempt = j.attempt AND t.to_state = 'SCHEDULED')
+                  )) AS started
            FROM devices d JOIN jobs j ON j.id = d.job_id
            GROUP BY j.id, j.team, j.spec, j.attempt"""
     )
