@@ -64,7 +64,9 @@ class Backfill:
 
     # The inventory a job that would end after the reservation may use (the reserved devices taken), kept
     # with the inventory it was made from while that holds (one per placement, not one per job).
-    _outside: tuple[Inventory, Inventory, int] | None = None
+    _outside: tuple[Inventory, Inventory, int] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def fit_behind(self, request: PlacementRequest, inventory: Inventory) -> tuple[Placement, bool] | None:
         """`fits_behind` for this pass's reservation (None without one)."""
