@@ -77,11 +77,11 @@ async def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_n
     scheduler: Running, worker: str, bus: Bus
 ) -> None:
     await next_event(bus, subjects.heartbeat(worker), lambda e: isinstance(e, NodeHeartbeat), timeout_s=60)
-    slow = [{"kind": "slow_rank", "step": 0, "delay_s": 0.3}]  # time to preempt it mid-run
+    slow = [{"kind": "slow_rank", "step": 0, "delay_s": 0.4}]  # time to preempt it mid-run
     low = (await scheduler.http.post("/api/v1/jobs", json=job("low", 10, faults=slow))).json()["id"]
     first = await launched(bus, low)
     await next_event(
-        bus, subjects.job_steps(low), lambda e: isinstance(e, StepCompleted) and e.step >= 2, timeout_s=120
+        bus, subjects.job_steps(low), lambda e: isinstance(e, StepCompleted) and e.step >= 1, timeout_s=120
     )
     # the same training, uninterrupted: the reference for the victim's losses
     high = (await scheduler.http.post("/api/v1/jobs", json=job("high", 50))).json()["id"]
