@@ -86,7 +86,7 @@ async def load_inputs(
     While one team alone waits and runs, the fair share decides nothing (no order among teams, nobody
     borrowing): its usage query is skipped (no standings) unless `always_share` (the queue's readers)."""
     now = float(await conn.fetchval("SELECT extract(epoch FROM now())"))
-    jobs = await running(conn, settings.time_limit_default_s)
+    jobs = await running(conn, settings.time_limit_default_s, settings.preemption_grace_s)
     teams = {*waiting_teams, *(team for team, _ in jobs)}
     standing: dict[fairshare.Team, fairshare.Standing] = {}
     if always_share or len(teams) > 1:
@@ -97,11 +97,12 @@ async def load_inputs(
 
 
 async def running(
-    conn: asyncpg.Connection, default_limit_s: float | None
+    conn: asyncpg.Connection, default_limit_s: float | None, grace_s: float
 ) -> list[tuple[str | None, Running]]:
     """Every job holding devices, with its team: its devices and its expected end (its attempt's start plus
     its time limit; None without a limit). The start is its first rank's, from which the limit is enforced
-    (`time_limits.overdue`); before any rank started, its placement's."""
+    (`time_limits.overdue`); before any rank started, its placement's. An attempt being stopped (preempted,
+    or at its limit: `job_stops`) ends at the latest `grace_s` after its stop was asked for."""
     rows = await conn.fetch(
         """SELECT j.id, j.team, j.spec, array_agg(d.node) AS nodes, array_agg(d.index) AS indices,
                   extract(epoch FROM coalesce(
@@ -109,7 +110,9 @@ async def running(
                         WHERE r.job_id = j.id AND r.attempt = j.attempt),
                       (SELECT max(t.occurred_at) FROM job_transitions t
                         WHERE t.job_id = j.id AND t.attempt = j.attempt AND t.to_state = 'SCHEDULED')
-                  )) AS started
+                  )) AS started,
+                  (SELECT extract(epoch FROM max(s.requested_at)) FROM job_stops s
+                    WHERE s.job_id = j.id AND s.attempt = max(d.attempt)) AS stopping
            FROM devices d JOIN jobs j ON j.id = d.job_id
            GROUP BY j.id, j.team, j.spec, j.attempt"""
     )
@@ -118,6 +121,9 @@ async def running(
         spec = json.loads(r["spec"]) if isinstance(r["spec"], str) else r["spec"]
         limit = time_limit(spec, default_limit_s)
         ends = None if limit is None or r["started"] is None else float(r["started"]) + limit
+        if r["stopping"] is not None:
+            stopped = float(r["stopping"]) + grace_s
+            ends = stopped if ends is None else min(ends, stopped)
         devices = frozenset(zip(r["nodes"], r["indices"], strict=True))
         out.append((r["team"], Running(r["id"], devices, ends)))
     return out

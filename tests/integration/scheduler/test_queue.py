@@ -63,6 +63,18 @@ async def test_a_short_job_backfills_behind_the_reserved_head_and_the_queue_says
         and f"queue position 1, estimated start {reserved:%Y-%m-%d %H:%M} UTC" in page.text
     )
 
+    # a job being stopped (a preemption's victim) frees its devices within the grace period, not at its limit
+    asked = await scheduler.pool.fetchval(
+        """INSERT INTO job_stops (job_id, attempt, kind, reason) VALUES ($1, 1, 'preempt', 'for a test')
+           RETURNING requested_at""",
+        running,
+    )
+    first = (await scheduler.http.get("/api/v1/queue")).json()["items"][0]
+    grace = scheduler.settings.preemption_grace_s
+    assert datetime.fromisoformat(first["estimated_start"]).timestamp() == pytest.approx(
+        asked.timestamp() + grace
+    )
+
 
 async def test_equal_priorities_go_to_the_team_below_its_share_first(
     scheduler, as_user, nodes, bus: Bus
