@@ -6,8 +6,9 @@ the grace are ended. Unlike a node's notice the node keeps offering its devices:
 next heartbeat says they are free, for the job that preempted them.
 
 `Commands.on_command` is the worker's command consumer: `PreemptJob` here, every other command the
-agent's (`Worker.on_command`). A stop runs in the background (the consumer goes on to a cancel that follows),
-once per command under redelivery.
+agent's (`Worker.on_command`). The notice goes out before the command is acknowledged; the wait for the grace
+period runs in the background (the consumer goes on to a cancel that follows), once per command under
+redelivery.
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ class Commands:
             return
         if command.event_id in self._stops or not (ranks := self._ranks(command)):
             return  # a redelivery, or no rank of that attempt here
+        grace = self.worker.settings.preemption_grace_s
+        log.warning("%s attempt %d: %s; %d rank(s) here checkpoint within %.0fs", command.job_id,
+                    command.attempt, command.reason, len(ranks), grace)  # fmt: skip
+        for r in ranks:  # before the command is acknowledged: the notice is the effect
+            self.worker.table.notify(r, PREEMPTION_SIGNAL)
         self._stops[command.event_id] = asyncio.create_task(
-            self.stop(command, ranks), name=f"stop-{command.job_id}-{command.attempt}"
+            self.end_late(command, ranks, grace), name=f"stop-{command.job_id}-{command.attempt}"
         )
         while len(self._stops) > REMEMBERED:
             self._stops.pop(next(iter(self._stops)))
@@ -52,14 +58,9 @@ class Commands:
             if r.attempt == command.attempt and not r.killed and r.parked_at is None
         ]
 
-    async def stop(self, command: PreemptJob, ranks: list[RankRecord]) -> None:
-        """Notify `ranks`, and end those still running when the grace period is over. Returns once every
+    async def end_late(self, command: PreemptJob, ranks: list[RankRecord], grace: float) -> None:
+        """End those of the notified `ranks` still running when the grace period is over. Returns once every
         one has exited and been reported."""
-        grace = self.worker.settings.preemption_grace_s
-        log.warning("%s attempt %d: %s; %d rank(s) here checkpoint within %.0fs", command.job_id,
-                    command.attempt, command.reason, len(ranks), grace)  # fmt: skip
-        for r in ranks:
-            self.worker.table.notify(r, PREEMPTION_SIGNAL)
         deadline = time.monotonic() + grace
         while any(not r.reported for r in ranks) and time.monotonic() < deadline:
             await self.worker.monitor_once()  # as `Worker.preempt`: report each exit as it happens
