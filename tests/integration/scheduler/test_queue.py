@@ -55,6 +55,8 @@ async def test_a_short_job_backfills_behind_the_reserved_head_and_the_queue_says
     detail = (await scheduler.http.get(f"/api/v1/jobs/{head}")).json()
     assert detail["state"] == "PENDING" and detail["queue"]["reason"] == first["reason"]
     assert (await scheduler.http.get(f"/api/v1/jobs/{short}")).json()["queue"] is None
+    shown = await vigil(scheduler, "job", head)
+    assert shown.exit_code == 0 and "queue: position 1, estimated start" in shown.output, shown.output
     page = await scheduler.http.get("/queue")  # the console's page
     assert page.status_code == 200 and first["reason"] in page.text and endless in page.text
     page = await scheduler.http.get(f"/jobs/{head}")  # and the job's page
