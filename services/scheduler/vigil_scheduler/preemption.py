@@ -11,7 +11,8 @@ place `request`; None when no such set exists. The rules:
    borrowed quota), then the fewest GPUs in all, then the youngest (the set whose oldest victim started
    last), then the fewest jobs.
 3. Exact over every set while there are few candidates (`EXACT_UP_TO`); beyond, greedy in that order
-   of preference, then every victim the placement does not need is spared again.
+   of preference, then every victim the placement does not need is spared again. When every candidate
+   together does not make room, no set is tried (the pass asks each time a job stays blocked).
 
 The victims' devices count as free here as soon as they are chosen: the placement pass that runs once
 they exit finds them so (their worker reports them free, their job is requeued).
@@ -25,7 +26,7 @@ from itertools import combinations
 
 from vigil_scheduler.placement import Inventory, Placement, PlacementRequest, place
 
-EXACT_UP_TO = 12  # candidates for which every set is tried (4,095 sets at most)
+EXACT_UP_TO = 10  # candidates for which every set is tried (1,023 sets at most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +100,16 @@ def choose(
     def fits(group: Sequence[Running]) -> Placement | None:
         return place(request, freed(inventory, (r.job_id for r in group)))
 
+    if fits(candidates) is None:
+        return None  # not even every candidate's devices together make room
+    free = sum(len(n.free) for n in inventory.nodes if n.alive)
     best: tuple[tuple[int, int, float, int], tuple[Running, ...], Placement] | None = None
     if len(candidates) <= EXACT_UP_TO:
         for size in range(1, len(candidates) + 1):
             for group in combinations(candidates, size):
                 k = key(group)
-                if best is not None and k >= best[0]:
-                    continue
+                if (best is not None and k >= best[0]) or free + k[1] < request.world_size:
+                    continue  # no better than the best, or too few devices in all to place it
                 if (placement := fits(group)) is not None:
                     best = (k, group, placement)
     else:

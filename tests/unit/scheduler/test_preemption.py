@@ -3,6 +3,7 @@ youngest first on ties; a team over its share first; None when no set lets the j
 
 from __future__ import annotations
 
+from vigil_scheduler import preemption
 from vigil_scheduler.placement import Inventory, NodeState, PlacementRequest, Slot
 from vigil_scheduler.preemption import EXACT_UP_TO, Running, choose, freed, preemptible
 
@@ -96,3 +97,12 @@ def test_many_candidates_greedy_still_spares_what_is_not_needed() -> None:
 def test_preemptible_follows_the_spec_then_the_operators_rule() -> None:
     assert preemptible(None, 10, 100) and not preemptible(None, 100, 100)
     assert preemptible(True, 500, 100) and not preemptible(False, 0, 100)
+
+
+def test_no_set_is_searched_when_every_candidate_together_is_not_enough(monkeypatch) -> None:
+    inv = Inventory(tuple(node(f"n{i}", [f"j{i}"] * 2) for i in range(EXACT_UP_TO)))
+    running = [run(f"j{i}", started=float(i)) for i in range(EXACT_UP_TO)]
+    tried = []
+    monkeypatch.setattr(preemption, "place", lambda request, room: tried.append(room))
+    assert choose(need(2 * EXACT_UP_TO + 1, max_nodes=EXACT_UP_TO), inv, running) is None
+    assert len(tried) == 1  # every candidate at once: not enough, so no smaller set is tried
