@@ -45,18 +45,6 @@ def write_openapi(path: Path = OPENAPI) -> Path:
     return path
 
 
-# Meanings of the settings that `Settings` declares without a description. Move each into its Field's
-# description in vigil_common/settings.py; tests/unit/test_docs.py fails for a new setting without one.
-UNDESCRIBED = {
-    "http_host": "the gateway's address",
-    "http_port": "the gateway's port",
-    "node_name": "a worker's name (default: the host name's first label)",
-    "heartbeat_interval_s": "a worker's heartbeat period (seconds); see VIGIL_NODE_LOST_AFTER",
-    "gpu_sample_interval_s": "device sampling period (NVML, amdsmi or CPU stats), seconds",
-    "log_level": "the services' log level",
-}
-
-
 def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
         value = info.default_factory()  # type: ignore[call-arg]
@@ -75,7 +63,7 @@ def settings_rows() -> list[tuple[str, str, str]]:
 
     rows = []
     for name, info in Settings.model_fields.items():
-        meaning = html.escape(info.description or UNDESCRIBED.get(name, ""), quote=False).replace("|", "\\|")
+        meaning = html.escape(info.description or "", quote=False).replace("|", "\\|")
         rows.append((f"`{ENV_PREFIX}{name.upper()}`", _default(info), meaning))
     return rows
 

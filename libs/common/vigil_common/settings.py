@@ -53,8 +53,8 @@ class Settings(BaseSettings):
         default_factory=list,
         description="folders a spec's entrypoint.workdir may name (JSON list); empty: <data dir>/code",
     )
-    http_host: str = DEFAULT_HTTP_HOST
-    http_port: int = Field(DEFAULT_HTTP_PORT, ge=0, le=65535)
+    http_host: str = Field(DEFAULT_HTTP_HOST, description="the gateway's address")
+    http_port: int = Field(DEFAULT_HTTP_PORT, ge=0, le=65535, description="the gateway's port")
     api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")
     users_file: Path | None = Field(
         None,
@@ -63,7 +63,9 @@ class Settings(BaseSettings):
     console_session_s: int = Field(
         12 * 3600, ge=60, le=30 * 86_400, description="a console login lasts this long (seconds)"
     )
-    node_name: str = Field(default_factory=default_node_name)
+    node_name: str = Field(
+        default_factory=default_node_name, description="a worker's name (default: the host name's 1st label)"
+    )
     node_address: str | None = Field(
         None, description="where this node's ranks are reachable; unset: the address it reaches NATS from"
     )
@@ -78,7 +80,9 @@ class Settings(BaseSettings):
     gpu_backend: Literal["auto", "nvml", "amdsmi", "cpu"] = Field(
         "auto", description="a worker's devices: auto (NVML, else amdsmi, else CPU slots) or one forced"
     )
-    heartbeat_interval_s: float = Field(2.0, gt=0, le=300)
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0, le=300, description="a worker's heartbeat period (seconds); see VIGIL_NODE_LOST_AFTER"
+    )
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
     takeover_s: float = Field(
         10.0,
@@ -86,7 +90,9 @@ class Settings(BaseSettings):
         le=300,
         description="a standby scheduler takes over (the guardians a gone one's shares) within this long",
     )
-    gpu_sample_interval_s: float = Field(5.0, gt=0, le=3600)
+    gpu_sample_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="device sampling period (NVML, amdsmi or CPU stats), seconds"
+    )
     worker_end_ranks_on_stop: bool = Field(
         False, description="a stopping worker ends its ranks (vigil up); false: they train on for its restart"
     )
@@ -110,6 +116,11 @@ class Settings(BaseSettings):
     )
     time_limit_max_s: float | None = Field(
         None, ge=1, description="the longest scheduling.time_limit a spec may ask for; unset: no maximum"
+    )
+    queue_policy: Literal["fair", "strict"] = Field(
+        "fair",
+        description="the placement pass's policy: fair (priority, fair share, EASY backfill, preemption) or "
+        "strict (priority then submission order, a blocked head job holds up the queue, no preemption)",
     )
     fairshare_half_life_h: float = Field(
         168.0,
@@ -229,7 +240,7 @@ class Settings(BaseSettings):
     k8s_api_url: str | None = Field(
         None, description="the Kubernetes API; unset: the in-cluster one (KUBERNETES_SERVICE_HOST)"
     )
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="the services' log level")
     trace_file: Path | None = Field(
         None, description="also write every span as a JSON line here (traces without a collector)"
     )
