@@ -89,6 +89,9 @@ async def whole_stack(
     on a fresh database, until the stack's worker is alive; stopped on the way out."""
     db = await fresh_database(database_url)
     node = f"{prefix}-" + uuid.uuid4().hex[:6]
+    # silence ends the node only after 20 s: every service, the worker and the test share this process, and
+    # on a loaded machine it can stall past 3 heartbeats (1.5 s), which lost the node mid-job
+    overrides.setdefault("node_lost_after", 40)
     port = free_port()
     settings = Settings.load(
         nats_url=nats_url,
