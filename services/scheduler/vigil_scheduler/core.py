@@ -33,7 +33,7 @@ from vigil_scheduler.outbox import Relay
 from vigil_scheduler.placement import Placement, grow, plan
 from vigil_scheduler.preempting import preempt_for
 from vigil_scheduler.principals import Principal
-from vigil_scheduler.schedule_inputs import holdings, load_inputs, quotas_of, request_of
+from vigil_scheduler.schedule_inputs import STRICT, holdings, load_inputs, quotas_of, request_of
 
 log = logging.getLogger(__name__)
 # A placement pass asked for inside `Scheduler.tx` waits for the commit (the list records the ask).
@@ -177,7 +177,10 @@ class Scheduler:
                 return []
             jobs = {job.id: job for job in map(Job.from_row, rows)}
             snapshot = await inventory.load_inventory(conn)
-            facts = await load_inputs(conn, self.settings, (job.team for job in jobs.values()))
+            strict = self.settings.queue_policy == "strict"  # priority then submission, nothing else
+            facts = (
+                STRICT if strict else await load_inputs(conn, self.settings, (j.team for j in jobs.values()))
+            )
             requests = [
                 facts.request(request_of(job, job.previous_placement), job.spec) for job in jobs.values()
             ]
@@ -192,7 +195,8 @@ class Scheduler:
             # the blocked job of highest priority stops the victims that make room for it, teams over their
             # share first (`preempting`): they exit, and a later pass places it first
             over = {team for team, standing in facts.standing.items() if standing.over_share}
-            await preempt_for(conn, self.settings, requests, placed, ledger.waiting, over.__contains__)
+            if not strict:
+                await preempt_for(conn, self.settings, requests, placed, ledger.waiting, over.__contains__)
             return placed
 
     async def whole_size_fits(self, conn: asyncpg.Connection, job: Job) -> Placement | None:

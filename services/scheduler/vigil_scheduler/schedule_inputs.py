@@ -75,6 +75,11 @@ class Inputs:
         return Backfill(now=self.now, running=self.running)
 
 
+# The strict policy's inputs (VIGIL_QUEUE_POLICY=strict): no clock, no running job's end and no standing, so
+# `plan` orders by priority then submission and a blocked head holds up the queue behind it.
+STRICT = Inputs(now=0.0, running=(), standing={}, default_limit_s=None)
+
+
 async def load_inputs(
     conn: asyncpg.Connection,
     settings: Settings,
