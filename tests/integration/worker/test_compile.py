@@ -75,7 +75,10 @@ async def test_compiled_run_equals_eager_across_a_hold_a_rollback_and_a_replay(r
             assert got[step] == pytest.approx(want[step], rel=TOLERANCE), (rank, step, got[step], want[step])
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+# ZeRO 1 (the other tests' stage) reduces gradients after the backward as stage 0 does; stage 2 reduces in
+# the backward's hooks, and stage 3 gathers parameters in the forward: those two are what differ under a
+# compiled graph (stage 0 was dropped from this list to keep CI within its time: it adds no other path)
+@pytest.mark.parametrize("zero_stage", [2, 3])
 async def test_compile_under_each_zero_stage(ready_cluster, bus, job_id, zero_stage):
     runs = {}
     for on in (True, False):
