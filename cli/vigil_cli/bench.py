@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "goodput": "vigil_bench.goodput",
     "mfu": "vigil_bench.mfu",
     "elastic": "vigil_bench.elastic",
+    "queue": "vigil_bench.queue",
 }
 
 
