@@ -94,11 +94,11 @@ async def test_ack_happens_only_after_the_effect(bus: Bus, job_id: str):
 async def test_a_consumer_that_dies_before_acking_gets_the_message_again(bus: Bus, job_id: str):
     spec = cmd_spec(job_id, ack_wait_s=1.0)
     await bus.publish(subjects.cmd(job_id), ev.CancelJob(job_id=job_id, attempt=1, reason="die"))
-    entered = asyncio.Event()
+    entered, released = asyncio.Event(), asyncio.Event()
 
     async def dies(event: ev.Message, delivery: Delivery) -> None:
         entered.set()
-        await asyncio.Event().wait()  # never finishes: the consumer is killed mid-effect
+        await released.wait()  # does not finish while the test runs: the consumer is killed mid-effect
 
     stop = asyncio.Event()
     task = asyncio.create_task(bus.consume(spec, dies, stop))
@@ -116,6 +116,7 @@ async def test_a_consumer_that_dies_before_acking_gets_the_message_again(bus: Bu
 
     await run_until(bus, spec, survives, done)
     assert got == [2]
+    released.set()  # the dead consumer's effect ends, or the bus's close waits its 30 s drain for it
 
 
 async def test_a_transient_failure_is_retried_with_back_off(bus: Bus, job_id: str):
