@@ -113,10 +113,16 @@ async def connect(
     provider = tracing.setup_tracing(name, trace_file=settings.trace_file)
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(provider.shutdown)
-        pool = await create_pool(settings.database_url)
+        pool = await create_pool(settings.database_url, timeout_s=settings.connect_timeout_s)
         stack.push_async_callback(pool.close)
         await migrate(pool)
-        bus = await Bus.connect(settings.nats_url, name=name, provider=provider, tls_ca=settings.nats_tls_ca)
+        bus = await Bus.connect(
+            settings.nats_url,
+            name=name,
+            provider=provider,
+            tls_ca=settings.nats_tls_ca,
+            connect_timeout_s=settings.connect_timeout_s,
+        )
         stack.push_async_callback(bus.close)
         await bus.ensure_streams(manage=manage_streams, replicas=settings.stream_replicas)
         yield Connections(provider, pool, bus)

@@ -84,6 +84,13 @@ class Settings(BaseSettings):
         2.0, gt=0, le=300, description="a worker's heartbeat period (seconds); see VIGIL_NODE_LOST_AFTER"
     )
     node_lost_after: int = Field(3, ge=1, le=100, description="missed heartbeats before a node is lost")
+    connect_timeout_s: float = Field(
+        30.0,
+        ge=0.5,
+        le=3600,
+        description="how long a service (a worker too) waits at its start for Postgres, then NATS, before "
+        "it exits naming the one it cannot reach (they may start after it, as under compose)",
+    )
     takeover_s: float = Field(
         10.0,
         ge=1,

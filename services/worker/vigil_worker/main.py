@@ -42,7 +42,10 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     async with AsyncExitStack() as stack:
         # --- connect --------------------------------------------------------------------------------------
         bus = await Bus.connect(
-            settings.nats_url, name=f"worker-{settings.node_name}", tls_ca=settings.nats_tls_ca
+            settings.nats_url,
+            name=f"worker-{settings.node_name}",
+            tls_ca=settings.nats_tls_ca,
+            connect_timeout_s=settings.connect_timeout_s,
         )
         stack.push_async_callback(bus.close)
         stack.callback(inventory.close)

@@ -94,7 +94,7 @@ def test_cannot_reach_nats_names_the_server_not_the_password(tmp_path: Path) -> 
     url = f"nats://vigil:{SECRET}@127.0.0.1:{free_port()}"
     result = subprocess.run(
         [VIGIL, "worker"],
-        env=_env(VIGIL_NATS_URL=url, VIGIL_DATA_DIR=str(tmp_path)),
+        env=_env(VIGIL_NATS_URL=url, VIGIL_DATA_DIR=str(tmp_path), VIGIL_CONNECT_TIMEOUT_S="1"),
         capture_output=True,
         text=True,
         timeout=120,

@@ -70,8 +70,8 @@ def clean_env(**extra: str) -> dict[str, str]:
         ("worker", {"VIGIL_CPU_SLOTS": "0"}, "VIGIL_CPU_SLOTS"),
         ("guardian", {}, "VIGIL_NATS_URL and VIGIL_DATABASE_URL"),
         ("worker", {}, "VIGIL_NATS_URL"),
-        ("telemetry", {"VIGIL_NATS_URL": "nats://127.0.0.1:1", "VIGIL_DATABASE_URL": "postgresql://x@127.0.0.1:1/x"},
-         "cannot reach"),
+        ("telemetry", {"VIGIL_NATS_URL": "nats://127.0.0.1:1", "VIGIL_DATABASE_URL": "postgresql://x@127.0.0.1:1/x",
+                       "VIGIL_CONNECT_TIMEOUT_S": "1"}, "cannot reach Postgres"),
     ],
 )  # fmt: skip
 def test_a_bad_setting_is_one_line_naming_it_and_exit_1(
