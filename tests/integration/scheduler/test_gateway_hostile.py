@@ -35,6 +35,7 @@ def _yaml_bodies(limit: int) -> list[bytes]:
         ("/api/v1/jobs/a%00b", "job_id"),
         ("/api/v1/jobs/a%00b/steps", "job_id"),
         ("/api/v1/jobs/" + "j" * 300, "job_id"),
+        ("/api/v1/events?job=", "job"),  # not a 404 for a job named ''
     ],
 )
 async def test_bad_path_and_query_values_are_422_naming_them(scheduler, path: str, field: str) -> None:
@@ -108,6 +109,24 @@ async def test_the_schema_documents_errors_and_the_event_stream(scheduler) -> No
     assert {"401", "404", "409"} <= set(cancel)
     events = schema["paths"]["/api/v1/events"]["get"]["responses"]["200"]["content"]
     assert set(events) == {"text/event-stream"}
+    # every error answer documented is Vigil's shape, not Litestar's default (`status_code`, `detail`)
+    other = [
+        (method, path, code)
+        for path, ops in schema["paths"].items()
+        for method, op in ops.items()
+        for code, answer in op.get("responses", {}).items()
+        if code[0] in "45" and "ErrorOut" not in str(answer.get("content", {}))
+    ]
+    assert not other, other
+
+
+@pytest.mark.parametrize(
+    "path", ["/api/v1/teams/vision", "/api/v1/users/alice", "/api/v1/teams/vision/share"]
+)
+async def test_a_body_that_is_not_json_is_400_in_vigils_shape(scheduler, path: str) -> None:
+    r = await scheduler.http.put(path, content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"status", "error", "message", "fields"} and r.json()["status"] == 400, r.json()
 
 
 async def test_hostile_bodies_in_parallel_neither_stall_health_nor_lose_a_node(

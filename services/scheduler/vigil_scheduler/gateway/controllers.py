@@ -39,6 +39,7 @@ from vigil_scheduler.gateway.params import (
     Attempt,
     Cursor,
     DeviceIndex,
+    JobEvents,
     JobId,
     JobIdFilter,
     Limit,
@@ -243,7 +244,7 @@ class EventsController(Controller):
         request: Request,
         bus: BusDep,
         pool: Pool,
-        job: FromQuery[str | None] = None,
+        job: JobEvents = None,  # an empty or malformed id is a 422 naming `job`, not a 404
         last_event_id: LastEventId = None,
     ) -> ServerSentEvent:
         resume_at = sse.parse_last_event_id(last_event_id, len(WATCHED))

@@ -16,6 +16,7 @@ Limit = Annotated[int, QueryParameter(ge=1, le=1000, description="items per page
 Cursor = Annotated[str | None, QueryParameter(description="the `next` of the previous page")]
 JobId = Annotated[str, Parameter(pattern=JOB_ID, description="a job id (`j-...`)")]
 JobIdFilter = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's records")]
+JobEvents = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's events")]
 Rank = Annotated[int | None, QueryParameter(ge=0, le=INT4_MAX, description="only this rank's steps")]
 Attempt = Annotated[int | None, QueryParameter(ge=1, le=INT4_MAX, description="only this attempt's steps")]
 Step = Annotated[int | None, QueryParameter(ge=0, le=INT4_MAX, description="the step; default: the last")]

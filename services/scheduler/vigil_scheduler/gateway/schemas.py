@@ -21,6 +21,7 @@ from vigil.api import ErrorOut
 from vigil.spec import Fault, JobSpec
 
 _ERRORS = {
+    400: "a request that cannot be read: a body that is not JSON, or not of the form the endpoint takes",
     401: "no bearer token, or the wrong one",
     403: "an admin's token is needed",
     404: "no such job (or another user's: its existence is not revealed)",
@@ -31,10 +32,13 @@ _ERRORS = {
 
 
 def error_responses(*codes: int) -> dict[int, ResponseSpec]:
-    """The documented error answers of an endpoint (the OpenAPI `responses` besides its success)."""
+    """The documented error answers of an endpoint (the OpenAPI `responses` besides its success), in Vigil's
+    error shape (`ErrorOut`). A 400 is always among them: Litestar documents one for every endpoint that
+    reads parameters or a body, in its own shape (`status_code`, `detail`), and the gateway answers any
+    400 in Vigil's (`gateway.errors`); naming it here replaces Litestar's."""
     return {
         code: ResponseSpec(data_container=ErrorOut, description=_ERRORS[code], generate_examples=False)
-        for code in codes
+        for code in sorted({400, *codes})
     }
 
 
