@@ -28,18 +28,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import httpx
 
 from vigil_bench import result
+from vigil_bench.elastic import fresh_database
 from vigil_bench.queue_report import Outcome, figures, plot, print_table, targets
 from vigil_bench.queue_sim import DEVICES, HEARTBEAT_S, Cluster, job_name
 from vigil_bench.queue_trace import TEAMS, TraceJob, TraceShape, trace
 from vigil_common.bus import Bus
-from vigil_common.db import create_pool, migrate
-from vigil_common.embedded import APP_ROLE, EmbeddedNats, EmbeddedPostgres, free_port
+from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from vigil_common.settings import Settings
 
 ADMIN_TOKEN = "bench-queue-admin-token-0123456789"
@@ -98,22 +96,6 @@ def _spec(job: TraceJob, seconds_per_minute: float) -> dict[str, Any]:
         "resources": {"nodes": nodes, "gpus_per_node": job.gpus // nodes},
         "scheduling": {"time_limit": max(1.0, round(job.limit * seconds_per_minute, 3))},
     }
-
-
-async def _database(pg: EmbeddedPostgres, name: str) -> str:
-    """A new database `name` owned by the application's role, migrated; its URL."""
-    conn = await asyncpg.connect(pg.admin_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" OWNER "{APP_ROLE}"')
-    finally:
-        await conn.close()
-    url = urlunsplit(urlsplit(pg.url)._replace(path="/" + name))
-    pool = await create_pool(url)
-    try:
-        await migrate(pool)
-    finally:
-        await pool.close()
-    return url
 
 
 class _Policy:
@@ -241,7 +223,7 @@ async def _bench(plan: Plan, data: Path, png: Path) -> dict[str, Any]:
         runs = {p: _Policy(p, plan, jobs, data / p) for p in POLICIES}
         try:
             for p in POLICIES:
-                await runs[p].start(servers[p].url, await _database(pg, f"queue_{p}"))
+                await runs[p].start(servers[p].url, await fresh_database(pg, f"queue_{p}"))
             took["start"] = round(time.monotonic() - t_start, 1)
             t0 = time.monotonic() + 0.5
             fair, strict = await asyncio.gather(*(runs[p].run(t0) for p in POLICIES))
