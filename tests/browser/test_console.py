@@ -46,6 +46,10 @@ async def job(stack: Stack) -> str:
 @pytest.fixture(scope="module")
 async def page(browser: Any) -> Any:
     page = await browser.new_page()
+    # the pages are served by the `vigil up` that also runs the job's two ranks on this machine's two cores:
+    # on a loaded machine a page load has taken over Playwright's default 30 s (a failure to load still fails)
+    page.set_default_timeout(90_000)
+    page.set_default_navigation_timeout(90_000)
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     yield page
