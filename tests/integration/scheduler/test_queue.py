@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from datetime import datetime
 
 import pytest
@@ -14,6 +15,7 @@ from click.testing import CliRunner, Result
 from tests.helpers import eventually
 from vigil_cli.main import cli
 from vigil_common.bus import Bus
+from vigil_scheduler import queueview
 
 from .conftest import TOKEN, launched, spec, start_ranks, wait_state
 
@@ -38,7 +40,9 @@ async def test_a_short_job_backfills_behind_the_reserved_head_and_the_queue_says
     short = (await submit("/api/v1/jobs", json=spec("short", scheduling={"time_limit": "10m"}))).json()["id"]
     await launched(bus, short)  # it ends before the head's reservation (a's limit): it starts now
 
+    asked_at = time.time()
     queue = (await scheduler.http.get("/api/v1/queue")).json()
+    answered_at = time.time()
     assert [(e["id"], e["position"]) for e in queue["items"]] == [(head, 1), (endless, 2)]
     first, second = queue["items"]
     placed_at = await scheduler.pool.fetchval(
@@ -46,7 +50,9 @@ async def test_a_short_job_backfills_behind_the_reserved_head_and_the_queue_says
     )
     reserved = datetime.fromisoformat(first["estimated_start"])
     assert first["reserved"] and abs(reserved.timestamp() - placed_at.timestamp() - 3600) < 0.01
-    at = reserved.strftime("%H:%M UTC")
+    # "00:28 UTC" today, with the date on another day: the gateway's clock is read between the two
+    at = first["reason"].rpartition(" from ")[2]
+    assert at in {queueview.at(reserved.timestamp(), now) for now in (asked_at, answered_at)}, first["reason"]
     assert first["reason"] == f"needs 6 GPUs on one node; reserved for {head} from {at}"
     assert second["reason"] == (
         f"behind {head}, which is reserved from {at}; it has no time limit and needs devices the reservation holds"
