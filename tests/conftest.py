@@ -77,7 +77,7 @@ def nats_url(servers_dir: Path) -> Iterator[str]:
             wait_for_logs(c, "Server is ready")
             yield f"nats://{c.get_container_host_ip()}:{c.get_exposed_port(4222)}"
     else:
-        with EmbeddedNats(servers_dir / "nats") as server:
+        with EmbeddedNats(servers_dir / "nats", durable=False) as server:  # thrown away at the end
             yield server.url
 
 
@@ -99,7 +99,7 @@ def database_url(servers_dir: Path) -> Iterator[str]:
         with PostgresContainer("postgres:17", driver=None) as pg:
             yield pg.get_connection_url()
     else:
-        with EmbeddedPostgres(servers_dir / "postgres") as server:
+        with EmbeddedPostgres(servers_dir / "postgres", durable=False) as server:  # thrown away at the end
             # The services' role, as `vigil up` makes it (no superuser), and one test-only right: tests
             # make a fresh database per scheduler (tests/integration/security/test_postgres_role.py
             # checks the role as `vigil up` leaves it).

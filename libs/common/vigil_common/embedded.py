@@ -65,7 +65,11 @@ class EmbeddedNats:
 
     With `users` (role -> password, see `vigil_common.credentials`), the server requires a user
     and enforces each role's subject permissions; `url` then carries the admin user and
-    `url_for(role)` a role's own."""
+    `url_for(role)` a role's own.
+
+    `durable=False` is for streams thrown away at the end (tests): the store is synced on the server's
+    own interval, not on every write. A crash of the machine loses such a server's recent messages;
+    `vigil up` never asks for it."""
 
     def __init__(
         self,
@@ -75,8 +79,10 @@ class EmbeddedNats:
         port: int | None = None,
         users: Mapping[str, str] | None = None,
         tls: tuple[Path, Path] | None = None,
+        durable: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
+        self.durable = durable
         self.host = host
         self.port = port
         self.users = dict(users or {})
@@ -111,8 +117,9 @@ class EmbeddedNats:
         conf = self.data_dir / "nats.conf"
         text = (
             f"host: {self.host}\nport: {self.port}\nmax_payload: 8MB\n"
-            f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n  sync_interval: always\n"
-            f"  max_file_store: {_declared_store_bytes()}\n}}\n"
+            f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n"
+            + ("  sync_interval: always\n" if self.durable else "")
+            + f"  max_file_store: {_declared_store_bytes()}\n}}\n"
         )
         if self.users:
             text += authorization_block(self.users)
@@ -182,9 +189,14 @@ class EmbeddedPostgres:
     no `pg_read_server_files`). The superuser `postgres` (`admin_url`) only sets the server up; its
     password is `password`, the application's `app_password` (trust authentication when neither is
     given: tests and benches on a private data dir).
+
+    `durable=False` is for data thrown away at the end (tests, benches): no fsync, no full-page writes,
+    commits not waited on, and an immediate shutdown with no checkpoint. A crash of the machine loses
+    such a server's data; `vigil up` never asks for it.
     """
 
     SYSTEM_USER = "embedded_postgres"
+    DISPOSABLE = "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
 
     def __init__(
         self,
@@ -194,8 +206,10 @@ class EmbeddedPostgres:
         port: int | None = None,
         password: str | None = None,
         app_password: str | None = None,
+        durable: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
+        self.durable = durable
         self.pgdata = self.data_dir / "pgdata"
         self.host = host
         self.port = port
@@ -301,6 +315,8 @@ class EmbeddedPostgres:
         self.port = self.port or free_port(self.host)
         log = self.data_dir / "postgres.log"
         opts = f"-h {self.host} -p {self.port} -k {self.data_dir / 'pgrun'} -c max_connections=200"
+        if not self.durable:
+            opts += " " + self.DISPOSABLE
         self._run(
             str(bins / "pg_ctl"),
             "-D",
@@ -381,7 +397,8 @@ REVOKE ALL ON DATABASE postgres FROM PUBLIC;
                 self._run(str(self.bin_dir() / "pg_ctl"), "-D", str(self.pgdata), "-m", "fast", "-w", "stop")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Fast shutdown (SIGINT to the postmaster: clients disconnected, data flushed), then wait.
+        """Fast shutdown (SIGINT to the postmaster: clients disconnected, data flushed), then wait; a
+        server that is not durable gets an immediate one (SIGQUIT: no shutdown checkpoint).
 
         Signalled directly rather than through `pg_ctl`, which would run as the server's user
         and fail if a folder above the data dir has become untraversable meanwhile."""
@@ -391,7 +408,7 @@ REVOKE ALL ON DATABASE postgres FROM PUBLIC;
         if pid is None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signal.SIGINT if self.durable else signal.SIGQUIT)
         deadline = time.monotonic() + timeout_s
         while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)  # waiting for the postmaster to exit

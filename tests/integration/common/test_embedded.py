@@ -60,6 +60,7 @@ def test_postgres_keeps_data_across_a_restart(server_dir: Path):
     async def read(url: str) -> int:
         conn = await asyncpg.connect(url)
         value = await conn.fetchval("SELECT x FROM kept")
+        assert await conn.fetchval("SHOW fsync") == "on"  # `vigil up`'s server: durable
         await conn.close()
         return value
 
@@ -76,6 +77,29 @@ def test_postgres_keeps_data_across_a_restart(server_dir: Path):
         assert asyncio.run(read(again.url)) == 42
     finally:
         again.stop()
+
+
+def test_servers_for_throwaway_data_skip_the_flushes(
+    servers_dir: Path, nats_url: str, database_url: str
+) -> None:
+    """Tests' servers (`durable=False`): Postgres with no fsync, no full-page writes and commits not
+    waited on; NATS syncing its store on its own interval. The session's servers are such; `vigil up`'s
+    are not (the tests above)."""
+    if not (servers_dir / "nats" / "nats.conf").exists() or not (servers_dir / "postgres").exists():
+        pytest.skip("the session's servers are not the embedded ones (VIGIL_NATS_URL, or containers)")
+    assert "sync_interval" not in (servers_dir / "nats" / "nats.conf").read_text()
+
+    async def flushes(url: str) -> list[str]:
+        conn = await asyncpg.connect(url)
+        try:
+            return [
+                await conn.fetchval(f"SHOW {name}")
+                for name in ("fsync", "full_page_writes", "synchronous_commit")
+            ]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(flushes(database_url)) == ["off", "off", "off"]
 
 
 @pytest.fixture
