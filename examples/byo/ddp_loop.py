@@ -9,9 +9,9 @@ checkpoint every `--save-every` steps, and a loader so that a rollback happens i
 is drawn from its data position, so the guardian's skipped windows are honoured. The data is random
 tokens: nothing is downloaded. An elastic job (`resources.elastic`) relaunched on fewer ranks keeps its
 global batch (`run.on_resize`: more micro-steps per rank, each reading a spec-size rank's batch).
-`--nan-at K` makes rank 1's loss NaN at step K once, `--crash-at K` kills
-rank 1 at step K once, `--startup-delay S` starts every rank S seconds late (faults.py). The last line
-printed is JSON.
+`--nan-at K` makes rank 1's loss NaN at step K once, `--crash-at K` kills rank 1 at step K once,
+`--startup-delay S` starts every rank of a relaunch S seconds late (faults.py). The last line printed is
+JSON.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 A rollback loads the checkpoint in place (`register_rollback`); a relaunch resumes from it (`resume`).
 Each step's batch is drawn from its data position, so the guardian's skipped windows are honoured. The
 data is random tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once,
-`--crash-at K` kills rank 1 at step K once, `--startup-delay S` starts every rank S seconds late
+`--crash-at K` kills rank 1 at step K once, `--startup-delay S` starts every rank of a relaunch S seconds late
 (faults.py). The last line printed is JSON.
 """
 

@@ -5,8 +5,9 @@ the job's checkpoint folder (which outlives a relaunch) says it fired. Outside V
 - `--nan-at K`: rank 1's loss is NaN at step K (each example poisons its own loss);
 - `--crash-at K`: rank 1 dies at step K with exit code 17, as a bug in a user program or a lost process
   would end it; Vigil relaunches the job from its newest checkpoint;
-- `--startup-delay S`: every rank sleeps S seconds before it starts, on every attempt, standing in for the
-  imports and the checkpoint load of a large model (a relaunch then takes that long to its first step).
+- `--startup-delay S`: every rank of a relaunch (attempt 2 on) sleeps S seconds before it starts,
+  standing in for the imports and the checkpoint load of a large model (the relaunch then takes that long
+  to its first step; the first attempt's start-up is left alone, so a short run stays short).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import vigil
+from vigil.identity import Identity
 
 CRASH_EXIT_CODE = 17
 
@@ -25,12 +27,16 @@ CRASH_EXIT_CODE = 17
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
     p.add_argument("--crash-at", type=int, default=None, help="rank 1 dies at this step, once (exit 17)")
-    p.add_argument("--startup-delay", type=float, default=0.0, help="seconds each rank sleeps at its start")
+    p.add_argument(
+        "--startup-delay", type=float, default=0.0, help="seconds each rank of a relaunch sleeps at its start"
+    )
 
 
 def start_slowly(args: argparse.Namespace) -> None:
-    """The heavy imports and loads a large model's program makes before its first step (`--startup-delay`)."""
-    if args.startup_delay > 0:
+    """The heavy imports and loads a large model's program makes before its first step (`--startup-delay`),
+    on a relaunch."""
+    identity = Identity.from_env()
+    if args.startup_delay > 0 and identity is not None and identity.attempt > 1:
         print(f"faults: starting slowly ({args.startup_delay:g}s)", flush=True)
         time.sleep(args.startup_delay)
 

@@ -6,10 +6,10 @@
     vigil submit examples/byo/hf_trainer.yaml --follow   # under Vigil
 
 The model is built from a config and the data is random tokens: nothing is downloaded. `--nan-at K`
-makes rank 1's loss NaN at step K once, `--crash-at K` kills rank 1 at step K once, `--startup-delay S`
-starts every rank S seconds late (faults.py: a marker file in the job's checkpoint folder keeps a relaunch
-from doing it again). The last line printed is JSON: the steps trained, whether the weights are finite
-and the step times.
+makes rank 1's loss NaN at step K once, `--crash-at K` kills rank 1 at step K once (faults.py: a marker
+file in the job's checkpoint folder keeps a relaunch from doing it again), `--startup-delay S` starts every
+rank of a relaunch S seconds late. The last line printed is JSON: the steps trained, whether the weights
+are finite and the step times.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
 
 Lightning starts no process here: it joins the ranks the launcher started (`trainer_args()`). The data is
 random tokens: nothing is downloaded. `--nan-at K` makes rank 1's loss NaN at step K once, `--crash-at K`
-kills rank 1 at step K once, `--startup-delay S` starts every rank S seconds late (faults.py: a marker file
-in the job's checkpoint folder keeps a relaunch from doing it again). The last line printed is JSON.
+kills rank 1 at step K once (faults.py: a marker file in the job's checkpoint folder keeps a relaunch from
+doing it again), `--startup-delay S` starts every rank of a relaunch S seconds late. The last line printed
+is JSON.
 """
 
 from __future__ import annotations

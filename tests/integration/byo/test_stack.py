@@ -2,8 +2,8 @@
 telemetry, guardian and a worker in one process; real NATS and Postgres), its own program started from a
 code root with a NaN on rank 1 at a known step: the guardian names rank 1, the job recovers (the Trainer
 and Lightning by a relaunch from the checkpoint, DeepSpeed and DDP loops in place) and succeeds, and
-every step is stored once. And each of the four integrations crashed once mid-run, slow to start on every
-attempt: relaunched from its checkpoint, it succeeds (issue 39)."""
+every step is stored once. And each of the four integrations crashed once mid-run, its relaunch slow to
+start: relaunched from its checkpoint, it succeeds (issue 39)."""
 
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ STARTUP_DELAY_S = 8.0
     "example", ["hf_trainer", "hf_deepspeed", "lightning_ddp", "deepspeed_loop", "ddp_loop"]
 )
 async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stack, example: str):
-    # the HF Trainer, which survives a NaN only by a relaunch from its checkpoint, starts slowly on every
-    # attempt, as a large model's program does: the relaunch's start-up is no hang (issue 39)
+    # the HF Trainer, which survives a NaN only by a relaunch from its checkpoint, starts its relaunch
+    # slowly, as a large model's program does: the relaunch's start-up is no hang (issue 39)
     delay = STARTUP_DELAY_S if example == "hf_trainer" else None
     run = await train(stack, example_spec(example, startup_delay=delay), timeout_s=420)
     states = [e.to_state for e in run.of(JobStateChanged)]
@@ -162,7 +162,7 @@ async def test_a_nan_on_the_very_last_step_of_a_user_program_succeeds(stack: Sta
 async def test_an_example_crashed_once_mid_run_and_slow_to_start_is_relaunched_and_succeeds(
     stack: Stack, example: str
 ):
-    """Rank 1 dies at step CRASH_AT (exit code 17), and every rank of every attempt takes STARTUP_DELAY_S
+    """Rank 1 dies at step CRASH_AT (exit code 17), and every rank of the relaunch takes STARTUP_DELAY_S
     before it starts (the imports and loads of a large model). The scheduler relaunches the job from the
     checkpoint of step 8; the guardian judges the relaunch's start-up against the start-up limit, not the
     attempt before's step times; the job trains to the end and SUCCEEDS, with no hang incident."""
