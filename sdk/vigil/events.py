@@ -34,7 +34,7 @@ from pydantic import (
 from vigil.errors import MalformedMessage
 from vigil.jobstates import TERMINAL_STATES as TERMINAL_STATES  # re-exported for older importers
 from vigil.jobstates import JobState
-from vigil.spec import JobSpec
+from vigil.spec import GuardianSpec, JobSpec
 
 IncidentKind = Literal[
     "nan",
@@ -555,6 +555,24 @@ class JobStateChanged(Message):
     cause: str
 
 
+SettingValue = bool | int | float | str | None  # a value of a `guardian:` field
+
+
+class GuardianSettingsChanged(Message):
+    """A job's guardian settings were changed while it runs (`PATCH /api/v1/jobs/{id}/guardian`), by the
+    control plane only (`status(job, CONTROL)`). The guardian judges the job's steps stored after this
+    event under `settings`, and every later attempt's launch carries them (the job's spec holds them)."""
+
+    type: Literal["job.guardian_settings_changed"] = "job.guardian_settings_changed"
+    schema_version: Literal[1] = 1
+    revision: int = Field(ge=1, le=MAX_INT4, description="the job's changes so far, this one included")
+    settings: GuardianSpec = Field(description="the whole `guardian:` section in effect from now on")
+    changed: dict[Annotated[str, StringConstraints(max_length=64)], SettingValue] = Field(
+        max_length=len(GuardianSpec.model_fields), description="what this change set: field -> new value"
+    )
+    by: Name = Field(description="who asked: the audit record's actor (`user:<name>`, `token:<digest>`)")
+
+
 # --- job: commands -------------------------------------------------------------------------------------
 
 
@@ -745,6 +763,7 @@ EVENT_CLASSES: tuple[type[Message], ...] = (
     DeviceDiagnosed,
     StacksDumped,
     JobStateChanged,
+    GuardianSettingsChanged,
     HaltJob,
     RollbackJob,
     RollbackJobV1,
@@ -783,6 +802,7 @@ StatusEvent = (
     | DeviceDiagnosed
     | StacksDumped
     | JobStateChanged
+    | GuardianSettingsChanged
 )
 # `vigil.job.<job>.cmd`: commands about a running job (the scheduler's input from the guardian and tools).
 JobCommand = (

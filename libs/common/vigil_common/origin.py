@@ -22,6 +22,7 @@ from vigil.errors import MalformedMessage
 from vigil.events import (
     CheckpointRefused,
     CheckpointSaved,
+    GuardianSettingsChanged,
     JobStateChanged,
     LaunchJob,
     Message,
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # What only the control plane says (on `status(job, CONTROL)`); everything else on a job's status and
 # step subjects comes from a node that runs the job.
-CONTROL_EVENTS: tuple[type[Message], ...] = (JobStateChanged,)
+CONTROL_EVENTS: tuple[type[Message], ...] = (JobStateChanged, GuardianSettingsChanged)
 
 _STEP = re.compile(r"^step_[0-9]{8,}$")
 STEP_VERDICTS_MAX = 65_536  # remembered per attempt (a job's ranks, and what forgers tried)

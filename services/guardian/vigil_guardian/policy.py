@@ -81,6 +81,8 @@ class Policy:
     default spec, and its incidents are alerts)."""
 
     spec: GuardianSpec = field(default_factory=GuardianSpec)
+    # The spec as changed at run time (`state.Retuned.evidence`): each incident says so.
+    retuned: dict[str, Any] | None = None
 
     def action_for(self, kind: str) -> Action:
         return getattr(self.spec, kind) if kind in GuardianSpec.model_fields else "alert"
@@ -110,6 +112,8 @@ class Policy:
         spec = self.spec
         action = self.action_for(verdict.kind) if job_id else "alert"
         evidence: dict[str, Any] = dict(verdict.evidence)
+        if self.retuned is not None:
+            evidence["guardian_settings"] = self.retuned
         reason = verdict.message
         commands: list[Command] = []
         anomaly = verdict.step if anomaly_step is None else anomaly_step

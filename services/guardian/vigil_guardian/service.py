@@ -426,6 +426,7 @@ class GuardianService:
             await store.save(
                 self.pool,
                 jobs=rows,
+                applied=[a for job_id, snap, _ in rows if (a := self._newly_applied(job_id, snap))],
                 incidents=incidents,
                 devices=levels,
                 cursor=(cursor_key(self.share), cursor) if cursor else None,
@@ -439,6 +440,14 @@ class GuardianService:
                     self._saved[job_id] = snap
             if levels is not None:
                 self._devices = levels
+
+    def _newly_applied(self, job_id: str, snap: dict) -> tuple[str, int, int] | None:
+        """(job, revision, step) when the snapshot is the first to say from which step the job's latest
+        settings change applies (`state.Retuned`): recorded with it, for the console's curve."""
+        now, before = snap.get("retuned"), (self._saved.get(job_id) or {}).get("retuned")
+        if now is None or now["from_step"] is None or now == before:
+            return None
+        return job_id, now["revision"], now["from_step"]
 
     async def hang_loop(self, stop: asyncio.Event) -> None:
         """Check for hangs on a timer, once the input has caught up (before that, the last steps

@@ -30,6 +30,20 @@ class Recovering:
 
 
 @dataclass
+class Retuned:
+    """The job's latest runtime change of its guardian settings (`GuardianSettingsChanged`): in effect
+    from the first step judged after it, `from_step` (None until one is)."""
+
+    revision: int
+    changed: dict[str, Any]
+    from_step: int | None = None
+
+    def evidence(self) -> dict[str, Any]:
+        """What an incident judged under it says of it."""
+        return {"revision": self.revision, "from_step": self.from_step, "changed": self.changed}
+
+
+@dataclass
 class Control:
     """What the guardian knows of a job besides its detector windows."""
 
@@ -59,6 +73,7 @@ class Control:
     # which strike. A user program's replays only ask the worker to check the device (`replays.diagnose`).
     vouched: bool = False
     diagnoses: dict[str, tuple[int, int]] = field(default_factory=dict)  # "node:device" -> (attempt, step)
+    retuned: Retuned | None = None  # `spec` as changed at run time (None: the spec's own section)
 
     @property
     def terminal(self) -> bool:

@@ -1,6 +1,7 @@
 """The guardian's state in Postgres (migrations 0004, 0010, 0012, 0019): job control state, published
-incidents, sick devices, and how far in its input each share's state stands. A guardian loads one share at
-a time: the jobs whose `subjects.share_of` is that share.
+incidents, sick devices, and how far in its input each share's state stands; and (migration 0023) the step
+from which each runtime change of a job's settings applies, on the scheduler's record of the change. A
+guardian loads one share at a time: the jobs whose `subjects.share_of` is that share.
 
 Fencing: whoever takes a share's lock takes the share's next epoch (`take_epoch`), and every `save` of
 that share's state checks, in its transaction, that its epoch is still the newest; a holder that lost the
@@ -137,10 +138,12 @@ async def save(
     devices: dict[tuple[str, int], int] | None = None,
     cursor: tuple[str, int] | None = None,
     fence: Fence | None = None,
+    applied: Sequence[tuple[str, int, int]] = (),
 ) -> None:
-    """Write job snapshots (job_id, snapshot, terminal), incidents published, device levels and the
-    input (stream, sequence) they stand at, in one go; with `fence`, only while its epoch is the share's
-    newest (else `Fenced`, and nothing is written)."""
+    """Write job snapshots (job_id, snapshot, terminal), incidents published, device levels, the steps
+    settings changes apply from (job_id, revision, step) and the input (stream, sequence) they stand at,
+    in one go; with `fence`, only while its epoch is the share's newest (else `Fenced`, and nothing is
+    written)."""
     async with pool.acquire() as conn, conn.transaction():
         if fence is not None:  # FOR SHARE: a successor's epoch waits until this commits
             newest = await conn.fetchval(
@@ -164,6 +167,12 @@ async def save(
                     (job_id, json.dumps(snap), terminal, subjects.share_of(job_id))
                     for job_id, snap, terminal in jobs
                 ],
+            )
+        if applied:  # the first judged step says it: a later save (a re-feed, a hand-over) keeps it
+            await conn.executemany(
+                """UPDATE guardian_settings_changes SET from_step = $3, applied_at = now()
+                   WHERE job_id = $1 AND revision = $2 AND from_step IS NULL""",
+                applied,
             )
         if incidents:
             await conn.executemany(

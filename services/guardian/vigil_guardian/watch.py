@@ -28,6 +28,7 @@ from vigil.events import (
     CheckpointSaved,
     DeviceDiagnosed,
     DumpStacks,
+    GuardianSettingsChanged,
     JobStateChanged,
     LaunchJob,
     Message,
@@ -59,7 +60,7 @@ from vigil_guardian.policy import (
 from vigil_guardian.rank_exit import rank_exit
 from vigil_guardian.replays import diagnose, diagnosis_verdict, strike
 from vigil_guardian.stacks import explained
-from vigil_guardian.state import Control, Recovering
+from vigil_guardian.state import Control, Recovering, Retuned
 from vigil_guardian.verdict import Verdict
 from vigil_guardian.windows import Windows
 
@@ -127,7 +128,9 @@ class JobWatch:
         c = self.control
         if not self._current(event):
             return
-        if event.spec.guardian != c.spec:
+        # Settings changed at run time stay: a later launch carries them (the scheduler changed the job's
+        # spec with them), and one stored before the change was built without them.
+        if event.spec.guardian != c.spec and c.retuned is None:
             c.spec = event.spec.guardian
             self.windows.resize(c.spec)
         c.placement = {p.rank: (p.node, p.device) for p in event.placement}
@@ -163,6 +166,8 @@ class JobWatch:
         c.running_since = c.running_since or event.occurred_at.timestamp()
         self.hang_raised = False
         self._started_up(event)
+        if c.retuned is not None and c.retuned.from_step is None and not quiet:
+            c.retuned.from_step = event.step  # the first step judged under the changed settings
         out = []
         for v in self.windows.observe(event, c.world_size, c.nodes):
             if c.recovering is not None:
@@ -205,6 +210,9 @@ class JobWatch:
                 return []
             case JobStateChanged():
                 return self._on_state(event, now)
+            case GuardianSettingsChanged():
+                self._retune(event)  # the job's, whatever its attempt
+                return []
             case _ if not self._current(event):
                 return []
             case RankStarted():
@@ -236,6 +244,14 @@ class JobWatch:
                 return []  # the scheduler relaunches the ranks: the next attempt's events start anew
             case _:
                 assert_never(event)
+
+    def _retune(self, event: GuardianSettingsChanged) -> None:
+        """Judge the steps from here on under the changed settings (a change already seen: nothing)."""
+        c = self.control
+        if c.retuned is not None and event.revision <= c.retuned.revision:
+            return
+        c.spec, c.retuned = event.settings, Retuned(event.revision, dict(event.changed))
+        self.windows.resize(c.spec)
 
     def _on_replayed(self, event: StepReplayed, now: datetime) -> list[Decision]:
         """The ranks held a step and replayed it: the incident, and for a transient fault a strike on each
@@ -398,7 +414,7 @@ class JobWatch:
         id, when not the one of `key` and the verdict's place)."""
         c = self.control
         iid = iid or incident_id(self.job_id, c.attempt, c.generation, v.kind, key, v.rank, v.node, v.device)
-        d = Policy(c.spec).decide(
+        d = Policy(c.spec, c.retuned.evidence() if c.retuned else None).decide(
             v,
             iid=iid,
             job_id=self.job_id,

@@ -23,6 +23,7 @@ from vigil.events import (
     DeviceDiagnosed,
     DiagnoseDevice,
     DumpStacks,
+    GuardianSettingsChanged,
     HaltJob,
     IncidentRaised,
     JobCommand,
@@ -119,7 +120,7 @@ class Handlers:
                 await self._checkpoint_refused(status)
             case DeviceDiagnosed():
                 await self._device_diagnosed(status)
-            case JobStateChanged():
+            case JobStateChanged() | GuardianSettingsChanged():
                 pass  # our own, or history
             case OutOfMemoryHalted() | StepReplayed() | ReportRefused() | StacksDumped():
                 pass  # the guardian's to judge: its incident or command comes back here if it acts

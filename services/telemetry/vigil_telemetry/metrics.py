@@ -23,6 +23,7 @@ from vigil.events import (
     CheckpointSaved,
     DeviceDiagnosed,
     GpuSampled,
+    GuardianSettingsChanged,
     IncidentRaised,
     JobStateChanged,
     LaunchJob,
@@ -160,6 +161,7 @@ class Registry:
                     | CheckpointRefused()
                     | DeviceDiagnosed()
                     | StacksDumped()
+                    | GuardianSettingsChanged()
                 ):
                     pass  # stored, counted by `vigil_telemetry_events_total` only
                 case _:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vigil import events as ev
-from vigil.spec import JobSpec
+from vigil.spec import GuardianSpec, JobSpec
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
 BASE: dict[str, Any] = {"event_id": "0123456789abcdef0123456789abcdef", "occurred_at": T0}
@@ -114,6 +114,13 @@ SAMPLES: dict[type[ev.Message], ev.Message] = {
     ),
     ev.JobStateChanged: ev.JobStateChanged(
         **JOB, from_state="RUNNING", to_state="HALTED", cause="nan at step 12"
+    ),
+    ev.GuardianSettingsChanged: ev.GuardianSettingsChanged(
+        **JOB,
+        revision=1,
+        settings=GuardianSpec(spike_zscore=4.0, spike="halt"),
+        changed={"spike_zscore": 4.0, "spike": "halt"},
+        by="user:alice",
     ),
     ev.HaltJob: ev.HaltJob(**JOB, reason="nan at step 12", incident_id="i1"),
     ev.RollbackJobV1: ev.RollbackJobV1(

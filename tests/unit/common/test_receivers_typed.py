@@ -26,8 +26,8 @@ FORGETFUL = """
 from typing import assert_never
 
 from vigil.events import (
-    CheckpointRefused, CheckpointSaved, DeviceDiagnosed, IncidentRaised, JobStateChanged, OutOfMemoryHalted,
-    RankExited, RanksHalted, RankStarted, ReportRefused, RollbackCompleted, StacksDumped, StatusEvent,
+    CheckpointRefused, CheckpointSaved, DeviceDiagnosed, GuardianSettingsChanged, IncidentRaised,
+    JobStateChanged, OutOfMemoryHalted, RankExited, RanksHalted, RankStarted, ReportRefused, RollbackCompleted, StacksDumped, StatusEvent,
     StepReplayed,
 )
 
@@ -37,7 +37,7 @@ def status(event: StatusEvent) -> None:
         case (
             RankStarted() | RankExited() | CheckpointSaved() | RanksHalted() | RollbackCompleted()
             | OutOfMemoryHalted() | StepReplayed() | ReportRefused() | CheckpointRefused()
-            | DeviceDiagnosed() | StacksDumped() | JobStateChanged()
+            | DeviceDiagnosed() | StacksDumped() | JobStateChanged() | GuardianSettingsChanged()
         ):
             pass
         case _:

@@ -57,6 +57,10 @@ EXPECTED: dict[type, tuple[list[tuple[str, str]], Check]] = {
     ev.DeviceDiagnosed: ([("sdc", "alert")], lambda g: True),
     ev.StacksDumped: ([], lambda g: watch(g).stack_wait is None),  # no hang asked for it: dropped
     ev.JobStateChanged: ([], lambda g: watch(g).control.state == JobState.HALTED),
+    ev.GuardianSettingsChanged: (
+        [],
+        lambda g: watch(g).control.spec.spike_zscore == 4.0 and watch(g).control.retuned is not None,
+    ),
     ev.GpuSampled: ([], lambda g: ("n1", 0) in g.devices.health),
 }
 
