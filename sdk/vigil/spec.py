@@ -280,6 +280,32 @@ class EntrypointSpec(StrictModel):
         description="where it runs, under a code root (VIGIL_CODE_ROOTS); null: the root",
     )
     env: dict[str, str] = Field(default_factory=dict, max_length=256, description="extra environment")
+    code: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the SHA-256 of the code package every attempt runs (`vigil submit --code DIR` sets "
+        "it; `workdir` is then a folder inside it); null: code already on the nodes (VIGIL_CODE_ROOTS)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _no_code(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without a code package the entrypoint serialises as before the field existed (older workers
+        refuse unknown fields)."""
+        data = handler(self)
+        if data.get("code", 0) is None:
+            del data["code"]
+        return data
+
+    @model_validator(mode="after")
+    def _workdir_in_pack(self) -> EntrypointSpec:
+        if self.code is not None and self.workdir is not None:
+            parts = self.workdir.split("/")
+            if self.workdir.startswith("/") or ".." in parts:
+                raise FieldError(
+                    "entrypoint.workdir",
+                    "with a code package, entrypoint.workdir is a folder inside it (relative, no '..')",
+                )
+        return self
 
     @field_validator("argv")
     @classmethod

@@ -4,11 +4,14 @@ Roles (what the NATS server enforces, statically, from the `authorization` block
 
 | role | publishes | cannot |
 | --- | --- | --- |
-| `scheduler` | launch, `_control` status, cmd, incidents, pings; creates streams | node step/status |
+| `scheduler` | launch, `_control` status, cmd, incidents, pings, code; makes streams | node step/status |
 | `guardian` | cmd, incidents | launch, status, step, node events |
 | `telemetry` | nothing but dead letters (read only) | any event, any command |
 | `worker-<node>` | its heartbeat, gpu, any job's step/status; answers its ping | cmd, launch, incidents |
 | `admin` | everything (`vigil up` itself, the CLI, benches) | |
+
+Code packages (`subjects.CODE`, an Object Store bucket): the scheduler puts, reads and deletes them, a
+worker reads them (`buckets_read`, `buckets_written`).
 
 JetStream: every role reads stream state, never changes, deletes or purges a stream (the scheduler
 creates and updates them). A role creates, updates, reads, pulls from, acknowledges and deletes only
@@ -132,6 +135,21 @@ def watched(role: str) -> tuple[str, ...]:
     return ()
 
 
+def buckets_read(role: str) -> tuple[subjects.BucketSpec, ...]:
+    """The Object Store buckets `role` reads (object by object, `Bus.get_object`): the scheduler (the
+    gateway's downloads) and every worker (the code packages of the jobs it runs) read code packages."""
+    return (subjects.CODE,) if role == SCHEDULER or _is_worker(role) else ()
+
+
+def buckets_written(role: str) -> tuple[str, ...]:
+    """What `role` publishes to put and delete objects: the scheduler, code packages (the gateway's
+    uploads, the sweep's deletions): their chunks and metadata, and the purge of one object's chunks in
+    the bucket's own stream (no other stream's)."""
+    if role != SCHEDULER:
+        return ()
+    return (subjects.CODE.all_subjects, f"$JS.API.STREAM.PURGE.{subjects.CODE.stream}")
+
+
 def inbox_prefix(user: str | None) -> str:
     """The inbox prefix of a connection as `user` (`Bus.connect`): `_INBOX_<role>` for one of Vigil's
     roles, which only that role may subscribe below (no other credential reads its JetStream deliveries
@@ -188,11 +206,13 @@ def permissions(role: str) -> dict[str, object]:
             f"$JS.ACK.{stream}.{name}.>",
         ]
     dead_letters = (subjects.ALL_DEAD_LETTERS,) if owned else ()  # what its consumers terminate
+    publish = (*publish, *buckets_written(role))
     watches = watched(role)
     # Stored messages it reads one by one: what it watches, and the launches its origin checks read.
     streams = {subjects.stream_for(s).name for s in watches}
     if role in SERVICE_ROLES:
         streams.add(subjects.JOBS.name)
+    streams.update(bucket.stream for bucket in buckets_read(role))
     reads = [f"$JS.API.STREAM.MSG.GET.{name}" for name in sorted(streams)]
     granted: dict[str, object] = {
         "publish": {"allow": [*publish, *dead_letters, *_JS_READ, *reads, *owned]},

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from vigil.access import DEFAULT_DATA_DIR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, MIN_TOKEN_LENGTH
+from vigil.codepack import DEFAULT_MAX_MB as DEFAULT_CODE_MAX_MB
 from vigil.errors import ConfigError
 
 _NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -52,6 +53,12 @@ class Settings(BaseSettings):
     code_roots: list[Path] = Field(
         default_factory=list,
         description="folders a spec's entrypoint.workdir may name (JSON list); empty: <data dir>/code",
+    )
+    code_max_mb: float = Field(
+        DEFAULT_CODE_MAX_MB,
+        gt=0,
+        le=10_000,
+        description="largest code package (`vigil submit --code`): its files' bytes, in MB",
     )
     http_host: str = Field(DEFAULT_HTTP_HOST, description="the gateway's address")
     http_port: int = Field(DEFAULT_HTTP_PORT, ge=0, le=65535, description="the gateway's port")

@@ -11,6 +11,7 @@ event came from and checks it against the job's placement (`vigil_common.origin`
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import dataclass, field
 
@@ -339,6 +340,47 @@ DEAD_LETTERS = StreamSpec(
 )
 
 STREAMS: tuple[StreamSpec, ...] = (NODES, JOBS, COMMANDS, INCIDENTS, DEAD_LETTERS)
+
+
+# --- object store buckets -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A JetStream Object Store bucket: a stream `OBJ_<name>` of chunks (`$O.<name>.C.<nuid>`) and of one
+    metadata message per object (`$O.<name>.M.<base64url(object name)>`), nats-py's and the server's
+    layout. Made at its first put (`Bus.put_object`), kept on the streams' replicas."""
+
+    name: str
+    max_bytes: int
+    description: str = ""
+
+    @property
+    def stream(self) -> str:
+        return f"OBJ_{self.name}"
+
+    def meta(self, obj: str) -> str:
+        """The subject of an object's metadata (its last message is the object's current state)."""
+        return f"$O.{self.name}.M.{base64.urlsafe_b64encode(obj.encode()).decode()}"
+
+    def chunks(self, nuid: str) -> str:
+        """The subject of one stored version's chunks (`nuid`: the object's metadata names it)."""
+        return f"$O.{self.name}.C.{token(nuid, 'object nuid')}"
+
+    @property
+    def all_subjects(self) -> str:
+        return f"$O.{self.name}.>"
+
+
+# Code packages by SHA-256 (`vigil.codepack`): uploaded through the gateway (the scheduler puts them), read
+# by each worker that runs a job of one. No age limit: a pack is kept while a job that runs it is kept
+# (`vigil_scheduler.code_packs.sweep` deletes the others); a full bucket refuses new packs.
+CODE = BucketSpec(
+    name="VIGIL_CODE",
+    max_bytes=50 * _GIB,
+    description="code packages (vigil submit --code), one object per SHA-256",
+)
+BUCKETS: tuple[BucketSpec, ...] = (CODE,)
 
 
 def stream_for(subject: str) -> StreamSpec:

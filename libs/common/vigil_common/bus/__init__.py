@@ -12,6 +12,7 @@
   the CLI, SSE and the ranks' commands; `scan`: stored messages since a time, through a named consumer;
   `listen`: what is published from now on (core NATS, nothing stored); `presence`: whether a process
   (a node's worker) is still connected, by a request its server answers "no responders" once it is not.
+- `objects`: objects of the Object Store buckets (code packages), put, read chunk by chunk, deleted.
 - `decoding`: only the types a subject carries, from the stream that stores it, from an admitted origin.
 
 Import what a caller needs from here: `from vigil_common.bus import Bus, ConsumerSpec, Delivery`.
@@ -31,6 +32,7 @@ from vigil_common.bus.deliveries import (
     not_delivered_by,
 )
 from vigil_common.bus.listen import Listening
+from vigil_common.bus.objects import Objects
 from vigil_common.bus.presence import Presence, Presences
 from vigil_common.bus.scan import Scanning
 from vigil_common.bus.streams import Stored
@@ -53,6 +55,6 @@ __all__ = [
 ]
 
 
-class Bus(Consumers, Watching, Scanning, Listening, Presences):
+class Bus(Consumers, Watching, Scanning, Listening, Presences, Objects):
     """A connected NATS client with JetStream. Build with `await Bus.connect(url, name)`; close with
     `await bus.close()` (or `async with`)."""
