@@ -26,10 +26,21 @@ from vigil_common import subjects, tracing
 from vigil_common.bus import Presence
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
-from vigil_scheduler import admission, audit, inventory, lifecycle, outbox, quotas, recovery, states
+from vigil_scheduler import (
+    admission,
+    audit,
+    fairshare,
+    inventory,
+    lifecycle,
+    outbox,
+    quotas,
+    recovery,
+    states,
+)
 from vigil_scheduler import idempotency as idempotency_keys
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.outbox import Relay
+from vigil_scheduler.pacing import Pacing
 from vigil_scheduler.placement import Placement, grow, plan
 from vigil_scheduler.preempting import preempt_for
 from vigil_scheduler.principals import Principal
@@ -67,6 +78,7 @@ class Scheduler:
         self.presence = presence  # is a node's worker still connected? (`Bus.presence` of its ping)
         self.tracer = tracing.tracer(provider, "vigil.scheduler")
         self._placement_wanted = asyncio.Event()
+        self._usage = fairshare.UsageCache()  # the teams' usage, read by one pass, reused by the next few
         self._rng = random.Random()
         self.started_at: datetime | None = None
         self.active = False  # this process holds the scheduling lock (`vigil_common.lease`)
@@ -178,15 +190,15 @@ class Scheduler:
             jobs = {job.id: job for job in map(Job.from_row, rows)}
             snapshot = await inventory.load_inventory(conn)
             strict = self.settings.queue_policy == "strict"  # priority then submission, nothing else
-            facts = (
-                STRICT if strict else await load_inputs(conn, self.settings, (j.team for j in jobs.values()))
-            )
+            teams = (j.team for j in jobs.values())
+            facts = STRICT if strict else await load_inputs(conn, self.settings, teams, cache=self._usage)
             requests = [
                 facts.request(request_of(job, job.previous_placement), job.spec) for job in jobs.values()
             ]
             ledger = quotas.Ledger(await self.load_quotas(conn), await holdings(conn))
             backfill = facts.backfill()  # out: backfill.reservation, the blocked head job (or None)
-            placed, _ = plan(requests, snapshot, ledger, spares=self.settings.hot_spares, backfill=backfill)
+            spares = self.settings.hot_spares
+            placed, after = plan(requests, snapshot, ledger, spares=spares, backfill=backfill)
             await _note_waiting(conn, jobs, ledger.waiting)
             for placement in placed:
                 node = snapshot.node(placement.ranks[0].node)
@@ -196,7 +208,9 @@ class Scheduler:
             # share first (`preempting`): they exit, and a later pass places it first
             over = {team for team, standing in facts.standing.items() if standing.over_share}
             if not strict:
-                await preempt_for(conn, self.settings, requests, placed, ledger.waiting, over.__contains__)
+                await preempt_for(
+                    conn, self.settings, requests, placed, after, ledger.waiting, over.__contains__
+                )
             return placed
 
     async def whole_size_fits(self, conn: asyncpg.Connection, job: Job) -> Placement | None:
@@ -282,15 +296,23 @@ class Scheduler:
             if port not in used:
                 return port
 
-    async def placement_loop(self, stop: asyncio.Event, poll_s: float = 2.0) -> None:
-        """Run a pass whenever something may have freed or added room, and every `poll_s` anyway."""
+    async def placement_loop(
+        self, stop: asyncio.Event, poll_s: float = 2.0, pacing: Pacing = Pacing()
+    ) -> None:
+        """Run a pass whenever something may have freed or added room, and every `poll_s` anyway. A pass asked
+        for right after another waits out `pacing`'s short gap, and serves every ask made meanwhile."""
+        clock = asyncio.get_running_loop().time
         while not stop.is_set():
             self._placement_wanted.clear()
+            started = clock()
             try:
                 await self.schedule_pass()
             except (Conflict, asyncpg.PostgresError, OSError) as exc:
                 log.warning("placement pass failed, retrying: %s", exc)
-            await wait_any(self._placement_wanted, stop, timeout_s=poll_s)
+            ended = clock()
+            asked = await wait_any(self._placement_wanted, stop, timeout_s=poll_s)
+            if asked and (delay := pacing.delay(clock(), started, ended)) > 0:
+                await wait_any(stop, timeout_s=delay)  # the asks until then join this pass
 
     # --- failure detection ----------------------------------------------------------------------------
 

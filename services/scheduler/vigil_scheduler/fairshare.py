@@ -10,6 +10,10 @@ first (`placement.queue_order`); quotas stay hard limits on top (`quotas`).
 
 `Standing.over_share` says a team used more than its share; `borrowed` says how many of the devices a team
 holds now are beyond its share of the cluster (what a preemption takes back first).
+
+`UsageCache` keeps the usage read for a placement pass a few seconds (`USAGE_TTL_S`), so that passes under
+a stream of events do not each read every attempt's history; a running attempt's use is open-ended, so a
+kept answer still counts it up to each pass's own clock.
 """
 
 from __future__ import annotations
@@ -20,16 +24,41 @@ from dataclasses import dataclass
 
 Team = str | None  # None: jobs of users without a team, one group of their own
 DEFAULT_SHARE = 1.0
+# How long a placement pass reuses the usage read by an earlier one (seconds of the caller's clock). Usage
+# decays over hours: a few seconds' staleness is the attempts that started or ended meanwhile.
+USAGE_TTL_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
 class Use:
-    """`devices` held by one of `team`'s attempts from `start` to `end` (seconds since the epoch)."""
+    """`devices` held by one of `team`'s attempts from `start` to `end` (seconds since the epoch; infinite
+    while the attempt still holds them)."""
 
     team: Team
     devices: int
     start: float
     end: float
+
+
+@dataclass(slots=True)
+class UsageCache:
+    """The uses read at one time, reused until `ttl_s` later. The clock is the caller's (a pass's `now`):
+    a use still running has an infinite `end`, which `decayed_gpu_hours` counts up to each later `now`."""
+
+    ttl_s: float = USAGE_TTL_S
+    _uses: tuple[Use, ...] | None = None
+    _read_at: float = 0.0
+
+    def get(self, now: float) -> tuple[Use, ...] | None:
+        """The uses kept, unless none are, they are `ttl_s` old, or `now` is before their reading."""
+        if self._uses is None or not self._read_at <= now < self._read_at + self.ttl_s:
+            return None
+        return self._uses
+
+    def put(self, now: float, uses: Iterable[Use]) -> tuple[Use, ...]:
+        """Keep `uses`, read at `now`; returns them."""
+        self._uses, self._read_at = tuple(uses), now
+        return self._uses
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from vigil.events import IncidentRaised, PreemptJob, StopKind
 from vigil.jobstates import JobState
 from vigil_common import subjects
 from vigil_common.settings import Settings
-from vigil_scheduler import audit, inventory, lifecycle, outbox
+from vigil_scheduler import audit, lifecycle, outbox
 from vigil_scheduler.lifecycle import Job
 from vigil_scheduler.placement import Inventory, Placement, PlacementRequest, fits_ever, place, queue_order
 from vigil_scheduler.preemption import Running, choose, freed, preemptible
@@ -115,23 +115,24 @@ async def preempt_for(
     settings: Settings,
     queue: Iterable[PlacementRequest],
     placed: Iterable[Placement],
+    snapshot: Inventory,
     held_back: Mapping[str, str] | None = None,
     over_share: Callable[[str | None], bool] | None = None,
 ) -> list[str]:
     """The placement pass's preemption, after `plan` placed `placed` (and launched them, in this
     transaction, which holds the placement lock): the first queued job in the queue's order that is left
     unplaced, not `held_back` by a quota and fits the healthy cluster stops the victims `preemption.choose`
-    names. `over_share(team)`: a team
-    holding more than its fair share (its jobs are taken first); None: none is. The victims' ids."""
+    names. `snapshot`: the inventory with this pass's placements (`plan` returns it; their devices are
+    claimed in this transaction). `over_share(team)`: a team holding more than its fair share (its jobs are
+    taken first); None: none is. The victims' ids."""
     done = {p.job_id for p in placed}
     waiting = held_back or {}
-    snapshot = await inventory.load_inventory(conn)  # with this pass's placements
     # in the queue's own order (priority, fair share, submission); a job the healthy cluster can never
     # hold frees nothing by preempting, and does not keep the next one from it
-    left = [r for r in queue if r.job_id not in done and r.job_id not in waiting and fits_ever(r, snapshot)]
-    if not left:
+    left = (r for r in sorted(queue, key=queue_order) if r.job_id not in done and r.job_id not in waiting)
+    blocked = next((r for r in left if fits_ever(r, snapshot)), None)
+    if blocked is None:
         return []
-    blocked = min(left, key=queue_order)
     rows = await conn.fetch(
         """SELECT j.id, j.priority, j.team, j.state, j.spec->'scheduling'->'preemptible' AS preemptible,
                   s.job_id IS NOT NULL AS stopping,

@@ -6,7 +6,6 @@ standings (`fairshare`), the quotas and what each job holds (`quotas`); and the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -86,17 +85,24 @@ async def load_inputs(
     waiting_teams: Iterable[str | None],
     *,
     always_share: bool = False,
+    cache: fairshare.UsageCache | None = None,
 ) -> Inputs:
     """The clock, the running jobs and the standings of the teams with usage, a job waiting or a job running.
     While one team alone waits and runs, the fair share decides nothing (no order among teams, nobody
-    borrowing): its usage query is skipped (no standings) unless `always_share` (the queue's readers)."""
+    borrowing): its usage query is skipped (no standings) unless `always_share` (the queue's readers).
+    `cache`: the usage read by an earlier pass, reused while it is fresh (`fairshare.UsageCache`)."""
     now = float(await conn.fetchval("SELECT extract(epoch FROM now())"))
     jobs = await running(conn, settings.time_limit_default_s, settings.preemption_grace_s)
     teams = {*waiting_teams, *(team for team, _ in jobs)}
     standing: dict[fairshare.Team, fairshare.Standing] = {}
     if always_share or len(teams) > 1:
         half_life_h = settings.fairshare_half_life_h
-        hours = fairshare.decayed_gpu_hours(await usage(conn, half_life_h), now, half_life_h)
+        uses = cache.get(now) if cache is not None else None
+        if uses is None:
+            uses = await usage(conn, half_life_h)
+            if cache is not None:
+                cache.put(now, uses)
+        hours = fairshare.decayed_gpu_hours(uses, now, half_life_h)
         standing = fairshare.standings(await shares(conn), hours, teams)
     return Inputs(now, tuple(r for _, r in jobs), standing, settings.time_limit_default_s)
 
@@ -109,7 +115,8 @@ async def running(
     (`time_limits.overdue`); before any rank started, its placement's. An attempt being stopped (preempted,
     or at its limit: `job_stops`) ends at the latest `grace_s` after its stop was asked for."""
     rows = await conn.fetch(
-        """SELECT j.id, j.team, j.spec, array_agg(d.node) AS nodes, array_agg(d.index) AS indices,
+        """SELECT j.id, j.team, (j.spec->'scheduling'->>'time_limit')::float8 AS time_limit,
+                  array_agg(d.node) AS nodes, array_agg(d.index) AS indices,
                   extract(epoch FROM coalesce(
                       (SELECT min(r.started_at) FROM job_ranks r
                         WHERE r.job_id = j.id AND r.attempt = j.attempt),
@@ -122,9 +129,8 @@ async def running(
            GROUP BY j.id, j.team, j.spec, j.attempt"""
     )
     out = []
-    for r in rows:
-        spec = json.loads(r["spec"]) if isinstance(r["spec"], str) else r["spec"]
-        limit = time_limit(spec, default_limit_s)
+    for r in rows:  # the spec's time limit read in the query: no spec parsed for each running job each pass
+        limit = r["time_limit"] if r["time_limit"] is not None else default_limit_s
         ends = None if limit is None or r["started"] is None else float(r["started"]) + limit
         if r["stopping"] is not None:
             stopped = float(r["stopping"]) + grace_s
@@ -136,13 +142,14 @@ async def running(
 
 async def usage(conn: asyncpg.Connection, half_life_h: float) -> list[fairshare.Use]:
     """The attempts that held devices within the decay's reach: each one's team, devices (its ranks), and
-    from its first rank's start to its last rank's exit (now for a running attempt; the attempt's last
-    transition where a rank's exit was never heard)."""
+    from its first rank's start to its last rank's exit (infinite for a running attempt, which
+    `fairshare.decayed_gpu_hours` counts up to its `now`; the attempt's last transition where a rank's exit
+    was never heard)."""
     rows = await conn.fetch(
         """SELECT j.team, count(*) AS devices, extract(epoch FROM min(r.started_at)) AS start,
                   extract(epoch FROM CASE
                       WHEN NOT bool_or(r.exited_at IS NULL) THEN max(r.exited_at)
-                      WHEN r.attempt = j.attempt AND j.finished_at IS NULL THEN now()
+                      WHEN r.attempt = j.attempt AND j.finished_at IS NULL THEN 'infinity'::timestamptz
                       ELSE (SELECT max(t.occurred_at) FROM job_transitions t
                              WHERE t.job_id = j.id AND t.attempt = r.attempt) END) AS stop
            FROM job_ranks r JOIN jobs j ON j.id = r.job_id

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from vigil_scheduler.fairshare import (
+    UsageCache,
     Use,
     borrowed,
     check_share,
@@ -62,3 +63,20 @@ def test_a_share_must_be_a_finite_number_above_zero(bad: object) -> None:
     with pytest.raises(ValueError, match="share must be a number > 0"):
         check_share(bad)  # type: ignore[arg-type]
     assert check_share(2) == 2.0
+
+
+def test_a_running_use_is_open_ended_and_counts_up_to_each_now() -> None:
+    running = [Use("a", 2, NOW - H, math.inf)]
+    assert decayed_gpu_hours(running, NOW, 1e6) == {"a": pytest.approx(2.0, rel=1e-4)}
+    assert decayed_gpu_hours(running, NOW + H, 1e6) == {"a": pytest.approx(4.0, rel=1e-4)}
+
+
+def test_the_usage_cache_serves_what_it_read_until_it_expires() -> None:
+    cache = UsageCache(ttl_s=5.0)
+    assert cache.get(NOW) is None  # nothing read yet
+    uses = cache.put(NOW, [Use("a", 1, NOW - H, math.inf)])
+    assert cache.get(NOW) == uses and cache.get(NOW + 4.9) == uses
+    assert cache.get(NOW + 5.0) is None  # expired: the next pass reads again
+    assert cache.get(NOW - 1.0) is None  # a clock behind the reading: not trusted
+    fresh = cache.put(NOW + 5.0, [])
+    assert cache.get(NOW + 6.0) == fresh == ()
