@@ -39,7 +39,7 @@ from vigil_common.bus import Bus, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.stack_frames import waits_in_collective
-from vigil_worker import exit_report, parked, tenancy
+from vigil_worker import code_pack, exit_report, parked, tenancy
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import prepare_ranks, warm_argv
@@ -129,14 +129,16 @@ class Worker:
         devices = {d.index for d in self.inventory.devices}
         user = self.tenancy.user_for(job)
         try:
+            await code_pack.unpack(self.bus, self.settings, launch)  # its code package, if it has one
             ranks = prepare_ranks(launch, self.settings, self.inventory.kind, self.relay.socket_path, user)
-        except SpecError as exc:  # the job's program may not run here: a permanent failure
+        except (SpecError, code_pack.Unavailable) as exc:  # the program may not run here: nothing runs
+            spec = isinstance(exc, SpecError)  # for good: the job fails; a pack not right: this attempt
             if not self.table.running(job):
                 self.tenancy.release(job)
             for p in launch.placement:
                 if p.node == self.node:
                     await self._publish_exit_without_start(
-                        launch, p.rank, str(exc), failure="spec", exit_code=EXIT_SPEC
+                        launch, p.rank, str(exc), "spec" if spec else "error", EXIT_SPEC if spec else None
                     )
             return
         if user is not None:
@@ -187,14 +189,9 @@ class Worker:
                 record = self.table.start(who, r.argv, r.env, cwd=r.cwd, enter=enter)
             log.info(
                 "started rank %d of %s attempt %d on device %d: pid %d, uid %s%s",
-                p.rank,
-                job,
-                launch.attempt,
-                p.device,
-                record.pid,
-                "the worker's" if user is None else user.uid,
-                " (warm)" if standby is not None else "",
-            )
+                p.rank, job, launch.attempt, p.device, record.pid,
+                "the worker's" if user is None else user.uid, " (warm)" if standby is not None else "",
+            )  # fmt: skip
             await self._rank_started(launch, p.rank, record.pid, r.log_path)
         if takers:  # parked ranks the launch did not take after all (their hand-over failed)
             await self.end_ranks(list(takers.values()))

@@ -4,7 +4,8 @@ A launch's run directory is `<data dir>/runs/<job>/attempt-<n>/`: the launch eve
 (what the built-in trainer reads) and each rank's exit file. Logs go to `<log dir>/<job>/`.
 
 A rank runs either the built-in GPT trainer (`python -m vigil_worker.trainer`, the default) or the
-job's own program (`entrypoint.argv`, in `entrypoint.workdir` under a code root). Either way its
+job's own program (`entrypoint.argv`, in `entrypoint.workdir` under a code root, or inside the attempt's
+copy of its code package, `code_pack`). Either way its
 command line is an argument list that no shell sees, and its environment is built from scratch:
 torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR,
 MASTER_PORT), what the SDK needs to reach this agent (`vigil.protocol`'s names, among them the
@@ -41,6 +42,7 @@ from vigil.errors import SpecError
 from vigil.events import LaunchJob, RankPlacement
 from vigil_common.confine import OutsideRoots, within
 from vigil_common.settings import Settings
+from vigil_worker.code_pack import code_dir
 from vigil_worker.tenancy import JobUser, job_dir, snapshot_dir
 from vigil_worker.trainer.park import PARK_ENV
 
@@ -131,9 +133,16 @@ def program(
                           "own (it is not root, or VIGIL_JOB_UIDS=off), so it runs no job's own program; "
                           "VIGIL_SHARED_TRUST=true runs them as the worker's user, every job and the worker "
                           "one trust domain"}])  # fmt: skip
-    roots = settings.allowed_code_roots
+    if entry.code is not None:  # unpacked by the agent before (`code_pack`): the attempt's own copy
+        if settings.rank_runtime != "process":
+            message = "code packages run on the process runtime only (VIGIL_RANK_RUNTIME=process)"
+            raise SpecError([{"field": "entrypoint.code", "message": message}])
+        roots = [code_dir(settings, str(launch.job_id), launch.attempt)]
+        setting = "the code package"
+    else:
+        roots, setting = settings.allowed_code_roots, "VIGIL_CODE_ROOTS"
     try:
-        cwd = within(entry.workdir or ".", roots, setting="VIGIL_CODE_ROOTS")
+        cwd = within(entry.workdir or ".", roots, setting=setting)
     except OutsideRoots as exc:
         raise SpecError([{"field": "entrypoint.workdir", "message": str(exc)}]) from exc
     if not cwd.is_dir():
