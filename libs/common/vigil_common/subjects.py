@@ -377,7 +377,7 @@ class BucketSpec:
 # (`vigil_scheduler.code_packs.sweep` deletes the others); a full bucket refuses new packs.
 CODE = BucketSpec(
     name="VIGIL_CODE",
-    max_bytes=50 * _GIB,
+    max_bytes=4 * _GIB,  # JetStream reserves it at creation, as the streams' limits
     description="code packages (vigil submit --code), one object per SHA-256",
 )
 BUCKETS: tuple[BucketSpec, ...] = (CODE,)
