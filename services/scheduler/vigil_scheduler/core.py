@@ -29,6 +29,7 @@ from vigil_common.settings import Settings
 from vigil_scheduler import (
     admission,
     audit,
+    code_packs,
     fairshare,
     inventory,
     lifecycle,
@@ -128,6 +129,7 @@ class Scheduler:
         ) as span:
             job_id = new_job_id()
             async with self.tx() as conn:
+                await code_packs.check_use(conn, spec, by)  # a code package of theirs or their team's
                 if idempotency is not None:
                     earlier = await idempotency_keys.claim(conn, by.actor, *idempotency, job_id)
                     if earlier is not None:

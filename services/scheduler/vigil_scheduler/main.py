@@ -22,7 +22,7 @@ from vigil_common.service import connect as service_connect
 from vigil_common.settings import Settings
 from vigil_common.token import ensure_token
 from vigil_common.waiting import unless_stopped
-from vigil_scheduler import users
+from vigil_scheduler import code_packs, users
 from vigil_scheduler.app import Deps, create_app
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.handlers import BUS_NAME, Handlers
@@ -107,6 +107,7 @@ async def _active(
             tasks.create_task(bus.consume(STATUS, handlers.status, until, admit=Origins(bus).admit))
             tasks.create_task(bus.consume(COMMANDS, handlers.commands, until))
             tasks.create_task(bus.consume(INCIDENTS, handlers.incidents, until))
+            tasks.create_task(code_packs.sweep_loop(scheduler.pool, bus, scheduler.settings, until))
     finally:
         scheduler.active = False
 
