@@ -75,7 +75,7 @@ def mfu(cuda: bool) -> Result:
     # 432 s there); the full bench, three pairs, is `vigil bench mfu`. The CPU half: fewer steps too.
     env = {"VIGIL_BENCH_MFU_PAIRS": "1", **os.environ}
     if not cuda:
-        env.update(VIGIL_BENCH_MFU_PAIRS="1", VIGIL_BENCH_MFU_STEPS="15")
+        env.update(VIGIL_BENCH_MFU_PAIRS="1", VIGIL_BENCH_MFU_STEPS="8")  # 5 warm-up + 3 measured
     got = _vigil(["bench", "mfu"], env, timeout=600)
     runs = {r["micro_batch"]: r for r in got["runs"]}
 
