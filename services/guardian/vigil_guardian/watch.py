@@ -172,9 +172,16 @@ class JobWatch:
         for v in self.windows.observe(event, c.world_size, c.nodes):
             if c.recovering is not None:
                 break  # the first verdict already stopped the job
+            if quiet and self._judged_before_retune(event):
+                continue  # re-fed under settings it was not judged by: no episode it never had
             if self._new_episode(v) and not quiet:
                 out.append(self.decide(v, now, data_position=event.data_position, key=v.step))
         return out
+
+    def _judged_before_retune(self, event: StepCompleted) -> bool:
+        """Was the step judged before the job's settings changed (so under others)?"""
+        r = self.control.retuned
+        return r is not None and (r.from_step is None or event.step < r.from_step)
 
     def _started_up(self, event: StepCompleted) -> None:
         """A rank's first step of the attempt ends its start-up; the last rank's ends the attempt's, whose

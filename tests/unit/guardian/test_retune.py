@@ -81,3 +81,20 @@ def test_a_quiet_step_does_not_say_where_the_change_applies() -> None:
     w.on_status(changed(spike_zscore=6.0), at(12))
     w.on_step(step(3, loss=wiggle(3)), at(3), quiet=True)
     assert w.control.retuned is not None and w.control.retuned.from_step is None
+
+
+def test_a_restart_does_not_count_a_spike_the_old_settings_let_pass_as_an_episode() -> None:
+    """The re-feed after a restart judges the steps before the change under the new settings: a spike they
+    let pass must not hold back (as its episode) the incident of one the new settings catch."""
+    w = running(20)
+    w.on_step(step(20, loss=3.0), at(20))  # let pass
+    w.on_status(changed(spike_zscore=6.0), at(21))
+    for k in range(21, 23):
+        w.on_step(step(k, loss=wiggle(k)), at(k))
+    restored = JobWatch(JOB, Control.restore(w.control.snapshot()))
+    for k in range(23):  # the re-feed: quiet
+        restored.on_step(step(k, loss=3.0 if k == 20 else wiggle(k)), at(k), quiet=True)
+    for k in range(23, 25):
+        assert restored.on_step(step(k, loss=wiggle(k)), at(k)) == []
+    (d,) = restored.on_step(step(25, loss=3.0), at(25))  # within 5 steps of step 20's spike
+    assert (d.incident.kind, d.incident.step) == ("spike", 25)
