@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from vigil_cli.guardian import set_settings
 from vigil_common import credentials
 from vigil_common.endpoints import resolve_urls
 from vigil_common.service import run_service
@@ -61,10 +62,15 @@ def register(group: click.Group) -> None:
         """Run the telemetry service: store steps, GPU samples, status and incidents; trace steps; metrics."""
         serve("vigil_telemetry.main")
 
-    @group.command("guardian")
-    def guardian() -> None:
-        """Run the guardian service: watch every step and GPU, raise incidents, halt and roll back."""
-        serve("vigil_guardian.main")
+    @group.group("guardian", invoke_without_command=True)
+    @click.pass_context
+    def guardian(ctx: click.Context) -> None:
+        """Run the guardian service: watch every step and GPU, raise incidents, halt and roll back.
+        `vigil guardian set JOB key=value ...` changes a running job's settings instead."""
+        if ctx.invoked_subcommand is None:
+            serve("vigil_guardian.main")
+
+    guardian.add_command(set_settings)
 
     @group.command("worker")
     @click.option("--node-name", help="overrides VIGIL_NODE_NAME")

@@ -434,7 +434,11 @@ def describe_errors(err: ValidationError) -> list[dict[str, str]]:
     out = []
     for e in err.errors(include_url=False):
         cause = (e.get("ctx") or {}).get("error")
-        prefix = [str(p) for p in e["loc"] if not (isinstance(p, str) and p in FAULT_KINDS)]
+        # a fault's kind is the tag pydantic puts in its location (faults.0.nan.step): not a field; the same
+        # word elsewhere is one (guardian.spike)
+        loc = e["loc"]
+        tag = 2 if loc[:1] == ("faults",) and len(loc) > 2 and loc[2] in FAULT_KINDS else None
+        prefix = [str(p) for i, p in enumerate(loc) if i != tag]
         loc = cause.field if isinstance(cause, FieldError) else ".".join(prefix)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":

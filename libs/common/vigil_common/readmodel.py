@@ -361,17 +361,23 @@ async def job_version(pool: asyncpg.Pool, job_id: str) -> str | None:
     """What a job's console page shows, as one string that changes whenever any of it does (None: no
     such job): the job's row (the scheduler sets `updated_at` on every change), its steps (the progress
     row's `revision`, which the telemetry writer bumps with every batch of the job's steps, buckets and
-    aggregates written in the same transaction), its status events (halts, rollbacks, checkpoints) and
-    its incidents. Index lookups only: cheap enough to ask every second."""
+    aggregates written in the same transaction), its status events (halts, rollbacks, checkpoints), its
+    incidents and the guardian settings changes the guardian has applied (migration 0023). Index lookups
+    only: cheap enough to ask every second."""
     row = await pool.fetchrow(
         """SELECT j.updated_at, p.revision,
                   (SELECT max(seq) FROM telemetry_status_events WHERE job_id = $1) AS status_seq,
-                  (SELECT max(seq) FROM telemetry_incidents WHERE job_id = $1) AS incident_seq
+                  (SELECT max(seq) FROM telemetry_incidents WHERE job_id = $1) AS incident_seq,
+                  (SELECT count(from_step) FROM guardian_settings_changes WHERE job_id = $1) AS applied
            FROM jobs j LEFT JOIN telemetry_job_progress p ON p.job_id = j.id WHERE j.id = $1""",
         job_id,
     )
     if row is None:
         return None
-    return "{}.{}.{}.{}".format(
-        row["updated_at"].timestamp(), row["revision"] or 0, row["status_seq"] or 0, row["incident_seq"] or 0
+    return "{}.{}.{}.{}.{}".format(
+        row["updated_at"].timestamp(),
+        row["revision"] or 0,
+        row["status_seq"] or 0,
+        row["incident_seq"] or 0,
+        row["applied"],
     )

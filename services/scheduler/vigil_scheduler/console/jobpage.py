@@ -10,7 +10,7 @@ from typing import Any
 import asyncpg
 
 from vigil_common import readmodel
-from vigil_scheduler import queries
+from vigil_scheduler import guardian_settings, queries
 from vigil_scheduler.console import views
 from vigil_scheduler.principals import Principal
 
@@ -28,10 +28,11 @@ async def job_document(
     resources = job["spec"]["resources"]
     ranks = int(resources["nodes"]) * int(resources["gpus_per_node"])
     bucket = views.bucket_width(int(job["spec"]["train"]["steps"]), points, ranks)
-    rows, abandoned, marks, incidents, checkpoints = await asyncio.gather(
+    rows, abandoned, marks, settings, incidents, checkpoints = await asyncio.gather(
         readmodel.step_buckets(pool, job_id, bucket=bucket),
         readmodel.abandoned_buckets(pool, job_id, bucket=bucket),
         readmodel.step_marks(pool, job_id),
+        guardian_settings.changes_of(pool, job_id),
         readmodel.incidents(pool, job_id=job_id, limit=LIMIT),
         readmodel.checkpoints(pool, job_id, limit=LIMIT),
     )
@@ -40,7 +41,9 @@ async def job_document(
         "job": views.job_header(job),
         "attempts": views.attempt_rows(job),
         "series": views.series(rows, bucket, abandoned),
-        "marks": marks,  # halts, rollbacks, attempt starts; incidents are marked from "incidents"
+        # halts, rollbacks, attempt starts, guardian settings changes (from the step judged under each);
+        # incidents are marked from "incidents"
+        "marks": {**marks, "settings": settings},
         "incidents": views.incident_rows(incidents["items"]),
         "checkpoints": views.checkpoint_rows(checkpoints["items"]),
     }
