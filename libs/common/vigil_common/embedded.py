@@ -52,11 +52,12 @@ def _wait_port(
 
 
 def _declared_store_bytes() -> int:
-    """The file store the streams declare (`subjects.STREAMS`' `max_bytes`, which JetStream reserves when
-    it creates them), with room for one more of the largest. Without it the server's limit is a share of
-    the disk free when it starts, and a stream is refused ("insufficient storage resources") on a disk
-    with less free than the streams declare, though they hold a few megabytes."""
-    declared = [spec.max_bytes for spec in subjects.STREAMS]
+    """The file store the streams and buckets declare (`subjects.STREAMS`' and `subjects.BUCKETS`'
+    `max_bytes`, which JetStream reserves when it creates them), with room for one more of the largest.
+    Without it the server's limit is a share of the disk free when it starts, and a stream is refused
+    ("insufficient storage resources") on a disk with less free than the streams declare, though they
+    hold a few megabytes."""
+    declared = [spec.max_bytes for spec in subjects.STREAMS] + [b.max_bytes for b in subjects.BUCKETS]
     return sum(declared) + max(declared)
 
 
