@@ -106,24 +106,35 @@ def reserve(
     if first is None:
         return Reservation(request, None)
 
-    def placed_after(count: int) -> Placement | None:
-        devices = frozenset(d for job in ending[:count] for d in job.devices)
-        return place(request, freed(inventory, devices))
+    # `place` succeeds exactly when the `max_nodes` nodes offering the job the most devices hold it (it
+    # takes the fewest nodes, most free first): count what each node offers as the jobs end, and place once,
+    # after the first prefix that holds it, instead of on a freed inventory at every step of a search.
+    offered = {n.name: _offered(n, request) for n in inventory.nodes if n.alive}
+    healthy = {(n.name, d.index) for n in inventory.nodes if n.alive for d in n.devices if d.healthy}
+    gained: dict[str, set[int]] = {}
+    for count, job in enumerate(ending, start=1):
+        for name, index in job.devices:
+            if (name, index) in healthy and index not in offered[name]:
+                gained.setdefault(name, set()).add(index)
+        if count <= first:
+            continue  # too few devices in all yet
+        held = sorted((len(free) + len(gained.get(name, ())) for name, free in offered.items()), reverse=True)
+        if sum(held[: request.max_nodes]) < request.world_size:
+            continue
+        best = place(request, freed(inventory, frozenset(d for j in ending[:count] for d in j.devices)))
+        assert best is not None, "the devices counted hold it"
+        assert job.ends_at is not None
+        return Reservation(request, max(now, job.ends_at), frozenset(best.devices))
+    return Reservation(request, None)
 
-    low, high = first + 1, len(ending)
-    best = placed_after(high)
-    if best is None:
-        return Reservation(request, None)
-    while low < high:
-        middle = (low + high) // 2
-        found = placed_after(middle)
-        if found is None:
-            low = middle + 1
-        else:
-            high, best = middle, found
-    ends_at = ending[high - 1].ends_at
-    assert ends_at is not None
-    return Reservation(request, max(now, ends_at), frozenset(best.devices))
+
+def _offered(node: NodeState, request: PlacementRequest) -> frozenset[int]:
+    """The devices of a live `node` that `place` counts free for `request`."""
+    from vigil_scheduler.placement import usable
+
+    if any(name == node.name for name, _ in request.reusable):
+        return frozenset(d.index for d in node.devices if usable(node, d, request))
+    return frozenset(node.free)
 
 
 def fits_behind(

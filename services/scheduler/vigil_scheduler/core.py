@@ -45,6 +45,7 @@ from vigil_scheduler.pacing import Pacing
 from vigil_scheduler.placement import Placement, grow, plan
 from vigil_scheduler.preempting import preempt_for
 from vigil_scheduler.principals import Principal
+from vigil_scheduler.queued_jobs import QueuedJobs
 from vigil_scheduler.schedule_inputs import STRICT, holdings, load_inputs, quotas_of, request_of
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Scheduler:
         self.tracer = tracing.tracer(provider, "vigil.scheduler")
         self._placement_wanted = asyncio.Event()
         self._usage = fairshare.UsageCache()  # the teams' usage, read by one pass, reused by the next few
+        self._queued = QueuedJobs()
         self._rng = random.Random()
         self.started_at: datetime | None = None
         self.active = False  # this process holds the scheduling lock (`vigil_common.lease`)
@@ -189,7 +191,7 @@ class Scheduler:
             )
             if not rows:
                 return []
-            jobs = {job.id: job for job in map(Job.from_row, rows)}
+            jobs = self._queued.jobs(rows)  # each row parsed once while it does not change
             snapshot = await inventory.load_inventory(conn)
             strict = self.settings.queue_policy == "strict"  # priority then submission, nothing else
             teams = (j.team for j in jobs.values())

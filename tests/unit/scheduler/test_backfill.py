@@ -125,22 +125,35 @@ def test_equal_priorities_go_by_fair_share_factor_then_submission_order() -> Non
     assert [p.job_id for p in plan(queue[:2], cluster)[0]] == ["light-team"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     ends=st.lists(st.integers(min_value=-100, max_value=10_000), min_size=4, max_size=12),
     world=st.integers(min_value=1, max_value=16),
     max_nodes=st.integers(min_value=1, max_value=4),
+    sick=st.sets(st.integers(min_value=0, max_value=15), max_size=4),
+    dead=st.sampled_from([None, "n0", "n3"]),
+    reusable=st.sets(st.integers(min_value=0, max_value=15), max_size=3),
 )
 def test_the_reservation_is_the_first_end_after_which_place_succeeds(
-    ends: list[int], world: int, max_nodes: int
+    ends: list[int], world: int, max_nodes: int, sick: set[int], dead: str | None, reusable: set[int]
 ):
     # Four 4-device nodes; each running job holds devices round-robin over them; half end, some never do.
+    # Some devices unhealthy, maybe a node dead, and the head may have devices of its own to reuse.
     owner = {(f"n{i % 4}", i // 4): f"r{i % len(ends)}" for i in range(16)}
     cluster = Inventory(
         tuple(
             NodeState(
                 f"n{n}",
-                tuple(Slot(index=i, job_id=owner[(f"n{n}", i)], reported_free=False) for i in range(4)),
+                tuple(
+                    Slot(
+                        index=i,
+                        job_id=owner[(f"n{n}", i)],
+                        reported_free=False,
+                        healthy=n * 4 + i not in sick,
+                    )
+                    for i in range(4)
+                ),
+                alive=f"n{n}" != dead,
             )
             for n in range(4)
         )
@@ -153,7 +166,9 @@ def test_the_reservation_is_the_first_end_after_which_place_succeeds(
         )
         for j, end in enumerate(ends)
     ]
-    head = req("head", world, seq=1, max_nodes=max_nodes)
+    head = req(
+        "head", world, seq=1, max_nodes=max_nodes, reusable=frozenset((f"n{i % 4}", i // 4) for i in reusable)
+    )
     got = reserve(head, cluster, jobs, NOW)
     expected, inventory = None, cluster  # the reference: free one job at a time, in end order, and try
     for job in sorted((j for j in jobs if j.ends_at is not None), key=lambda j: (j.ends_at, j.job_id)):
