@@ -11,6 +11,7 @@ import click
 
 from vigil.events import (
     CheckpointSaved,
+    GuardianSettingsChanged,
     IncidentRaised,
     JobStateChanged,
     Message,
@@ -114,4 +115,7 @@ def format_line(event: Message) -> str:
             f"{head}  ROLLBACK step {event.from_step} -> {event.to_step} in {event.duration_s:.2f}s{skip} "
             f"({event.checkpoint})"
         )
+    if isinstance(event, GuardianSettingsChanged):
+        what = ", ".join(f"{k}={v}" for k, v in event.changed.items())
+        return f"{head}  GUARDIAN settings revision {event.revision} by {event.by}: {what}"
     return f"{head}  {event.type}"

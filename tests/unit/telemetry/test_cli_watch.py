@@ -46,3 +46,21 @@ def test_json_lines_are_the_events():
     inc = IncidentRaised(job_id="j-1", attempt=2, kind="hang", action="alert", message="m", occurred_at=T)
     assert json.loads(format_json(inc))["kind"] == "hang"
     assert "\n" not in format_json(inc)
+
+
+def test_a_guardian_settings_change_reads_as_one_line():
+    from vigil.events import GuardianSettingsChanged
+    from vigil.spec import GuardianSpec
+
+    changed = GuardianSettingsChanged(
+        job_id="j-1",
+        attempt=2,
+        revision=3,
+        settings=GuardianSpec(spike_zscore=4.0),
+        changed={"spike_zscore": 4.0},
+        by="user:alice",
+        occurred_at=T,
+    )
+    assert format_line(changed) == (
+        "12:30:05.250  j-1#2  GUARDIAN settings revision 3 by user:alice: spike_zscore=4.0"
+    )
