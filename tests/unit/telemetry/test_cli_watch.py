@@ -1,7 +1,8 @@
 import json
 from datetime import UTC, datetime
 
-from vigil.events import IncidentRaised, JobStateChanged, RollbackCompleted
+from vigil.events import GuardianSettingsChanged, IncidentRaised, JobStateChanged, RollbackCompleted
+from vigil.spec import GuardianSpec
 from vigil_cli.observe import format_json, format_line
 
 T = datetime(2026, 1, 1, 12, 30, 5, 250000, tzinfo=UTC)
@@ -49,9 +50,6 @@ def test_json_lines_are_the_events():
 
 
 def test_a_guardian_settings_change_reads_as_one_line():
-    from vigil.events import GuardianSettingsChanged
-    from vigil.spec import GuardianSpec
-
     changed = GuardianSettingsChanged(
         job_id="j-1",
         attempt=2,
