@@ -158,6 +158,7 @@ async def _attempts(
                 "world_size": len(launch["placement"]),
                 "resume_from": launch["resume_from"],
                 "ended": after[0]["cause"] if after else None,
+                "code": (launch["spec"].get("entrypoint") or {}).get("code"),  # the pack it was launched with
             }
         )
     return out

@@ -53,8 +53,8 @@ def job_header(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def attempt_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
-    """The attempts table: when each attempt was launched, where its ranks ran, what it resumed from and
-    what ended it (the current one of a job still going: "running")."""
+    """The attempts table: when each attempt was launched, where its ranks ran, what it resumed from, the
+    code package it ran (its hash) and what ended it (the current one of a job still going: "running")."""
     running = job["state"] not in TERMINAL_STATES
     return [
         {
@@ -63,6 +63,7 @@ def attempt_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
             "placement": ", ".join(f"rank {p['rank']}@{p['node']}" for p in a["placement"]),
             "resume_from": a["resume_from"] or "start",
             "ended": a["ended"] or ("running" if running and a["attempt"] == job["attempt"] else ""),
+            "code": a.get("code") or "",  # the SHA-256 of the code package it ran
         }
         for a in job["attempts"]
     ]

@@ -99,7 +99,7 @@ def vigil_error(request: Request, exc: VigilError) -> Response[dict[str, Any]]:
 def http_error(request: Request, exc: HTTPException) -> Response[dict[str, Any]]:
     status = HTTP_422_UNPROCESSABLE_ENTITY if isinstance(exc, ValidationException) else exc.status_code
     message = exc.detail
-    if status == HTTP_413_REQUEST_ENTITY_TOO_LARGE:
+    if status == HTTP_413_REQUEST_ENTITY_TOO_LARGE and not getattr(exc, "names_its_limit", False):
         limit = request.app.request_max_body_size
         message = f"the body is larger than VIGIL_MAX_BODY_BYTES ({limit} bytes)"
     return Response(
