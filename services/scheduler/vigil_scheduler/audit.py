@@ -38,6 +38,7 @@ Action = Literal[
     "preempt",  # the scheduler stopped a job for one of higher priority (`preempting`)
     "time_limit",  # the scheduler stopped an attempt past its scheduling.time_limit
     "guardian",  # a job's guardian settings changed at run time (`guardian_settings`, migration 0023)
+    "alert_route",  # an alert route made or deleted (`alert_routes`, migration 0025)
 ]
 
 
