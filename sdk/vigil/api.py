@@ -72,6 +72,7 @@ class AttemptOut(Out):
     world_size: int | None = None  # None: from a server before it was reported
     resume_from: str | None
     ended: str | None  # the cause that ended it; None while it runs
+    code: str | None = None  # the SHA-256 of the code package it ran (`entrypoint.code`); None: none
 
 
 class QueueEntryOut(Out):
