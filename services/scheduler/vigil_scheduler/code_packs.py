@@ -44,7 +44,8 @@ async def upload(pool: asyncpg.Pool, bus: Bus, settings: Settings, data: bytes, 
     """`data` checked (PackRefused, a 422 naming the entry), kept in the bucket by its hash, and recorded
     as `by`'s (and their team's)."""
     pack = await asyncio.to_thread(codepack.check, data, max_mb=settings.code_max_mb)
-    stored = await bus.put_object(subjects.CODE, pack.sha256, data, replicas=settings.stream_replicas)
+    # recorded first: a sweep that deletes the same bytes meanwhile holds this row's lock until it is done
+    # (then this upload puts them again), and one after it sees the upload as new
     await pool.execute(
         "INSERT INTO code_uploads (sha256, owner, team, bytes) VALUES ($1, $2, $3, $4)"
         " ON CONFLICT (sha256, owner) DO UPDATE SET team = EXCLUDED.team, uploaded_at = now()",
@@ -53,6 +54,7 @@ async def upload(pool: asyncpg.Pool, bus: Bus, settings: Settings, data: bytes, 
         by.team,
         len(data),
     )
+    stored = await bus.put_object(subjects.CODE, pack.sha256, data, replicas=settings.stream_replicas)
     known = "" if stored else " (kept already)"
     log.info("code package %s, %d bytes, from %s%s", pack.sha256, len(data), by.actor, known)
     return Uploaded(pack.sha256, len(data), pack.entries, stored)
@@ -60,15 +62,14 @@ async def upload(pool: asyncpg.Pool, bus: Bus, settings: Settings, data: bytes, 
 
 async def may_read(conn: asyncpg.Connection | asyncpg.Pool, sha256: str, by: Principal) -> bool:
     """Whether `by` may run or read the pack `sha256` (see the module's docstring)."""
-    if by.admin:
-        return await conn.fetchval("SELECT EXISTS (SELECT 1 FROM code_uploads WHERE sha256 = $1)", sha256)
+    # FOR SHARE: in a submit's transaction, the sweep cannot delete the pack until the job is stored
     return bool(
         await conn.fetchval(
             "SELECT EXISTS (SELECT 1 FROM code_uploads WHERE sha256 = $1"
-            "   AND (owner = $2 OR (team IS NOT NULL AND team = $3::text)))"
+            "   AND ($2::text IS NULL OR owner = $2 OR (team IS NOT NULL AND team = $3::text)) FOR SHARE)"
             f" OR EXISTS (SELECT 1 FROM jobs WHERE {RUNS} = $1 AND {visibility.sees(2)})",
             sha256,
-            by.name,
+            None if by.admin else by.name,
             by.team,
         )
     )
@@ -112,19 +113,29 @@ async def sweep(
     for row in gone:
         sha = row["sha256"]
         async with pool.acquire() as conn, conn.transaction():
-            # a submit of it since the query holds it (the job's row is checked again under the delete)
-            done = await conn.execute(
-                "DELETE FROM code_uploads WHERE sha256 = $1"
-                f" AND NOT EXISTS (SELECT 1 FROM jobs WHERE {RUNS} = $1)",
-                sha,
-            )
-            if done == "DELETE 0":
+            # its rows locked first: a submit naming it (FOR SHARE, `may_read`) or an upload of it finishes,
+            # then the questions are asked again, each statement seeing what they stored
+            await conn.execute("SELECT 1 FROM code_uploads WHERE sha256 = $1 FOR UPDATE", sha)
+            if not await _unused(conn, sha, grace_s):
                 continue
+            await conn.execute("DELETE FROM code_uploads WHERE sha256 = $1", sha)
             await bus.delete_object(subjects.CODE, sha, replicas=settings.stream_replicas)
         deleted.append(sha)
     if deleted:
         log.info("deleted %d code package(s) no job runs", len(deleted))
     return deleted
+
+
+async def _unused(conn: asyncpg.Connection, sha256: str, grace_s: float) -> bool:
+    """No job runs the pack, and nobody uploaded it within `grace_s`."""
+    recent = await conn.fetchval(
+        "SELECT max(uploaded_at) >= now() - make_interval(secs => $2) FROM code_uploads WHERE sha256 = $1",
+        sha256,
+        grace_s,
+    )
+    if recent is not False:  # True, or None: no upload row any more
+        return False
+    return not await conn.fetchval(f"SELECT EXISTS (SELECT 1 FROM jobs WHERE {RUNS} = $1)", sha256)
 
 
 async def sweep_loop(pool: asyncpg.Pool, bus: Bus, settings: Settings, stop: asyncio.Event) -> None:
