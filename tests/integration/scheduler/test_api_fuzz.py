@@ -84,6 +84,7 @@ CONSOLE_SCHEMA: dict[str, Any] = {
         "/cluster": {"get": {"parameters": [_param("color", "query", _string())], "responses": ANY}},
         "/cluster/{node}/{index}": {"get": {"parameters": [NODE, INDEX], "responses": ANY}},
         "/incidents": {"get": {"responses": ANY}},
+        "/alerts": {"get": {"responses": ANY}},
         "/queue": {"get": {"responses": ANY}},
         "/console/data/jobs/{job_id}": {
             "get": {"parameters": [JOB, _param("points", "query", {"type": "integer"})], "responses": ANY}

@@ -20,7 +20,7 @@ from vigil.spec import parse_spec
 from vigil_common import readmodel
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
-from vigil_scheduler import queries
+from vigil_scheduler import alert_routes, queries
 from vigil_scheduler.console import jobpage, spans, views
 from vigil_scheduler.console.auth import COOKIE, ConsoleAuth, LoginRefused, check_origin, read_form, safe_next
 from vigil_scheduler.console.live import WATCHED, console_events, job_changes
@@ -37,6 +37,7 @@ BusDep = NamedDependency[Bus]
 SchedulerDep = NamedDependency[Scheduler]
 SettingsDep = NamedDependency[Settings]
 AuthDep = NamedDependency[ConsoleAuth]
+ALERT_DELIVERIES = 10  # per route, on the alerts page
 Points = Annotated[int, QueryParameter(ge=1, le=views.MAX_POINTS, description="points per curve")]
 JobFilter = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's events")]
 ALL = 1000  # one page of the inventory is enough for a console view
@@ -192,6 +193,15 @@ class ConsoleController(Controller):
         """The queued jobs in queue order: position, why each waits, estimated start; teams' fair share."""
         found = await queue_of(scheduler.pool, scheduler.settings, principal(request))
         return Template("queue.html", context={"queue": found})
+
+    @get("/alerts")
+    async def alerts(self, request: Request, pool: Pool) -> Template:
+        """The alert routes the viewer sees, each with its newest deliveries (status, attempts, error)."""
+        viewer = principal(request)
+        routes = await alert_routes.list_routes(pool, viewer)
+        for route in routes:
+            route["deliveries"] = await alert_routes.deliveries(pool, route["id"], viewer, ALERT_DELIVERIES)
+        return Template("alerts.html", context={"routes": routes})
 
     @get("/incidents")
     async def incidents(self, request: Request, pool: Pool) -> Template:
