@@ -99,7 +99,7 @@ async def load_inputs(
         half_life_h = settings.fairshare_half_life_h
         uses = cache.get(now) if cache is not None else None
         if uses is None:
-            uses = await usage(conn, half_life_h)
+            uses = tuple(await usage(conn, half_life_h))
             if cache is not None:
                 cache.put(now, uses)
         hours = fairshare.decayed_gpu_hours(uses, now, half_life_h)
