@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Annotated, Literal, get_args
 from urllib.parse import urlsplit
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from vigil.alerts import Severity
@@ -72,8 +73,12 @@ class AlertRouteIn(BaseModel):
             raise ValueError(f"not a URL: {exc}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host, e.g. https://hooks.example/x")
-        if any(c.isspace() or ord(c) < 0x20 for c in url):
+        if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url):
             raise ValueError("must hold no whitespace or control characters")
+        try:
+            httpx.URL(url)  # what delivers it must take it too
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"not a URL: {exc}") from None
         del port
         return url
 

@@ -135,6 +135,8 @@ class Deliverer:
             headers[SIGNATURE_HEADER] = sign(row["secret"], content)
         try:
             response = await client.post(row["url"], content=content, headers=headers)
-        except httpx.HTTPError as exc:
+        except httpx.HTTPError as exc:  # refused, timed out, reset: worth another attempt
             return Outcome(error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        except (httpx.InvalidURL, ValueError) as exc:  # a URL the client cannot use: never will
+            return Outcome(error=f"{type(exc).__name__}: {exc}", final=True)
         return classify(response.status_code)
