@@ -60,6 +60,16 @@ class Settings(BaseSettings):
         le=10_000,
         description="largest code package (`vigil submit --code`): its files' bytes, in MB",
     )
+    workdir_overlay: bool = Field(
+        True,
+        description="a job run from a code root writes into an overlay of its folder (root and overlayfs); "
+        "false: into a copy",
+    )
+    workdir_copy_max_mb: float = Field(
+        1024,
+        gt=0,
+        description="largest code-root folder a worker copies for a job's writable working folder, in MB",
+    )
     http_host: str = Field(DEFAULT_HTTP_HOST, description="the gateway's address")
     http_port: int = Field(DEFAULT_HTTP_PORT, ge=0, le=65535, description="the gateway's port")
     api_token: str | None = Field(None, min_length=MIN_TOKEN_LENGTH, description="the gateway's bearer token")

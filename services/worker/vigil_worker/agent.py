@@ -39,7 +39,7 @@ from vigil_common.bus import Bus, Delivery
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_common.stack_frames import waits_in_collective
-from vigil_worker import code_pack, exit_report, parked, tenancy
+from vigil_worker import code_pack, exit_report, parked, tenancy, workdirs
 from vigil_worker.diagnose import Outcome, check_device
 from vigil_worker.inventory import Inventory
 from vigil_worker.launch import prepare_ranks, warm_argv
@@ -62,8 +62,7 @@ class Worker:
         self.bus = bus
         self.inventory = inventory
         self.node = settings.node_name
-        # processes, or Kubernetes pods (`vigil_worker.runtime`), chosen before this
-        self.table, self.relay, self.pods = runtime.table, runtime.relay, runtime.pods
+        self.table, self.relay, self.pods = runtime.table, runtime.relay, runtime.pods  # processes, or pods
         self.tenancy = Tenancy(settings)  # each job's user and cgroup here
         self.warm: WarmRanks | None = None  # built-in trainer ranks kept warm (`start_warm`)
         self.started_at = datetime.now(UTC)
@@ -131,6 +130,7 @@ class Worker:
         try:
             await code_pack.unpack(self.bus, self.settings, launch)  # its code package, if it has one
             ranks = prepare_ranks(launch, self.settings, self.inventory.kind, self.relay.socket_path, user)
+            ranks = workdirs.for_ranks(ranks, self.settings, launch, user)  # a code root's: writable view
         except (SpecError, code_pack.Unavailable) as exc:  # the program may not run here: nothing runs
             spec = isinstance(exc, SpecError)  # for good: the job fails; a pack not right: this attempt
             if not self.table.running(job):
@@ -407,12 +407,13 @@ class Worker:
         await self._settle(r.job_id, r.attempt)
 
     async def _settle(self, job_id: str, attempt: int) -> None:
-        """Once an attempt has no rank left here, its cgroup is killed (a forked child that outlived its
-        rank with it) and removed; once the job has none, every process of its user is ended and the uid
-        goes back to the pool."""
+        """Once an attempt has no rank left here, its cgroup is killed (a forked child that outlived its rank
+        with it) and removed, its overlay unmounted; once the job has none, its user's processes end, its uid
+        goes back."""
         if any(r.attempt == attempt for r in self.table.running(job_id)):
             return
         await self.tenancy.end_cgroup(job_id, attempt)
+        workdirs.release(self.settings, job_id, attempt)
         if not self.table.running(job_id):  # checked again after the wait: a next attempt may have begun
             self.tenancy.release(job_id)
 

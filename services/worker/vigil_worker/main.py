@@ -22,6 +22,7 @@ from vigil_common.addresses import advertised_address
 from vigil_common.bus import Bus
 from vigil_common.service import require_urls
 from vigil_common.settings import Settings
+from vigil_worker import workdirs
 from vigil_worker.agent import Worker
 from vigil_worker.consumers import consumers, consumers_ready
 from vigil_worker.inventory import Inventory
@@ -97,6 +98,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             await worker.end_ranks(ranks)
         if not worker.table.running():
             worker.tenancy.close()  # this node's cgroup folders, now empty
+            workdirs.release_all(settings)  # and the overlays of attempts that ended
         log.info(
             "worker %s stopped; %d rank(s) left running", settings.node_name, len(worker.table.running())
         )

@@ -224,10 +224,12 @@ def _node_shm(folder: Path) -> bool:
 
 def _own_tree(path: Path, user: JobUser) -> None:
     """`path` (0700) and everything below it owned by `user`. Walked by folder descriptors, never through
-    a symlink (a job may have swapped a folder for one meanwhile); a file with another hard link is left
-    as it is (it may be someone else's file, linked into the job's folder)."""
+    a symlink (a job may have swapped a folder for one meanwhile), nor into another file system (a mount);
+    a file with another hard link is left as it is (it may be someone else's file, linked into the job's
+    folder)."""
     os.chown(path, user.uid, user.gid, follow_symlinks=False)
     os.chmod(path, 0o700)
+    device = os.stat(path, follow_symlinks=False).st_dev
     for _, dirs, files, top in os.fwalk(path, follow_symlinks=False):
         for name in (*dirs, *files):
             with contextlib.suppress(FileNotFoundError):
@@ -235,6 +237,15 @@ def _own_tree(path: Path, user: JobUser) -> None:
                 if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
                     continue
                 os.chown(name, user.uid, user.gid, dir_fd=top, follow_symlinks=False)
+        # a mount in it (an attempt's overlay, `workdirs`) is not walked: its root is given, not its files
+        dirs[:] = [d for d in dirs if _same_device(d, top, device)]
+
+
+def _same_device(name: str, top: int, device: int) -> bool:
+    try:
+        return os.stat(name, dir_fd=top, follow_symlinks=False).st_dev == device
+    except FileNotFoundError:
+        return False
 
 
 def enter(user: JobUser | None, group: cgroups.JobCgroup | None) -> Callable[[], None]:
