@@ -61,7 +61,7 @@ class AlertRouteIn(BaseModel):
     )
     format: AlertFormat = "json"
     team: TeamItem | None = Field(None, description="owned by this team (the caller's) instead of the caller")
-    filter: AlertFilter = AlertFilter()  # frozen: one default for all
+    filter: AlertFilter = Field(default_factory=AlertFilter)
 
     @field_validator("url")
     @classmethod

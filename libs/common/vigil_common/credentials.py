@@ -108,6 +108,7 @@ def consumers(role: str) -> tuple[tuple[str, str], ...]:
             (jobs, "telemetry-launches"),
             (nodes, "telemetry-gpu"),
             (incidents, "telemetry-incidents"),
+            (incidents, "telemetry-alerts"),
         )
     if role.startswith("worker-"):
         launches, commands = worker_consumers(role.removeprefix("worker-"))

@@ -164,6 +164,17 @@ class Settings(BaseSettings):
         15.0, gt=0, le=300, description="an event stream quiet this long gets a keep-alive comment"
     )
     webhook_urls: list[str] = Field(default_factory=list, description="incident webhooks (JSON list)")
+    console_url: str | None = Field(
+        None,
+        description="the console's address as people reach it, for the links in alerts; unset: "
+        "http://VIGIL_HTTP_HOST:VIGIL_HTTP_PORT",
+    )
+    alert_attempts: int = Field(8, ge=1, le=100, description="attempts of an alert route's delivery")
+    alert_backoff_s: float = Field(
+        1.0, gt=0, le=3600, description="the wait after a failed alert delivery, doubled after each"
+    )
+    alert_max_backoff_s: float = Field(300.0, gt=0, le=86_400, description="the longest of those waits")
+    alert_timeout_s: float = Field(10.0, gt=0, le=300, description="an alert delivery's HTTP timeout")
     stream_replicas: int = Field(
         1, ge=1, le=5, description="servers each JetStream stream is kept on (3 on a 3-server NATS cluster)"
     )

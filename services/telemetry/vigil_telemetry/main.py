@@ -26,6 +26,8 @@ from vigil_common.service import connect as service_connect
 from vigil_common.service import wait_any
 from vigil_common.settings import Settings
 from vigil_telemetry import partitions, store
+from vigil_telemetry.alerts import outbox
+from vigil_telemetry.alerts.delivery import Deliverer
 from vigil_telemetry.metrics import Registry, serve_metrics
 from vigil_telemetry.traces import StepTraces
 
@@ -57,6 +59,16 @@ GPU = _spec(subjects.NODES, "telemetry-gpu", subjects.ALL_GPU)
 STATUS = _spec(subjects.JOBS, "telemetry-status", subjects.ALL_STATUS, max_ack_pending=1)
 LAUNCHES = _spec(subjects.JOBS, "telemetry-launches", subjects.ALL_LAUNCHES)
 INCIDENTS = _spec(subjects.INCIDENTS, "telemetry-incidents", subjects.ALL_INCIDENTS)
+# Alert routes' outbox (`alerts.outbox`), apart from the incidents' rows: a route's lookup never holds
+# up what the API reads. A new durable starts an hour back, not at the stream's start.
+ALERTS = ConsumerSpec(
+    stream=subjects.INCIDENTS,
+    durable="telemetry-alerts",
+    filter_subject=subjects.ALL_INCIDENTS,
+    ack_wait_s=ACK_WAIT_S,
+    shared=True,
+    replay_s=3600.0,
+)
 
 Batch = list[tuple[Message, Delivery]]
 Writer = Callable[[asyncpg.Connection, Sequence[Any]], Awaitable[None]]
@@ -73,10 +85,19 @@ BAD_ROW = (
 class Telemetry:
     """The batch handlers, around one pool, one metrics registry and the step traces."""
 
-    def __init__(self, pool: asyncpg.Pool, registry: Registry, traces: StepTraces) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        registry: Registry,
+        traces: StepTraces,
+        deliverer: Deliverer | None = None,
+        console_url: str = "",
+    ) -> None:
         self.pool = pool
         self.registry = registry
         self.traces = traces
+        self.deliverer = deliverer
+        self.console_url = console_url
 
     async def _write(self, writer: Writer, batch: Batch, consumer: str) -> list[Message]:
         """Store a batch in one transaction; a batch the database refuses is split in halves until each
@@ -131,13 +152,21 @@ class Telemetry:
         await self._write(store.write_gpu, [(e, d) for e, d in batch if isinstance(e, GpuSampled)], "gpu")
 
     async def status(self, batch: Batch) -> None:
-        for e in await self._write(store.write_status, batch, "status"):
+        for e in await self._write(_status_and_resolved_alerts, batch, "status"):
             if isinstance(e, CheckpointSaved):
                 self.traces.add_checkpoint(e)
 
     async def incidents(self, batch: Batch) -> None:
         incidents = [(e, d) for e, d in batch if isinstance(e, IncidentRaised)]
         await self._write(store.write_incidents, incidents, "incidents")
+
+    async def alerts(self, batch: Batch) -> None:
+        """The deliveries the batch's incidents owe, written before the batch is acknowledged."""
+        incidents = [e for e, _ in batch if isinstance(e, IncidentRaised)]
+        async with self.pool.acquire() as conn, conn.transaction():
+            added = await outbox.enqueue(conn, incidents, self.console_url)
+        if added and self.deliverer is not None:
+            self.deliverer.wake.set()
 
     async def launches(self, batch: Batch) -> None:
         for e, delivery in batch:
@@ -151,6 +180,16 @@ class Telemetry:
         self.traces.flush(everything=True)
 
 
+async def _status_and_resolved_alerts(conn: asyncpg.Connection, events: Sequence[Any]) -> None:
+    """Status events stored, and the alertmanager alerts of a job that recovered resolved, at once."""
+    await store.write_status(conn, events)
+    await outbox.resolve(conn, events)
+
+
+def console_url(settings: Settings) -> str:
+    return settings.console_url or f"http://{settings.http_host}:{settings.http_port}"
+
+
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     """Connect, migrate, consume until `stop`, then drain and close."""
     # Step traces are built only when they go somewhere (OTLP or VIGIL_TRACE_FILE).
@@ -158,7 +197,10 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     async with service_connect(settings, "telemetry") as conn:
         pool, bus = conn.pool, conn.bus
         registry = Registry()
-        t = Telemetry(pool, registry, StepTraces(conn.provider, enabled=traced))
+        deliverer = Deliverer(pool, settings)
+        t = Telemetry(
+            pool, registry, StepTraces(conn.provider, enabled=traced), deliverer, console_url(settings)
+        )
         async with asyncio.TaskGroup() as tasks:
             # steps and status are stored only from the nodes their launches placed them on
             admit = Origins(bus).admit
@@ -168,6 +210,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             tasks.create_task(bus.consume_batches(STATUS, t.status, stop, gather_s=0.0, admit=admit))
             tasks.create_task(bus.consume_batches(INCIDENTS, t.incidents, stop))
             tasks.create_task(bus.consume_batches(LAUNCHES, t.launches, stop))
+            tasks.create_task(bus.consume_batches(ALERTS, t.alerts, stop))
+            tasks.create_task(deliverer.run(stop))
             tasks.create_task(t.flush_traces(stop))
             tasks.create_task(partitions.maintain(pool, settings, stop))
             if settings.metrics_port:
