@@ -21,6 +21,7 @@ from rich.table import Table
 from vigil.client import Client, Event, VigilError
 from vigil.events import JobStateChanged
 from vigil.jobstates import TERMINAL_STATES, JobState
+from vigil_cli import code as code_command
 
 STATE_STYLE: dict[JobState, str] = {
     JobState.PENDING: "yellow",
@@ -100,11 +101,11 @@ def print_job(console: Console, job: dict[str, Any]) -> None:
     if job.get("reason"):
         console.print(f"  reason: {job['reason']}")
     if len(job.get("attempts") or []) > 1:
-        attempts = Table("ATTEMPT", "LAUNCHED", "PLACEMENT", "RESUMED FROM", "ENDED BY", box=None)
+        attempts = Table("ATTEMPT", "LAUNCHED", "PLACEMENT", "RESUMED FROM", "CODE", "ENDED BY", box=None)
         for a in job["attempts"]:
-            started = a["launched_at"][11:19]
+            started, code = a["launched_at"][11:19], (a.get("code") or "-")[:12]
             attempts.add_row(
-                str(a["attempt"]), started, _nodes_of(a), a["resume_from"] or "-", a["ended"] or "-"
+                str(a["attempt"]), started, _nodes_of(a), a["resume_from"] or "-", code, a["ended"] or "-"
             )
         console.print(attempts)
     if job.get("transitions"):
@@ -128,14 +129,24 @@ def register(group: click.Group) -> None:
         "--idempotency-key",
         help="the submit's Idempotency-Key (default: a new random one; a cut-off submit is retried with it)",
     )
+    @click.option(
+        "--code",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="pack this folder (minus what .gitignore and .vigilignore exclude); the entrypoint runs a copy",
+    )
     @url_option
     @json_option
     def submit(
-        file: Path, follow: bool, idempotency_key: str | None, url: str | None, json_out: bool
+        file: Path,
+        follow: bool,
+        idempotency_key: str | None,
+        code: Path | None,
+        url: str | None,
+        json_out: bool,
     ) -> None:
-        """Submit the job spec in FILE (YAML or JSON)."""
+        """Submit the job spec in FILE (YAML or JSON); with --code DIR, the program in DIR."""
         client = connect(url)
-        job = client.submit(file, idempotency_key=idempotency_key)
+        job = client.submit(file, code=code, idempotency_key=idempotency_key)
         console = Console()
         if json_out:
             click.echo(as_json(job))
@@ -145,18 +156,23 @@ def register(group: click.Group) -> None:
             final = follow_job(client, job.id, console, json_out)
             raise SystemExit(0 if final == JobState.SUCCEEDED else 1)
 
-    @group.command("jobs")
+    @group.group("jobs", invoke_without_command=True)
     @click.option("--state", help="only jobs in this state")
     @click.option("--limit", type=int, default=50, show_default=True)
     @url_option
     @json_option
-    def jobs(state: str | None, limit: int, url: str | None, json_out: bool) -> None:
-        """List jobs, newest first."""
+    @click.pass_context
+    def jobs(ctx: click.Context, state: str | None, limit: int, url: str | None, json_out: bool) -> None:
+        """List jobs, newest first (`vigil jobs code JOB`: the code package a job runs)."""
+        if ctx.invoked_subcommand is not None:
+            return
         page = connect(url).jobs(state, limit=limit)
         if json_out:
             click.echo(as_json(page))
         else:
             Console().print(jobs_table([j.model_dump(mode="json") for j in page.items]))
+
+    code_command.register(jobs, url_option)
 
     @group.command("job")
     @click.argument("job_id")

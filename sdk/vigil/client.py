@@ -17,6 +17,7 @@ carrying the HTTP status and, for a bad spec or parameter, the fields the gatewa
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +28,7 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 from pydantic import TypeAdapter, ValidationError
 
+from vigil import codepack, documents
 from vigil.api import (
     ControlPlaneOut,
     DeviceMarkCleared,
@@ -47,6 +49,7 @@ from vigil.api import (
     UserList,
     UserOut,
 )
+from vigil.api_code import CodePackOut
 from vigil.events import IncidentRaised, IncidentRaisedV1, JobStateChanged
 from vigil.jobstates import TERMINAL_STATES
 
@@ -103,7 +106,6 @@ class Client:
     @classmethod
     def from_env(cls, url: str | None = None, **kw: Any) -> Client:
         """The gateway and token the CLI would use on this machine (see the module's docstring)."""
-        import os
 
         from vigil.access import client_token, gateway_url
 
@@ -120,15 +122,28 @@ class Client:
 
     # --- jobs ---------------------------------------------------------------------------------------
 
-    def submit(self, spec: Spec, *, idempotency_key: str | None = None, retry_for_s: float = 30.0) -> JobOut:
+    def submit(
+        self,
+        spec: Spec,
+        *,
+        code: str | Path | None = None,
+        idempotency_key: str | None = None,
+        retry_for_s: float = 30.0,
+    ) -> JobOut:
         """Submit a job spec: a path to a YAML or JSON file, YAML or JSON text, or a mapping.
+
+        `code`: a folder of the job's own program, packed (`vigil.codepack`: `.gitignore` and
+        `.vigilignore` honoured, at most VIGIL_CODE_MAX_MB) and uploaded first; the spec's
+        `entrypoint.code` is set to the pack's SHA-256, and every attempt runs a copy of it.
 
         Safe to retry: the submit carries an `Idempotency-Key` (`idempotency_key`, else a new random
         one), and a submit cut off before its answer (the connection lost after sending, or 502-504
         while a scheduler fails over) is sent again with the same key for up to `retry_for_s`
         seconds: the gateway returns the job the first one made, never a second job. A gateway that
         refuses the first connection is an error at once."""
-        if isinstance(spec, Path):
+        if code is not None:
+            spec, kind, body = self._with_code(spec, Path(code))
+        elif isinstance(spec, Path):
             kind = "application/json" if spec.suffix.lower() == ".json" else "application/yaml"
             body = spec.read_bytes()
         elif isinstance(spec, Mapping):
@@ -153,6 +168,43 @@ class Client:
                 wait_s = min(wait_s * 2, 4.0)
                 continue
             return JobOut.model_validate(answer)
+
+    def upload_code(self, folder: str | Path) -> CodePackOut:
+        """`folder` packed (`vigil.codepack.pack`, VIGIL_CODE_MAX_MB from this environment) and uploaded;
+        the gateway keeps it by its SHA-256 (the same bytes once). PackRefused naming the entry that
+        cannot be packed, or the largest files past the limit."""
+
+        pack = codepack.pack(folder, max_mb=codepack.max_mb_from(os.environ))
+        headers = {"Content-Type": "application/octet-stream"}  # a gzipped tar
+        return CodePackOut.model_validate(
+            self._call("POST", "/api/v1/code", content=pack.data, headers=headers)
+        )
+
+    def code(self, job_id: str) -> bytes:
+        """The code package job `job_id` runs (a gzipped tar), as it was uploaded (checked by its hash)."""
+        try:
+            r = self._http.get(f"/api/v1/jobs/{_segment(job_id)}/code")
+        except httpx.TransportError as exc:
+            raise VigilError(f"cannot reach the gateway at {self.url} ({exc})") from exc
+        if r.status_code >= 400:
+            raise VigilError.of(r)
+        named = r.headers.get("X-Vigil-Code-Sha256")
+        if named is not None and codepack.digest(r.content) != named:
+            raise VigilError(f"the code package of {job_id} came back damaged: its hash is not {named}")
+        return r.content
+
+    def _with_code(self, spec: Spec, folder: Path) -> tuple[Spec, str, bytes]:
+        """`spec` (as JSON) naming the pack of `folder` in `entrypoint.code`, once uploaded."""
+        if isinstance(spec, Path):
+            found = documents.load(spec.read_text())
+        elif isinstance(spec, Mapping):
+            found = json.loads(json.dumps(spec))
+        else:
+            found = documents.load(spec.decode() if isinstance(spec, bytes) else spec)
+        if not isinstance(found, dict) or not isinstance(found.get("entrypoint"), dict):
+            raise VigilError("--code needs a spec with an entrypoint (the program to run from the folder)")
+        found["entrypoint"]["code"] = self.upload_code(folder).sha256
+        return found, "application/json", json.dumps(found).encode()
 
     def jobs(self, state: str | None = None, *, limit: int = 50, cursor: str | None = None) -> JobPage:
         """A page of jobs, newest first; `page.next` is the cursor of the next page."""

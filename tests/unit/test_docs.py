@@ -22,6 +22,7 @@ SETUP = ["bash scripts/install.sh", ".venv/bin/vigil demo", "bash scripts/test.s
 # Commands printed on a guide page (its fenced bash blocks) and the test that runs each as printed.
 RUN_BY: dict[str, dict[str, str]] = {
     "gpus.md": {"bash scripts/gpu-check.sh": "tests/integration/bench/test_gpu_check.py"},
+    "own-code.md": {"vigil submit job.yaml --code .": "tests/integration/byo/test_code_pack.py"},
 }
 # Commands printed on a guide page that no test runs as printed yet, by page. Move one to RUN_BY when a
 # test runs it; a command printed on a guide and in neither place fails here.

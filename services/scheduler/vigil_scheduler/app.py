@@ -23,6 +23,7 @@ from vigil_common.settings import Settings
 from vigil_scheduler import console
 from vigil_scheduler.core import Scheduler
 from vigil_scheduler.gateway.auth import bearer_guard
+from vigil_scheduler.gateway.code import CodeController
 from vigil_scheduler.gateway.controllers import (
     AuditController,
     ControlPlaneController,
@@ -90,6 +91,7 @@ def create_app(deps: Deps) -> Litestar:
             UserController,
             TeamController,
             QueueController,
+            CodeController,
         ],
         guards=[bearer_guard],
         security=[{"bearer": []}],

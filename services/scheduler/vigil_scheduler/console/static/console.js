@@ -151,7 +151,8 @@ const Vigil = (() => {
   // A table's rows, redrawn only when they changed (an open "evidence" stays open while a job trains).
   const TABLES = {
     attempts: {empty: "not launched yet", row: (a) => [a.attempt, time(a.launched_at), esc(a.placement),
-      esc(a.resume_from), esc(a.ended)]},
+      esc(a.resume_from), a.code ? `<code title="${esc(a.code)}">${esc(a.code.slice(0, 12))}</code>` : "-",
+      esc(a.ended)]},
     checkpoints: {empty: "none yet", row: (c) => [c.step, c.valid ? "yes" : "no (rolled back past)", esc(c.size),
       c.attempt, `<code>${esc(c.path)}</code>`], cls: (c) => (c.valid ? "valid" : "invalid")},
     incidents: {empty: "none", row: (i, jobId) => [time(i.occurred_at), esc(i.kind),
