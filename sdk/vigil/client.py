@@ -50,6 +50,7 @@ from vigil.api import (
     UserOut,
 )
 from vigil.api_code import CodePackOut
+from vigil.api_guardian import GuardianSettingsOut
 from vigil.events import IncidentRaised, IncidentRaisedV1, JobStateChanged
 from vigil.jobstates import TERMINAL_STATES
 
@@ -222,6 +223,12 @@ class Client:
 
     def cancel(self, job_id: str) -> JobOut:
         return JobOut.model_validate(self._call("POST", f"/api/v1/jobs/{_segment(job_id)}/cancel"))
+
+    def set_guardian(self, job_id: str, **fields: Any) -> GuardianSettingsOut:
+        """Change a queued or running job's guardian settings (fields of the spec's `guardian:` section,
+        `spike_zscore=4.0`); the guardian applies them from the next step it judges."""
+        path = f"/api/v1/jobs/{_segment(job_id)}/guardian"
+        return GuardianSettingsOut.model_validate(self._call("PATCH", path, json=fields))
 
     def steps(
         self,

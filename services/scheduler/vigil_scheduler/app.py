@@ -33,6 +33,7 @@ from vigil_scheduler.gateway.controllers import (
     JobController,
 )
 from vigil_scheduler.gateway.errors import EXCEPTION_HANDLERS
+from vigil_scheduler.gateway.guardian import GuardianController
 from vigil_scheduler.gateway.queue import QueueController
 from vigil_scheduler.gateway.users import MeController, TeamController, UserController
 from vigil_scheduler.users import Authenticator
@@ -83,6 +84,7 @@ def create_app(deps: Deps) -> Litestar:
         API_PREFIX,
         route_handlers=[
             JobController,
+            GuardianController,
             InventoryController,
             ControlPlaneController,
             EventsController,

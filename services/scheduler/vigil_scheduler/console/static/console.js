@@ -7,7 +7,7 @@
 "use strict";
 const Vigil = (() => {
   const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"];
-  const MARK_COLOURS = {incident: "#c0392b", halt: "#e67e22", rollback: "#8e44ad", attempt: "#7f8c8d"};
+  const MARK_COLOURS = {incident: "#c0392b", halt: "#e67e22", rollback: "#8e44ad", attempt: "#7f8c8d", settings: "#16a085"};
   const state = {charts: {}, data: null, refreshes: 0};
 
   function events(job) {
@@ -47,6 +47,11 @@ const Vigil = (() => {
     for (const a of d.marks.attempts) {
       if (a.attempt > 1) out.push({type: "attempt", step: a.first_step, label: `attempt ${a.attempt} starts at step ${a.first_step}`});
     }
+    for (const c of d.marks.settings || []) {  // guardian settings changed at run time, from the step judged under them
+      if (c.from_step === null) continue;
+      const what = Object.entries(c.changed).map(([k, v]) => `${k}=${v}`).join(", ");
+      out.push({type: "settings", step: c.from_step, label: `guardian settings r${c.revision} (${what}) from step ${c.from_step}, by ${c.actor}`});
+    }
     return out.sort((a, b) => a.step - b.step);
   }
 
@@ -64,12 +69,12 @@ const Vigil = (() => {
       const x = u.valToPos(m.step, "x", true);
       ctx.strokeStyle = MARK_COLOURS[m.type];
       ctx.lineWidth = m.type === "incident" ? 2 : 1.5;
-      ctx.setLineDash(m.type === "attempt" ? [6, 4] : m.type === "halt" ? [2, 3] : []);
+      ctx.setLineDash(m.type === "attempt" ? [6, 4] : m.type === "halt" ? [2, 3] : m.type === "settings" ? [8, 2, 2, 2] : []);
       ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
-      if (m.type === "incident") {
-        ctx.fillStyle = MARK_COLOURS.incident;
+      if (m.type === "incident" || m.type === "settings") {
+        ctx.fillStyle = MARK_COLOURS[m.type];
         ctx.font = `${12 * devicePixelRatio}px sans-serif`;
-        ctx.fillText(m.kind, x + 3, top + 12 * devicePixelRatio);
+        ctx.fillText(m.type === "incident" ? m.kind : "settings", x + 3, top + (m.type === "incident" ? 12 : 26) * devicePixelRatio);
       }
     }
     ctx.setLineDash([]);
