@@ -3,6 +3,7 @@ gzipped tar or unpacked into a folder."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ def register(group: click.Group, url_option: Callable[[Any], Any]) -> None:
             dest = output or Path(f"{job_id}-code")
             if dest.exists() and any(dest.iterdir()):
                 raise click.ClickException(f"{dest} is not empty: name a new or empty folder with --output")
-            codepack.unpack(data, sha256, dest)
+            codepack.unpack(data, sha256, dest, max_mb=math.inf)  # the gateway held it to its own limit
         else:
             dest = output or Path(f"{job_id}-{sha256[:12]}.tar.gz")
             dest.write_bytes(data)

@@ -58,7 +58,8 @@ class Settings(BaseSettings):
         DEFAULT_CODE_MAX_MB,
         gt=0,
         le=10_000,
-        description="largest code package (`vigil submit --code`): its files' bytes, in MB",
+        description="largest code package (`vigil submit --code`): its files' bytes, in MB; set it alike "
+        "on the scheduler (which refuses a larger upload) and the workers (which refuse to unpack one)",
     )
     workdir_overlay: bool = Field(
         True,
