@@ -171,12 +171,16 @@ def _fits(files: list[tuple[str, int]], max_mb: float) -> None:
     if total <= max_mb * MIB:
         return
     largest = sorted(files, key=lambda f: -f[1])[:5]
-    named = ", ".join(f"{name} ({size / MIB:.1f} MB)" for name, size in largest)
+    named = ", ".join(f"{name} ({_size(size)})" for name, size in largest)
     raise PackRefused(
         "code",
-        f"the code is {total / MIB:.1f} MB, over VIGIL_CODE_MAX_MB ({max_mb:g} MB); the largest files: "
+        f"the code is {_size(total)}, over VIGIL_CODE_MAX_MB ({max_mb:g} MB); the largest files: "
         f"{named}. Add what the job does not need to .vigilignore, or raise VIGIL_CODE_MAX_MB",
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.1f} MB" if n >= MIB // 10 else f"{n / 1024:.1f} KB"
 
 
 def _kind(mode: int) -> str:
