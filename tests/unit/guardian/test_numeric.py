@@ -4,7 +4,7 @@ import pytest
 
 from tests.unit.guardian.helpers import step
 from vigil_common import spike_rule
-from vigil_guardian import numeric
+from vigil_guardian import windows
 
 
 @pytest.mark.parametrize(
@@ -19,14 +19,14 @@ from vigil_guardian import numeric
     ],
 )
 def test_non_finite(kw, found):
-    v = numeric.non_finite(step(7, rank=1, **kw))
+    v = windows.non_finite(step(7, rank=1, **kw))
     assert (v is not None) == found
     if v:
         assert (v.kind, v.step, v.rank, v.node) == ("nan", 7, 1, "n1")
 
 
 def test_nan_evidence_is_json_safe():
-    v = numeric.non_finite(step(3, loss=math.nan, grad_norm=-math.inf))
+    v = windows.non_finite(step(3, loss=math.nan, grad_norm=-math.inf))
     assert v.evidence["loss"] == "NaN" and v.evidence["grad_norm"] == "-Infinity"
 
 
@@ -39,7 +39,7 @@ def test_robust_z_known_answer():
 
 def spike_at(history, loss, **kw):
     args = {"zscore": 6.0, "warmup": 5, "step": len(history), "rank": 0, "node": "n0", **kw}
-    return numeric.spike(history, loss, **args)
+    return windows.spike(history, loss, **args)
 
 
 def test_spike_after_warmup_only():
@@ -69,7 +69,7 @@ def test_falling_loss_is_never_a_spike():
 
 def diverge(losses, **kw):
     args = {"window": 20, "tolerance": 0.5, "step": len(losses) - 1, "rank": 0, "node": "n0", **kw}
-    return numeric.divergence(losses, **args)
+    return windows.divergence(losses, **args)
 
 
 def test_divergence_on_a_rising_loss():

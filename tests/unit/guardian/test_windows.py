@@ -7,7 +7,7 @@ import random
 from tests.unit.guardian.helpers import step
 from vigil.spec import GuardianSpec
 from vigil_common import spike_rule
-from vigil_guardian import numeric
+from vigil_guardian import windows
 from vigil_guardian.collective import StragglerScores
 from vigil_guardian.windows import Windows
 
@@ -72,15 +72,15 @@ def test_a_slow_divergence_is_caught_by_the_trend_and_a_data_mix_shift_is_not():
 
     args = {"window": 50, "tolerance": 0.1, "step": 0}
     shifted = losses(300, shift_at=120)
-    assert all(numeric.divergence(shifted[: k + 1], **args) is None for k in range(300))
+    assert all(windows.divergence(shifted[: k + 1], **args) is None for k in range(300))
     slow = losses(100) + losses(200, rate=0.002)
-    found = next(k for k in range(300) if numeric.divergence(slow[: k + 1], **args))
+    found = next(k for k in range(300) if windows.divergence(slow[: k + 1], **args))
     assert 100 < found < 250
-    assert numeric.divergence([*losses(60), 100.0], **args) is None  # one spike is not a trend
+    assert windows.divergence([*losses(60), 100.0], **args) is None  # one spike is not a trend
 
 
 def test_trend_slope_and_error():
-    slope, se = numeric.trend([1.0, 2.0, 3.0, 4.0])
+    slope, se = windows.trend([1.0, 2.0, 3.0, 4.0])
     assert math.isclose(slope, 1.0) and se < 1e-6
 
 
@@ -91,16 +91,16 @@ def test_a_spike_must_be_sudden_a_climb_is_left_to_divergence():
     climb = 2.0 * 1.03**11
     args = {"zscore": 6.0, "warmup": 5, "step": 40, "rank": 0, "node": "n0"}
     assert spike_rule.robust_z(history, climb)[0] > 6  # far above the window's median, yet
-    assert numeric.spike(history, climb, **args) is None  # no jump from the last few steps
-    assert numeric.spike(history, 2 * climb, **args) is not None
+    assert windows.spike(history, climb, **args) is None  # no jump from the last few steps
+    assert windows.spike(history, 2 * climb, **args) is not None
 
 
 def test_a_short_window_borrows_its_peers_spread():
     rng = random.Random(7)
     history = [2.0 * (1 + 0.002 * rng.gauss(0, 1)) for _ in range(10)]  # a lucky, too-quiet window
     args = {"zscore": 6.0, "warmup": 5, "step": 10, "rank": 0, "node": "n0"}
-    assert numeric.spike(history, 2.3, **args) is not None
-    assert numeric.spike(history, 2.3, peer_spread=0.06, **args) is None
+    assert windows.spike(history, 2.3, **args) is not None
+    assert windows.spike(history, 2.3, peer_spread=0.06, **args) is None
 
 
 def test_a_persistent_15_percent_straggler_is_scored_over_a_window():
