@@ -20,8 +20,9 @@ if [ ! -x .venv/bin/python ]; then
         "$PYTHON" -m venv .venv
     fi
 fi
-# Debian programs some tests run for real: Slurm with munge (tests/integration/slurm) and Prometheus
-# (tests/integration/telemetry/test_prometheus.py). Installed only when missing, and only as root
+# Debian programs some tests run for real: Slurm with munge (tests/integration/slurm), Prometheus
+# (tests/integration/telemetry/test_prometheus.py) and Alertmanager (alert routes,
+# tests/integration/scheduler/test_alertmanager.py). Installed only when missing, and only as root
 # on a Debian-like system; elsewhere those tests skip and say why.
 ensure_apt() {  # ensure_apt PROGRAM PACKAGE...: install the packages unless PROGRAM is on PATH
     local program=$1
@@ -38,6 +39,7 @@ ensure_apt() {  # ensure_apt PROGRAM PACKAGE...: install the packages unless PRO
 ensure_apt slurmd slurmctld slurmd slurm-client munge
 ensure_apt munged munge
 ensure_apt prometheus prometheus
+ensure_apt prometheus-alertmanager prometheus-alertmanager
 ensure_apt ip iproute2  # network namespaces as hosts (tests/integration/multihost)
 
 PIP=(.venv/bin/python -m pip --quiet)

@@ -13,7 +13,7 @@ import click
 
 from vigil.client import VigilError as ApiError
 from vigil.errors import VigilError, first_error
-from vigil_cli import bench, checkpoint, demo, jobs, observe, queue, services, slurm, teams, up, users
+from vigil_cli import alerts, bench, checkpoint, demo, jobs, observe, queue, services, slurm, teams, up, users
 
 
 class VigilGroup(click.Group):
@@ -32,7 +32,7 @@ def cli() -> None:
     """Vigil: a control plane for distributed LLM training that stops bad runs before they burn compute."""
 
 
-for _module in (services, up, demo, jobs, observe, checkpoint, bench, slurm, users, teams, queue):
+for _module in (services, up, demo, jobs, observe, checkpoint, bench, slurm, users, teams, queue, alerts):
     _module.register(cli)
 
 

@@ -49,6 +49,7 @@ from vigil.api import (
     UserList,
     UserOut,
 )
+from vigil.api_alerts import AlertDeliveryList, AlertRouteCreated, AlertRouteIn, AlertRouteList, AlertRouteOut
 from vigil.api_code import CodePackOut
 from vigil.api_guardian import GuardianSettingsOut
 from vigil.events import IncidentRaised, IncidentRaisedV1, JobStateChanged
@@ -317,6 +318,27 @@ class Client:
         return TeamOut.model_validate(
             self._call("PUT", f"/api/v1/teams/{_segment(name)}/share", json={"share": share})
         )
+
+    # --- alert routes -------------------------------------------------------------------------------
+
+    def alert_routes(self) -> AlertRouteList:
+        """The alert routes this token sees: its own and its team's (an admin: every one)."""
+        return AlertRouteList.model_validate(self._call("GET", "/api/v1/alerts/routes"))
+
+    def add_alert_route(self, route: AlertRouteIn | Mapping[str, Any]) -> AlertRouteCreated:
+        """A new route (`vigil.api_alerts.AlertRouteIn`); a `json` route's secret is in the answer, once."""
+        body = route.model_dump(mode="json") if isinstance(route, AlertRouteIn) else dict(route)
+        return AlertRouteCreated.model_validate(self._call("POST", "/api/v1/alerts/routes", json=body))
+
+    def remove_alert_route(self, route_id: str) -> AlertRouteOut:
+        return AlertRouteOut.model_validate(
+            self._call("DELETE", f"/api/v1/alerts/routes/{_segment(route_id)}")
+        )
+
+    def alert_deliveries(self, route_id: str, *, limit: int = 100) -> AlertDeliveryList:
+        """A route's delivery log, newest first."""
+        path = f"/api/v1/alerts/routes/{_segment(route_id)}/deliveries"
+        return AlertDeliveryList.model_validate(self._call("GET", path, params={"limit": limit}))
 
     # --- live events --------------------------------------------------------------------------------
 

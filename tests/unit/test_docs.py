@@ -21,6 +21,15 @@ MAX_README_LINES = 250
 SETUP = ["bash scripts/install.sh", ".venv/bin/vigil demo", "bash scripts/test.sh"]
 # Commands printed on a guide page (its fenced bash blocks) and the test that runs each as printed.
 RUN_BY: dict[str, dict[str, str]] = {
+    "alerting.md": {
+        c: "tests/integration/scheduler/test_alert_routes.py"
+        for c in (
+            "vigil alerts add oncall https://hooks.example/vigil --kind nan --kind spike --min-severity error",
+            "vigil alerts add ml-slack https://hooks.slack.com/services/T000/B000/XXXX --format slack --team ml",
+            "vigil alerts add ops http://alertmanager.example:9093 --format alertmanager",
+            "vigil alerts list",
+        )
+    },
     "gpus.md": {"bash scripts/gpu-check.sh": "tests/integration/bench/test_gpu_check.py"},
     "own-code.md": {"vigil submit job.yaml --code .": "tests/integration/byo/test_code_pack.py"},
 }

@@ -22,6 +22,7 @@ from vigil_common.bus import Bus
 from vigil_common.settings import Settings
 from vigil_scheduler import console
 from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway.alerts import AlertRouteController
 from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.code import CodeController
 from vigil_scheduler.gateway.controllers import (
@@ -94,6 +95,7 @@ def create_app(deps: Deps) -> Litestar:
             TeamController,
             QueueController,
             CodeController,
+            AlertRouteController,
         ],
         guards=[bearer_guard],
         security=[{"bearer": []}],
