@@ -4,9 +4,11 @@
 
 Where the kernel has overlayfs and the worker is root, the view is an overlay mount: the code root's folder
 is its lower layer (read only), an upper layer of the attempt's own (`<data dir>/worker/overlays/`, where
-no job's user reaches) takes every write, and nothing is copied. Elsewhere (no overlayfs, no root, a path
-overlayfs cannot name) it is a copy of the folder, refused past VIGIL_WORKDIR_COPY_MAX_MB. Either way the
-worker gives the attempt's folder to the job's user (`tenancy.give_to`), the mount's root included.
+no job's user reaches) takes every write, and no file is copied (its folders are given to the job's user:
+it creates files anywhere in the view; the code's own files stay as their owner made them). Elsewhere (no
+overlayfs, no root, a path overlayfs cannot name) it is a copy of the folder, refused past
+VIGIL_WORKDIR_COPY_MAX_MB. Either way the worker gives the attempt's folder to the job's user
+(`tenancy.give_to`), the mount's root included.
 
 The mount goes when the attempt has no rank left here (`release`), and an earlier attempt's view and its
 writes go when the next one is made: what a program writes in its working folder lasts for its attempt.
@@ -109,6 +111,9 @@ def _overlay(
         log.info("overlayfs refused %s (%s): copying it", view, os.strerror(ctypes.get_errno()))
         shutil.rmtree(layers, ignore_errors=True)
         return False
+    if user is not None:  # its folders the job's (a folder's copy-up is metadata only): new files anywhere
+        for top, _, _ in os.walk(view):
+            os.chown(top, user.uid, user.gid, follow_symlinks=False)
     return True
 
 

@@ -12,6 +12,7 @@ import pytest
 from vigil.errors import SpecError
 from vigil_common.settings import Settings
 from vigil_worker import workdirs
+from vigil_worker.tenancy import JobUser
 
 
 def settings(tmp_path: Path, **kw: object) -> Settings:
@@ -52,13 +53,15 @@ def test_a_folder_past_the_copy_limit_is_refused_naming_the_setting(tmp_path: Pa
 @pytest.mark.skipif(os.geteuid() != 0, reason="an overlay is mounted by root")
 def test_an_overlay_takes_the_writes_and_goes_with_its_attempt(tmp_path: Path) -> None:
     s, source = settings(tmp_path), project(tmp_path)
-    view = workdirs.make(s, "j1", 1, source, None)
+    view = workdirs.make(s, "j1", 1, source, JobUser(60999))
     try:
         if not view.is_mount():
             pytest.skip("this kernel lays no overlay here (the copy's path is tested above)")
         (view / "written.txt").write_text("mine")
         assert (view / "lib" / "m.py").read_text() == "x = 1\n"
         assert sorted(os.listdir(source)) == ["lib", "train.py"]
+        assert {os.stat(view).st_uid, os.stat(view / "lib").st_uid} == {60999}  # the job creates files there
+        assert os.stat(source / "lib").st_uid == os.getuid()  # the code root's own folder as it was
     finally:
         workdirs.release(s, "j1", 1)
     assert not view.is_mount()
