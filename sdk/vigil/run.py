@@ -49,7 +49,7 @@ from vigil import events as ev
 from vigil import manifest, stack_dump
 from vigil import protocol as proto
 from vigil import snapshot as snap
-from vigil.boundary import Boundary, agree
+from vigil.boundary import Boundary, Carrier, agree
 from vigil.checkpoints import Checkpoints
 from vigil.elastic import Resize, resize_of
 from vigil.exits import EXIT_PREEMPTED, write_exit_file, write_last_step
@@ -94,6 +94,7 @@ class Run:
         self._state = RunState(identity, link, checkpoints, skip_windows=list(skip_windows or []))
         self._commands = RunCommands(self._state)
         self._emergency: Callable[[int], Any] | None = None
+        self._carrier: Carrier | None = None  # the boundary inside DDP's gradient all-reduce (`carry`)
         self._last_report = time.perf_counter()
         self._step_s = 0.0  # the last reported step's seconds
         self._closed = False
@@ -203,7 +204,16 @@ class Run:
     def agree(self, finite: Any = True, *, oom: bool = False, loss: Any = None) -> Boundary:
         """Every rank, before its optimizer step: is the step finite everywhere, which commands are there,
         did a rank run out of memory (`oom`: this one did), is a node preempted, and (given `loss`, a
-        0-d tensor) every rank's loss. One small all-reduce; `finite` a bool or a 0-d tensor."""
+        0-d tensor) every rank's loss. One small all-reduce; `finite` a bool or a 0-d tensor.
+
+        After `carry`, where this step's backward carried the boundary in DDP's all-reduce, no
+        all-reduce runs here: `finite` must then judge only this rank's loss and the gradients after
+        DDP's all-reduce (the same on every rank), and the losses are those `carry`'s `loss` gave. An
+        out-of-memory rank always agrees through the all-reduce (its backward did not finish)."""
+        if self._carrier is not None and not oom:
+            got = self._carrier.take(finite, losses=loss is not None)
+            if got is not None:
+                return got
         return agree(
             finite,
             latest_seq=self._link.latest_seq,
@@ -213,6 +223,26 @@ class Run:
             preempt=self.notice.requested,
             loss=loss,
         )
+
+    def carry(self, ddp: Any, loss: Callable[[], Any] | None = None) -> bool:
+        """Every rank alike: carry the step boundary inside `ddp`'s gradient all-reduce (a
+        `DistributedDataParallel` over every rank; `vigil.boundary.Carrier`), so that `agree` after a
+        backward that synchronised gradients runs no collective of its own. `loss()` gives this rank's
+        loss for the step (a 0-d tensor) when the backward reaches DDP's all-reduce. False, and `agree`
+        stays one all-reduce, where DDP takes no such hook; `carry(None)` stops carrying."""
+        self._carrier = None
+        if ddp is None:
+            return False
+        carrier = Carrier(
+            rank=self.identity.rank,
+            world_size=self.identity.world_size,
+            news=lambda: (self._link.latest_seq, self.notice.requested),
+            loss=loss or (lambda: None),
+        )
+        if not carrier.attach(ddp):
+            return False
+        self._carrier = carrier
+        return True
 
     def after_step(self, next_step: int, boundary: Boundary, *, data_position: int | None = None) -> int:
         """Every rank, after the step is reported: act on what the ranks agreed on. Returns the step to run

@@ -25,6 +25,10 @@ class StepLoss:
         self.count += 1
         self.tokens += tokens
 
+    def peek(self) -> torch.Tensor | None:
+        """The sum so far (None: no loss yet), kept."""
+        return self._sum
+
     def take(self) -> tuple[torch.Tensor | None, int, int]:
         """(sum of the losses or None, how many, tokens), and start over."""
         got = (self._sum, self.count, self.tokens)

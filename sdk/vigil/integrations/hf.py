@@ -7,13 +7,14 @@ Two lines in an existing script::
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[VigilCallback()])
     trainer.train(resume_from_checkpoint=resume_checkpoint())  # None unless Vigil relaunched the job
 
-Per optimizer step, on every rank (`on_pre_optimizer_step`, after the gradients are reduced): this rank's
-loss (read from the model's output, as the Trainer reads it) and the gradients' norm before clipping go
-into the step boundary's one all-reduce. The callback clips in the Trainer's place (it takes
-`max_grad_norm` over for the run, and gives it back at the end), with the norm it reports: the Trainer
-would clip before any callback sees the gradients, so the norm reported would be the clipped one. The
-Trainer's own logged `grad_norm` stays the norm before clipping. Where any rank's step is not finite,
-every rank drops its gradients, so the optimizer leaves the weights alone. Under the Trainer's DeepSpeed
+Per optimizer step, on every rank (`on_pre_optimizer_step`, after the gradients are reduced and the
+Trainer clipped them): this rank's loss (read from the model's output, as the Trainer reads it) and the
+gradients' norm go into the step boundary. The norm is the Trainer's own, before clipping (read where
+its accelerator computes it: `hf_compat`), so the callback neither computes nor clips again. Under DDP
+the boundary rides in DDP's own gradient all-reduce (`Run.carry`: each rank's loss goes in with the
+gradients, whose finiteness every rank then judges alike from the norm), so the step runs no collective
+of Vigil's; elsewhere it is one small all-reduce. Where any rank's step is not finite, every rank drops
+its gradients, so the optimizer leaves the weights alone. Under the Trainer's DeepSpeed
 integration the engine has already stepped by then (inside `backward`): ZeRO stages 1-3 and fp16/bf16 skip
 a non-finite update themselves; ZeRO-0 in fp32 does not, and from such a step on this process adopts no
 more checkpoints (the guardian's rollback relaunches the job from an earlier one). Then (`on_step_end`)
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
-from vigil.integrations import ds_compat
+from vigil.integrations import ds_compat, hf_compat
 from vigil.integrations._guard import StepLoss, drop_gradients, grad_norm, verdict
 
 if TYPE_CHECKING:
@@ -71,7 +72,10 @@ class VigilCallback(TrainerCallback):
         self._step: dict[str, Any] = {}
         self._hook: Any = None
         self._scale_losses = False  # the loss was normalised over the whole accumulated batch
-        self._clip: float | None = None  # the Trainer's max_grad_norm, while this callback clips for it
+        self._trainer: Any = None  # the Trainer running this callback (`hf_compat`), during `train()`
+        self._norm: Any = None  # the Trainer's norm of this step's gradients, before clipping
+        self._unwatch: Any = None
+        self._carry = False  # the DDP hook is yet to be tried in this `train()`
 
     # --- where the loss comes from -----------------------------------------------------------------
 
@@ -81,13 +85,24 @@ class VigilCallback(TrainerCallback):
             raise RuntimeError("vigil: the Trainer passed no model to VigilCallback.on_train_begin")
         if self._hook is None:
             self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
-        if takes_over_clipping(args) and self._clip is None:
-            self._clip, args.max_grad_norm = float(args.max_grad_norm), 0.0
+        self._trainer = hf_compat.calling_trainer()
+        if self._trainer is not None and self._unwatch is None:
+            self._unwatch = hf_compat.watch_grad_norm(self._trainer, self._keep_norm)
+        self._carry = self._trainer is not None
         if self.run.skip_windows:
             log.warning(
                 "vigil: data windows %s are to be skipped; the Trainer's data loader does not know them",
                 self.run.skip_windows,
             )
+
+    def _keep_norm(self, norm: Any) -> None:
+        self._norm = norm
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:  # fmt: skip
+        if self._carry:  # the model is wrapped by now: under DDP, the boundary rides in its all-reduce
+            self._carry = False
+            self.run.carry(hf_compat.wrapped_model(self._trainer), self.losses.peek)
 
     def _on_forward(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if not module.training:
@@ -106,8 +121,11 @@ class VigilCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self._clip is not None:  # the user's arguments as they were
-            args.max_grad_norm, self._clip = self._clip, None
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        self._trainer = None
+        self.run.carry(None)
 
     # --- the step boundary ---------------------------------------------------------------------------
 
@@ -117,12 +135,12 @@ class VigilCallback(TrainerCallback):
         loss_sum, count, tokens = self.losses.take()
         deepspeed = bool(getattr(args, "deepspeed", None))
         params = list(model.parameters()) if model is not None else []
-        norm = None if deepspeed else grad_norm(params)  # full gradients, after DDP's all-reduce, unclipped
-        boundary = self.run.agree(verdict(loss_sum, norm))  # the step's one sync
-        if self._clip is not None and norm is not None and boundary.all_finite:
-            import torch
-
-            torch.nn.utils.clip_grads_with_norm_(params, self._clip, norm)  # as the Trainer would have
+        norm, self._norm = self._norm, None  # the Trainer's: after DDP's all-reduce, before its clip
+        if deepspeed:
+            norm = None  # the engine has stepped already; its own norm is reported below
+        elif norm is None:
+            norm = grad_norm(params)
+        boundary = self.run.agree(verdict(loss_sum, norm))  # in DDP's all-reduce, or the step's one sync
         skipped = False
         if deepspeed:  # the engine stepped inside backward; it skipped an overflow itself, or not
             skipped = bool(getattr(optimizer, "step_was_skipped", False))
@@ -181,19 +199,6 @@ class VigilCallback(TrainerCallback):
             log.error("vigil: not adopting %s: a non-finite update was applied before it", source)
             return
         self.run.save_checkpoint(step, lambda path: adopt(source, path))
-
-
-def takes_over_clipping(args: TrainingArguments) -> bool:
-    """Whether the callback clips for the Trainer: it has a `max_grad_norm` and holds the whole gradients
-    (plain PyTorch or DDP; DeepSpeed clips inside its engine and reports its own norm before clipping,
-    and FSDP's shards would need its own clip)."""
-    max_norm = getattr(args, "max_grad_norm", None)
-    return (
-        bool(max_norm)
-        and max_norm > 0
-        and not getattr(args, "deepspeed", None)
-        and not getattr(args, "fsdp", None)
-    )
 
 
 def adopt(source: Path, target: Path) -> None:

@@ -14,9 +14,10 @@ LOCAL_RANK and NODE_RANK, instead of starting processes of its own: `devices` (L
 `num_nodes` and a cluster environment that reads them.
 
 Per optimizer step, on every rank (`on_before_optimizer_step`, after backward and DDP's all-reduce):
-this rank's loss (what `training_step` returned) and the gradients' norm go into the step boundary's one
-all-reduce; where any rank's step is not finite, every rank drops its gradients and the optimizer leaves
-the weights alone. After the step (`on_train_batch_end`) it is reported, every `every` steps a checkpoint
+this rank's loss (what `training_step` returned) and the gradients' norm go into the step boundary, which
+under DDP rides in DDP's own gradient all-reduce (`Run.carry`) and elsewhere is one small all-reduce;
+where any rank's step is not finite, every rank drops its gradients and the optimizer leaves the weights
+alone. After the step (`on_train_batch_end`) it is reported, every `every` steps a checkpoint
 is saved (`trainer.save_checkpoint` into Vigil's folder, sealed with its manifest), and the job's commands
 are acted on: a halt waits there; a rollback stops every rank with exit code 5 and Vigil relaunches the
 job, `resume_checkpoint()` naming the checkpoint (Lightning's loops cannot be rewound in place).
@@ -93,6 +94,13 @@ class VigilCallback(pl.Callback):
                 self.run.skip_windows,
             )
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # under DDP (wrapped by now), the boundary rides in its gradient all-reduce: no collective of ours
+        self.run.carry(trainer.strategy.model, self.losses.peek)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.run.carry(None)
+
     # --- the step boundary ---------------------------------------------------------------------------
 
     def on_before_optimizer_step(
@@ -102,7 +110,7 @@ class VigilCallback(pl.Callback):
         loss_t = loss_sum / count if loss_sum is not None and count else None
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = grad_norm(params)  # full gradients, after DDP's all-reduce
-        boundary = self.run.agree(verdict(loss_t, norm))  # the step's one sync
+        boundary = self.run.agree(verdict(loss_t, norm))  # in DDP's all-reduce, or the step's one sync
         if not boundary.all_finite:
             drop_gradients(params)
         loss = math.nan if loss_t is None else float(loss_t)  # synchronised already: no wait

@@ -174,9 +174,16 @@ def test_hf_trainer_skips_a_nan_step_adopts_checkpoints_and_resumes_after_a_roll
     assert saved(root) == [2, 4, 6]
 
 
-def test_hf_trainer_reports_the_norm_before_clipping_and_clips_as_the_trainer_would(tmp_path):
-    """With a max_grad_norm every step exceeds, the callback reports the unclipped norm (the one the
-    Trainer logs), and the weights end where the Trainer's own clipping takes them without Vigil."""
+def test_hf_trainer_reports_the_trainers_own_norm_and_clips_once(tmp_path, monkeypatch):
+    """With a max_grad_norm every step exceeds, the callback reports the unclipped norm the Trainer
+    computed and logs (it computes none of its own), and the weights end bit for bit where the Trainer's
+    own clipping takes them without Vigil: clipped once."""
+    from vigil.integrations import hf
+
+    def no_norm_of_its_own(params: Any) -> None:
+        raise AssertionError("the callback computed the norm again")
+
+    monkeypatch.setattr(hf, "grad_norm", no_norm_of_its_own)
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from vigil.integrations.hf import VigilCallback
@@ -204,10 +211,40 @@ def test_hf_trainer_reports_the_norm_before_clipping_and_clips_as_the_trainer_wo
     reported = [e.grad_norm for e in link.of(ev.StepCompleted)]
     logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert len(reported) == 3 and all(n > 0.01 * 10 for n in reported), reported  # not the clipped norm
-    assert reported == pytest.approx(logged, rel=1e-5)
-    assert trainer.args.max_grad_norm == 0.01, "the Trainer's arguments are given back"
+    assert reported == logged
+    assert trainer.args.max_grad_norm == 0.01, "the Trainer's arguments are left alone"
+    assert "clip_grad_norm_" not in vars(trainer.accelerator), "the norm is no longer watched"
     for mine, theirs in zip(with_vigil.parameters(), alone.parameters(), strict=True):
-        torch.testing.assert_close(mine, theirs)
+        assert torch.equal(mine, theirs)
+
+
+def test_what_the_hf_callback_reads_of_the_trainer_exists(tmp_path):
+    """`hf_compat`'s names in the installed transformers: the Trainer found from inside its callback, its
+    wrapped model, and the norm its accelerator computes."""
+    from transformers import TrainerCallback
+
+    from vigil.integrations import hf_compat
+
+    seen: dict[str, Any] = {}
+
+    class Look(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen["trainer"] = hf_compat.calling_trainer()
+            seen["undo"] = hf_compat.watch_grad_norm(seen["trainer"], seen.setdefault("norms", []).append)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            seen["wrapped"] = hf_compat.wrapped_model(seen["trainer"])
+
+    from vigil.integrations.hf import VigilCallback
+
+    trainer, _ = hf_trainer(tmp_path, a_run(tmp_path / "ckpt", Recorder()))
+    trainer.remove_callback(VigilCallback)  # which watches the norm the same way
+    trainer.add_callback(Look())
+    trainer.train()
+    assert seen["trainer"] is trainer and seen["wrapped"] is trainer.model_wrapped
+    assert len(seen["norms"]) == 6 and all(torch.is_tensor(n) and n > 0 for n in seen["norms"])
+    seen["undo"]()
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)
 
 
 # --- Lightning ---------------------------------------------------------------------------------------
