@@ -63,13 +63,16 @@ class Holder:
 
 async def holders(conn: asyncpg.Connection | asyncpg.Pool) -> list[Holder]:
     """The active scheduler (a standby holds no connection) and every live guardian with the shares it
-    holds (none: it has just started, or there are more guardians than shares)."""
+    holds (none: it has just started, or there are more guardians than shares). This database's only:
+    the server's other databases (another deployment's, a test's) have holders of their own. A session
+    of a role this one may not read (its `backend_start` reads as NULL) is not listed either."""
     rows = await conn.fetch(
         """SELECT a.application_name AS name, host(a.client_addr) AS address, a.backend_start AS since,
                   array_remove(array_agg((l.classid::bigint << 32) | l.objid::bigint), NULL) AS keys
            FROM pg_stat_activity a
            LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
-           WHERE a.application_name LIKE $1
+           WHERE a.application_name LIKE $1 AND a.datname = current_database()
+             AND a.backend_start IS NOT NULL
            GROUP BY a.pid, a.application_name, a.client_addr, a.backend_start
            ORDER BY a.application_name""",
         PREFIX + "%",
