@@ -37,7 +37,7 @@ class AlertRouteController(Controller):
         "/",
         status_code=HTTP_201_CREATED,
         summary="Make an alert route (a `json` route's signing secret is in the answer, shown once)",
-        responses=error_responses(401, 422),
+        responses=error_responses(401, 413, 422),
     )
     async def create_route(
         self, request: Request, pool: Pool, data: JSONBody[AlertRouteIn]

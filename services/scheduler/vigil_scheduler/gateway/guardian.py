@@ -83,7 +83,7 @@ class GuardianController(Controller):
         summary="Change a queued or running job's guardian settings (audited); applied from the next step "
         "the guardian judges",
         operation_class=ChangeOperation,
-        responses=error_responses(401, 404, 409, 422),
+        responses=error_responses(401, 404, 409, 413, 422),
     )
     async def change_guardian(
         self, request: Request, body: RawBody, scheduler: SchedulerDep, job_id: JobId

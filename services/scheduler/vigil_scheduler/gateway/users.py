@@ -32,6 +32,7 @@ from vigil_scheduler.users import UserChange
 Pool = NamedDependency[asyncpg.Pool]
 Name = Annotated[str, Parameter(pattern=NAME_PATTERN, description="a user's or team's name")]
 ADMIN_ONLY = error_responses(401, 403, 422)
+ADMIN_WRITE = error_responses(401, 403, 413, 422)  # a body: VIGIL_MAX_BODY_BYTES bounds it
 
 
 class MeController(Controller):
@@ -56,7 +57,7 @@ class UserController(Controller):
         "/{name:str}",
         status_code=HTTP_200_OK,
         summary="Create or update a user: team, admin flag, GPU quota",
-        responses=ADMIN_ONLY,
+        responses=ADMIN_WRITE,
     )
     async def put_user(self, request: Request, pool: Pool, name: Name, data: JSONBody[UserIn]) -> UserOut:
         change = UserChange(team=data.team, admin=data.admin, gpus=data.gpus)
@@ -96,7 +97,7 @@ class TeamController(Controller):
     async def list_teams(self, pool: Pool) -> TeamList:
         return TeamList(items=[TeamOut.model_validate(t) for t in await users.list_teams(pool)])
 
-    @put("/{name:str}", status_code=HTTP_200_OK, summary="Set a team's GPU quota", responses=ADMIN_ONLY)
+    @put("/{name:str}", status_code=HTTP_200_OK, summary="Set a team's GPU quota", responses=ADMIN_WRITE)
     async def put_team(self, request: Request, pool: Pool, name: Name, data: JSONBody[TeamIn]) -> TeamOut:
         async with pool.acquire() as conn, conn.transaction():
             row = await users.put_team(conn, name, data.gpus, actor(request))
@@ -106,7 +107,7 @@ class TeamController(Controller):
         "/{name:str}/share",
         status_code=HTTP_200_OK,
         summary="Set a team's weight in the fair share (default 1)",
-        responses=ADMIN_ONLY,
+        responses=ADMIN_WRITE,
     )
     async def put_share(
         self, request: Request, pool: Pool, name: Name, data: JSONBody[TeamShareIn]
