@@ -72,6 +72,16 @@ async def launch_on(
     return launch
 
 
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL when it has not exited after `timeout_s`: a server a test started."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class ServiceProcess:
     """`vigil <command>` as a process of its own, with `env` (VIGIL_*) on a clean environment and its
     output in `log`: what a test kills with SIGKILL to see another process take over."""

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import eventually, service
+from tests.helpers import eventually, service, stop
 from vigil.events import IncidentRaised, JobStateChanged
 from vigil.jobstates import JobState
 from vigil_common import subjects
@@ -47,12 +47,7 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import eventually, launch_on, service
+from tests.helpers import eventually, launch_on, service, stop
 from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
 from vigil_common import subjects
 from vigil_common.bus import Bus
@@ -59,12 +59,7 @@ def prometheus(metrics_port: int, tmp_path: Path) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
 
 
