@@ -11,6 +11,7 @@ COPY pyproject.toml README.md /opt/vigil/
 COPY sdk /opt/vigil/sdk
 COPY libs /opt/vigil/libs
 COPY services /opt/vigil/services
+COPY trainer /opt/vigil/trainer
 COPY cli /opt/vigil/cli
 COPY bench /opt/vigil/bench
 

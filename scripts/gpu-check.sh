@@ -24,7 +24,7 @@ else
         export PATH=/tmp/site/bin:$PATH  # nats-server, for the benches' relay
         SITE=/tmp/site:
     fi
-    export PYTHONPATH=${SITE:-}$ROOT/libs/common:$ROOT/services/worker:$ROOT/services/scheduler:$ROOT/services/telemetry:$ROOT/services/guardian:$ROOT/sdk:$ROOT/bench:$ROOT/cli:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=${SITE:-}$ROOT/libs/common:$ROOT/services/worker:$ROOT/trainer:$ROOT/services/scheduler:$ROOT/services/telemetry:$ROOT/services/guardian:$ROOT/sdk:$ROOT/bench:$ROOT/cli:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
 exec "$PY" -m vigil_bench.gpu_check "$@"

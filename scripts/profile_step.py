@@ -4,7 +4,7 @@ sampled by py-spy, each sample put in the phase of the step it was taken in.
     python scripts/profile_step.py [--preset tiny] [--micro-batch 8] [--steps 80] [--rate 250]
 
 Run it from a checkout; to profile another commit, put that checkout's folders first on PYTHONPATH (the
-script only starts `python -m vigil_worker.trainer` and reads py-spy's stacks, so it runs against any
+script only starts `python -m vigil_trainer` and reads py-spy's stacks, so it runs against any
 version of the trainer). Only samples inside the training loop count (no setup; the first step's warm-up
 is in, one of --steps), idle samples are left out (py-spy without --idle): the shares are of the CPU the
 rank's threads used in its steps. Prints a table of milliseconds per step and shares, and its JSON.
@@ -85,7 +85,7 @@ def profile(
     rank = [
         sys.executable,
         "-m",
-        "vigil_worker.trainer",
+        "vigil_trainer",
         "--spec",
         str(tmp / "spec.yaml"),
         "--job-id",

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from vigil_worker.trainer import rank
-from vigil_worker.trainer.compile import should_compile
-from vigil_worker.trainer.observer import Observer
+from vigil_trainer import rank
+from vigil_trainer.compile import should_compile
+from vigil_trainer.observer import Observer
 
 
 def ceiling(argv: list[str], observer: Observer) -> int:
@@ -33,8 +33,8 @@ def ceiling(argv: list[str], observer: Observer) -> int:
         torch.cuda.set_device(device)
     tokens = rank.load_data(args, spec)
 
-    from vigil_worker.trainer.data import batch
-    from vigil_worker.trainer.model import GPT
+    from vigil_trainer.data import batch
+    from vigil_trainer.model import GPT
 
     torch.manual_seed(spec.train.seed)
     model = GPT(dims).to(device)

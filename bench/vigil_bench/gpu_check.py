@@ -134,7 +134,7 @@ def held_on_device(cuda: bool) -> Result:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(29_000 + os.getpid() % 1000),
         }
-        cmd = [sys.executable, "-m", "vigil_worker.trainer", "--spec", f"{tmp}/spec.yaml",
+        cmd = [sys.executable, "-m", "vigil_trainer", "--spec", f"{tmp}/spec.yaml",
                "--checkpoint-root", f"{tmp}/ckpt", "--cache-dir", f"{tmp}/cache"]  # fmt: skip
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     log = out.stdout + out.stderr

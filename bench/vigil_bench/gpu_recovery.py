@@ -115,7 +115,7 @@ def _stage(cuda: bool, stage: int, tmp: Path) -> Result:
     with ThreadPoolExecutor(max_workers=2 if cuda else 1) as pool:
         done = pool.map(lambda k: _scripted(cuda, tmp, k, *runs[k], root, snaps), runs)
         first = dict(zip(runs, done, strict=True))
-    from vigil_worker.trainer import checkpoint as ckpt
+    from vigil_trainer import checkpoint as ckpt
 
     step8 = str(ckpt.step_dir(root, job, ROLLBACK_TO))
     relaunch = _scripted(cuda, tmp, "relaunch", [], faulted, 2, step8, root, snaps)
@@ -244,7 +244,7 @@ async def _warm_and_cold(cuda: bool, tmp: Path) -> Result:
         assert taken is standby
         # the launch: what the worker hands a warm rank (`Standby.hand`), for a lone rank on device 0
         spec = write_spec(tmp / "warm.yaml", "gpu-check-warm", {"steps": WARM_STEPS, "warmup_steps": 1})
-        argv = [sys.executable, "-m", "vigil_worker.trainer", "--spec", str(spec),
+        argv = [sys.executable, "-m", "vigil_trainer", "--spec", str(spec),
                 "--checkpoint-root", str(tmp / "warm-ckpt"), "--cache-dir", str(tmp / "cache")]  # fmt: skip
         log = tmp / "warm-rank.log"
         launch = RankLaunch(
@@ -283,7 +283,7 @@ async def _warm_and_cold(cuda: bool, tmp: Path) -> Result:
 def _cold_start(cuda: bool, tmp: Path) -> tuple[float | None, str, int]:
     """The same job started as the worker starts a rank without a warm one: a new Python."""
     spec = write_spec(tmp / "cold.yaml", "gpu-check-cold", {"steps": WARM_STEPS, "warmup_steps": 1})
-    cmd = [sys.executable, "-m", "vigil_worker.trainer", "--spec", str(spec),
+    cmd = [sys.executable, "-m", "vigil_trainer", "--spec", str(spec),
            "--checkpoint-root", str(tmp / "cold-ckpt"), "--cache-dir", str(tmp / "cache")]  # fmt: skip
     launched = time.time()
     proc = subprocess.run(cmd, env=rank_env(cuda), capture_output=True, text=True, timeout=300)

@@ -34,8 +34,8 @@ import yaml
 from vigil.spec import parse_spec
 from vigil_bench import result, servers
 from vigil_common.settings import Settings
+from vigil_trainer.mfu import flops_per_token, measure_peak, peak_flops
 from vigil_worker.local import LocalAgent, start_ranks
-from vigil_worker.trainer.mfu import flops_per_token, measure_peak, peak_flops
 
 TIMED_RANK = "vigil_bench.timed_rank"
 WARMUP = 5

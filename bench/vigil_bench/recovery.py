@@ -36,8 +36,8 @@ from vigil_bench import result, servers
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.settings import Settings
+from vigil_trainer.checkpoint import step_dir
 from vigil_worker.local import LocalAgent, start_ranks
-from vigil_worker.trainer.checkpoint import step_dir
 
 ROLLBACKS = 5
 SPEC = {

@@ -13,7 +13,7 @@ On a GPU the micro-batch is sized to the memory (`gpu_micro_batch`: 32 on an 80 
 or given with VIGIL_BENCH_SCALING_MICRO_BATCH.
 
 Per run, a roofline point: achieved model FLOP/s per device (tokens/s x FLOPs per token / W) against
-the device's peak and memory bandwidth (the table in `vigil_worker.trainer.mfu` on GPU; measured here on
+the device's peak and memory bandwidth (the table in `vigil_trainer.mfu` on GPU; measured here on
 CPU: a matmul rate and a copy bandwidth), at the step's arithmetic intensity estimated as model FLOPs
 per step over the bytes of training state it reads and writes (weights, gradients, Adam moments;
 activations not counted, so the intensity is an upper bound). A table is printed and a PNG written
@@ -39,8 +39,8 @@ import yaml
 from vigil.spec import parse_spec
 from vigil_bench import result
 from vigil_common.settings import Settings
+from vigil_trainer.mfu import flops_per_token, measure_peak, peak_flops
 from vigil_worker.local import start_ranks
-from vigil_worker.trainer.mfu import flops_per_token, measure_peak, peak_flops
 
 TIMED_RANK = "vigil_bench.timed_rank"
 STEPS = 12
@@ -169,7 +169,7 @@ def run(settings: Settings) -> dict[str, Any]:
     dims = parse_spec(_spec(preset, 1, micro)).model.resolved()
     fpt = flops_per_token(dims)
 
-    from vigil_worker.trainer.model import GPT
+    from vigil_trainer.model import GPT
 
     with torch.device("meta"):
         n_params = GPT(dims).num_params()

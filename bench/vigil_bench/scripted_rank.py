@@ -27,7 +27,7 @@ from vigil import link as vigil_link
 from vigil import protocol as proto
 from vigil.recovery import Rollback
 from vigil.snapshot import SnapshotCost
-from vigil_worker.trainer import rank
+from vigil_trainer import rank
 
 
 class ScriptedLink:
@@ -57,7 +57,7 @@ class ScriptedLink:
             self.write({"event": event.type, **event.model_dump(mode="json", include=_FIELDS)})
 
     def _script(self, event: ev.StepCompleted) -> None:
-        from vigil_worker.trainer import checkpoint as ckpt
+        from vigil_trainer import checkpoint as ckpt
 
         assert self.rollback_to is not None
         job, attempt = event.job_id, event.attempt

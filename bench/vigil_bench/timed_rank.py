@@ -1,7 +1,7 @@
 """The rank program as the overhead and recovery benches run it, with timings written to a file.
 
 `python -m vigil_bench.timed_rank --timings FILE [--plain] TRAINER-ARGS...`: without `--plain`, the
-trainer's own rank (`vigil_worker.trainer.rank.main`) with an observer that appends each step's wall
+trainer's own rank (`vigil_trainer.rank.main`) with an observer that appends each step's wall
 time, each in-place rollback's timing and the in-memory snapshots' cost to FILE as JSON lines (every rank
 to the same file, each line naming its rank). With `--plain`, the overhead bench's baseline: the same
 engine, model and data, built by the trainer's own setup functions, stepped by a plain DeepSpeed loop
@@ -23,8 +23,8 @@ from typing import Any
 
 from vigil.recovery import Rollback
 from vigil.snapshot import SnapshotCost
-from vigil_worker.trainer import rank
-from vigil_worker.trainer.observer import Observer
+from vigil_trainer import rank
+from vigil_trainer.observer import Observer
 
 
 class JsonLinesObserver:
@@ -84,7 +84,7 @@ def plain(argv: list[str], observer: Observer) -> int:
     import torch
     import torch.distributed as dist
 
-    from vigil_worker.trainer.data import batch
+    from vigil_trainer.data import batch
 
     # where DeepSpeed steps the trainer's optimizer (no ZeRO), the trainer clips
     clip = job.spec.train.grad_clip if plan.owns_step else 0.0

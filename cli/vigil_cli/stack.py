@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import IO
 
 from vigil.errors import ConfigError, first_error
+from vigil.paths import private_dir
 from vigil_cli.services import SERVICES, nats_user
 from vigil_common import credentials
 from vigil_common.bus import Bus
-from vigil_common.confine import private_dir
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import EmbeddedNats, EmbeddedPostgres
 from vigil_common.endpoints import write_endpoints

@@ -6,7 +6,7 @@ Exit codes: 0 done; 1 anything else (traceback in the log); 2 bad spec or argume
 checkpoint; 4 preempted (every rank wrote the emergency checkpoint first); 5 stopped to be relaunched
 from a checkpoint (a program that cannot roll back in place; rank 0 reported `RestartRequested`); 6
 parked: a collective failed (a peer died) and the built-in trainer's process waits for its job's next
-attempt (`vigil_worker.trainer.park`: the worker reports it as this exit code, the process lives on); an
+attempt (`vigil_trainer.park`: the worker reports it as this exit code, the process lives on); an
 injected crash exits with the code its fault names.
 """
 

@@ -416,7 +416,7 @@ _token: str | None = None
 def rank_token() -> str | None:
     """This rank's token, read once from the pipe the worker handed it (the descriptor is closed and its
     variable dropped then, so no process the rank starts inherits either); None outside Vigil. A rank
-    handed its job's next attempt in its process (`vigil_worker.trainer.park`) gets a new pipe: read then."""
+    handed its job's next attempt in its process (`vigil_trainer.park`) gets a new pipe: read then."""
     global _token
     if fd := os.environ.pop(proto.RANK_TOKEN_FD_ENV, None):
         try:

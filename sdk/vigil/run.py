@@ -27,7 +27,7 @@ is stopped there (exit code 5, `vigil.exits`) and the scheduler relaunches it wi
 set to the checkpoint (`run.resume_from`). On a preemption notice it exits with code 4 after the
 checkpoint `on_preemption` saves, if one is registered.
 
-The built-in GPT trainer is an ordinary user of this same `Run` (`vigil_worker.trainer`): its reports,
+The built-in GPT trainer is an ordinary user of this same `Run` (`vigil_trainer`): its reports,
 step boundary, commands, rollbacks (its loaders registered with `on_rollback` and `snapshot(load=)`),
 checkpoints and snapshots. The checkpoint protocol is `vigil.checkpoints`, what the commands do
 `vigil.recovery`, the snapshot schedule `vigil.run_snapshots`.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("bench", "cli", "deploy", "examples", "libs", "sdk", "services", "scripts")
+PRODUCT = ("bench", "cli", "deploy", "examples", "libs", "sdk", "services", "scripts", "trainer")
 MAX_LINES = 500
 REGISTRIES = {Path("sdk/vigil/events.py")}
 

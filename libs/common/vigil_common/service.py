@@ -14,9 +14,10 @@ import asyncpg
 from opentelemetry.sdk.trace import TracerProvider
 
 from vigil.errors import ConfigError
+from vigil.paths import private_dir
 from vigil_common import tracing
 from vigil_common.bus import Bus
-from vigil_common.confine import private_dir, private_umask
+from vigil_common.confine import private_umask
 from vigil_common.db import create_pool, migrate
 from vigil_common.settings import Settings
 from vigil_common.waiting import wait_any as wait_any  # services import it from here

@@ -214,7 +214,7 @@ def comm_backend() -> Any:
 
 def forget_groups() -> None:
     """After `torch.distributed.destroy_process_group()` in a process that goes on (a rank that waits for
-    its job's next attempt, `vigil_worker.trainer.park`): DeepSpeed's comm backend and its cached groups
+    its job's next attempt, `vigil_trainer.park`): DeepSpeed's comm backend and its cached groups
     name the destroyed group. Dropped, the next `deepspeed.init_distributed` and engine make new ones."""
     from deepspeed.comm import comm as ds_comm
     from deepspeed.utils import groups

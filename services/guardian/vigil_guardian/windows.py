@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from vigil.events import StepCompleted
 from vigil.spec import GuardianSpec
-from vigil_common.spike_rule import ABS_SCALE_FLOOR, MAD_TO_SIGMA, LossWindows, SpikeScore, spike_score
+from vigil.spike_rule import ABS_SCALE_FLOOR, MAD_TO_SIGMA, LossWindows, SpikeScore, spike_score
 from vigil_guardian.collective import ImbalanceTracker, StragglerScores
 from vigil_guardian.hang import p99
 from vigil_guardian.verdict import Verdict
@@ -103,7 +103,7 @@ def spike(
 def spike_verdict(
     found: SpikeScore | None, loss: float, zscore: float, step: int, rank: int, node: str | None
 ) -> Verdict | None:
-    """The verdict on a loss the spike rule (`vigil_common.spike_rule`) scored, or None."""
+    """The verdict on a loss the spike rule (`vigil.spike_rule`) scored, or None."""
     if found is None:
         return None
     z, median, mad, window = found

@@ -3,7 +3,7 @@
 A launch's run directory is `<data dir>/runs/<job>/attempt-<n>/`: the launch event as `launch.json`
 (what the built-in trainer reads) and each rank's exit file. Logs go to `<log dir>/<job>/`.
 
-A rank runs either the built-in GPT trainer (`python -m vigil_worker.trainer`, the default) or the
+A rank runs either the built-in GPT trainer (`python -m vigil_trainer`, the default) or the
 job's own program (`entrypoint.argv`, in `entrypoint.workdir` under a code root, or inside the attempt's
 copy of its code package, `code_pack`). Either way its
 command line is an argument list that no shell sees, and its environment is built from scratch:
@@ -40,17 +40,17 @@ from pathlib import Path
 from vigil import protocol as proto
 from vigil.errors import SpecError
 from vigil.events import LaunchJob, RankPlacement
-from vigil_common.confine import OutsideRoots, within
+from vigil.handover import PARK_ENV
+from vigil.paths import OutsideRoots, within
 from vigil_common.settings import Settings
 from vigil_worker.code_pack import code_dir
 from vigil_worker.tenancy import JobUser, job_dir, snapshot_dir
-from vigil_worker.trainer.park import PARK_ENV
 
 PYTHON_NAMES = ("python", "python3")  # an entrypoint's argv[0] that means the worker's own interpreter
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (first) IPv4 address
 
-TRAINER_MODULE = "vigil_worker.trainer"  # the built-in trainer: `python -m TRAINER_MODULE`
+TRAINER_MODULE = "vigil_trainer"  # the built-in trainer: `python -m TRAINER_MODULE`
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,8 @@ def trainer_argv(launch_file: Path, settings: Settings, cache: Path | None = Non
     ]  # fmt: skip
     for root in settings.allowed_data_roots:
         argv += ["--data-root", str(root)]
+    if settings.peak_tflops is not None:
+        argv += ["--peak-tflops", repr(settings.peak_tflops)]
     return argv
 
 
@@ -247,7 +249,7 @@ def warm_argv(argv: list[str]) -> list[str] | None:
 def handed_launch(
     rank: RankLaunch, uid: int | None = None, gid: int | None = None, procs: list[bytes] | None = None
 ) -> bytes:
-    """What a waiting built-in trainer process is handed to become `rank` (`trainer.standby.Launch`, one
+    """What a waiting built-in trainer process is handed to become `rank` (`vigil.handover.Launch`, one
     JSON line): a warm rank (its user and cgroup to join) or a parked one (already both)."""
     argv = warm_argv(rank.argv)
     assert argv is not None, "only the built-in trainer waits to be handed a rank"

@@ -104,13 +104,13 @@ def start_ranks(
     log_dir: Path,
     *,
     threads: int = 1,
-    module: str = "vigil_worker.trainer",
+    module: str = "vigil_trainer",
     agent: LocalAgent | None = None,
     job: tuple[str, int] | None = None,
     snapshot_dir: Path | None = None,
 ) -> LocalRanks:
     """Start `world_size` ranks of `python -m MODULE ARGS` here, logs in `log_dir`. MODULE is the rank
-    program, or one that wraps it (a benchmark's, calling `vigil_worker.trainer.rank.main`). With
+    program, or one that wraps it (a benchmark's, calling `vigil_trainer.rank.main`). With
     `agent` and `job` (job id, attempt) the ranks are linked to the bus through that agent; with
     `snapshot_dir` their in-memory snapshots go there (and to each other), as a worker's do."""
     log_dir.mkdir(parents=True, exist_ok=True)

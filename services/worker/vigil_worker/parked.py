@@ -1,5 +1,5 @@
 """The worker's side of in-job restart: a rank whose collective failed waits in its process for its job's
-next attempt (`vigil_worker.trainer.park`), and the worker hands that attempt to it.
+next attempt (`vigil_trainer.park`), and the worker hands that attempt to it.
 
 - A parked rank is seen by the monitor (its marker beside the exit file) and reported exited
   (`EXIT_PARKED`): the control plane judges the failure as any other. Its device is offered again.
@@ -21,12 +21,12 @@ import socket
 import time
 
 from vigil.events import LaunchJob
+from vigil.handover import next_socket, parked_marker
 from vigil_common.settings import Settings
 from vigil_worker.cgroups import JobCgroup
 from vigil_worker.launch import RankLaunch, handed_launch, warm_argv
 from vigil_worker.procs import RankRecord, RankTable, RankToStart
 from vigil_worker.tenancy import JobUser
-from vigil_worker.trainer.park import next_socket, parked_marker
 
 log = logging.getLogger("vigil.worker")
 

@@ -26,19 +26,18 @@ here and no cgroup made.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vigil.errors import RetryableError
 from vigil.events import LaunchJob
+from vigil.handover import become, libc_prctl
 from vigil_common.confine import let_traverse
 from vigil_common.settings import Settings
 from vigil_worker import cgroups
@@ -46,7 +45,6 @@ from vigil_worker.uids import PoolExhausted, UidPool
 
 log = logging.getLogger("vigil.worker")
 
-PR_SET_NO_NEW_PRIVS = 38
 MIB = 1024 * 1024
 
 
@@ -254,36 +252,9 @@ def enter(user: JobUser | None, group: cgroups.JobCgroup | None) -> Callable[[],
     another thread may hold."""
     procs = group.procs_files() if group is not None else []
     uid, gid = (user.uid, user.gid) if user is not None else (None, None)
-    prctl = _prctl()
+    prctl = libc_prctl()
 
     def child() -> None:
         become(uid, gid, procs, prctl)
 
     return child
-
-
-def become(uid: int | None, gid: int | None, procs: Sequence[str | bytes], prctl: Any = None) -> None:
-    """Join the job's cgroup (before the program can fork), drop to the job's user with no supplementary
-    group, and forbid gaining privileges (setuid binaries, file capabilities) for good. Run by a rank's
-    child before exec, or by a warm rank when its launch comes (`trainer.standby`)."""
-    me = str(os.getpid()).encode()
-    for path in procs:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.write(fd, me)
-        finally:
-            os.close(fd)
-    if uid is not None and gid is not None:
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-    prctl = prctl if prctl is not None else _prctl()
-    if prctl is not None and prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-
-
-def _prctl() -> Any:
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux's
-    if prctl is not None:
-        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    return prctl

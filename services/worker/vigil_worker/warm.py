@@ -5,7 +5,7 @@ starting Python, torch and DeepSpeed again (about 3 s on a CPU). How many: `VIGI
 (unset: one per device, enough for one job's ranks here; 0: none). On a GPU node each waits for one
 device (its CUDA_VISIBLE_DEVICES is set before torch is imported); on a CPU node any serves any slot.
 
-A warm process runs no job's code before its launch (`trainer.standby`), and only the built-in trainer
+A warm process runs no job's code before its launch (`vigil_trainer.standby`), and only the built-in trainer
 is run warm: a job's own program is started as it always is, its imports being its own. One taken is
 replaced a little later, on idle cycles only (SCHED_IDLE). On a CPU node even idle cycles are the ranks'
 (a rank waiting in a collective wakes to caches the imports took: the bench's steps ran 5-10 % slower
@@ -23,15 +23,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vigil.handover import READY
 from vigil_common.settings import Settings
 from vigil_worker import cgroups
 from vigil_worker.launch import RankLaunch, handed_launch, standby_env
 from vigil_worker.tenancy import JobUser
-from vigil_worker.trainer.standby import READY
 
 log = logging.getLogger("vigil.worker")
 
-STANDBY_MODULE = "vigil_worker.trainer.standby"
+STANDBY_MODULE = "vigil_trainer.standby"
 REPLACE_AFTER_S = 5.0  # a taken warm rank is replaced this long after (the launched ranks start first)
 
 
@@ -44,7 +44,7 @@ class Standby:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def hand(self, rank: RankLaunch, user: JobUser | None, group: cgroups.JobCgroup | None) -> None:
-        """Make it `rank`: its launch, one JSON line on its stdin (see `trainer.standby.Launch`)."""
+        """Make it `rank`: its launch, one JSON line on its stdin (see `vigil.handover.Launch`)."""
         rank.log_path.parent.mkdir(parents=True, exist_ok=True)
         procs = group.procs_files() if group is not None else []
         line = handed_launch(rank, user.uid if user else None, user.gid if user else None, procs)

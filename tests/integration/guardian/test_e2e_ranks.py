@@ -42,7 +42,7 @@ from vigil_common.bus import Bus
 from vigil_common.db import create_pool, migrate
 from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
-from vigil_worker.trainer.checkpoint import safe_load
+from vigil_trainer.checkpoint import safe_load
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -75,7 +75,7 @@ def kill_our_rank(pid: int, data_dir: Path) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-    if "vigil_worker.trainer" not in cmdline or str(data_dir) not in cmdline:
+    if "vigil_trainer" not in cmdline or str(data_dir) not in cmdline:
         return False
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)

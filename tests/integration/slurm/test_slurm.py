@@ -98,7 +98,7 @@ def parent_of(pid: int) -> int:
 
 def is_rank(pid: int) -> bool:
     try:
-        return b"vigil_worker.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"vigil_trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

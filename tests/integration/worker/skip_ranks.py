@@ -18,7 +18,7 @@ from vigil.integrations import ds_compat
 from vigil.integrations.deepspeed import skip_step
 from vigil.integrations.gate import Sample
 from vigil.spec import parse_spec
-from vigil_worker.trainer.rank import build_engine, init_process_group, rank_env
+from vigil_trainer.rank import build_engine, init_process_group, rank_env
 
 CASES = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")]
 

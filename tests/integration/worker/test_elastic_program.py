@@ -29,7 +29,7 @@ from tests.integration.worker.conftest import (
 )
 from vigil import events as ev
 from vigil_common import subjects
-from vigil_worker.trainer import checkpoint as ckpt
+from vigil_trainer import checkpoint as ckpt
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -28,7 +28,7 @@ def test_one_rank_trains_in_every_zero_stage(tmp_path: Path, zero: int) -> None:
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # fmt: skip
     env = {k: v for k, v in env.items() if not k.startswith("VIGIL_")}
     done = subprocess.run(
-        [sys.executable, "-m", "vigil_worker.trainer", "--spec", str(tmp_path / "spec.json"),
+        [sys.executable, "-m", "vigil_trainer", "--spec", str(tmp_path / "spec.json"),
          "--checkpoint-root", str(tmp_path / "ckpt"), "--cache-dir", str(tmp_path / "cache")],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

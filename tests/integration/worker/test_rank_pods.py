@@ -163,7 +163,7 @@ def start(t: PodRankTable, job_id: str, rank: int, local_world: int = 2, attempt
     (run_dir / "launch.json").write_text(json.dumps({"job_id": job_id}))
     env = {"RANK": str(rank), "LOCAL_WORLD_SIZE": str(local_world), "WORLD_SIZE": str(local_world),
            "NODE_RANK": "0", proto.RANK_TOKEN_FD_ENV: "never-in-a-pod-spec-fd"}  # fmt: skip
-    argv = ["python", "-m", "vigil_worker.trainer", "--launch", str(run_dir / "launch.json")]
+    argv = ["python", "-m", "vigil_trainer", "--launch", str(run_dir / "launch.json")]
     who = RankToStart(
         job_id=job_id, attempt=attempt, rank=rank, device=rank, builtin=True, world_size=local_world,
         log_path=t.settings.log_dir / job_id / f"rank-{rank}.log", exit_path=run_dir / f"rank-{rank}.exit",

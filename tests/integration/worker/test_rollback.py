@@ -14,7 +14,7 @@ from tests.integration.worker.conftest import launch, rank_logs, record, tiny_sp
 from vigil import events as ev
 from vigil.integrations import ds_compat
 from vigil_common import subjects
-from vigil_worker.trainer import checkpoint as ckpt
+from vigil_trainer import checkpoint as ckpt
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import pytest
 from tests.integration.worker.conftest import launch, rank_logs, record, tiny_spec, until_exited
 from vigil import events as ev
 from vigil_common import subjects
-from vigil_worker.trainer import checkpoint as ckpt
+from vigil_trainer import checkpoint as ckpt
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -48,7 +48,7 @@ async def log_says(path: Path, text: str, count: int, timeout_s: float = 120.0) 
 def standby_pids() -> list[int]:
     return [
         int(p) for p in os.listdir("/proc")
-        if p.isdigit() and b"vigil_worker.trainer.standby" in read(f"/proc/{p}/cmdline")
+        if p.isdigit() and b"vigil_trainer.standby" in read(f"/proc/{p}/cmdline")
     ]  # fmt: skip
 
 

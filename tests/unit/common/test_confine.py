@@ -11,7 +11,7 @@ import pytest
 
 from vigil.errors import CheckpointError
 from vigil.manifest import confine
-from vigil_common.confine import OutsideRoots, within
+from vigil.paths import OutsideRoots, within
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ def test_free_text_quoting_a_url_is_masked() -> None:
 def test_private_dirs_are_owner_only_but_keep_a_search_bit(tmp_path) -> None:
     import stat
 
-    from vigil_common.confine import private_dir
+    from vigil.paths import private_dir
 
     fresh = private_dir(tmp_path / "a" / "data")
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o700

@@ -7,7 +7,7 @@ from vigil import events as ev
 from vigil_common import subjects
 
 ROOT = Path(__file__).resolve().parents[3]
-SOURCE_DIRS = ["libs", "services", "cli", "bench"]
+SOURCE_DIRS = ["libs", "services", "trainer", "cli", "bench"]
 
 
 def test_builders_validate_tokens():

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from tests.unit.guardian.helpers import step
-from vigil_common import spike_rule
+from vigil import spike_rule
 from vigil_guardian import windows
 
 

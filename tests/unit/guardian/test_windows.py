@@ -5,8 +5,8 @@ import math
 import random
 
 from tests.unit.guardian.helpers import step
+from vigil import spike_rule
 from vigil.spec import GuardianSpec
-from vigil_common import spike_rule
 from vigil_guardian import windows
 from vigil_guardian.collective import StragglerScores
 from vigil_guardian.windows import Windows

@@ -14,7 +14,8 @@ from torch import nn
 from vigil.integrations import ds_compat
 
 ROOT = Path(__file__).resolve().parents[3]
-SCANNED = ("services", "sdk", "libs", "cli", "bench", "examples")  # product code and the user's examples
+# product code and the user's examples
+SCANNED = ("services", "trainer", "sdk", "libs", "cli", "bench", "examples")
 COMPAT = ROOT / "sdk" / "vigil" / "integrations" / "ds_compat.py"
 EXEMPT: set[tuple[str, str]] = set()  # (file, name) allowed outside ds_compat: none
 ATTR_CALLS = {"getattr", "setattr", "hasattr", "delattr"}

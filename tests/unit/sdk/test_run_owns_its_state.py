@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 RUN = ROOT / "sdk" / "vigil" / "run.py"
 OWN = ("self", "cls")  # a class's own private names, whatever it is
-TREES = ("sdk", "services", "libs", "cli", "bench", "examples", "tests")
+TREES = ("sdk", "services", "trainer", "libs", "cli", "bench", "examples", "tests")
 
 
 def run_private_names() -> set[str]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vigil.errors import CheckpointError
-from vigil_worker.trainer import checkpoint as ckpt
+from vigil_trainer import checkpoint as ckpt
 
 
 def make(root, job="j1", step=0, files=None):

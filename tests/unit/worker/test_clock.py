@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from vigil_worker.trainer.clock import Clock
-from vigil_worker.trainer.comm import CommTimer
+from vigil_trainer.clock import Clock
+from vigil_trainer.comm import CommTimer
 
 
 class Backend:

@@ -3,7 +3,7 @@ import torch
 
 from vigil.errors import SpecError
 from vigil.spec import parse_spec
-from vigil_worker.trainer.compile import should_compile
+from vigil_trainer.compile import should_compile
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 

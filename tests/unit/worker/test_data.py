@@ -9,7 +9,7 @@ from vigil.errors import SpecError
 from vigil.identity import first_position
 from vigil.spec import DataSpec
 from vigil_common.settings import Settings
-from vigil_worker.trainer.data import (
+from vigil_trainer.data import (
     ByteTokenizer,
     batch,
     builtin_corpus_files,

@@ -2,7 +2,7 @@ import pytest
 
 from vigil.errors import SpecError
 from vigil.spec import TrainSpec
-from vigil_worker.trainer.ds_config import (
+from vigil_trainer.ds_config import (
     Hardware,
     build_config,
     choose_zero_stage,

@@ -6,7 +6,7 @@ import pytest
 
 from vigil.errors import SpecError
 from vigil.spec import parse_spec
-from vigil_worker.trainer.elastic import shape_of
+from vigil_trainer.elastic import shape_of
 
 
 def spec(nodes: int, grad_accum: int, elastic: bool = True):

@@ -1,7 +1,7 @@
 import math
 
 from vigil.spec import parse_spec
-from vigil_worker.trainer.faults import FaultInjector
+from vigil_trainer.faults import FaultInjector
 
 
 def spec_faults(*faults):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from vigil.spec import parse_spec
-from vigil_worker.trainer.compile import compiled_graphs
-from vigil_worker.trainer.model import GPT
+from vigil_trainer.compile import compiled_graphs
+from vigil_trainer.model import GPT
 
 
 @pytest.mark.gpu

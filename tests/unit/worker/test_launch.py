@@ -73,7 +73,7 @@ def test_only_this_nodes_ranks_with_torchruns_environment_and_the_sdks(tmp_path)
 def test_the_built_in_trainers_command_line_comes_from_vigil_alone(tmp_path):
     (rank, *_) = prepare_ranks(make_launch(), settings(tmp_path), "cpu", SOCKET)
     run_dir = tmp_path.resolve() / "runs" / "j1" / "attempt-2"
-    assert rank.argv[:3] == [sys.executable, "-m", "vigil_worker.trainer"]
+    assert rank.argv[:3] == [sys.executable, "-m", "vigil_trainer"]
     assert rank.argv[3:11] == [
         "--launch", str(run_dir / "launch.json"),
         "--checkpoint-root", str(tmp_path.resolve() / "checkpoints"),
@@ -82,6 +82,20 @@ def test_the_built_in_trainers_command_line_comes_from_vigil_alone(tmp_path):
     ]  # fmt: skip
     assert rank.cwd is None
     assert rank.env["DS_ACCELERATOR"] == "cpu" and rank.env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "--peak-tflops" not in rank.argv  # unset: the trainer's table, or its measured rate
+
+
+def test_the_workers_peak_reaches_the_trainer_as_an_argument_and_its_mfu_uses_it(tmp_path):
+    """The trainer reads no control-plane setting: VIGIL_PEAK_TFLOPS, the worker's, comes in its argv."""
+    import torch
+
+    from vigil_trainer.rank import device_peak, parse_args
+
+    (rank, *_) = prepare_ranks(make_launch(), settings(tmp_path, peak_tflops=312.5), "cpu", SOCKET)
+    assert rank.argv[-2:] == ["--peak-tflops", "312.5"]
+    args = parse_args(rank.argv[3:])
+    peak = device_peak(torch.device("cpu"), "bf16", args.peak_tflops)
+    assert peak is not None and (peak.flops, peak.source) == (312.5e12, "VIGIL_PEAK_TFLOPS")
 
 
 def test_a_rank_inherits_no_secret_and_nothing_outside_the_allowlist(tmp_path, monkeypatch):

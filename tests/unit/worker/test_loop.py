@@ -15,11 +15,11 @@ from vigil.link import NullLink
 from vigil.recovery import Rollback
 from vigil.run import Identity, Run
 from vigil.spec import JobSpec, ModelSpec, parse_spec
-from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.faults import FaultInjector
-from vigil_worker.trainer.loop import train
-from vigil_worker.trainer.model import GPT
-from vigil_worker.trainer.rank import RankEnv, build_engine
+from vigil_trainer.context import RankContext, TrainState
+from vigil_trainer.faults import FaultInjector
+from vigil_trainer.loop import train
+from vigil_trainer.model import GPT
+from vigil_trainer.rank import RankEnv, build_engine
 
 pytestmark = pytest.mark.usefixtures("one_rank")
 
@@ -203,8 +203,8 @@ def test_a_spike_is_only_reported_where_the_spec_says_alert(tmp_path):
 def test_without_zero_the_guard_clips_with_the_norm_it_computed(tmp_path):
     """No ZeRO: DeepSpeed's gradient_clipping is 0, so the guard's one norm is also the clip's (the
     gradients come out with norm train.grad_clip, and the boundary reports the norm before clipping)."""
-    from vigil_worker.trainer import guard
-    from vigil_worker.trainer.micro import MicroSteps
+    from vigil_trainer import guard
+    from vigil_trainer.micro import MicroSteps
 
     ctx, _ = context(tmp_path, steps=1)
     params = list(ctx.engine.module.parameters())

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vigil.spec import PRESETS, ModelSpec, MoESpec
-from vigil_worker.trainer.mfu import Peak, flops_per_token, mfu, peak_flops, table_peak
-from vigil_worker.trainer.model import GPT
+from vigil_trainer.mfu import Peak, flops_per_token, mfu, peak_flops, table_peak
+from vigil_trainer.model import GPT
 
 # Worked by hand from the presets (d = d_model, hd = d / n_head, f = SwiGLU width, V = vocab, T = seq_len):
 #   per layer: q, o = 2·d·(n_head·hd); k, v = 2·d·(n_kv·hd); SwiGLU 3·d·f.  N = L·(attn + mlp) + V·d.

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from vigil.spec import PRESETS, ModelDims, ModelSpec
-from vigil_worker.trainer.model import GPT, ffn_hidden
+from vigil_trainer.model import GPT, ffn_hidden
 
 
 def expected_params(d: ModelDims) -> int:

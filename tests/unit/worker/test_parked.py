@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from vigil import handover
 from vigil.events import LaunchJob, RankPlacement
 from vigil.exits import EXIT_PARKED
 from vigil.spec import JobSpec
+from vigil_trainer import park
 from vigil_worker import exit_report, parked
 from vigil_worker.launch import RankLaunch
 from vigil_worker.procs import RankTable, RankToStart
-from vigil_worker.trainer import park
 
 GLOO = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -37,10 +38,10 @@ def test_a_failed_collective_parks_and_nothing_else_does(monkeypatch: pytest.Mon
         assert park.collective_failed(outer)
     for other in (RuntimeError("CUDA out of memory"), ValueError("Connection reset by peer"), KeyError("x")):
         assert not park.collective_failed(other), other
-    monkeypatch.delenv(park.PARK_ENV, raising=False)
+    monkeypatch.delenv(handover.PARK_ENV, raising=False)
     monkeypatch.setenv("VIGIL_EXIT_FILE", "/tmp/x.exit")
     assert not park.may_park(RuntimeError(GLOO))  # its worker does not hand over: it exits as before
-    monkeypatch.setenv(park.PARK_ENV, "1")
+    monkeypatch.setenv(handover.PARK_ENV, "1")
     assert park.may_park(RuntimeError(GLOO)) and not park.may_park(RuntimeError("CUDA out of memory"))
 
 
@@ -82,7 +83,7 @@ def test_a_launch_takes_its_jobs_parked_ranks_on_the_same_device_and_others_let_
 
 PARKED_RANK = """
 import json, os, sys
-from vigil_worker.trainer import park
+from vigil_trainer import park
 park.release_process_group = lambda: None  # no process group in this test
 park.begin("RuntimeError: Connection closed by peer")
 got = park.wait_for_next_attempt()
@@ -109,7 +110,7 @@ def test_the_worker_hands_the_next_attempt_to_the_parked_process(tmp_path: Path)
     run_dir = tmp_path / "attempt-2"
     rank = RankLaunch(
         placement=RankPlacement(rank=0, node="n", device=0, local_rank=0),
-        argv=[sys.executable, "-m", "vigil_worker.trainer", "--launch", "x.json"],
+        argv=[sys.executable, "-m", "vigil_trainer", "--launch", "x.json"],
         env={"RANK": "0"}, cwd=None, token="t2", log_path=run_dir / "a2.log", exit_path=run_dir / "rank-0.exit",
     )  # fmt: skip
     who2 = RankToStart(
@@ -121,4 +122,4 @@ def test_the_worker_hands_the_next_attempt_to_the_parked_process(tmp_path: Path)
     assert [r.attempt for r in table.running("j1")] == [2] and old.reported
     table._children[kept.pid].wait(60)
     assert json.loads(rank.log_path.read_text()) == ["--launch", "x.json"]  # written on the handed log
-    assert not park.parked_marker(exit_file).exists() and not park.next_socket(exit_file).exists()
+    assert not handover.parked_marker(exit_file).exists() and not handover.next_socket(exit_file).exists()

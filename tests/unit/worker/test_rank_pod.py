@@ -22,7 +22,7 @@ def plan(multi_node: bool = False, holds_rank0: bool = True, kind: str = "gpu") 
         rp.RankContainer(
             rank=r,
             device=d,
-            argv=["/usr/local/bin/python", "-m", "vigil_worker.trainer", "--launch", rp.POD_LAUNCH_FILE],
+            argv=["/usr/local/bin/python", "-m", "vigil_trainer", "--launch", rp.POD_LAUNCH_FILE],
             env={
                 "RANK": str(r),
                 "VIGIL_RANK_TOKEN": TOKEN,

@@ -4,8 +4,8 @@ spec deciding which verdicts hold a step."""
 import math
 
 from vigil.spec import GuardianSpec
-from vigil_common.spike_rule import LossWindows
-from vigil_worker.trainer.step_judge import StepJudge
+from vigil.spike_rule import LossWindows
+from vigil_trainer.step_judge import StepJudge
 
 
 def warmed(spec: GuardianSpec, steps: int = 12) -> StepJudge:

@@ -49,7 +49,8 @@ def test_a_warm_rank_launched_runs_every_thread_as_any_process():
     with, so the launch resets each of them, not the main thread alone."""
     code = (
         "import os, threading\n"
-        "from vigil_worker.trainer.standby import run_as_any_process, wait_on_idle_cycles\n"
+        "from vigil.handover import run_as_any_process\n"
+        "from vigil_trainer.standby import wait_on_idle_cycles\n"
         "wait_on_idle_cycles()\n"
         "stop = threading.Event()\n"
         "threading.Thread(target=stop.wait, daemon=True).start()  # one its imports started\n"

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from vigil.boundary import Boundary
-from vigil_worker.trainer import guard
-from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.data import batch
-from vigil_worker.trainer.oom import free_memory, null_backward, with_retry
+from vigil_trainer import guard
+from vigil_trainer.context import RankContext, TrainState
+from vigil_trainer.data import batch
+from vigil_trainer.oom import free_memory, null_backward, with_retry
 
 log = logging.getLogger("vigil.rank")
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from vigil.integrations import ds_compat
-from vigil_worker.trainer.context import RankContext
+from vigil_trainer.context import RankContext
 
 log = logging.getLogger("vigil.rank")
 

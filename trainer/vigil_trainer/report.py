@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vigil.boundary import Boundary
-from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.memory import memory_bytes
-from vigil_worker.trainer.mfu import mfu
-from vigil_worker.trainer.micro import MicroSteps
+from vigil_trainer.context import RankContext, TrainState
+from vigil_trainer.memory import memory_bytes
+from vigil_trainer.mfu import mfu
+from vigil_trainer.micro import MicroSteps
 
 log = logging.getLogger("vigil.rank")
 

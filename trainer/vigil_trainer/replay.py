@@ -26,9 +26,9 @@ from vigil import events as ev
 from vigil.boundary import Boundary
 from vigil.identity import first_position
 from vigil.integrations.deepspeed import skip_step
-from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.micro import MicroSteps, execute
-from vigil_worker.trainer.step_judge import Bad
+from vigil_trainer.context import RankContext, TrainState
+from vigil_trainer.micro import MicroSteps, execute
+from vigil_trainer.step_judge import Bad
 
 log = logging.getLogger("vigil.rank")
 

@@ -1,4 +1,4 @@
-"""The rank program: `python -m vigil_worker.trainer --launch launch.json --checkpoint-root DIR ...`.
+"""The rank program: `python -m vigil_trainer --launch launch.json --checkpoint-root DIR ...`.
 
 Started by the worker (or by hand) with the torch.distributed environment: RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Builds the process group, the model, the DeepSpeed engine, the
@@ -38,7 +38,7 @@ from vigil.exits import (
     EXIT_SPEC,
     write_exit_file,
 )
-from vigil_worker.trainer.observer import NullObserver, Observer
+from vigil_trainer.observer import NullObserver, Observer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,14 +47,14 @@ if TYPE_CHECKING:
     from vigil.elastic import Resize
     from vigil.run import Run
     from vigil.spec import JobSpec
-    from vigil_worker.trainer.ds_config import DeepSpeedPlan
-    from vigil_worker.trainer.mfu import Peak
+    from vigil_trainer.ds_config import DeepSpeedPlan
+    from vigil_trainer.mfu import Peak
 
 log = logging.getLogger("vigil.rank")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vigil_worker.trainer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vigil_trainer", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--launch", type=Path, help="a LaunchJob event as JSON (what the worker writes)")
     src.add_argument("--spec", type=Path, help="a job spec (YAML or JSON), to run without a scheduler")
@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-data", type=int, nargs=2, metavar=("START", "END"), help="[start, end) data positions"
     )
     p.add_argument("--final-weights", type=Path, help="rank 0 saves the full trained weights here at the end")
+    p.add_argument(
+        "--peak-tflops", type=float, help="the device's peak TFLOP/s for MFU (the worker's VIGIL_PEAK_TFLOPS)"
+    )
     return p.parse_args(argv)
 
 
@@ -138,7 +141,7 @@ class Job:
 def read_job(args: argparse.Namespace, world: int) -> Job:
     from vigil import events as ev
     from vigil.spec import parse_spec
-    from vigil_worker.trainer.elastic import shape_of
+    from vigil_trainer.elastic import shape_of
 
     if args.launch:
         launch = ev.decode(args.launch.read_bytes(), (ev.LaunchJob,))
@@ -190,10 +193,10 @@ def build_engine(spec: JobSpec, env: RankEnv, device: torch.device) -> tuple[Any
     import torch
 
     from vigil.integrations import ds_compat
-    from vigil_worker.trainer import checkpoint as ckpt
-    from vigil_worker.trainer.compile import compile_engine
-    from vigil_worker.trainer.ds_config import Hardware, build_config
-    from vigil_worker.trainer.model import GPT
+    from vigil_trainer import checkpoint as ckpt
+    from vigil_trainer.compile import compile_engine
+    from vigil_trainer.ds_config import Hardware, build_config
+    from vigil_trainer.model import GPT
 
     torch.manual_seed(spec.train.seed)  # same initial weights on every rank
     model = GPT(spec.model.resolved())
@@ -241,15 +244,14 @@ def open_run(job: Job, env: RankEnv, node: str, checkpoint_root: Path) -> Run:
     )
 
 
-def device_peak(device: torch.device, precision: str) -> Peak | None:
-    """The peak MFU is measured against: VIGIL_PEAK_TFLOPS, else the table for this GPU, else (a CPU, or a
-    GPU not in the table) this process's measured matmul rate."""
+def device_peak(device: torch.device, precision: str, override: float | None = None) -> Peak | None:
+    """The peak MFU is measured against: `override` (TFLOP/s: `--peak-tflops`, which the worker sets from
+    VIGIL_PEAK_TFLOPS), else the table for this GPU, else (a CPU, or a GPU not in the table) this
+    process's measured matmul rate."""
     import torch
 
-    from vigil_common.settings import Settings
-    from vigil_worker.trainer.mfu import measure_peak, peak_flops
+    from vigil_trainer.mfu import measure_peak, peak_flops
 
-    override = Settings.load().peak_tflops
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     measured = None
     if override is None and peak_flops(name, precision, override_tflops=None) is None:
@@ -260,7 +262,7 @@ def device_peak(device: torch.device, precision: str) -> Peak | None:
 
 def load_data(args: argparse.Namespace, spec: JobSpec) -> np.ndarray:
     """The tokenized training data (tokenized once into the cache, memory-mapped after)."""
-    from vigil_worker.trainer.data import load_tokens
+    from vigil_trainer.data import load_tokens
 
     cache_dir = args.cache_dir or args.checkpoint_root.resolve().parent / "cache"
     roots = args.data_roots or [args.checkpoint_root.resolve().parent]  # the data dir
@@ -273,8 +275,8 @@ def load_data(args: argparse.Namespace, spec: JobSpec) -> np.ndarray:
 def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> int:
     """Run one rank; `observer` (default: none) hears each step's and each rollback's timing. A rank whose
     collective failed may wait in this process for its job's next attempt and run it here (`park`)."""
-    from vigil_worker.trainer import park
-    from vigil_worker.trainer.standby import become_rank
+    from vigil.handover import become_rank
+    from vigil_trainer import park
 
     stack_dump.install()  # the worker's fallback when py-spy cannot read this process
     preemption.listen_early()  # a notice during the imports is kept, not the end of the process
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None, *, observer: Observer | None = None) -> 
 def _attempt(argv: list[str] | None, observer: Observer) -> tuple[int, str | None]:
     """One attempt's rank: its exit code, and why it parked (None: it did not)."""
     from vigil.errors import CheckpointError, SpecError
-    from vigil_worker.trainer import park
+    from vigil_trainer import park
 
     args = parse_args(argv)
     env = rank_env()
@@ -320,7 +322,7 @@ def _attempt(argv: list[str] | None, observer: Observer) -> tuple[int, str | Non
 
 
 def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
-    from vigil_worker.trainer import park
+    from vigil_trainer import park
 
     job = read_job(args, env.world)
     root = args.checkpoint_root.resolve()
@@ -339,15 +341,15 @@ def _train(args: argparse.Namespace, env: RankEnv, observer: Observer, job: Job,
 
     from vigil.identity import first_position
     from vigil.integrations import ds_compat
-    from vigil_worker.trainer import snapshots
-    from vigil_worker.trainer.checkpoint_collective import load_checkpoint, save_checkpoint
-    from vigil_worker.trainer.clock import Clock
-    from vigil_worker.trainer.comm import CommTimer
-    from vigil_worker.trainer.compile import compiled_graphs, should_compile
-    from vigil_worker.trainer.context import RankContext, TrainState
-    from vigil_worker.trainer.faults import FaultInjector
-    from vigil_worker.trainer.loop import train
-    from vigil_worker.trainer.mfu import flops_per_token
+    from vigil_trainer import snapshots
+    from vigil_trainer.checkpoint_collective import load_checkpoint, save_checkpoint
+    from vigil_trainer.clock import Clock
+    from vigil_trainer.comm import CommTimer
+    from vigil_trainer.compile import compiled_graphs, should_compile
+    from vigil_trainer.context import RankContext, TrainState
+    from vigil_trainer.faults import FaultInjector
+    from vigil_trainer.loop import train
+    from vigil_trainer.mfu import flops_per_token
 
     run.notice.install()  # from now on a SIGUSR1 is a preemption notice
 
@@ -360,7 +362,7 @@ def _train(args: argparse.Namespace, env: RankEnv, observer: Observer, job: Job,
     engine, plan = build_engine(job.spec, env, device)
     compiled = should_compile(job.spec.train.compile, device, plan.zero_stage)
     fpt = flops_per_token(job.spec.model.resolved())
-    peak = device_peak(device, plan.precision)
+    peak = device_peak(device, plan.precision, args.peak_tflops)
     if env.rank == 0:
         n_params = engine.module.num_params()
         log.info("%s: %.2fM parameters, world %d", job.job_id, n_params / 1e6, env.world)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from vigil.integrations import ds_compat
-from vigil_worker.trainer.clock import Clock
+from vigil_trainer.clock import Clock
 
 OPS = (
     "all_reduce",

@@ -11,13 +11,13 @@ import torch
 from vigil.elastic import Resize
 from vigil.run import Run
 from vigil.spec import JobSpec
-from vigil_worker.trainer.clock import Clock
-from vigil_worker.trainer.comm import CommTimer
-from vigil_worker.trainer.ds_config import owns_step
-from vigil_worker.trainer.faults import FaultInjector
-from vigil_worker.trainer.mfu import Peak
-from vigil_worker.trainer.observer import NullObserver, Observer
-from vigil_worker.trainer.step_judge import StepJudge
+from vigil_trainer.clock import Clock
+from vigil_trainer.comm import CommTimer
+from vigil_trainer.ds_config import owns_step
+from vigil_trainer.faults import FaultInjector
+from vigil_trainer.mfu import Peak
+from vigil_trainer.observer import NullObserver, Observer
+from vigil_trainer.step_judge import StepJudge
 
 
 @dataclass

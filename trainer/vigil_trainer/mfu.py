@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vigil.spec import ModelDims
-from vigil_worker.trainer.model import ffn_hidden
+from vigil_trainer.model import ffn_hidden
 
 # Dense peak TFLOP/s per device and precision, from the vendors' data sheets (fp32: without TF32, which
 # PyTorch leaves off for matmuls by default). Matched in order against the device name as a substring,

@@ -26,8 +26,8 @@ import torch
 
 from vigil.errors import SpecError
 from vigil.identity import first_position
+from vigil.paths import OutsideRoots, private_dir, within
 from vigil.spec import DataSpec
-from vigil_common.confine import OutsideRoots, private_dir, within
 
 BUILTIN_MAX_BYTES = 4 * 1024 * 1024
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
@@ -90,7 +90,7 @@ def load_tokenizer(spec: DataSpec, roots: Sequence[Path]) -> Tokenizer:
 
 
 def confined(path: str | Path, roots: Sequence[Path], field: str) -> Path:
-    """A spec's path, resolved, if it lies under an allowed root (`vigil_common.confine.within`)."""
+    """A spec's path, resolved, if it lies under an allowed root (`vigil.paths.within`)."""
     try:
         return within(path, roots)
     except OutsideRoots as exc:

@@ -12,10 +12,10 @@ of the built-in trainer, started by a worker that allows it (`PARK_ENV`), parks:
 2. it closes its `vigil.Run` (its events out), destroys the process group and drops DeepSpeed's cached
    groups (`ds_compat.forget_groups`), and frees what the engine held;
 3. it waits for the worker's connection. The worker hands it the job's next attempt when that attempt
-   places this rank on the same node and device: a warm rank's launch (`trainer.standby.Launch`) and
+   places this rank on the same node and device: a warm rank's launch (`vigil.handover.Launch`) and
    the new log's descriptor (SCM_RIGHTS: the logs' folder is not the job user's), with the process
    already moved into the new attempt's cgroup. The rank takes its log, token, folder and environment
-   (`standby.become_rank`) and runs `rank.main` again: a new process group at the new rendezvous, a
+   (`vigil.handover.become_rank`) and runs `rank.main` again: a new process group at the new rendezvous, a
    new engine, and the newest whole in-memory snapshot restored, as any relaunch does.
 
 The worker ends a parked rank the next attempt does not take (placed elsewhere, another job on its
@@ -31,17 +31,13 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vigil import protocol as proto
-
-if TYPE_CHECKING:
-    from vigil_worker.trainer.standby import Launch
+from vigil.handover import PARK_ENV, Launch, next_socket, parked_marker
 
 log = logging.getLogger("vigil.rank")
 
 HANDED_MAX_BYTES = 1 << 20  # a launch's JSON line (its environment holds the job's spec)
-PARK_ENV = "VIGIL_PARK"  # "1": the worker hands this rank its job's next attempt when it fails a collective
 # What a failed collective says (gloo's transport, NCCL, c10d's store), in the exception or its causes.
 COLLECTIVE_FAILURES = (
     "Connection closed by peer",
@@ -53,17 +49,6 @@ COLLECTIVE_FAILURES = (
     "DistNetworkError",
     "DistBackendError",
 )
-
-
-def parked_marker(exit_path: str | Path) -> Path:
-    """Where a parked rank says why it parked: beside its exit file."""
-    return Path(exit_path).with_suffix(".parked")
-
-
-def next_socket(exit_path: str | Path) -> Path:
-    """The Unix socket a parked rank takes its next attempt from (the launch, and its log's descriptor):
-    beside its exit file."""
-    return Path(exit_path).with_suffix(".next")
 
 
 def collective_failed(exc: BaseException) -> bool:

@@ -13,8 +13,8 @@ from pathlib import Path
 from vigil import manifest
 from vigil.errors import CheckpointError
 from vigil.integrations import ds_compat
-from vigil_worker.trainer import checkpoint as ckpt
-from vigil_worker.trainer.context import RankContext, TrainState
+from vigil_trainer import checkpoint as ckpt
+from vigil_trainer.context import RankContext, TrainState
 
 log = logging.getLogger("vigil.rank")
 

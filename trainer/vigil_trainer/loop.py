@@ -17,13 +17,13 @@ from vigil.boundary import Boundary
 from vigil.identity import first_position
 from vigil.integrations.deepspeed import skip_step
 from vigil.recovery import Preempted
-from vigil_worker.trainer import replay
-from vigil_worker.trainer.checkpoint_collective import save_checkpoint, save_emergency_checkpoint
-from vigil_worker.trainer.context import RankContext, TrainState
-from vigil_worker.trainer.data import next_position
-from vigil_worker.trainer.micro import execute
-from vigil_worker.trainer.oom import halt_out_of_memory
-from vigil_worker.trainer.report import StepTimes, report_step
+from vigil_trainer import replay
+from vigil_trainer.checkpoint_collective import save_checkpoint, save_emergency_checkpoint
+from vigil_trainer.context import RankContext, TrainState
+from vigil_trainer.data import next_position
+from vigil_trainer.micro import execute
+from vigil_trainer.oom import halt_out_of_memory
+from vigil_trainer.report import StepTimes, report_step
 
 
 def train(ctx: RankContext, st: TrainState) -> TrainState:

@@ -4,7 +4,7 @@ Every rank has every rank's loss from the boundary all-reduce, and applies the j
 same numbers in the same order, so every rank reaches the same verdict without another collective:
 
 - `nan`: some rank's loss (or, without ZeRO in fp32, the gradients) was not finite;
-- `spike`: some rank's loss is a spike by the spec's rule (`vigil_common.spike_rule`, the guardian's).
+- `spike`: some rank's loss is a spike by the spec's rule (`vigil.spike_rule`, the guardian's).
 
 A step is held only where the spec's action for its kind is `rollback` and `guardian.replay` is on:
 with `alert`, `halt` or `fail` the step goes on as before and the guardian acts on the reported step.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vigil.spec import GuardianSpec
-from vigil_common.spike_rule import LossWindows
+from vigil.spike_rule import LossWindows
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import torch
 from vigil.boundary import Boundary
 
 if TYPE_CHECKING:
-    from vigil_worker.trainer.context import RankContext
-    from vigil_worker.trainer.micro import MicroSteps
+    from vigil_trainer.context import RankContext
+    from vigil_trainer.micro import MicroSteps
 
 
 def agree(ctx: RankContext, m: MicroSteps) -> Boundary:

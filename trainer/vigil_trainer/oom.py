@@ -26,11 +26,11 @@ import torch
 
 from vigil import events as ev
 from vigil.integrations.deepspeed import skip_step
-from vigil_worker.trainer.checkpoint_collective import save_emergency_checkpoint
+from vigil_trainer.checkpoint_collective import save_emergency_checkpoint
 
 if TYPE_CHECKING:
     from vigil.boundary import Boundary
-    from vigil_worker.trainer.context import RankContext, TrainState
+    from vigil_trainer.context import RankContext, TrainState
 
 log = logging.getLogger("vigil.rank")
 M = TypeVar("M")

@@ -1,3 +1,0 @@
-from vigil_worker.trainer.rank import exit_process, main
-
-exit_process(main())

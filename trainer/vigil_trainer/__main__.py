@@ -1,0 +1,3 @@
+from vigil_trainer.rank import exit_process, main
+
+exit_process(main())
