@@ -4,8 +4,9 @@
     torchrun --nproc-per-node 2 ddp_loop.py             # two ranks on gloo
     vigil submit examples/byo/ddp_loop.yaml --follow    # under Vigil
 
-The SDK's core API, nothing else: the step boundary before the optimizer step, a report per step, a
-checkpoint every `--save-every` steps, and a loader so that a rollback happens in place. Each step's batch
+The SDK's core API, nothing else: the step boundary before the optimizer step (carried in DDP's own
+gradient all-reduce, `run.carry`), a report per step, a checkpoint every `--save-every` steps, and a
+loader so that a rollback happens in place. Each step's batch
 is drawn from its data position, so the guardian's skipped windows are honoured. The data is random
 tokens: nothing is downloaded. An elastic job (`resources.elastic`) relaunched on fewer ranks keeps its
 global batch (`run.on_resize`: more micro-steps per rank, each reading a spec-size rank's batch).
@@ -84,6 +85,10 @@ def main() -> None:
     net = TinyLM()
     model = DDP(net) if world > 1 else net
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
+    # the step boundary rides in DDP's own gradient all-reduce: no collective of Vigil's per step
+    carried: dict[str, torch.Tensor] = {}  # this rank's loss for the step, as the all-reduce starts
+    if world > 1:
+        run.carry(model, lambda: carried.get("loss"))
 
     def save(path: Path) -> None:  # every rank holds the same state: rank 0 writes it
         if rank == 0:
@@ -117,10 +122,11 @@ def main() -> None:
                 part = model(batch(position, source, args)) / len(sources)
                 if args.nan_at == step and source == 1 and once(markers / f"nan-at-{step}.done"):
                     part = part * float("nan")
+                loss = carried["loss"] = loss + part.detach()
                 part.backward()
-            loss = loss + part.detach()
         norm = nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        # --- the step boundary: is every rank's step finite, which commands are there (one all-reduce) ---
+        # --- the step boundary: is every rank's step finite, which commands are there (carried in DDP's
+        # all-reduce above; one small all-reduce of its own where it was not) -------------------------------
         ok = run.agree(torch.isfinite(loss) & torch.isfinite(norm))
         if ok.all_finite:
             optimizer.step()
