@@ -1,18 +1,21 @@
 """Session fixtures with real servers: NATS (JetStream) and Postgres.
 
 Order of preference: the user's VIGIL_NATS_URL / VIGIL_DATABASE_URL; testcontainers
-when a Docker engine answers; otherwise the embedded servers Vigil itself uses.
+when a Docker engine answers and can start the container; otherwise the embedded servers Vigil itself
+uses. An engine that answers but cannot pull the image (or testcontainers' own ryuk), as on an
+air-gapped cluster or beside the compose test's dockerd, is no engine here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,20 +68,49 @@ def servers_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def in_docker(
+    stack: contextlib.ExitStack, start: Callable[[], contextlib.AbstractContextManager[str]]
+) -> str | None:
+    """The URL of the server `start()` runs in a container, kept until `stack` closes; None where no Docker
+    engine answers, or where the one that does cannot start it: an image (the server's, or testcontainers'
+    ryuk) it cannot pull, as where no registry can be reached."""
+    if not docker_available():
+        return None
+    from docker.errors import DockerException
+
+    try:
+        return stack.enter_context(start())
+    except DockerException as e:
+        print(f"conftest: Docker answers but cannot start the container ({str(e)[:300]}): embedded servers")
+        return None
+
+
+@contextlib.contextmanager
+def _nats_container() -> Iterator[str]:
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.waiting_utils import wait_for_logs
+
+    with DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222) as c:
+        wait_for_logs(c, "Server is ready")
+        yield f"nats://{c.get_container_host_ip()}:{c.get_exposed_port(4222)}"
+
+
+@contextlib.contextmanager
+def _postgres_container() -> Iterator[str]:
+    from testcontainers.postgres import PostgresContainer
+
+    with PostgresContainer("postgres:17", driver=None) as pg:
+        yield pg.get_connection_url()
+
+
 @pytest.fixture(scope="session")
 def nats_url(servers_dir: Path) -> Iterator[str]:
-    if url := os.environ.get("VIGIL_NATS_URL"):
-        yield url
-    elif docker_available():
-        from testcontainers.core.container import DockerContainer
-        from testcontainers.core.waiting_utils import wait_for_logs
-
-        with DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222) as c:
-            wait_for_logs(c, "Server is ready")
-            yield f"nats://{c.get_container_host_ip()}:{c.get_exposed_port(4222)}"
-    else:
-        with EmbeddedNats(servers_dir / "nats", durable=False) as server:  # thrown away at the end
-            yield server.url
+    with contextlib.ExitStack() as stack:
+        if url := os.environ.get("VIGIL_NATS_URL") or in_docker(stack, _nats_container):
+            yield url
+        else:
+            with EmbeddedNats(servers_dir / "nats", durable=False) as server:  # thrown away at the end
+                yield server.url
 
 
 async def _allow_createdb(admin_url: str) -> None:
@@ -91,21 +123,17 @@ async def _allow_createdb(admin_url: str) -> None:
 
 @pytest.fixture(scope="session")
 def database_url(servers_dir: Path) -> Iterator[str]:
-    if url := os.environ.get("VIGIL_DATABASE_URL"):
-        yield url
-    elif docker_available():
-        from testcontainers.postgres import PostgresContainer
-
-        with PostgresContainer("postgres:17", driver=None) as pg:
-            yield pg.get_connection_url()
-    else:
-        with EmbeddedPostgres(servers_dir / "postgres", durable=False) as server:  # thrown away at the end
-            # The services' role, as `vigil up` makes it (no superuser), and one test-only right: tests
-            # make a fresh database per scheduler (tests/integration/security/test_postgres_role.py
-            # checks the role as `vigil up` leaves it).
-            with ThreadPoolExecutor(1) as one:  # whether or not an event loop runs in this thread
-                one.submit(asyncio.run, _allow_createdb(server.admin_url)).result()
-            yield server.url
+    with contextlib.ExitStack() as stack:
+        if url := os.environ.get("VIGIL_DATABASE_URL") or in_docker(stack, _postgres_container):
+            yield url
+        else:
+            with EmbeddedPostgres(servers_dir / "postgres", durable=False) as server:  # thrown away after
+                # The services' role, as `vigil up` makes it (no superuser), and one test-only right: tests
+                # make a fresh database per scheduler (tests/integration/security/test_postgres_role.py
+                # checks the role as `vigil up` leaves it).
+                with ThreadPoolExecutor(1) as one:  # whether or not an event loop runs in this thread
+                    one.submit(asyncio.run, _allow_createdb(server.admin_url)).result()
+                yield server.url
 
 
 @pytest.fixture
