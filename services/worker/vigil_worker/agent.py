@@ -143,6 +143,8 @@ class Worker:
             return
         if user is not None:
             self.tenancy.give_to(user, self.settings, job, launch.attempt)
+        else:
+            self.tenancy.own_snapshots(job)
         group = self.tenancy.cgroup(launch)
         enter = tenancy.enter(user, group)
         for r in ranks:

@@ -157,6 +157,13 @@ class Tenancy:
         for path in owned:
             _own_tree(path, user)
 
+    def own_snapshots(self, job_id: str) -> None:
+        """The in-memory snapshot folder of a job that runs as the worker's own user (no uid pool: the
+        worker is not root, as in its image, or VIGIL_JOB_UIDS=off), the worker's; `give_to` makes it for a
+        job's user. Without it the ranks, handed its path, failed at their first snapshot."""
+        if (snapshots := snapshot_dir(self.settings, job_id)) is not None and _node_shm(snapshots.parent):
+            snapshots.mkdir(mode=0o700, exist_ok=True)
+
     def forget_snapshots(self, job_id: str) -> None:
         """The job's in-memory snapshots here removed (a job that succeeds removes its own)."""
         if (snapshots := snapshot_dir(self.settings, job_id)) is not None:

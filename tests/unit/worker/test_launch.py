@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -203,6 +204,23 @@ def test_entrypoints_can_be_turned_off(tmp_path):
 def test_a_launch_for_other_nodes_writes_nothing(tmp_path):
     assert prepare_ranks(make_launch(), settings(tmp_path, node="c"), "gpu", SOCKET) == []
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_job_run_as_the_workers_own_user_has_its_snapshot_folder_too(tmp_path, monkeypatch):
+    """No uid pool (the worker not root, as in the compose image; here VIGIL_JOB_UIDS=off): the worker makes
+    the folder the ranks are handed (VIGIL_SNAPSHOT_DIR), its own. The compose test's ranks failed at their
+    first snapshot without it."""
+    from vigil_worker import tenancy
+
+    monkeypatch.setattr(tenancy, "SHM", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    mine = Tenancy(settings(tmp_path, job_uids="off"))
+    assert not mine.isolated
+    folder = tenancy.snapshot_dir(mine.settings, "j1")
+    assert folder is not None and not folder.exists()
+    mine.own_snapshots("j1")
+    mine.own_snapshots("j1")  # a relaunch: already there
+    assert folder.is_dir() and folder.stat().st_uid == os.geteuid()
 
 
 def test_a_jobs_snapshot_folder_is_its_users_under_the_workers_own_folder_on_shm(tmp_path, monkeypatch):
