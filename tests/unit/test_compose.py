@@ -184,7 +184,7 @@ def test_the_control_plane_image_installs_no_torch_and_the_worker_image_does() -
     stages = dockerfile_stages()
     plane = [line for line in stages["control-plane"].splitlines() if not line.lstrip().startswith("#")]
     assert not [line for line in plane if re.search(r"torch|deepspeed|\[worker", line)], plane
-    assert "pip install ." in stages["control-plane"]
+    assert "pip install --no-build-isolation ./sdk ." in stages["control-plane"]
     worker = stages["worker"]
     assert re.search(r'"torch==', worker) and "deepspeed==" in worker and '".[worker]"' in worker
 
@@ -306,7 +306,11 @@ def test_collector_forwards_traces_to_jaeger(services: dict[str, dict[str, Any]]
 
 def test_dockerfile_builds_non_root_images_from_files_in_the_context() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim AS base$", text, re.M)
+    # the base is an argument (a site that mirrors images names its own), python:3.11-slim by default
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\} AS base$", text, re.M)
+    # no `# syntax=` line: the engine's own Dockerfile frontend builds it, no docker/dockerfile image is pulled
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
     for name in ("control-plane", "worker"):
         assert "COPY --from=source /opt/vigil /opt/vigil" in dockerfile_stages()[name], name
     worker = dockerfile_stages()["worker"]
@@ -314,11 +318,19 @@ def test_dockerfile_builds_non_root_images_from_files_in_the_context() -> None:
     assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", worker, re.M)
     order = [
         worker.index(step)
-        for step in ("TORCH_VERSION}", "--no-build-isolation", 'RUN pip install ./sdk ".[worker]"')
+        for step in (
+            "TORCH_VERSION}",
+            '"deepspeed==',
+            "vigil-requirements /tmp/manifests worker",
+            "COPY --from=source",
+            'pip install --no-build-isolation ./sdk ".[worker]"',
+        )
     ]
-    assert order == sorted(order), "torch, then DeepSpeed, then the SDK and Vigil"
+    assert order == sorted(order), "torch, DeepSpeed, the dependencies, then the code: the SDK and Vigil"
+    plane = dockerfile_stages()["control-plane"]
+    assert plane.index("vigil-requirements /tmp/manifests >") < plane.index("COPY --from=source")
     for name, stage in dockerfile_stages().items():
-        if name in ("source", "base"):  # the stages the images are built from
+        if name in ("source", "manifests", "wheels", "base"):  # the stages the images are built from
             continue
         users = re.findall(r"^USER (\S+)$", stage, re.M)
         assert users and users[-1] not in ("root", "0"), name
@@ -460,3 +472,26 @@ def test_a_service_that_shares_its_work_scales(services: dict[str, dict[str, Any
     assert not [p for p in svc.get("ports", []) if ":" in str(p) or isinstance(p, dict)], svc.get("ports")
     own = [v for v in svc.get("volumes", []) if not str(v).startswith("checkpoints:")]
     assert own == [], own
+
+
+def test_the_images_dependency_layers_list_every_third_party_requirement() -> None:
+    """deploy/requirements.py (the Dockerfile's `vigil-requirements`): the dependencies of Vigil and its
+    SDK, and of the extras named, without the two projects themselves (installed from the code later)."""
+    spec = importlib.util.spec_from_file_location("vigil_requirements", DEPLOY / "requirements.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plane, worker = module.requirements(ROOT, []), module.requirements(ROOT, ["worker"])
+    names = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in worker}
+    assert not names & {"vigil", "vigil-training"}, names
+    assert {"litestar", "nats-py", "pathspec"} <= names  # the root project's and the SDK's
+    assert "torch" not in "".join(plane) and {"torch", "deepspeed"} <= names
+    assert set(plane) < set(worker) and len(worker) == len(set(worker))
+
+
+def test_workers_keep_no_warm_ranks(services: dict[str, dict[str, Any]]) -> None:
+    """A warm rank imports on SCHED_IDLE and its launch sets SCHED_OTHER again, which the unprivileged
+    `vigil` user may not do without RLIMIT_NICE 20 (every attempt of the compose test's job failed with
+    EPERM): the images' workers start their ranks instead."""
+    for name in ("worker", "worker-gpu"):
+        assert services[name]["environment"]["VIGIL_WARM_RANKS"] == "0", name
