@@ -79,11 +79,11 @@ async def wait_heartbeat(bus: Bus, node: str, timeout: float = 60.0) -> ev.NodeH
         return await asyncio.wait_for(anext(beats), timeout)  # type: ignore[return-value]
 
 
-@pytest.fixture(scope="module")
-def cluster(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    data_dir = tmp_path_factory.mktemp("worker-data")
+@contextlib.contextmanager
+def two_workers(nats_url: str, data_dir: Path, **env: str) -> Iterator[Cluster]:
+    """Two workers on `data_dir`, `env` added to theirs; stopped, and their ranks ended, on exit."""
     tag = uuid.uuid4().hex[:6]
-    workers = [start_worker(nats_url, data_dir, f"node-{tag}-{x}", 1) for x in "ab"]
+    workers = [start_worker(nats_url, data_dir, f"node-{tag}-{x}", 1, **env) for x in "ab"]
     try:
         yield Cluster(data_dir=data_dir, workers=workers)
     finally:
@@ -99,13 +99,23 @@ def cluster(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                     os.killpg(r["pid"], signal.SIGKILL)
 
 
-@pytest.fixture
-async def ready_cluster(cluster: Cluster, bus: Bus) -> Cluster:
+@pytest.fixture(scope="module")
+def cluster(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with two_workers(nats_url, tmp_path_factory.mktemp("worker-data")) as c:
+        yield c
+
+
+async def heartbeating(cluster: Cluster, bus: Bus) -> Cluster:
     """The cluster, once both workers have heartbeated (so their launch consumers exist)."""
     for w in cluster.workers:
         assert w.proc.poll() is None, w.log.read_text()[-3000:]
         await wait_heartbeat(bus, w.node)
     return cluster
+
+
+@pytest.fixture
+async def ready_cluster(cluster: Cluster, bus: Bus) -> Cluster:
+    return await heartbeating(cluster, bus)
 
 
 def tiny_spec(**train: Any) -> dict[str, Any]:

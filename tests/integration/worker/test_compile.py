@@ -12,10 +12,20 @@ step applied twice) moves the loss by 1e-2 or more, so rel=2e-4 keeps a wide mar
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.worker.conftest import launch, rank_logs, record, tiny_spec, until_exited
+from tests.integration.worker.conftest import (
+    Cluster,
+    heartbeating,
+    launch,
+    rank_logs,
+    record,
+    tiny_spec,
+    two_workers,
+    until_exited,
+)
 from tests.integration.worker.test_rollback import halt, rollback
 from vigil import events as ev
 from vigil_common import subjects
@@ -27,6 +37,24 @@ STEPS = 16
 TOLERANCE = 2e-4
 FAULTS = [{"kind": "sdc", "step": 2, "rank": 1}]  # a NaN on rank 1's first execution of step 2: held
 GRAPHS = re.compile(r"torch\.compile: (\d+) graph\(s\) built")
+
+
+@pytest.fixture(scope="module")
+def shared_cache_workers(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Workers whose ranks run as the worker (VIGIL_JOB_UIDS=off), so they share this module's inductor
+    cache: the ZeRO 1 graph of the out-of-memory test is the ZeRO 2 graph the first test built, loaded
+    from the cache rather than built again (about a minute on two cores). Dynamo still traces it, so the
+    graph counts asserted are the same. A job of its own user has a private cache (launch.rank_env);
+    test_compile_under_each_zero_stage compiles so, on the usual workers."""
+    data_dir = tmp_path_factory.mktemp("compile-data")
+    cache = data_dir / "inductor-cache"
+    with two_workers(nats_url, data_dir, VIGIL_JOB_UIDS="off", TORCHINDUCTOR_CACHE_DIR=str(cache)) as c:
+        yield c
+
+
+@pytest.fixture
+async def shared_cache_cluster(shared_cache_workers: Cluster, bus) -> Cluster:
+    return await heartbeating(shared_cache_workers, bus)
 
 
 def spec(compile_: bool) -> dict:
@@ -42,7 +70,10 @@ def last_losses(rec, rank: int) -> dict[int, float]:
     return {e.step: e.loss for e in rec.of(ev.StepCompleted, rank=rank)}
 
 
-async def test_compiled_run_equals_eager_across_a_hold_a_rollback_and_a_replay(ready_cluster, bus, job_id):
+async def test_compiled_run_equals_eager_across_a_hold_a_rollback_and_a_replay(
+    shared_cache_cluster, bus, job_id
+):
+    ready_cluster = shared_cache_cluster
     root = ready_cluster.checkpoint_root
     compiled = f"{job_id}-compiled"
     async with record(bus, compiled) as a:
@@ -106,9 +137,10 @@ async def test_compile_under_each_zero_stage(ready_cluster, bus, job_id, zero_st
             assert got[step] == pytest.approx(want[step], rel=TOLERANCE), (rank, step)
 
 
-async def test_an_out_of_memory_retry_costs_one_recompile_at_most(ready_cluster, bus, job_id):
+async def test_an_out_of_memory_retry_costs_one_recompile_at_most(shared_cache_cluster, bus, job_id):
     """The retry runs micro-batches of half the size: one new graph, built once, dynamic in the batch from
     then on (the split stays for the rest of the job)."""
+    ready_cluster = shared_cache_cluster
     s = tiny_spec(
         steps=7, zero_stage=1, checkpoint={"every": 100}, faults=[{"kind": "oom", "step": 3, "rank": 1}]
     )
