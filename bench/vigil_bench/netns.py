@@ -9,11 +9,15 @@ runs in its host's network namespace and, through UTS and mount namespaces of it
 name, with an /etc/hosts (`/etc/netns/<ns>/hosts`, bound over it) where the other hosts' names resolve to
 their addresses and its own, as on Debian, to 127.0.1.1.
 
+Where iptables is installed, the bridge's traffic is let through the FORWARD chain by a rule of its own
+(`-i BRIDGE -o BRIDGE -j ACCEPT`, first in the chain): with bridge netfilter on, frames between the hosts
+pass that chain, whose policy a Docker daemon sets to DROP as it starts; the hosts do not depend on it.
+
 Everything is named `vmh<pid>...` after the process that made it: `Network.destroy()` (idempotent; also
 run at exit, and on a second SIGTERM/SIGHUP: the first interrupts the run as Ctrl-C does, so that every
-teardown runs in order) ends every process left in the namespaces and removes them, the veths, the bridge
-and the hosts files; `remove_leftovers()` removes what a run that died (SIGKILL) left behind, that is
-everything named after a process that no longer exists.
+teardown runs in order) ends every process left in the namespaces and removes them, the veths, the bridge,
+its FORWARD rule and the hosts files; `remove_leftovers()` removes what a run that died (SIGKILL) left
+behind, that is everything named after a process that no longer exists.
 """
 
 from __future__ import annotations
@@ -43,6 +47,31 @@ def ip(*args: str, check: bool = True) -> str:
     if check and done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
     return done.stdout
+
+
+def forward_rule(bridge: str) -> list[str]:
+    """The FORWARD rule letting `bridge`'s traffic through, as `iptables -S` lists it (after `-A FORWARD`)."""
+    return ["-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+
+
+def _iptables(*args: str) -> subprocess.CompletedProcess[str] | None:
+    """`iptables ARGS` (waiting for the xtables lock); None where iptables is not installed."""
+    if not shutil.which("iptables"):
+        return None
+    return subprocess.run(["iptables", "-w", "10", *args], capture_output=True, text=True, timeout=30)
+
+
+def _forward_bridges() -> list[str]:
+    """The bridges that have a `forward_rule` in the FORWARD chain."""
+    listed = _iptables("-S", "FORWARD")
+    if listed is None or listed.returncode != 0:
+        return []
+    found = []
+    for line in listed.stdout.splitlines():
+        words = line.split()
+        if words[:2] == ["-A", "FORWARD"] and len(words) == 8 and words[2:] == forward_rule(words[3]):
+            found.append(words[3])
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -77,6 +106,9 @@ def _remove(netns: list[str], links: list[str], folders: list[Path]) -> None:
         ip("netns", "del", name, check=False)  # the veth inside goes, and with it its peer
     for link in links:
         ip("link", "del", link, check=False)
+    ruled = _forward_bridges()
+    for bridge in [link for link in links if link in ruled]:
+        _iptables("-D", "FORWARD", *forward_rule(bridge))
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -91,6 +123,7 @@ def remove_leftovers() -> list[str]:
 
     netns = [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
     links = [line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link", "show").splitlines()]
+    links += [b for b in _forward_bridges() if b not in links]  # a rule whose bridge is gone already
     folders = [p for p in NETNS_ETC.glob(f"{PREFIX}*")] if NETNS_ETC.exists() else []
     gone = (
         [n for n in netns if stale(n)],
@@ -202,6 +235,9 @@ class Network:
             ip("link", "add", net.bridge, "type", "bridge")
             ip("addr", "add", f"{net.gateway}/{subnet.prefixlen}", "dev", net.bridge)
             ip("link", "set", net.bridge, "up")
+            ruled = _iptables("-I", "FORWARD", "1", *forward_rule(net.bridge))
+            if ruled is not None and ruled.returncode != 0:
+                raise RuntimeError(f"iptables -I FORWARD for {net.bridge}: {ruled.stderr.strip()}")
             for i, name in enumerate(names):
                 net.hosts.append(net._add_host(name, str(addrs[i + 1])))
             net._write_hosts_files()
