@@ -141,6 +141,8 @@ class Engine:
         ours = cls(env={**os.environ, "DOCKER_HOST": f"unix://{socket}"}, host_before=before, ours=True)
         if socket.exists() and ours.answers():  # a killed run's: in use again, and stopped at the end
             return ours
+        if os.geteuid() != 0:
+            raise Unavailable("no Docker engine answers, and starting dockerd needs root")
         STATE.mkdir(parents=True, exist_ok=True)
         log = STATE / "dockerd.log"
         with log.open("wb") as out:

@@ -55,9 +55,9 @@ STEPS, NAN_STEP = 80, 6
 def engine() -> Iterator[Engine]:
     try:
         tools()
+        found = Engine.start()
     except Unavailable as e:
         pytest.skip(str(e))
-    found = Engine.start()
     try:
         yield found
         found.tidy()
