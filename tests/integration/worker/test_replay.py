@@ -17,6 +17,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 8
 GUARDIAN = {"spike_warmup": 3}  # a short run: spikes are judged from the fourth step on
+# The fault-free runs, by (precision, ZeRO stage), made by the first test that needs one. In fp32 the
+# fault-free curve is every stage's: the stages differ by a few ulps (at most 4e-7 relative over these 8
+# steps when this was written), far inside rel=1e-4, while a held update applied or a gradient counted
+# twice moves a loss by 1e-2 or more; so every fp32 stage is compared with the one run at ZeRO 0 (and a
+# stage whose fault-free curve drifted from ZeRO 0's would fail too). In bf16 the stages' curves differ by
+# up to 1e-3 (their gradients round differently): each stage has its own.
+FAULT_FREE: dict[tuple[str, int], dict[int, dict[int, float]]] = {}
 
 
 async def run_job(cluster, bus, job_id: str, spec: dict) -> object:
@@ -48,7 +55,11 @@ async def test_transient_faults_are_replayed_and_the_loss_curve_is_the_fault_fre
         ],
     )
     clean["guardian"] = faulty["guardian"] = GUARDIAN
-    want = await run_job(ready_cluster, bus, f"{job_id}-clean", clean)
+    key = (precision, 0 if precision == "fp32" else zero_stage)
+    if key not in FAULT_FREE:
+        clean["train"]["zero_stage"] = key[1]
+        want = await run_job(ready_cluster, bus, f"{job_id}-clean", clean)
+        FAULT_FREE[key] = {rank: losses(want, rank) for rank in (0, 1)}
     got = await run_job(ready_cluster, bus, f"{job_id}-sdc", faulty)
 
     replays = got.of(ev.StepReplayed)
@@ -64,7 +75,7 @@ async def test_transient_faults_are_replayed_and_the_loss_curve_is_the_fault_fre
         steps = got.of(ev.StepCompleted, rank=rank)
         assert sorted(e.step for e in steps) == list(range(STEPS)), "every step once"
         assert not any(e.skipped for e in steps) and [e.data_position for e in steps] == list(range(STEPS))
-        have, clean_losses = losses(got, rank), losses(want, rank)
+        have, clean_losses = losses(got, rank), FAULT_FREE[key][rank]
         for step in range(STEPS):
             assert have[step] == pytest.approx(clean_losses[step], rel=1e-4), (zero_stage, rank, step)
 
