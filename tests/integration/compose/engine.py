@@ -183,6 +183,10 @@ class Engine:
         deadline = time.monotonic() + 60
         while pidfile.exists() and time.monotonic() < deadline:  # dockerd removes it as it exits
             time.sleep(0.2)
+        # what it leaves mounted: the host's network namespace, bound at exec/netns/default
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+        for mount in sorted((m for m in mounts if m.startswith(f"{STATE}/")), reverse=True):
+            subprocess.run(["umount", "--lazy", mount], capture_output=True, timeout=30)
 
     def tidy(self) -> None:
         """On a dockerd of this test's only (not someone's engine): the images a rebuild left untagged (the
