@@ -32,11 +32,12 @@ def openapi_schema() -> dict[str, Any]:
     """The OpenAPI document of the gateway app, as `GET /schema/openapi.json` serves it."""
     from vigil_common.settings import Settings
     from vigil_scheduler.app import Deps, create_app
+    from vigil_scheduler.gateway.openapi import with_pydantic_schemas
 
     token = "docs-build-token-0000"
     # The lifespan alone uses the pool, bus and scheduler; the schema is built without starting it.
     deps = Deps(settings=Settings(api_token=token), pool=None, bus=None, scheduler=None, api_token=token)  # type: ignore[arg-type]
-    return create_app(deps).openapi_schema.to_schema()
+    return with_pydantic_schemas(create_app(deps).openapi_schema.to_schema())
 
 
 def write_openapi(path: Path = OPENAPI) -> Path:

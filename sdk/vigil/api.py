@@ -7,9 +7,11 @@ never reach a client), and `vigil.Client` reads them back (a field a newer serve
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from vigil.spec_base import not_a_bool, only_a_bool
 
 
 class Out(BaseModel):
@@ -225,14 +227,18 @@ class PrincipalOut(Out):
     actor: str  # how the audit record names it
 
 
+# a GPU quota: `false` is not 0 GPUs
+GpuCount = Annotated[int, Field(ge=0, le=1_000_000), BeforeValidator(not_a_bool)]
+
+
 class UserIn(BaseModel):
     """`PUT /api/v1/users/{name}`: the user's team, admin flag and GPU quota (none: no limit)."""
 
     model_config = ConfigDict(extra="forbid")
 
     team: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
-    admin: bool = False
-    gpus: int | None = Field(None, ge=0, le=1_000_000, description="devices its jobs hold at once")
+    admin: Annotated[bool, BeforeValidator(only_a_bool)] = False
+    gpus: GpuCount | None = Field(None, description="devices its jobs hold at once")
 
 
 class UserOut(Out):
@@ -263,7 +269,7 @@ class RevokedOut(Out):
 class TeamIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    gpus: int | None = Field(None, ge=0, le=1_000_000, description="devices the team's jobs hold at once")
+    gpus: GpuCount | None = Field(None, description="devices the team's jobs hold at once")
 
 
 class TeamShareIn(BaseModel):

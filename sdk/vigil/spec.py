@@ -15,6 +15,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    BeforeValidator,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -25,7 +26,7 @@ from pydantic import (
 
 from vigil import documents
 from vigil.errors import SpecError
-from vigil.spec_base import Action, FieldError, StrictModel
+from vigil.spec_base import Action, FieldError, StrictModel, not_a_bool
 from vigil.spec_faults import (
     FAULT_KINDS,
     CrashFault,
@@ -89,7 +90,9 @@ __all__ = [
 ]
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
-ZeroStage = Literal["auto", 0, 1, 2, 3]
+
+
+ZeroStage = Annotated[Literal["auto", 0, 1, 2, 3], BeforeValidator(not_a_bool)]  # `false` is not stage 0
 PresetName = Literal["tiny", "small", "1b", "7b"]
 
 

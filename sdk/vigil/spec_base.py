@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 # What the guardian does about a fault: a `GuardianSpec` field per kind, and the `action` an
 # `IncidentRaised` reports (`vigil.events`).
 Action = Literal["alert", "halt", "rollback", "fail"]
+
+
+def not_a_bool(value: Any) -> Any:
+    """For a number field, as a `BeforeValidator`: `true`/`false` is refused (Python's False == 0 and
+    True == 1 would otherwise pass as numbers); anything else goes on to the field's own validation."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not the boolean {str(value).lower()}")
+    return value
+
+
+def only_a_bool(value: Any) -> Any:
+    """For a boolean field, as a `BeforeValidator`: only `true` or `false` (not 1, "yes" or "true", which
+    pydantic's lax mode would take)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, not {value!r}")
+    return value
 
 
 class FieldError(ValueError):

@@ -61,13 +61,14 @@ def _json_default(value: Any) -> Any:
 
 
 def decode_cursor(cursor: str | None, key: tuple[KeyType, ...]) -> list[Any] | None:
-    """The sort key in `cursor` (None for the first page), one part per SQL type in `key`:
+    """The sort key in `cursor` (None, or empty as `?cursor=` sends it, for the first page), one part per
+    SQL type in `key`:
     ints for `int`/`bigint`, strs for `text`, aware datetimes for `timestamptz`.
 
     Raises BadCursor when the cursor is not base64 JSON, not a list of `len(key)` parts, or a part
     is of the wrong type or out of its column's range.
     """
-    if cursor is None:
+    if not cursor:
         return None
     bad = BadCursor(f"cursor {cursor[:64]!r} is not one this server handed out; start again without it")
     if len(cursor) > MAX_CURSOR_CHARS:

@@ -22,7 +22,9 @@ from vigil_common.bus import Bus
 from vigil_common.settings import Settings
 from vigil_scheduler import console
 from vigil_scheduler.core import Scheduler
+from vigil_scheduler.gateway import openapi
 from vigil_scheduler.gateway.alerts import AlertRouteController
+from vigil_scheduler.gateway.allow import AllowEveryMethod
 from vigil_scheduler.gateway.auth import bearer_guard
 from vigil_scheduler.gateway.code import CodeController
 from vigil_scheduler.gateway.controllers import (
@@ -110,12 +112,14 @@ def create_app(deps: Deps) -> Litestar:
             "scheduler": _from_state("scheduler"),
         },
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        middleware=[AllowEveryMethod()],  # OPTIONS lists every method of its path
         request_max_body_size=deps.settings.max_body_bytes,
         openapi_config=OpenAPIConfig(
             title="Vigil",
             version="1",
             description="Control plane for distributed LLM training: jobs, inventory, incidents, events.",
             path="/schema",
+            render_plugins=openapi.render_plugins(),  # the models as pydantic describes them
             components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
         ),
         logging_config=None,  # the service configures logging

@@ -132,7 +132,7 @@ def _cursor(key: object) -> str:
 def _bad_cursors(good: str) -> list[str]:
     """Garbage, and cursors shaped like `good` but with the wrong arity or a part of the wrong type."""
     key = json.loads(base64.urlsafe_b64decode(good + "=" * (-len(good) % 4)))
-    out = ["!!", "", "x" * 5000, _cursor({"seq": 1}), _cursor("x"), _cursor(None), _cursor([])]
+    out = ["!!", "x" * 5000, _cursor({"seq": 1}), _cursor("x"), _cursor(None), _cursor([])]
     out += [_cursor(key + key[-1:]), _cursor(key[:-1]), _cursor([[1]])]
     out += [_cursor(k) for k in (["x"], [1, 2]) if [type(p) for p in k] != [type(p) for p in key]]
     for i, part in enumerate(key):
@@ -192,6 +192,10 @@ async def test_every_bad_cursor_is_422_naming_the_cursor(scheduler, nodes, bus: 
         assert good, (path, params)
         second = await scheduler.http.get(path, params={**params, "limit": 1, "cursor": good})
         assert second.status_code == 200 and second.json()["items"] != first["items"], (path, params)
+        # an empty cursor (`?cursor=`, as a client filling it in from a missing `next` sends it) is the
+        # first page, as no cursor is
+        empty = await scheduler.http.get(path, params={**params, "limit": 1, "cursor": ""})
+        assert empty.status_code == 200 and empty.json() == first, (path, params, empty.text)
         for bad in _bad_cursors(good):
             r = await scheduler.http.get(path, params={**params, "cursor": bad})
             assert r.status_code == 422, (path, params, bad, r.status_code, r.text)

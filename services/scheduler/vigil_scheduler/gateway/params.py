@@ -13,7 +13,9 @@ JOB_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 NODE = r"^[A-Za-z0-9_-]{1,64}$"  # a node name is a subject token (`vigil_common.subjects.token`)
 
 Limit = Annotated[int, QueryParameter(ge=1, le=1000, description="items per page")]
-Cursor = Annotated[str | None, QueryParameter(description="the `next` of the previous page")]
+Cursor = Annotated[
+    str | None, QueryParameter(description="the `next` of the previous page; absent or empty: the first page")
+]
 JobId = Annotated[str, Parameter(pattern=JOB_ID, description="a job id (`j-...`)")]
 JobIdFilter = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's records")]
 JobEvents = Annotated[str | None, QueryParameter(pattern=JOB_ID, description="only this job's events")]

@@ -1,10 +1,9 @@
 """HTTP shapes, kept apart from the internal models (the job row, bus events): the answers are the SDK's
-(`vigil.api`, which `vigil.Client` reads), the spec's OpenAPI description is here."""
+(`vigil.api`, which `vigil.Client` reads); the submit operation, which reads its body itself, is here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args
 
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
@@ -12,13 +11,12 @@ from litestar.openapi.spec import (
     OpenAPIType,
     Operation,
     Parameter,
+    Reference,
     RequestBody,
     Schema,
 )
-from pydantic import BaseModel
 
 from vigil.api import ErrorOut
-from vigil.spec import Fault, JobSpec
 
 _ERRORS = {
     400: "a request that cannot be read: a body that is not JSON, or not of the form the endpoint takes",
@@ -42,33 +40,8 @@ def error_responses(*codes: int) -> dict[int, ResponseSpec]:
     }
 
 
-def _section(name: str) -> Schema:
-    """A spec section, described by the fields its model accepts (so the text follows the model)."""
-    model = JobSpec.model_fields[name].annotation
-    assert isinstance(model, type) and issubclass(model, BaseModel)
-    return Schema(type=OpenAPIType.OBJECT, description=f"fields: {', '.join(model.model_fields)}")
-
-
-def _fault() -> Schema:
-    kinds = [get_args(c.model_fields["kind"].annotation)[0] for c in get_args(get_args(Fault)[0])]
-    return Schema(
-        type=OpenAPIType.OBJECT,
-        description=f"an injected fault, for tests and demos: kind ({', '.join(kinds)}), step, rank, ...",
-    )
-
-
-_SPEC_SCHEMA = Schema(
-    type=OpenAPIType.OBJECT,
-    description="A job spec. Unknown fields are rejected; a 422 names each bad field.",
-    required=["name"],
-    properties={
-        "name": Schema(type=OpenAPIType.STRING, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"),
-        "priority": Schema(type=OpenAPIType.INTEGER, minimum=-1000, maximum=1000),
-        **{k: _section(k) for k in ("resources", "model", "train", "data", "checkpoint", "guardian")},
-        "faults": Schema(type=OpenAPIType.ARRAY, items=_fault()),
-    },
-    additional_properties=False,
-)
+# The job spec as pydantic validates it (`gateway.openapi` puts JobSpec's schema in the components).
+_SPEC_SCHEMA = Reference(ref="#/components/schemas/JobSpec")
 
 
 @dataclass
