@@ -40,6 +40,9 @@ FAULTS = [
     {"kind": "crash", "step": 11, "rank": 0, "exit_code": 7},  # the 1-rank attempt's: snapshot 10 whole
 ]
 REL = 1e-4  # fp32 on one rank against two: only the order of the sums differs
+# The fault-free run's losses by (rank, step), made by the first parameter: ZeRO 1 and 2 train the same fp32
+# curve (in test_replay's fault-free runs they agree to the last digit), so the second compares with it too
+FAULT_FREE: dict[tuple[int, int], float] = {}
 
 
 def elastic_spec(zero: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
@@ -76,11 +79,13 @@ async def test_an_elastic_job_shrinks_to_one_rank_and_grows_back_with_the_fault_
 ):
     free, job = f"{job_id}-free", job_id
     cleanup += [free, job]
-    async with record(bus, free) as rec:
-        await bus.publish(subjects.launch(free), launch(ready_cluster, free, elastic_spec(zero, [])))
-        done = await until_exited(rec, timeout=240)
-    assert {e.exit_code for e in done.values()} == {0}, rank_logs(ready_cluster, free)
-    expected = losses(rec, 1)
+    if not FAULT_FREE:
+        async with record(bus, free) as rec:
+            await bus.publish(subjects.launch(free), launch(ready_cluster, free, elastic_spec(zero, [])))
+            done = await until_exited(rec, timeout=240)
+        assert {e.exit_code for e in done.values()} == {0}, rank_logs(ready_cluster, free)
+        FAULT_FREE.update(losses(rec, 1))
+    expected = FAULT_FREE
     assert len(expected) == 2 * STEPS
 
     spec = elastic_spec(zero, FAULTS)
