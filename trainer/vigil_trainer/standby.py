@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 from typing import Any
 
@@ -39,9 +40,23 @@ def warm_up() -> None:
     import vigil_trainer.rank  # noqa: F401
 
 
+def may_leave_idle_cycles() -> bool:
+    """Whether this process may give its threads the usual policy back at its launch: as root, or where
+    RLIMIT_NICE lets an unprivileged process take nice 0 again (Linux: SCHED_IDLE -> SCHED_OTHER needs
+    it). A worker not run as root (its image's `vigil` user, a pod) usually may not."""
+    if os.geteuid() == 0:
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or soft >= 20
+
+
 def wait_on_idle_cycles() -> None:
     """Import on idle cycles only (SCHED_IDLE): on a node whose cores its ranks keep busy, a warm rank's
-    seconds of imports are not taken from them (the launch gives back the usual policy)."""
+    seconds of imports are not taken from them (the launch gives back the usual policy). Where the launch
+    could not give it back (`may_leave_idle_cycles`), the rank would train on idle cycles, or its launch
+    fail: it imports at the usual priority instead."""
+    if not may_leave_idle_cycles():
+        return
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux: a low priority instead

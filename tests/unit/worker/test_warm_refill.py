@@ -4,10 +4,13 @@ short of one relaunch of them; on a GPU node, at once), and a launched one runs 
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from vigil_common.settings import Settings
 from vigil_worker.warm import WarmRanks
@@ -64,3 +67,30 @@ def test_a_warm_rank_launched_runs_every_thread_as_any_process():
         f"[{os.SCHED_IDLE}, {os.SCHED_IDLE}",
         f"{os.SCHED_OTHER}, {os.SCHED_OTHER}]\n",
     ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to another user: needs root")
+def test_a_warm_rank_of_an_unprivileged_worker_imports_at_the_usual_priority():
+    """A worker not run as root (its image's user, a pod) may not give a rank SCHED_OTHER back from
+    SCHED_IDLE unless RLIMIT_NICE lets it: every launch failed with EPERM under compose. Such a standby
+    imports at the usual priority, and its launch succeeds (as root it waits on idle cycles: above)."""
+    code = (
+        "import os\n"
+        "from vigil.handover import run_as_any_process\n"
+        "from vigil_trainer.standby import wait_on_idle_cycles\n"
+        "wait_on_idle_cycles()\n"
+        "waiting = os.sched_getscheduler(0)\n"
+        "run_as_any_process()\n"
+        "print(waiting, os.sched_getscheduler(0))\n"
+    )
+
+    def unprivileged() -> None:
+        resource.setrlimit(resource.RLIMIT_NICE, (0, 0))  # as a container's user has it
+        os.setgid(65534)
+        os.setuid(65534)
+
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=unprivileged, cwd="/"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(os.SCHED_OTHER), str(os.SCHED_OTHER)]
