@@ -487,11 +487,3 @@ def test_the_images_dependency_layers_list_every_third_party_requirement() -> No
     assert {"litestar", "nats-py", "pathspec"} <= names  # the root project's and the SDK's
     assert "torch" not in "".join(plane) and {"torch", "deepspeed"} <= names
     assert set(plane) < set(worker) and len(worker) == len(set(worker))
-
-
-def test_workers_keep_no_warm_ranks(services: dict[str, dict[str, Any]]) -> None:
-    """A warm rank imports on SCHED_IDLE and its launch sets SCHED_OTHER again, which the unprivileged
-    `vigil` user may not do without RLIMIT_NICE 20 (every attempt of the compose test's job failed with
-    EPERM): the images' workers start their ranks instead."""
-    for name in ("worker", "worker-gpu"):
-        assert services[name]["environment"]["VIGIL_WARM_RANKS"] == "0", name
