@@ -17,9 +17,9 @@ named), as it finishes:
 
 Each line is `{"check": ..., "status": "pass" | "fail" | "skip", "seconds": ..., ...}`. On a machine
 without a GPU the CPU half runs (`mfu` with one pair of runs and fewer steps, `held_on_device`, the
-snapshot and rollback check at ZeRO 1 and the warm rank on the CPU) and the rest says `skip` with the
-reason; CI runs that half (tests/integration/bench). The exit code is 1 when a check failed, 2 for an
-unknown check's name.
+snapshot and rollback check at ZeRO 1 and the warm rank on the CPU, these three on a smaller model:
+`gpu_recovery.model`) and the rest says `skip` with the reason; CI runs that half
+(tests/integration/bench). The exit code is 1 when a check failed, 2 for an unknown check's name.
 """
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ from typing import Any
 import torch
 import yaml
 
-from vigil_bench.gpu_recovery import nccl_kill_and_replace, snapshot_rollback_on_device, warm_rank_on_device
+from vigil_bench.gpu_recovery import (
+    model,
+    nccl_kill_and_replace,
+    snapshot_rollback_on_device,
+    warm_rank_on_device,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 Result = dict[str, Any]
@@ -116,7 +121,7 @@ def held_on_device(cuda: bool) -> Result:
     with tempfile.TemporaryDirectory(prefix="vigil-gpu-check-") as tmp:
         spec = {
             "name": "gpu-check-held",
-            "model": {"preset": "tiny"},
+            "model": model(cuda),
             "train": {"steps": 10, "micro_batch": 8, "warmup_steps": 1},
             "checkpoint": {"every": 1000},
             "guardian": {"spike_warmup": 3},

@@ -65,8 +65,15 @@ def rank_env(cuda: bool, **extra: str) -> dict[str, str]:
     return env
 
 
-def write_spec(path: Path, name: str, train: dict[str, Any], **more: Any) -> Path:
-    spec = {"name": name, "model": {"preset": "tiny"}, "train": {"micro_batch": 8, "compile": False, **train}}
+def model(cuda: bool) -> dict[str, Any]:
+    """The checks' model: `tiny` on the device; on a CPU (the half CI runs) tiny made tinier, as the worker
+    tests train it (2 layers, sequences of 32): the CPU half proves the paths, not a speed, and its steps
+    then cost a fraction of tiny's."""
+    return {"preset": "tiny"} if cuda else {"preset": "tiny", "n_layer": 2, "seq_len": 32}
+
+
+def write_spec(path: Path, name: str, cuda: bool, train: dict[str, Any], **more: Any) -> Path:
+    spec = {"name": name, "model": model(cuda), "train": {"micro_batch": 8, "compile": False, **train}}
     path.write_text(yaml.safe_dump({**spec, **more}))
     return path
 
@@ -102,9 +109,9 @@ def _stage(cuda: bool, stage: int, tmp: Path) -> Result:
     train = {"steps": STEPS, "warmup_steps": 1, "zero_stage": stage, "precision": "bf16" if cuda else "fp32"}
     checkpoint = {"every": EVERY, "keep": 5, "memory_every": MEMORY_EVERY}
     crash = [{"kind": "crash", "step": CRASH_AT, "rank": 0, "exit_code": 7}]
-    free = write_spec(tmp / "free.yaml", f"gpu-check-free-z{stage}", train, checkpoint=checkpoint)
+    free = write_spec(tmp / "free.yaml", f"gpu-check-free-z{stage}", cuda, train, checkpoint=checkpoint)
     faulted = write_spec(
-        tmp / "fault.yaml", f"gpu-check-fault-z{stage}", train, checkpoint=checkpoint, faults=crash
+        tmp / "fault.yaml", f"gpu-check-fault-z{stage}", cuda, train, checkpoint=checkpoint, faults=crash
     )
     job = f"gpu-check-fault-z{stage}"
     root, snaps = tmp / "ckpt", tmp / "snapshots"  # snapshots: the node's /dev/shm folder, here on disk
@@ -243,7 +250,7 @@ async def _warm_and_cold(cuda: bool, tmp: Path) -> Result:
         taken = pool.take(0)
         assert taken is standby
         # the launch: what the worker hands a warm rank (`Standby.hand`), for a lone rank on device 0
-        spec = write_spec(tmp / "warm.yaml", "gpu-check-warm", {"steps": WARM_STEPS, "warmup_steps": 1})
+        spec = write_spec(tmp / "warm.yaml", "gpu-check-warm", cuda, {"steps": WARM_STEPS, "warmup_steps": 1})
         argv = [sys.executable, "-m", "vigil_trainer", "--spec", str(spec),
                 "--checkpoint-root", str(tmp / "warm-ckpt"), "--cache-dir", str(tmp / "cache")]  # fmt: skip
         log = tmp / "warm-rank.log"
@@ -282,7 +289,7 @@ async def _warm_and_cold(cuda: bool, tmp: Path) -> Result:
 
 def _cold_start(cuda: bool, tmp: Path) -> tuple[float | None, str, int]:
     """The same job started as the worker starts a rank without a warm one: a new Python."""
-    spec = write_spec(tmp / "cold.yaml", "gpu-check-cold", {"steps": WARM_STEPS, "warmup_steps": 1})
+    spec = write_spec(tmp / "cold.yaml", "gpu-check-cold", cuda, {"steps": WARM_STEPS, "warmup_steps": 1})
     cmd = [sys.executable, "-m", "vigil_trainer", "--spec", str(spec),
            "--checkpoint-root", str(tmp / "cold-ckpt"), "--cache-dir", str(tmp / "cache")]  # fmt: skip
     launched = time.time()
