@@ -20,6 +20,7 @@ import runpy
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 from vigil_bench import result, servers
 from vigil_common.settings import Settings
@@ -28,30 +29,49 @@ from vigil_worker.local import LocalAgent, start_ranks
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "byo" / "hf_trainer.py"
 PAIRS = 3
 STEPS = 60
-ARGS = ["--steps", str(STEPS), "--save-every", "1000000", "--micro-batch", "8", "--seq-len", "64"]
+ARGS = ["--save-every", "1000000", "--micro-batch", "8", "--seq-len", "64"]
 
 
-def _one_run(tmp: Path, name: str, extra: list[str], agent: LocalAgent | None) -> list[float]:
+def one_run(
+    tmp: Path, name: str, extra: list[str], agent: LocalAgent | None, *, ranks: int = 2, steps: int = STEPS
+) -> dict[str, Any]:
+    """One run of SCRIPT on `ranks` ranks (with `agent`: under the SDK, as job `name`); rank 0's last line
+    (the steps trained, whether its weights are finite, its step times)."""
     run_dir = tmp / name
-    ranks = start_ranks(
-        [str(SCRIPT), *ARGS, "--out", str(run_dir / "out"), *extra],
-        2,
+    args = [str(SCRIPT), *ARGS, "--steps", str(steps), "--out", str(run_dir / "out"), *extra]
+    started = start_ranks(
+        args,
+        ranks,
         run_dir,
         module="vigil_bench.sdk",
         agent=agent,
         job=(name, 1) if agent is not None else None,
     )
     try:
-        codes = ranks.wait(600)
+        codes = started.wait(600)
     finally:
-        ranks.kill()
+        started.kill()
     log = (run_dir / "rank-0.log").read_text()
-    if codes != [0, 0]:
-        raise RuntimeError(f"bench run {name} failed: exit codes {codes}\n{ranks.tail()}")
+    if codes != [0] * ranks:
+        raise RuntimeError(f"bench run {name} failed: exit codes {codes}\n{started.tail()}")
     out = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
-    if out["steps"] != STEPS or not out["step_s"]:
+    if out["steps"] != steps or not out["step_s"]:
         raise RuntimeError(f"bench run {name}: {out}")
-    return [float(t) for t in out["step_s"]]
+    return out
+
+
+def pairs(tmp: Path, agent: LocalAgent, *, ranks: int = 2, n: int = PAIRS) -> tuple[list[float], list[float]]:
+    """`n` pairs of runs, with the SDK and without (`--no-vigil`), the order flipping every pair; rank 0's
+    step times (on, off)."""
+    on: list[float] = []
+    off: list[float] = []
+    for i in range(n):  # off, on / on, off / ...: neither side always runs first
+        for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            if side == "off":
+                off += one_run(tmp, f"off-{i}", ["--no-vigil"], None, ranks=ranks)["step_s"]
+            else:
+                on += one_run(tmp, f"on-{i}", [], agent, ranks=ranks)["step_s"]
+    return on, off
 
 
 def run(settings: Settings) -> dict[str, object]:
@@ -61,16 +81,8 @@ def run(settings: Settings) -> dict[str, object]:
         settings, where = servers(stack, settings, database=False)
         tmp, url = settings.data_dir, settings.nats_url
         assert url
-
         agent = stack.enter_context(LocalAgent(url, tmp / "ckpt"))
-        on: list[float] = []
-        off: list[float] = []
-        for i in range(PAIRS):  # off, on / on, off / ...: neither side always runs first
-            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                if side == "off":
-                    off += _one_run(tmp, f"off-{i}", ["--no-vigil"], None)
-                else:
-                    on += _one_run(tmp, f"on-{i}", [], agent)
+        on, off = pairs(tmp, agent)
     value, floor = statistics.median(on), statistics.median(off)
     return result(
         "sdk",

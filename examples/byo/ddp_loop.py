@@ -120,7 +120,7 @@ def main() -> None:
             last = m == len(sources) - 1  # DDP all-reduces the summed gradients in the last one's backward
             with contextlib.nullcontext() if last or world == 1 else model.no_sync():
                 part = model(batch(position, source, args)) / len(sources)
-                if args.nan_at == step and source == 1 and once(markers / f"nan-at-{step}.done"):
+                if args.nan_at == step and source == args.nan_rank and once(markers / f"nan-at-{step}.done"):
                     part = part * float("nan")
                 loss = carried["loss"] = loss + part.detach()
                 part.backward()

@@ -96,7 +96,7 @@ def main() -> None:
     while step < args.steps:
         crash_if_due(args, step, rank, markers)  # the injected faults, each once per job
         loss = engine(batch(run.position(step), rank, args))
-        if args.nan_at == step and rank == 1 and once(markers / f"nan-at-{step}.done"):
+        if args.nan_at == step and rank == args.nan_rank and once(markers / f"nan-at-{step}.done"):
             loss = loss * float("nan")
         engine.backward(loss)
         ok = vigil_ds.step(engine, loss, run)  # instead of engine.step(): agree, then step

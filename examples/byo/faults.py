@@ -2,7 +2,8 @@
 the job's checkpoint folder (which outlives a relaunch) says it fired. Outside Vigil the markers go under
 `--out`.
 
-- `--nan-at K`: rank 1's loss is NaN at step K (each example poisons its own loss);
+- `--nan-at K`: rank 1's loss is NaN at step K (each example poisons its own loss); `--nan-rank R` picks
+  another rank (0 in a one-rank run);
 - `--crash-at K`: rank 1 dies at step K with exit code 17, as a bug in a user program or a lost process
   would end it; Vigil relaunches the job from its newest checkpoint;
 - `--startup-delay S`: every rank of a relaunch (attempt 2 on) sleeps S seconds before it starts,
@@ -26,6 +27,7 @@ CRASH_EXIT_CODE = 17
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN at this step, once")
+    p.add_argument("--nan-rank", type=int, default=1, help="the rank whose loss --nan-at poisons (1)")
     p.add_argument("--crash-at", type=int, default=None, help="rank 1 dies at this step, once (exit 17)")
     p.add_argument(
         "--startup-delay", type=float, default=0.0, help="seconds each rank of a relaunch sleeps at its start"

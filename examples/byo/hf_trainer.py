@@ -6,10 +6,10 @@
     vigil submit examples/byo/hf_trainer.yaml --follow   # under Vigil
 
 The model is built from a config and the data is random tokens: nothing is downloaded. `--nan-at K`
-makes rank 1's loss NaN at step K once, `--crash-at K` kills rank 1 at step K once (faults.py: a marker
-file in the job's checkpoint folder keeps a relaunch from doing it again), `--startup-delay S` starts every
-rank of a relaunch S seconds late. The last line printed is JSON: the steps trained, whether the weights
-are finite and the step times.
+makes rank 1's loss NaN at step K once (`--nan-rank R`: rank R's), `--crash-at K` kills rank 1 at step K
+once (faults.py: a marker file in the job's checkpoint folder keeps a relaunch from doing it again),
+`--startup-delay S` starts every rank of a relaunch S seconds late. The last line printed is JSON: the
+steps trained, whether the weights are finite and the step times.
 """
 
 from __future__ import annotations
@@ -63,13 +63,13 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 class Faults(TrainerCallback):
-    """The injected faults (faults.py), each once per job: rank 1 dies at step `--crash-at`, and its loss
-    is NaN at step `--nan-at`."""
+    """The injected faults (faults.py), each once per job: rank 1 dies at step `--crash-at`, and rank
+    `--nan-rank`'s (1) loss is NaN at step `--nan-at`."""
 
     def __init__(self, model: torch.nn.Module, faults: argparse.Namespace, markers: Path) -> None:
         self.faults, self.markers, self.step = faults, markers, -1
         self.rank = int(os.environ.get("RANK", "0"))
-        if faults.nan_at is not None and self.rank == 1:
+        if faults.nan_at is not None and self.rank == faults.nan_rank:
             model.register_forward_hook(self.poison)
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:

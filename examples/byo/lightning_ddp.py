@@ -61,9 +61,9 @@ class TinyLM(L.LightningModule):
         return loss
 
     def poison_now(self) -> bool:
-        """Rank 1 at step `--nan-at`, once per job (the marker file outlives a relaunch)."""
+        """Rank `--nan-rank` (1) at step `--nan-at`, once per job (the marker file outlives a relaunch)."""
         step = self.trainer.global_step
-        if self.faults.nan_at != step or self.global_rank != 1:
+        if self.faults.nan_at != step or self.global_rank != self.faults.nan_rank:
             return False
         return once(self.markers / f"nan-at-{step}.done")
 
