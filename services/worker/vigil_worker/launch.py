@@ -198,6 +198,10 @@ def rank_env(
             TORCHINDUCTOR_CACHE_DIR=str(home / ".cache" / "torchinductor"),
             TRITON_CACHE_DIR=str(home / ".cache" / "triton"),
         )
+        # its temporary files in its own folder, not the node's /tmp: a uid goes to another job later, and
+        # what a job left under /tmp/torchinductor_<user> (precompiled headers, 147 MB) the next job of
+        # that uid would use; removed when the job has no rank here (`Tenancy.release`)
+        env["TMPDIR"] = str(home.parent / "tmp")
     if launch.spec.entrypoint is not None:
         env.update(launch.spec.entrypoint.env)
     nodes = list(dict.fromkeys(p.node for p in sorted(launch.placement, key=lambda p: p.rank)))

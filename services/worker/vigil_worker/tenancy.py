@@ -143,10 +143,10 @@ class Tenancy:
             self.users[job_id] = JobUser(self.pool.acquire(job_id))
 
     def give_to(self, user: JobUser, settings: Settings, job_id: str, attempt: int) -> None:
-        """The job's folders made and owned by its user: its run folder (attempt, home, cache) and its
+        """The job's folders made and owned by its user: its run folder (attempt, home, cache, tmp) and its
         checkpoint folder, with everything in them (a relaunch may run as another uid)."""
         mine = job_dir(settings, job_id)
-        for name in ("home", "cache", f"attempt-{attempt}"):
+        for name in ("home", "cache", "tmp", f"attempt-{attempt}"):
             (mine / name).mkdir(parents=True, exist_ok=True)
         checkpoints = settings.checkpoint_root / job_id
         checkpoints.mkdir(parents=True, exist_ok=True)
@@ -182,11 +182,13 @@ class Tenancy:
         return gone
 
     def release(self, job_id: str) -> None:
-        """The job has no rank here any more: end every process left of its user, give the uid back."""
+        """The job has no rank here any more: end every process left of its user, give the uid back, and
+        remove its temporary files (`TMPDIR`: inductor's precompiled headers alone are 147 MB a job)."""
         user = self.users.pop(job_id, None)
         if user is None or self.pool is None:
             return
         self.pool.release(job_id, user.uid)  # with the host's last holder, its user's every process
+        shutil.rmtree(job_dir(self.settings, job_id) / "tmp", ignore_errors=True)
 
     # --- a job's cgroup ------------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ step applied twice) moves the loss by 1e-2 or more, so rel=2e-4 keeps a wide mar
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -130,6 +132,13 @@ async def test_compile_under_each_zero_stage(ready_cluster, bus, job_id, zero_st
         else:  # ZeRO 3: a graph break at each parameter gather (why `auto` leaves it eager), same on both
             assert len(graphs) == 2 and graphs[0] == graphs[1] > 1, logs[-4000:]
         runs[on] = rec
+        # the job ran as its own user with its own TMPDIR (inductor's precompiled headers went there, not
+        # to /tmp/torchinductor_<uid> for the uid's next job), removed once it had no rank left here
+        tmp = ready_cluster.data_dir / "runs" / name / "tmp"
+        deadline = time.monotonic() + 60
+        while tmp.exists():
+            assert time.monotonic() < deadline, f"{tmp} still there after the job ended"
+            await asyncio.sleep(0.1)  # polling a folder the worker removes
     for rank in (0, 1):
         got, want = last_losses(runs[True], rank), last_losses(runs[False], rank)
         assert sorted(got) == sorted(want) == list(range(6))

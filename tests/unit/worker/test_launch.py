@@ -136,6 +136,8 @@ def test_a_jobs_own_program_runs_in_its_workdir_under_a_code_root(tmp_path):
     assert rank.env["MY_FLAG"] == "1"
     home = tmp_path.resolve() / "runs" / "j1" / "home"  # the job's own, not the worker's
     assert (rank.env["HOME"], rank.env["USER"], rank.env["LOGNAME"]) == (str(home), USER.name, USER.name)
+    # its temporary files too: not the node's /tmp, where the uid's next job would find them
+    assert rank.env["TMPDIR"] == str(home.parent / "tmp") and home.parent.name == "j1"
 
 
 def test_a_rank_reads_its_jobs_spec_from_the_environment(tmp_path):
