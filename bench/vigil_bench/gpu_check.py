@@ -12,13 +12,16 @@ named), as it finishes:
 - `warm_rank_on_device`: a warm rank takes a job on the device: launch to first step, beside a cold start;
 - `mfu`: `vigil bench mfu`, the trainer beside the same model in a plain PyTorch loop;
 - `overhead_one_rank`: `vigil bench overhead`, one rank on the GPU (trainer vs plain DeepSpeed);
+- `hf_trainer_on_device`: the HF Trainer example (examples/byo/hf_trainer.py) at one rank on the GPU
+  under the SDK against `--no-vigil` (`vigil bench sdk`'s runner, 3 pairs), and a NaN it holds (`gpu_hf`);
 - `nccl_kill_and_replace`: a 2-rank NCCL job's rank 1 killed and replaced, where 2+ GPUs are (skipped
   on one GPU, and not written yet for more).
 
 Each line is `{"check": ..., "status": "pass" | "fail" | "skip", "seconds": ..., ...}`. On a machine
 without a GPU the CPU half runs (`mfu` with one pair of runs and fewer steps, `held_on_device`, the
 snapshot and rollback check at ZeRO 1 and the warm rank on the CPU, these three on a smaller model:
-`gpu_recovery.model`) and the rest says `skip` with the reason; CI runs that half
+`gpu_recovery.model`) and the rest says `skip` with the reason (`hf_trainer_on_device` too: `vigil bench
+sdk` is its CPU figure; `VIGIL_GPU_CHECK_HF_ON_CPU=1` runs it); CI runs that half
 (tests/integration/bench). The exit code is 1 when a check failed, 2 for an unknown check's name.
 """
 
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 import yaml
 
+from vigil_bench.gpu_hf import hf_trainer_on_device
 from vigil_bench.gpu_recovery import (
     model,
     nccl_kill_and_replace,
@@ -185,6 +189,7 @@ CHECKS: tuple[tuple[str, Callable[[bool], Result]], ...] = (
     ("warm_rank_on_device", warm_rank_on_device),
     ("mfu", mfu),
     ("overhead_one_rank", overhead_one_rank),
+    ("hf_trainer_on_device", hf_trainer_on_device),
     ("nccl_kill_and_replace", nccl_kill_and_replace),
 )
 

@@ -32,9 +32,10 @@ def test_the_cpu_half_runs_and_says_what_it_skipped() -> None:
         "warm_rank_on_device",
         "mfu",
         "overhead_one_rank",
+        "hf_trainer_on_device",
         "nccl_kill_and_replace",
     ]
-    for check in ("pytest_gpu", "nvml", "overhead_one_rank", "nccl_kill_and_replace"):
+    for check in ("pytest_gpu", "nvml", "overhead_one_rank", "hf_trainer_on_device", "nccl_kill_and_replace"):
         assert by[check]["status"] == "skip" and by[check]["reason"], by[check]
     assert by["held_on_device"]["status"] == "pass" and by["held_on_device"]["held"] == [
         ["4", "nan"],
