@@ -97,8 +97,8 @@ def become_rank(launch: Launch, log: int | None = None) -> None:
     if launch["cwd"]:
         os.chdir(launch["cwd"])
     become(launch["uid"], launch["gid"], launch["cgroup"])
-    if launch["uid"] is not None:  # a uid change made it undumpable: /proc/self is then root's
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    if launch["uid"] is not None and (prctl := libc_prctl()) is not None:  # a uid change made it
+        prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # undumpable: /proc/self is then root's
     os.environ.clear()
     os.environ.update(launch["env"])
     os.environ[proto.RANK_TOKEN_FD_ENV] = str(read_end)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -345,3 +349,39 @@ async def checkpoint(bus: Bus, job_id: str, attempt: int, step: int, node: str) 
         ),
     )
     return path
+
+
+GATEWAY_TOKEN = "fuzz-token-0123456789abcdef"  # the `gateway` fixture's API token
+
+
+@pytest.fixture
+def gateway(nats_url: str, database_url: str, tmp_path: Path) -> Iterator[str]:
+    """A real `vigil scheduler` process on its own fresh database (the API fuzz and coverage runs):
+    its base URL; bearer `GATEWAY_TOKEN`, bodies up to 64 KiB."""
+    db = asyncio.run(fresh_database(database_url))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")} | {
+        "VIGIL_NATS_URL": nats_url,
+        "VIGIL_DATABASE_URL": db,
+        "VIGIL_DATA_DIR": str(tmp_path),
+        "VIGIL_HTTP_PORT": str(port),
+        "VIGIL_API_GATEWAY_TOKEN": GATEWAY_TOKEN,
+        "VIGIL_MAX_BODY_BYTES": str(64 * 1024),
+    }
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "vigil"), "scheduler"], env=env, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the scheduler exited"
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the scheduler was not ready in 60 s"
+            time.sleep(0.1)  # polling a readiness endpoint
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -6,31 +6,22 @@ in step with the console's routes; none of their answers may be a 5xx."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from vigil_common.embedded import free_port
 from vigil_common.settings import Settings
 from vigil_scheduler import console
 
-from .conftest import fresh_database
+from .conftest import GATEWAY_TOKEN as TOKEN
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "fuzz-token-0123456789abcdef"
 # Per operation and generation mode: a bound on the cases, not on the time, so that a loaded machine runs
 # the same cases, only slower. Each parameter's boundaries are walked deterministically by
 # test_api_coverage.py (schemathesis's coverage phase); this run draws at random beyond them.
@@ -94,37 +85,6 @@ CONSOLE_SCHEMA: dict[str, Any] = {
         "/console/events": {"get": {"parameters": [_param("job", "query", _string())], "responses": ANY}},
     },
 }
-
-
-@pytest.fixture
-def gateway(nats_url: str, database_url: str, tmp_path: Path) -> Iterator[str]:
-    db = asyncio.run(fresh_database(database_url))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")} | {
-        "VIGIL_NATS_URL": nats_url,
-        "VIGIL_DATABASE_URL": db,
-        "VIGIL_DATA_DIR": str(tmp_path),
-        "VIGIL_HTTP_PORT": str(port),
-        "VIGIL_API_TOKEN": TOKEN,
-        "VIGIL_MAX_BODY_BYTES": str(64 * 1024),
-    }
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "vigil"), "scheduler"], env=env, cwd=tmp_path)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "the scheduler exited"
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the scheduler was not ready in 60 s"
-            time.sleep(0.1)  # polling a readiness endpoint
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _fuzz(schema: Any, base: str, documented_only: bool) -> tuple[int, set[int], list[str], set[str]]:
