@@ -5,7 +5,9 @@ Two kinds of process wait to be handed a rank, both the built-in trainer's (`vig
   its stdout and reads its `Launch` as one JSON line on its stdin;
 - a parked rank (`vigil_trainer.park`), a survivor whose collective failed, listens on `next_socket`
   beside its exit file and writes `parked_marker` there; the worker connects and hands it its job's next
-  attempt (a `Launch` and the new log's descriptor). Only a worker that allows it sets `PARK_ENV`.
+  attempt (a `Launch` and the new log's descriptor). Only a worker that allows it sets `PARK_ENV`. While
+  it trains, such a rank also listens on `cut_socket`: a survivor whose collective waits on a peer that is
+  cut off (no connection closed) is told so by its worker, cuts its connections, and parks.
 
 Either way the process then becomes the rank exactly as a started one would be (`become_rank`): its
 output goes to the rank's log, it joins the job's cgroup and drops to the job's user (`become`, which a
@@ -49,6 +51,12 @@ def next_socket(exit_path: str | Path) -> Path:
     """The Unix socket a parked rank takes its next attempt from (the launch, and its log's descriptor):
     beside its exit file."""
     return Path(exit_path).with_suffix(".next")
+
+
+def cut_socket(exit_path: str | Path) -> Path:
+    """The Unix socket on which a rank that parks takes its worker's word that its collectives' peer is
+    gone for good (the attempt replaced): it then cuts their connections and parks. Beside its exit file."""
+    return Path(exit_path).with_suffix(".cut")
 
 
 def become(uid: int | None, gid: int | None, procs: Sequence[str | bytes], prctl: Any = None) -> None:

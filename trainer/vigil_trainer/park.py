@@ -18,6 +18,13 @@ of the built-in trainer, started by a worker that allows it (`PARK_ENV`), parks:
    (`vigil.handover.become_rank`) and runs `rank.main` again: a new process group at the new rendezvous, a
    new engine, and the newest whole in-memory snapshot restored, as any relaunch does.
 
+A peer cut off the network closes no connection: the survivors' collectives would wait for their timeout
+(gloo's 30 minutes), and aborting the process group does not unblock a gloo collective. So while it trains
+such a rank listens on `cut_socket` (`cuttable`): when its job's next attempt comes and the rank is still
+running (its peer's node was declared lost), its worker says so there, and the rank shuts down its own
+connections (`cut_connections`: every connected TCP socket of the process, gloo's pairs and the store's).
+The collective fails at once ("Connection closed by peer") and the rank parks as above.
+
 The worker ends a parked rank the next attempt does not take (placed elsewhere, another job on its
 device, the job ended, or waited too long). Only the lost ranks start new processes.
 """
@@ -30,14 +37,18 @@ import json
 import logging
 import os
 import socket
+import stat
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from vigil import protocol as proto
-from vigil.handover import PARK_ENV, Launch, next_socket, parked_marker
+from vigil.handover import PARK_ENV, Launch, cut_socket, next_socket, parked_marker
 
 log = logging.getLogger("vigil.rank")
 
 HANDED_MAX_BYTES = 1 << 20  # a launch's JSON line (its environment holds the job's spec)
+CUT_REASON_MAX_BYTES = 4096
 # What a failed collective says (gloo's transport, NCCL, c10d's store), in the exception or its causes.
 COLLECTIVE_FAILURES = (
     "Connection closed by peer",
@@ -66,10 +77,87 @@ def collective_failed(exc: BaseException) -> bool:
     return False
 
 
+def handed_over() -> bool:
+    """The worker that started this rank hands a parked rank its job's next attempt."""
+    return os.environ.get(PARK_ENV) == "1" and bool(os.environ.get(proto.EXIT_FILE_ENV))
+
+
 def may_park(exc: BaseException) -> bool:
     """Park on `exc`: a collective failed, and the worker that started this rank hands over."""
-    handed_over = os.environ.get(PARK_ENV) == "1" and bool(os.environ.get(proto.EXIT_FILE_ENV))
-    return handed_over and collective_failed(exc)
+    return handed_over() and collective_failed(exc)
+
+
+@contextlib.contextmanager
+def cuttable() -> Iterator[None]:
+    """While the block runs, a rank that may park listens on `cut_socket` beside its exit file: its worker
+    connects when the job's next attempt comes and this rank still runs (a peer cut off), and the rank
+    cuts its collectives' connections (`cut_connections`) so that they fail now and it parks."""
+    if not handed_over():
+        yield
+        return
+    path = cut_socket(os.environ[proto.EXIT_FILE_ENV])
+    path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(4)
+    except OSError as exc:  # a path too long for a socket's address, say: the relaunch ends this rank
+        listener.close()
+        log.warning("cannot listen on %s (%s): a peer cut off ends this rank at the relaunch", path, exc)
+        yield
+        return
+    serving = threading.Thread(target=_serve_cuts, args=(listener,), name="vigil-cut", daemon=True)
+    serving.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (Linux)
+        listener.close()
+        serving.join(timeout=5)
+        path.unlink(missing_ok=True)
+
+
+def _serve_cuts(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()  # the worker, as root
+        except OSError:
+            return  # closed: the block ended
+        with conn:
+            try:
+                conn.settimeout(2.0)
+                reason = conn.recv(CUT_REASON_MAX_BYTES).decode(errors="replace").strip()
+                cut = cut_connections()
+                log.warning("the worker cut %d connection(s) of this rank's collectives: %s", cut, reason)
+                conn.sendall(f"{cut}\n".encode())
+            except OSError as exc:
+                log.warning("a cut from the worker failed: %s", exc)
+
+
+def cut_connections() -> int:
+    """Shut down every connected TCP socket of this process (gloo's pairs, the store's client and the
+    connections it serves): a collective blocked on them fails at once. How many were cut."""
+    cut = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except (ValueError, OSError):
+            continue  # gone since the listing, or not a socket
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                sock.getpeername()  # connected: a listening socket has none
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the descriptor stays the process's
+    return cut
 
 
 _listening: socket.socket | None = None  # `begin`'s, until `wait_for_next_attempt`

@@ -328,7 +328,8 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
     root = args.checkpoint_root.resolve()
     run = open_run(job, env, args.node, root)  # the rank's session with Vigil, as any program's
     try:
-        return _train(args, env, observer, job, root, run)
+        with park.cuttable():  # a peer cut off: the worker says so, and the collective fails now
+            return _train(args, env, observer, job, root, run)
     except Exception as exc:
         if park.may_park(exc):
             park.begin(f"{type(exc).__name__}: {exc}")  # the worker may hand the next attempt over now

@@ -8,9 +8,13 @@ next attempt (`vigil_trainer.park`), and the worker hands that attempt to it.
   rank would get with its new log's descriptor. Only the ranks that are gone start new processes.
 - A parked rank that the next attempt does not take (placed elsewhere, another job's launch on its
   device, the job ended) is ended as any rank is; one left waiting `PARKED_FOR_S` ends too.
+- A rank of an older attempt still running when the next one places it here waits in a collective on a
+  peer that is cut off (its node declared lost: no connection was closed). The worker tells it so
+  (`cut`, on the rank's `cut_socket`): it cuts its connections, its collective fails, and it parks
+  within `PARK_WINDOW_S` and is taken as above, rather than ended.
 - A hung attempt's ranks end in two waves (`hung_first`): those whose stacks, dumped for the hang, wait
-  in no collective (the hung ones) first; those that waited for them in a collective then see it fail
-  and park within `PARK_WINDOW_S`, and take the next attempt as any survivor does.
+  in no collective (the hung ones) first; those that waited for them in a collective are cut as above
+  (their peer's end fails their collective too), park, and take the next attempt as any survivor does.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import socket
 import time
 
 from vigil.events import LaunchJob
-from vigil.handover import next_socket, parked_marker
+from vigil.handover import cut_socket, next_socket, parked_marker
 from vigil_common.settings import Settings
 from vigil_worker.cgroups import JobCgroup
 from vigil_worker.launch import RankLaunch, handed_launch, warm_argv
@@ -33,6 +37,7 @@ log = logging.getLogger("vigil.worker")
 PARKED_FOR_S = 60.0  # a parked rank no attempt took by then is ended (a relaunch comes in seconds)
 PARK_WINDOW_S = 1.5  # a hung attempt's waiting ranks park this soon after the hung ones end (gloo: ms)
 HAND_OVER_S = 5.0  # the hand-over's connection and writes (the parked rank listens before its marker)
+CUT_S = 1.0  # a cut's connection and answer (the rank's own thread answers, whatever its training does)
 
 
 def newly_parked(record: RankRecord) -> str | None:
@@ -67,6 +72,50 @@ def hung_first(
         return [], []
     first = [r for r in older if not in_collective.get(r.rank, False)]
     return first, [r for r in older if r not in first]
+
+
+def still_waiting(table: RankTable, launch: LaunchJob, node: str, settings: Settings) -> list[RankRecord]:
+    """The ranks of `launch`'s job here that an older attempt left running, not parked, on a device the
+    launch takes here, and that park: their peer is gone (the control plane replaced the attempt), so
+    their collectives are to be cut (`cut`) and they park, to be taken rather than ended."""
+    if launch.spec.entrypoint is not None or launch.job_id is None:
+        return []
+    devices = {p.device for p in launch.placement if p.node == node}
+    return [
+        r
+        for r in table.running(launch.job_id)
+        if r.attempt < launch.attempt
+        and r.parked_at is None
+        and not r.killed
+        and r.device in devices
+        and parks(r, settings)
+    ]
+
+
+def cut_all(table: RankTable, launch: LaunchJob, node: str, settings: Settings) -> list[RankRecord]:
+    """Tell each of `still_waiting`'s ranks that its attempt was replaced (`cut`), and return them all:
+    each parks, or ends, soon (one that could not be told may be parking already)."""
+    waiting = still_waiting(table, launch, node, settings)
+    for r in waiting:
+        cut(r, f"attempt {launch.attempt} of the job replaces attempt {r.attempt}")
+    return waiting
+
+
+def cut(record: RankRecord, why: str) -> bool:
+    """Tell `record`'s process that its attempt was replaced: it cuts its collectives' connections and
+    parks. False when it cannot be told (it does not listen: ended, or parked by now)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(CUT_S)
+            conn.connect(str(cut_socket(record.exit_path)))
+            conn.sendall(why.encode()[:4000] + b"\n")
+            answer = conn.recv(64).decode(errors="replace").strip()
+    except OSError as exc:
+        log.info("rank %d of %s: its collectives not cut (%s)", record.rank, record.job_id, exc)
+        return False
+    log.warning("rank %d of %s: cut %s connection(s) of its collectives: %s", record.rank, record.job_id,
+                answer or "no answer:", why)  # fmt: skip
+    return True
 
 
 def waited_too_long(record: RankRecord, now: float | None = None) -> bool:

@@ -1,7 +1,8 @@
 """A hot spare (issue 40 §1) on three hosts (network namespaces): with `VIGIL_HOT_SPARES=1` hostc is held in
 reserve and shown so; a 2-node job runs on hosta and hostb, and a 1-node job queued behind it is not
 placed on the spare. Host b is cut off (then its worker and rank killed): the job is relaunched at once on hosta and
-the spare, ahead of the queued job, and SUCCEEDS; once it ends the reserve refills and the queued job runs."""
+the spare, ahead of the queued job, hosta's rank in its own process (its worker cut its collectives), and SUCCEEDS;
+once it ends the reserve refills and the queued job runs."""
 
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ def spec(name: str, nodes: int, **train: Any) -> dict[str, Any]:
 async def spares(plane: Plane) -> list[str]:
     items = (await plane.http.get("/api/v1/nodes")).json()["items"]
     return [n["name"] for n in items if n["spare"]]
+
+
+async def rank_pid(plane: Plane, job_id: str, rank: int, attempt: int) -> int:
+    """The process that ran `rank` of the job's `attempt` (its `RankStarted`)."""
+    started = await next_event(
+        plane.bus,
+        subjects.job_status(job_id),
+        lambda e: isinstance(e, RankStarted) and e.attempt == attempt and e.rank == rank,
+    )
+    assert isinstance(started, RankStarted)
+    return started.pid
 
 
 async def test_a_job_that_loses_a_node_is_relaunched_on_the_spare_ahead_of_the_queue(
@@ -77,6 +89,12 @@ async def test_a_job_that_loses_a_node_is_relaunched_on_the_spare_ahead_of_the_q
     job = (await plane.http.get(f"/api/v1/jobs/{queued}")).json()
     assert job["state"] == "PENDING", job  # the queued job went behind: hosta and hostc are taken
     await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
+    # hosta's rank waited on a peer cut off (no connection closed); told by its worker that attempt 2
+    # replaced its own, it cut its collectives' connections, parked, and went on in its own process
+    (kept,) = [p.rank for p in first.placement if p.node == wa.node]
+    assert [p.node for p in second.placement if p.rank == kept] == [wa.node]
+    pids = [await rank_pid(plane, job_id, kept, attempt) for attempt in (1, 2)]
+    assert pids[0] == pids[1], pids
 
     # the job's nodes are free again: hostc is the spare again, and the queued job runs on hosta
     third = await launched(plane.bus, queued, timeout_s=60)
@@ -130,16 +148,9 @@ async def test_a_host_killed_mid_run_costs_a_relaunch_on_the_spare_from_memory(
     await wait_state(plane.bus, job_id, "SUCCEEDED", timeout_s=240)
     # in-job restart: hosta's rank failed its collective, parked, and went on in its own process
     (kept,) = [p.rank for p in first.placement if p.node == wa.node]
-    pids = [
-        await next_event(
-            plane.bus,
-            subjects.job_status(job_id),
-            lambda e, at=at: isinstance(e, RankStarted) and e.attempt == at and e.rank == kept,
-        )
-        for at in (1, 2)
-    ]
+    pids = [await rank_pid(plane, job_id, kept, attempt) for attempt in (1, 2)]
     assert [p.node for p in second.placement if p.rank == kept] == [wa.node]
-    assert pids[0].pid == pids[1].pid, pids  # type: ignore[attr-defined]
+    assert pids[0] == pids[1], pids
 
     ref, got = await stored_steps(plane, reference, job_id)
     last1 = max(s for (at, s, _) in got if at == 1)

@@ -123,3 +123,66 @@ def test_the_worker_hands_the_next_attempt_to_the_parked_process(tmp_path: Path)
     table._children[kept.pid].wait(60)
     assert json.loads(rank.log_path.read_text()) == ["--launch", "x.json"]  # written on the handed log
     assert not handover.parked_marker(exit_file).exists() and not handover.next_socket(exit_file).exists()
+
+
+CUT_OFF_PAIR = """
+import os, sys, time
+import torch, torch.distributed as dist
+from vigil_trainer import park
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+dist.all_reduce(torch.ones(1))
+if rank == 1:  # the peer cut off: alive, silent, no connection closed
+    time.sleep(120)
+    os._exit(0)
+park.release_process_group = lambda: None  # the group's teardown is not what is tested
+with park.cuttable():
+    try:
+        dist.all_reduce(torch.ones(1))  # waits on rank 1 for good, but for the cut
+    except Exception as exc:
+        assert park.may_park(exc), exc
+        park.begin(f"{type(exc).__name__}: {exc}")
+print("parked", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_survivor_waiting_on_a_peer_cut_off_parks_once_its_worker_cuts_its_collectives(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 waits in a gloo collective on rank 1, which is alive and says nothing (its host cut off: no
+    connection closed). The job's next attempt places rank 0 on the same device here: the worker tells it
+    its attempt was replaced, it cuts its connections, its collective fails, and it parks to be taken."""
+    from vigil_common.settings import Settings
+
+    table = RankTable(tmp_path / "state")
+    port = str(29600 + os.getpid() % 300)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), handover.PARK_ENV: "1"}
+    ranks = []
+    for r in (0, 1):
+        who = RankToStart(
+            job_id="j1", attempt=1, rank=r, device=r, log_path=tmp_path / f"r{r}.log",
+            exit_path=tmp_path / f"r{r}.exit", token="t", builtin=True,
+        )  # fmt: skip
+        ranks.append(table.start(who, [sys.executable, "-c", CUT_OFF_PAIR, str(r), port],
+                                 {**env, "VIGIL_EXIT_FILE": str(who.exit_path)}))  # fmt: skip
+    survivor = ranks[0]
+    try:
+        deadline = time.monotonic() + 120
+        while not handover.cut_socket(survivor.exit_path).exists():  # it trains (the group formed)
+            assert time.monotonic() < deadline and survivor.alive(), (tmp_path / "r0.log").read_text()
+            time.sleep(0.05)  # polling a file the child makes, with a deadline
+        settings = Settings(rank_runtime="process")
+        nxt = launch("j1", 2, {0: 0})
+        assert parked.still_waiting(table, nxt, "n", settings) == [survivor]  # rank 1's device not here
+        assert parked.still_waiting(table, launch("j1", 2, {0: 0}, entrypoint=True), "n", settings) == []
+        assert parked.cut_all(table, nxt, "n", settings) == [survivor]
+        while (why := parked.newly_parked(survivor)) is None:
+            assert time.monotonic() < deadline, (tmp_path / "r0.log").read_text()
+            time.sleep(0.05)
+        assert "Connection closed by peer" in why, why
+        assert ranks[1].alive()  # the peer said nothing: the cut alone failed the collective
+        assert not parked.cut(survivor, "again")  # parked: it no longer listens for a cut
+    finally:
+        for r in table.running():
+            table.signal(r, 9)
