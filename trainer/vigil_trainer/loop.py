@@ -17,7 +17,7 @@ from vigil.boundary import Boundary
 from vigil.identity import first_position
 from vigil.integrations.deepspeed import skip_step
 from vigil.recovery import Preempted
-from vigil_trainer import replay
+from vigil_trainer import park, replay
 from vigil_trainer.checkpoint_collective import save_checkpoint, save_emergency_checkpoint
 from vigil_trainer.context import RankContext, TrainState
 from vigil_trainer.data import next_position
@@ -36,6 +36,7 @@ def train(ctx: RankContext, st: TrainState) -> TrainState:
         ctx.comm.take()  # collectives outside the step (checkpoints, rollbacks) are not its comm time
         t0 = time.perf_counter()
         ctx.faults.act(step, run)  # an injected crash, hang or slow rank (tests and demos)
+        park.raise_if_cut()  # the worker replaced this attempt: park (a collective fails of it first)
         lr = float(engine.get_lr()[0])
 
         # --- micro-steps (data, forward, backward), then the boundary all-reduce ------------------------

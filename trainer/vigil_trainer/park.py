@@ -5,10 +5,12 @@ When a peer dies (its machine lost, its process killed), the survivors' next col
 start their processes again (imports, CUDA context) only to rebuild the same rank. Instead a survivor
 of the built-in trainer, started by a worker that allows it (`PARK_ENV`), parks:
 
-1. first of all, as the failure is caught (`begin`), it listens on a Unix socket beside its exit file
-   (`next_socket`, 0600) and writes the parked marker (`parked_marker`, the failure's text): the worker
-   reports the rank as exited (`EXIT_PARKED`), so that the control plane judges the failure as it
-   judges any (the peer's node asked, lost, the job requeued), and a relaunch that comes fast finds it;
+1. first of all, as the failure is caught (`begin`), it cuts its connections (`cut_connections`: what
+   still waits on the lost peer, a snapshot's peer copy on its own thread, fails now), listens on a Unix
+   socket beside its exit file (`next_socket`, 0600) and writes the parked marker (`parked_marker`, the
+   failure's text): the worker reports the rank as exited (`EXIT_PARKED`), so that the control plane
+   judges the failure as it judges any (the peer's node asked, lost, the job requeued), and a relaunch
+   that comes fast finds it;
 2. it closes its `vigil.Run` (its events out), destroys the process group and drops DeepSpeed's cached
    groups (`ds_compat.forget_groups`), and frees what the engine held;
 3. it waits for the worker's connection. The worker hands it the job's next attempt when that attempt
@@ -62,6 +64,11 @@ COLLECTIVE_FAILURES = (
 )
 
 
+class CollectivesCut(RuntimeError):
+    """The worker cut this rank's collectives (its attempt was replaced): raised at the next step's start
+    when no collective failed first (a rank alone in its world has none that can)."""
+
+
 def collective_failed(exc: BaseException) -> bool:
     """`exc` (or what caused it) is a collective that lost its peer."""
     seen: set[int] = set()
@@ -69,8 +76,9 @@ def collective_failed(exc: BaseException) -> bool:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         text = f"{type(e).__name__}: {e}"
-        if isinstance(e, RuntimeError | ConnectionError | TimeoutError) and any(
-            marker in text for marker in COLLECTIVE_FAILURES
+        if isinstance(e, CollectivesCut) or (
+            isinstance(e, RuntimeError | ConnectionError | TimeoutError)
+            and any(marker in text for marker in COLLECTIVE_FAILURES)
         ):
             return True
         e = e.__cause__ or e.__context__
@@ -92,6 +100,8 @@ def cuttable() -> Iterator[None]:
     """While the block runs, a rank that may park listens on `cut_socket` beside its exit file: its worker
     connects when the job's next attempt comes and this rank still runs (a peer cut off), and the rank
     cuts its collectives' connections (`cut_connections`) so that they fail now and it parks."""
+    global _cut
+    _cut = None  # a new attempt in this process: nothing cut yet
     if not handed_over():
         yield
         return
@@ -119,7 +129,15 @@ def cuttable() -> Iterator[None]:
         path.unlink(missing_ok=True)
 
 
+def raise_if_cut() -> None:
+    """At a step's start: raise `CollectivesCut` once the worker has cut this attempt's collectives (a
+    rank whose collectives did not fail of it, one alone in its world, parks here)."""
+    if _cut is not None:
+        raise CollectivesCut(f"the worker cut this rank's collectives: {_cut}")
+
+
 def _serve_cuts(listener: socket.socket) -> None:
+    global _cut
     while True:
         try:
             conn, _ = listener.accept()  # the worker, as root
@@ -129,6 +147,7 @@ def _serve_cuts(listener: socket.socket) -> None:
             try:
                 conn.settimeout(2.0)
                 reason = conn.recv(CUT_REASON_MAX_BYTES).decode(errors="replace").strip()
+                _cut = reason or "its attempt was replaced"
                 cut = cut_connections()
                 log.warning("the worker cut %d connection(s) of this rank's collectives: %s", cut, reason)
                 conn.sendall(f"{cut}\n".encode())
@@ -161,6 +180,7 @@ def cut_connections() -> int:
 
 
 _listening: socket.socket | None = None  # `begin`'s, until `wait_for_next_attempt`
+_cut: str | None = None  # why the worker cut this attempt's collectives (`cuttable`'s thread sets it)
 
 
 def begin(reason: str) -> None:
@@ -168,6 +188,10 @@ def begin(reason: str) -> None:
     worker may hand the next attempt over (it queues on the socket) while this rank still lets go of the
     old attempt (its Run's last events, the process group). A rank that cannot listen exits as before."""
     global _listening
+    # the failed group's connections go first: a snapshot's peer copy still exchanging with the lost peer
+    # (another group, on another thread) would hold `Run.close` in `Snapshots.finish` for its 120 s while
+    # the next attempt waits for this rank (60 s of start-up limit in `vigil bench elastic`'s requeue path)
+    cut_connections()
     exit_file = Path(os.environ[proto.EXIT_FILE_ENV])
     path = next_socket(exit_file)
     path.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -186,3 +187,40 @@ def test_a_survivor_waiting_on_a_peer_cut_off_parks_once_its_worker_cuts_its_col
     finally:
         for r in table.running():
             table.signal(r, 9)
+
+
+ALONE = """
+import sys, types
+from vigil_trainer import park
+from vigil_worker import parked
+exit_file = sys.argv[1]
+with park.cuttable():
+    park.raise_if_cut()  # nothing cut: it trains on
+    assert parked.cut(types.SimpleNamespace(exit_path=exit_file, rank=0, job_id="j1"), "attempt 2 replaces 1")
+    try:
+        park.raise_if_cut()
+    except park.CollectivesCut as exc:
+        assert park.may_park(exc), exc
+        print("cut:", exc)
+with park.cuttable():  # the next attempt in this process starts uncut
+    park.raise_if_cut()
+print("uncut")
+"""
+
+
+def test_a_rank_alone_in_its_world_parks_at_its_next_step_once_cut(tmp_path: Path) -> None:
+    """A rank with no peer (a job shrunk to one rank, grown back) has no collective that a cut can fail:
+    it parks at its next step's start instead. In a process of its own: a cut shuts down every TCP
+    connection of the process it runs in."""
+    exit_file = tmp_path / "r0.exit"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), handover.PARK_ENV: "1",
+           "VIGIL_EXIT_FILE": str(exit_file)}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", ALONE, str(exit_file)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "cut: the worker cut this rank's collectives: attempt 2 replaces 1",
+        "uncut",
+    ], out.stdout + out.stderr
+    assert not handover.cut_socket(exit_file).exists()  # the listener went with its attempt
