@@ -3,12 +3,14 @@ faults.
 
 The whole stack runs in this process (scheduler and gateway, telemetry, guardian, a worker of two CPU
 slots, as `vigil up`) on the user's servers or embedded ones. The same two-rank DeepSpeed job (tiny GPT,
-ZeRO-1) runs twice, one after the other (after a short warm-up job): fault-free (the floor), then with
-five faults, one of each
-kind: a silent data corruption (held, replayed clean), a NaN and a loss spike in the data (held,
-reproduced, their data skipped), a crashed rank and a hung one (both relaunched from the last
-checkpoint). Both runs do the same useful steps; goodput = fault-free wall time / faulted wall time,
-each from submission to SUCCEEDED. Target >= 0.90 on this dense bench (5 faults in 300 steps).
+ZeRO-1) runs three times, one after the other (after a short warm-up job): fault-free, then with five
+faults, one of each kind: a silent data corruption (held, replayed clean), a NaN and a loss spike in the
+data (held, reproduced, their data skipped), a crashed rank and a hung one (both relaunched from the
+newest snapshot), then fault-free again. All runs do the same useful steps; goodput = fault-free wall
+time / faulted wall time, each from submission to SUCCEEDED, the fault-free time (the floor) the mean of
+the runs before and after the faulted one: one fault-free run alone, taken before, let the machine's drift
+over the minutes between them (1-3 s in a 47 s run here) decide the figure either way. Target >= 0.90 on
+this dense bench (5 faults in 300 steps).
 
 The worker keeps 6 warm ranks (`VIGIL_WARM_RANKS`: the launch's and two relaunches' worth of two ranks,
 since a CPU node replaces a taken one only once the job's ranks are done, unless the pool is short of
@@ -42,6 +44,7 @@ from typing import Any
 import httpx
 
 from vigil import events as ev
+from vigil.events import StepCompleted
 from vigil_bench import measure_on_servers, result
 from vigil_cli.stack import run_services
 from vigil_common import subjects
@@ -218,10 +221,13 @@ async def _measure(settings: Settings) -> dict[str, Any]:
         first = {**spec([]), "train": {**spec([])["train"], "steps": 5}}
         await warm.full(300)
         await train(http, bus, first, timeout_s=300)  # first-run costs (page cache, imports) go here
+        cleans = []
         await warm.full(300)
-        clean = await train(http, bus, spec([]), timeout_s=900)
+        cleans.append(await train(http, bus, spec([]), timeout_s=900))
         await warm.full(300)
         faulted = await train(http, bus, spec(FAULTS), timeout_s=900)
+        await warm.full(300)
+        cleans.append(await train(http, bus, spec([]), timeout_s=900))
     finally:
         warm.close()
         stop.set()
@@ -231,25 +237,27 @@ async def _measure(settings: Settings) -> dict[str, Any]:
 
     rows = time_lost(faulted)
     held = sum(r["lost_s"] for r in rows if r["fault"] in ("sdc", "nan", "spike"))
-    goodput = clean.wall_s / faulted.wall_s
+    floor = statistics.mean(c.wall_s for c in cleans)  # before and after the faulted run
+    goodput = floor / faulted.wall_s
     crash = [r["lost_s"] for r in rows if r["fault"] == "crash"]
     per_hour = LLAMA3_PER_GPU_HOUR * REALISTIC_GPUS
     realistic = 1 / (1 + per_hour * crash[0] / 3600) if crash else None
     return result(
         "goodput",
         faulted.wall_s,
-        clean.wall_s,
-        unit="s of wall time for the same useful steps (faulted, fault-free)",
+        floor,
+        unit="s of wall time for the same useful steps (faulted, fault-free: the mean of the runs around it)",
         target="goodput = floor / value >= 0.90",
         goodput=round(goodput, 4),
-        goodput_held=round(clean.wall_s / (clean.wall_s + held), 4),
+        fault_free_s=[round(c.wall_s, 3) for c in cleans],
+        goodput_held=round(floor / (floor + held), 4),
         goodput_realistic=round(realistic, 6) if realistic is not None else None,
         realistic=f"{REALISTIC_GPUS} GPUs, {per_hour:.4f} interruptions/hour, each costing the crash's time",
         warm_ranks=WARM_RANKS,
         steps=STEPS,
-        median_step_s=round(statistics.median(e.step_time_s for e in clean.of(ev.StepCompleted)), 4),
+        median_step_s=round(statistics.median(e.step_time_s for c in cleans for e in c.of(StepCompleted)), 4),
         faults=rows,
-        unexplained_s=round(faulted.wall_s - clean.wall_s - sum(r["lost_s"] for r in rows), 3),
+        unexplained_s=round(faulted.wall_s - floor - sum(r["lost_s"] for r in rows), 3),
         rollbacks=len(faulted.of(ev.RollbackCompleted)),
         ok=goodput >= 0.90 and all(r["ok"] for r in rows),
     )
