@@ -58,7 +58,12 @@ async def test_a_job_that_loses_a_node_is_relaunched_on_the_spare_ahead_of_the_q
     await wait_alive(plane, workers, wa.node, wb.node, wc.node)
     assert await spares(plane) == [wc.node]  # the last whole free node by name
 
-    job_id = await plane.submit(spec("mh-spare", 2, steps=16, checkpoint={"every": 4}))
+    body = spec("mh-spare", 2, steps=16, checkpoint={"every": 4})
+    # the node's loss is what is tested: the hang detector (rank 1 silent, its node's stacks never coming)
+    # must not restart the job first. On a loaded machine it did, at 7.4 s, before the 20 silent heartbeats
+    # (10 s), and the scheduler placed that restart on hostb again (not yet lost)
+    body["guardian"] = {"hang_floor_s": 60}
+    job_id = await plane.submit(body)
     first = await launched(plane.bus, job_id, timeout_s=30)
     assert sorted(p.node for p in first.placement) == [wa.node, wb.node]  # never on the spare
     queued = await plane.submit(spec("mh-queued", 1, steps=4))
