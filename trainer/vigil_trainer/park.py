@@ -64,6 +64,10 @@ COLLECTIVE_FAILURES = (
 )
 
 
+_listening: socket.socket | None = None  # `begin`'s, until `wait_for_next_attempt`
+_cut: str | None = None  # why the worker cut this attempt's collectives (`cuttable`'s thread sets it)
+
+
 class CollectivesCut(RuntimeError):
     """The worker cut this rank's collectives (its attempt was replaced): raised at the next step's start
     when no collective failed first (a rank alone in its world has none that can)."""
@@ -177,10 +181,6 @@ def cut_connections() -> int:
         finally:
             sock.detach()  # the descriptor stays the process's
     return cut
-
-
-_listening: socket.socket | None = None  # `begin`'s, until `wait_for_next_attempt`
-_cut: str | None = None  # why the worker cut this attempt's collectives (`cuttable`'s thread sets it)
 
 
 def begin(reason: str) -> None:

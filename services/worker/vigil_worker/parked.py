@@ -35,7 +35,7 @@ from vigil_worker.tenancy import JobUser
 log = logging.getLogger("vigil.worker")
 
 PARKED_FOR_S = 60.0  # a parked rank no attempt took by then is ended (a relaunch comes in seconds)
-PARK_WINDOW_S = 1.5  # a hung attempt's waiting ranks park this soon after the hung ones end (gloo: ms)
+PARK_WINDOW_S = 1.5  # a rank cut, or whose hung peer ended, parks this soon (gloo fails in ms)
 HAND_OVER_S = 5.0  # the hand-over's connection and writes (the parked rank listens before its marker)
 CUT_S = 1.0  # a cut's connection and answer (the rank's own thread answers, whatever its training does)
 
