@@ -110,14 +110,9 @@ def cuttable() -> Iterator[None]:
         yield
         return
     path = cut_socket(os.environ[proto.EXIT_FILE_ENV])
-    path.unlink(missing_ok=True)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(str(path))
-        os.chmod(path, 0o600)
-        listener.listen(4)
+        listener = _listen(path, backlog=4)
     except OSError as exc:  # a path too long for a socket's address, say: the relaunch ends this rank
-        listener.close()
         log.warning("cannot listen on %s (%s): a peer cut off ends this rank at the relaunch", path, exc)
         yield
         return
@@ -131,6 +126,20 @@ def cuttable() -> Iterator[None]:
         listener.close()
         serving.join(timeout=5)
         path.unlink(missing_ok=True)
+
+
+def _listen(path: Path, backlog: int) -> socket.socket:
+    """A Unix socket listening at `path` (made anew), for its owner only (the worker connects as root)."""
+    path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def raise_if_cut() -> None:
@@ -194,14 +203,9 @@ def begin(reason: str) -> None:
     cut_connections()
     exit_file = Path(os.environ[proto.EXIT_FILE_ENV])
     path = next_socket(exit_file)
-    path.unlink(missing_ok=True)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(str(path))
-        os.chmod(path, 0o600)
-        listener.listen(1)
+        listener = _listen(path, backlog=1)
     except OSError as exc:  # a path too long for a socket's address, say
-        listener.close()
         log.error("parked: cannot listen on %s (%s): exiting", path, exc)
         return
     _listening = listener
