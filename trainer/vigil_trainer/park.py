@@ -5,14 +5,16 @@ When a peer dies (its machine lost, its process killed), the survivors' next col
 start their processes again (imports, CUDA context) only to rebuild the same rank. Instead a survivor
 of the built-in trainer, started by a worker that allows it (`PARK_ENV`), parks:
 
-1. first of all, as the failure is caught (`begin`), it cuts its connections (`cut_connections`: what
-   still waits on the lost peer, a snapshot's peer copy on its own thread, fails now), listens on a Unix
-   socket beside its exit file (`next_socket`, 0600) and writes the parked marker (`parked_marker`, the
-   failure's text): the worker reports the rank as exited (`EXIT_PARKED`), so that the control plane
-   judges the failure as it judges any (the peer's node asked, lost, the job requeued), and a relaunch
-   that comes fast finds it;
-2. it closes its `vigil.Run` (its events out), destroys the process group and drops DeepSpeed's cached
-   groups (`ds_compat.forget_groups`), and frees what the engine held;
+1. it closes its `vigil.Run` (its events out, its last snapshot's work on its own thread done);
+2. then (`begin`) it listens on a Unix socket beside its exit file (`next_socket`, 0600) and writes the
+   parked marker (`parked_marker`, the failure's text): the worker reports the rank as exited
+   (`EXIT_PARKED`), so that the control plane judges the failure as it judges any (the peer's node asked,
+   lost, the job requeued), and a relaunch that comes fast finds it. Not before the Run is closed: a
+   snapshot's peer copy can stay blocked in gloo after its peer is gone (seen once in three runs of `vigil
+   bench elastic`, and made likely by shutting the connections down under it), and a rank so held must
+   not be handed an attempt (the worker ends a rank that has not parked, as before in-job restart);
+   it destroys the process group and drops DeepSpeed's cached groups (`ds_compat.forget_groups`), and
+   frees what the engine held;
 3. it waits for the worker's connection. The worker hands it the job's next attempt when that attempt
    places this rank on the same node and device: a warm rank's launch (`vigil.handover.Launch`) and
    the new log's descriptor (SCM_RIGHTS: the logs' folder is not the job user's), with the process
@@ -193,14 +195,10 @@ def cut_connections() -> int:
 
 
 def begin(reason: str) -> None:
-    """At once, as the failure is caught: listen beside the exit file and write the marker, so that the
-    worker may hand the next attempt over (it queues on the socket) while this rank still lets go of the
-    old attempt (its Run's last events, the process group). A rank that cannot listen exits as before."""
+    """Once the failed attempt's Run is closed: listen beside the exit file and write the marker, so that
+    the worker may hand the next attempt over (it queues on the socket) while this rank still lets go of
+    the process group. A rank that cannot listen exits as before."""
     global _listening
-    # the failed group's connections go first: a snapshot's peer copy still exchanging with the lost peer
-    # (another group, on another thread) would hold `Run.close` in `Snapshots.finish` for its 120 s while
-    # the next attempt waits for this rank (60 s of start-up limit in `vigil bench elastic`'s requeue path)
-    cut_connections()
     exit_file = Path(os.environ[proto.EXIT_FILE_ENV])
     path = next_socket(exit_file)
     try:

@@ -332,8 +332,8 @@ def _run(args: argparse.Namespace, env: RankEnv, observer: Observer) -> int:
             return _train(args, env, observer, job, root, run)
     except Exception as exc:
         if park.may_park(exc):
+            run.close()  # its events out, its link closed, its snapshot's thread done (or this rank hangs)
             park.begin(f"{type(exc).__name__}: {exc}")  # the worker may hand the next attempt over now
-            run.close()  # its events out and its link closed: the next attempt opens its own
         raise
 
 
