@@ -41,7 +41,12 @@ async def test_an_elastic_job_grows_back_to_both_hosts_at_its_next_checkpoint(
     reference = await plane.submit(spec("mh-grow-reference"))
     await wait_state(plane.bus, reference, "SUCCEEDED", timeout_s=240)
 
-    job_id = await plane.submit(spec("mh-grow"))
+    body = spec("mh-grow")
+    # the shrunk attempt trains slowly (0.5 s more a step, from step 13: after the kill, once), so that it
+    # is still training when host b's new worker is up: beside `stress --cpu 2` that worker took longer
+    # than the 30 shrunk steps of 0.2 s, the job finished shrunk and nothing grew. Losses are unchanged.
+    body["faults"] = [{"kind": "slow_rank", "step": 13, "rank": 0, "delay_s": 0.5}]
+    job_id = await plane.submit(body)
     first = await launched(plane.bus, job_id, timeout_s=30)
     await next_event(
         plane.bus, subjects.step(job_id, wb.node), lambda e: getattr(e, "step", -1) >= KILL_AT, timeout_s=180
