@@ -354,10 +354,13 @@ async def checkpoint(bus: Bus, job_id: str, attempt: int, step: int, node: str) 
 GATEWAY_TOKEN = "fuzz-token-0123456789abcdef"  # the `gateway` fixture's API token
 
 
-@pytest.fixture
-def gateway(nats_url: str, database_url: str, tmp_path: Path) -> Iterator[str]:
-    """A real `vigil scheduler` process on its own fresh database (the API fuzz and coverage runs):
-    its base URL; bearer `GATEWAY_TOKEN`, bodies up to 64 KiB."""
+@contextlib.contextmanager
+def scheduler_process(
+    nats_url: str, database_url: str, tmp_path: Path, settings: dict[str, str], ready_s: float
+) -> Iterator[str]:
+    """A real `vigil scheduler` process on a fresh database of its own, with `settings` (`VIGIL_*`) on top
+    of the servers' and a free port: its base URL once it answers /readyz as the active scheduler within
+    `ready_s` (it must not exit meanwhile); terminated after."""
     db = asyncio.run(fresh_database(database_url))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")} | {
@@ -365,23 +368,30 @@ def gateway(nats_url: str, database_url: str, tmp_path: Path) -> Iterator[str]:
         "VIGIL_DATABASE_URL": db,
         "VIGIL_DATA_DIR": str(tmp_path),
         "VIGIL_HTTP_PORT": str(port),
-        "VIGIL_API_GATEWAY_TOKEN": GATEWAY_TOKEN,
-        "VIGIL_MAX_BODY_BYTES": str(64 * 1024),
+        **settings,
     }
     proc = subprocess.Popen([str(Path(sys.executable).parent / "vigil"), "scheduler"], env=env, cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + ready_s
         while True:
             assert proc.poll() is None, "the scheduler exited"
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"{base}/readyz", timeout=2)
+                if r.status_code == 200 and r.json().get("role") == "active":
                     break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the scheduler was not ready in 60 s"
+            assert time.monotonic() < deadline, f"the scheduler was not ready in {ready_s:g} s"
             time.sleep(0.1)  # polling a readiness endpoint
         yield base
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture
+def gateway(nats_url: str, database_url: str, tmp_path: Path) -> Iterator[str]:
+    """A real `vigil scheduler` process on its own fresh database (the API fuzz and coverage runs):
+    its base URL; bearer `GATEWAY_TOKEN`, bodies up to 64 KiB."""
+    settings = {"VIGIL_API_GATEWAY_TOKEN": GATEWAY_TOKEN, "VIGIL_MAX_BODY_BYTES": str(64 * 1024)}
+    with scheduler_process(nats_url, database_url, tmp_path, settings, ready_s=60) as base:
+        yield base

@@ -6,10 +6,7 @@ and hostile paths, queries and specs are 4xx naming what is wrong."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -26,7 +23,7 @@ from vigil_scheduler.console import auth as console_auth
 from vigil_scheduler.console import pages as console_pages
 from vigil_scheduler.console.sessions import FREE_FAILURES
 
-from .conftest import TOKEN, Running, fresh_database, spec, wait_ready
+from .conftest import TOKEN, Running, scheduler_process, spec
 
 pytestmark = pytest.mark.integration
 
@@ -193,24 +190,9 @@ async def test_the_console_parses_its_form_and_spec_off_the_event_loop(
 def gateway_2mib(nats_url: str, database_url: str, tmp_path: Path) -> Iterator[str]:
     """`vigil scheduler` in its own process (so this test's client does not share its loop), taking
     bodies of up to 2 MiB."""
-    db = asyncio.run(fresh_database(database_url))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_")} | {
-        "VIGIL_NATS_URL": nats_url,
-        "VIGIL_DATABASE_URL": db,
-        "VIGIL_DATA_DIR": str(tmp_path),
-        "VIGIL_HTTP_PORT": str(port),
-        "VIGIL_API_TOKEN": TOKEN,
-        "VIGIL_MAX_BODY_BYTES": str(2 << 20),
-    }
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "vigil"), "scheduler"], env=env, cwd=tmp_path)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        asyncio.run(wait_ready(base, timeout_s=120))
+    settings = {"VIGIL_API_TOKEN": TOKEN, "VIGIL_MAX_BODY_BYTES": str(2 << 20)}
+    with scheduler_process(nats_url, database_url, tmp_path, settings, ready_s=120) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 async def test_parallel_megabyte_console_submits_do_not_stall_health(gateway_2mib: str) -> None:
