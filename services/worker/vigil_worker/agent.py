@@ -110,8 +110,8 @@ class Worker:
                     )
             return
         await self.monitor_once()  # a survivor that parked since the last look is taken too
-        first, _ = parked.hung_first(self.table, launch, self.settings, self._waiting.pop(job, None))
-        await self.end_ranks(first)  # a hang's hung ranks first; the others are told (off the loop) and park
+        hung = parked.hung(self.table, launch, self.settings, self._waiting.pop(job, None))
+        await self.end_ranks(hung)  # a hang's hung ranks first; the others are told (off the loop) and park
         if waiting := await asyncio.to_thread(parked.cut_all, self.table, launch, self.node, self.settings):
             await self._until_parked(waiting, parked.PARK_WINDOW_S)
         takers = parked.takers(self.table, launch, self.node)  # survivors parked in their processes

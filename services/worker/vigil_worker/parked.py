@@ -12,7 +12,7 @@ next attempt (`vigil_trainer.park`), and the worker hands that attempt to it.
   peer that is cut off (its node declared lost: no connection was closed). The worker tells it so
   (`cut`, on the rank's `cut_socket`): it cuts its connections, its collective fails, and it parks
   within `PARK_WINDOW_S` and is taken as above, rather than ended.
-- A hung attempt's ranks end in two waves (`hung_first`): those whose stacks, dumped for the hang, wait
+- A hung attempt's ranks end in two waves (`hung`): those whose stacks, dumped for the hang, wait
   in no collective (the hung ones) first; those that waited for them in a collective are cut as above
   (their peer's end fails their collective too), park, and take the next attempt as any survivor does.
 """
@@ -55,23 +55,21 @@ def parks(record: RankRecord, settings: Settings) -> bool:
     return record.builtin and settings.rank_runtime == "process"
 
 
-def hung_first(
+def hung(
     table: RankTable, launch: LaunchJob, settings: Settings, waiting: tuple[int, dict[int, bool]] | None
-) -> tuple[list[RankRecord], list[RankRecord]]:
-    """The ranks of `launch`'s job here that an older attempt left running, split by where their stacks
-    (`waiting`: the attempt dumped, and whether each rank waited in a collective) said they were: those
-    to end first (in no collective: hung), and those that wait for them, which park once they are gone.
-    Nothing to split (([], [])) unless the stacks of that very attempt were dumped here and its ranks
-    park."""
+) -> list[RankRecord]:
+    """The ranks of `launch`'s job here that an older attempt left running and whose stacks (`waiting`:
+    the attempt dumped, and whether each rank waited in a collective) put in no collective while a peer
+    waited in one: the hung ones, ended first. Those that waited for them are cut (`cut_all`) and park.
+    None unless the stacks of that very attempt were dumped here and its ranks park."""
     if waiting is None or launch.job_id is None:
-        return [], []
+        return []
     attempt, in_collective = waiting
     older = [r for r in table.running(launch.job_id) if r.attempt == attempt < launch.attempt]
     older = [r for r in older if r.parked_at is None and not r.killed and parks(r, settings)]
-    if not older or not any(in_collective.get(r.rank, False) for r in older):
-        return [], []
-    first = [r for r in older if not in_collective.get(r.rank, False)]
-    return first, [r for r in older if r not in first]
+    if not any(in_collective.get(r.rank, False) for r in older):
+        return []
+    return [r for r in older if not in_collective.get(r.rank, False)]
 
 
 def still_waiting(table: RankTable, launch: LaunchJob, node: str, settings: Settings) -> list[RankRecord]:

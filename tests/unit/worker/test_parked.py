@@ -82,6 +82,27 @@ def test_a_launch_takes_its_jobs_parked_ranks_on_the_same_device_and_others_let_
             table.signal(r, 9)
 
 
+def test_a_hangs_ranks_in_no_collective_are_the_ones_ended_first(tmp_path: Path) -> None:
+    """A hang's stacks: rank 0 in no collective (hung), ranks 1 and 2 waiting on it in one. Only rank 0 is
+    ended first; the waiters are cut and park. Stacks of another attempt, or none waiting, split nothing."""
+    from vigil_common.settings import Settings
+
+    table = RankTable(tmp_path / "state")
+    settings = Settings(rank_runtime="process")
+    try:
+        hung_rank, *_ = (record(table, tmp_path, "j1", r, r) for r in (0, 1, 2))
+        nxt = launch("j1", 2, {0: 0, 1: 1, 2: 2})
+        stacks = {0: False, 1: True, 2: True}
+        assert parked.hung(table, nxt, settings, (1, stacks)) == [hung_rank]
+        assert parked.hung(table, nxt, settings, (2, stacks)) == []  # not this attempt's stacks
+        assert parked.hung(table, nxt, settings, None) == []
+        assert parked.hung(table, nxt, settings, (1, dict.fromkeys(stacks, False))) == []  # nobody waits
+        assert parked.hung(table, nxt, Settings(rank_runtime="kubernetes"), (1, stacks)) == []  # no parking
+    finally:
+        for r in table.running():
+            table.signal(r, 9)
+
+
 PARKED_RANK = """
 import json, os, sys
 from vigil_trainer import park
