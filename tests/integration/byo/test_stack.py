@@ -96,6 +96,7 @@ async def test_an_example_with_a_nan_on_rank_1_recovers_and_succeeds(stack: Stac
     assert states[-1] == "SUCCEEDED", states
     (nan,) = [i for i in run.of(IncidentRaised) if i.kind == "nan"]
     assert (nan.rank, nan.step, nan.action) == (1, NAN_AT, "rollback")
+    repeated: list[int] = []  # the steps run twice (an in-place rollback)
     if run.of(JobStateChanged)[-1].cause.startswith("the ranks finished before the rollback reached them"):
         # fast steps may all run before the halt reaches the ranks (issue 32): the update was skipped,
         # so the job SUCCEEDS with nothing to redo (once, this left the job ROLLING_BACK for good)
