@@ -8,7 +8,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -92,15 +91,23 @@ class Running:
         return f"http://{self.settings.http_host}:{self.settings.http_port}"
 
 
-async def wait_ready(base_url: str, timeout_s: float = 30.0, task: asyncio.Task[None] | None = None) -> None:
+async def wait_ready(
+    base_url: str,
+    timeout_s: float = 30.0,
+    task: asyncio.Task[None] | None = None,
+    process: subprocess.Popen[bytes] | None = None,
+) -> None:
     """Poll /readyz until the gateway answers 200 as the active scheduler (the one consuming heartbeats
-    and placing jobs: the only one of a test's schedulers, once it holds the lock)."""
+    and placing jobs: the only one of a test's schedulers, once it holds the lock); fail at once if the
+    scheduler's `task` or `process` ended first."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     async with httpx.AsyncClient(base_url=base_url, timeout=2) as http:
         while True:
             if task is not None and task.done():
                 task.result()
                 raise AssertionError("the scheduler exited before it was ready")
+            if process is not None and process.poll() is not None:
+                raise AssertionError(f"the scheduler exited ({process.returncode}) before it was ready")
             with contextlib.suppress(httpx.HTTPError):
                 r = await http.get("/readyz")
                 if r.status_code == 200 and r.json().get("role") == "active":
@@ -373,15 +380,7 @@ def scheduler_process(
     proc = subprocess.Popen([str(Path(sys.executable).parent / "vigil"), "scheduler"], env=env, cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            assert proc.poll() is None, "the scheduler exited"
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{base}/readyz", timeout=2)
-                if r.status_code == 200 and r.json().get("role") == "active":
-                    break
-            assert time.monotonic() < deadline, f"the scheduler was not ready in {ready_s:g} s"
-            time.sleep(0.1)  # polling a readiness endpoint
+        asyncio.run(wait_ready(base, timeout_s=ready_s, process=proc))
         yield base
     finally:
         proc.terminate()
