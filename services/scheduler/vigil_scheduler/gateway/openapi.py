@@ -74,24 +74,47 @@ def with_pydantic_schemas(document: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class Merged:
+    """`with_pydantic_schemas` made once per document: Litestar builds its document once per app and hands
+    the same dict to every render, so a request for the document does not describe every model again."""
+
+    def __init__(self) -> None:
+        self._source: dict[str, Any] | None = None
+        self._merged: dict[str, Any] = {}
+
+    def __call__(self, document: dict[str, Any]) -> dict[str, Any]:
+        if document is not self._source:  # held, so a new document cannot take the old one's identity
+            self._merged = with_pydantic_schemas(document)
+            self._source = document
+        return self._merged
+
+
 class JsonDocument(JsonRenderPlugin):
     """/schema/openapi.json, with pydantic's schemas."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.merged = Merged()
+
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
-        return super().render(request, with_pydantic_schemas(openapi_schema))
+        return super().render(request, self.merged(openapi_schema))
 
 
 class YamlDocument(YamlRenderPlugin):
     """/schema/openapi.yaml (and .yml), with pydantic's schemas."""
 
+    def __init__(self) -> None:
+        super().__init__(path=["/openapi.yaml", "/openapi.yml"])
+        self.merged = Merged()
+
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
-        return super().render(request, with_pydantic_schemas(openapi_schema))
+        return super().render(request, self.merged(openapi_schema))
 
 
 def render_plugins() -> list[OpenAPIRenderPlugin]:
     """What /schema serves: the document as JSON and YAML, and Swagger UI over it (at /schema too)."""
     return [
         JsonDocument(),
-        YamlDocument(path=["/openapi.yaml", "/openapi.yml"]),
+        YamlDocument(),
         SwaggerRenderPlugin(path="/"),
     ]
