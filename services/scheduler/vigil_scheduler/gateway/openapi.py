@@ -83,7 +83,8 @@ class Merged:
         self._merged: dict[str, Any] = {}
 
     def __call__(self, document: dict[str, Any]) -> dict[str, Any]:
-        if document is not self._source:  # held, so a new document cannot take the old one's identity
+        # the source is held, so no new document can be given the old one's identity
+        if document is not self._source:
             self._merged = with_pydantic_schemas(document)
             self._source = document
         return self._merged
@@ -92,9 +93,9 @@ class Merged:
 class JsonDocument(JsonRenderPlugin):
     """/schema/openapi.json, with pydantic's schemas."""
 
-    def __init__(self) -> None:
+    def __init__(self, merged: Merged) -> None:
         super().__init__()
-        self.merged = Merged()
+        self.merged = merged
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
         return super().render(request, self.merged(openapi_schema))
@@ -103,18 +104,20 @@ class JsonDocument(JsonRenderPlugin):
 class YamlDocument(YamlRenderPlugin):
     """/schema/openapi.yaml (and .yml), with pydantic's schemas."""
 
-    def __init__(self) -> None:
+    def __init__(self, merged: Merged) -> None:
         super().__init__(path=["/openapi.yaml", "/openapi.yml"])
-        self.merged = Merged()
+        self.merged = merged
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
         return super().render(request, self.merged(openapi_schema))
 
 
 def render_plugins() -> list[OpenAPIRenderPlugin]:
-    """What /schema serves: the document as JSON and YAML, and Swagger UI over it (at /schema too)."""
+    """What /schema serves: the document as JSON and YAML (one merge for both), and Swagger UI over it (at
+    /schema too)."""
+    merged = Merged()
     return [
-        JsonDocument(),
-        YamlDocument(),
+        JsonDocument(merged),
+        YamlDocument(merged),
         SwaggerRenderPlugin(path="/"),
     ]
