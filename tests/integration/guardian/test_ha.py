@@ -102,9 +102,17 @@ def job_in(held: tuple[int, ...]) -> str:
             return job_id
 
 
+# A job here steps only when the test publishes its steps, and waits between them as long as the test
+# waits (for a hand-over, 60 s at most): a silence that long is a hang by default (10 x the p99 step time,
+# which here is the gaps between the test's bursts), and an incident no test here expects. A CI run's
+# guardian judged one, 8 s after a job's last step. Only the job a test makes silent on purpose hangs.
+NEVER_HUNG = {"hang_timeout_s": 3600.0, "hang_step_multiple": 10_000.0}
+
+
 async def running_job(bus: Bus, job_id: str, steps: int = 6, **guardian_spec: object) -> str:
-    """A two-rank job on NODE, launched, started, with `steps` clean steps."""
-    await launch_on(bus, job_id, {0: NODE, 1: NODE}, guardian=guardian_spec)
+    """A two-rank job on NODE, launched, started, with `steps` clean steps; never judged hung unless
+    `guardian_spec` sets its hang limits."""
+    await launch_on(bus, job_id, {0: NODE, 1: NODE}, guardian=NEVER_HUNG | guardian_spec)
     for rank in (0, 1):
         started = RankStarted(job_id=job_id, attempt=1, rank=rank, node=NODE, pid=100 + rank, log_path="-")
         await bus.publish(subjects.status(job_id, NODE), started)
