@@ -47,6 +47,15 @@ def parked_marker(exit_path: str | Path) -> Path:
     return Path(exit_path).with_suffix(".parked")
 
 
+def write_parked_marker(exit_path: str | Path, reason: str) -> None:
+    """Say why this rank parked (`parked_marker`), whole or not at all: the worker reads the marker while
+    the rank lives, so it appears by an atomic rename (a plain write shows a reader an empty file first)."""
+    marker = parked_marker(exit_path)
+    tmp = marker.with_suffix(".parked-tmp")
+    tmp.write_text(reason[-2000:] + "\n")
+    os.replace(tmp, marker)
+
+
 def next_socket(exit_path: str | Path) -> Path:
     """The Unix socket a parked rank takes its next attempt from (the launch, and its log's descriptor):
     beside its exit file."""

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vigil import protocol as proto
-from vigil.handover import PARK_ENV, Launch, cut_socket, next_socket, parked_marker
+from vigil.handover import PARK_ENV, Launch, cut_socket, next_socket, write_parked_marker
 
 log = logging.getLogger("vigil.rank")
 
@@ -207,7 +207,7 @@ def begin(reason: str) -> None:
         log.error("parked: cannot listen on %s (%s): exiting", path, exc)
         return
     _listening = listener
-    parked_marker(exit_file).write_text(reason[-2000:] + "\n")
+    write_parked_marker(exit_file, reason)
 
 
 def wait_for_next_attempt() -> tuple[Launch, int] | None:
