@@ -1,10 +1,11 @@
 """Test helpers shared by every suite: a service run in-process or as its own `vigil` process, and
-waiting on conditions (never on sleeps alone)."""
+waiting on conditions (never on sleeps alone), and the synthetic step events tests publish."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vigil.events import LaunchJob, RankPlacement
+from vigil.events import LaunchJob, RankPlacement, StepCompleted
 from vigil.spec import JobSpec
 from vigil_common import subjects
 from vigil_common.settings import Settings
@@ -70,6 +71,29 @@ async def launch_on(
     )
     await bus.publish(subjects.launch(job_id), launch)
     return launch
+
+
+def step_completed(
+    job_id: str,
+    step: int,
+    rank: int = 0,
+    *,
+    loss: float = 2.0,
+    attempt: int = 1,
+    node: str | None = None,
+    **fields: Any,
+) -> StepCompleted:
+    """A rank's step as the SDK reports it, with plausible values for what a test does not name: only the
+    fields a test cares about are passed (`fields` overrides any default, `occurred_at` included). Node
+    `n<rank>` unless named; `local_finite` follows the loss; the batch is the step's own data position."""
+    defaults: dict[str, Any] = {
+        "local_finite": math.isfinite(loss), "grad_norm": 1.0, "lr": 1e-3, "tokens": 100, "tokens_per_s": 1000.0,
+        "step_time_s": 0.1, "comm_time_s": 0.01, "data_position": step,
+    }  # fmt: skip
+    return StepCompleted(
+        job_id=job_id, attempt=attempt, rank=rank, node=f"n{rank}" if node is None else node, step=step,
+        loss=loss, **{**defaults, **fields},
+    )  # fmt: skip
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.helpers import eventually, service, stored
+from tests.helpers import eventually, service, step_completed, stored
 from vigil.events import (
     CheckpointSaved,
     GpuSampled,
@@ -17,7 +17,6 @@ from vigil.events import (
     Message,
     RankPlacement,
     RankStarted,
-    StepCompleted,
 )
 from vigil.spec import JobSpec
 from vigil_common import subjects
@@ -80,22 +79,9 @@ class Job:
 
     async def step(self, k: int, rank: int, loss: float | None = None, **kw: object) -> None:
         loss = 3.0 - 0.01 * k + 0.02 * ((k * 7 + rank) % 5 - 2) if loss is None else loss
-        base = dict(step_time_s=0.1, comm_time_s=0.01, data_position=k, grad_norm=1.0)
+        node = f"node{rank}"
         await self.bus.publish(
-            subjects.step(self.id, f"node{rank}"),
-            StepCompleted(
-                job_id=self.id,
-                attempt=1,
-                rank=rank,
-                node=f"node{rank}",
-                step=k,
-                loss=loss,
-                local_finite=math.isfinite(loss),
-                lr=1e-3,
-                tokens=100,
-                tokens_per_s=1000.0,
-                **{**base, **kw},
-            ),
+            subjects.step(self.id, node), step_completed(self.id, k, rank, loss=loss, node=node, **kw)
         )
 
     async def steps(self, first: int, last: int) -> None:

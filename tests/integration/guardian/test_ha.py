@@ -15,7 +15,7 @@ import asyncpg
 import nats.js.errors
 import pytest
 
-from tests.helpers import ServiceProcess, eventually, launch_on, stored
+from tests.helpers import ServiceProcess, eventually, launch_on, step_completed, stored
 from tests.integration.scheduler.conftest import fresh_database
 from vigil.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_common import lease, subjects
@@ -75,11 +75,7 @@ def holding(db: str, *expected: tuple[ServiceProcess, int]):  # type: ignore[no-
 
 
 def step(job_id: str, k: int, rank: int, loss: float) -> StepCompleted:
-    return StepCompleted(
-        job_id=job_id, attempt=1, rank=rank, node=NODE, step=k, loss=loss, local_finite=math.isfinite(loss),
-        grad_norm=1.0, lr=1e-3, tokens=100, tokens_per_s=1000.0, step_time_s=0.1, comm_time_s=0.01,
-        data_position=k,
-    )  # fmt: skip
+    return step_completed(job_id, k, rank, loss=loss, node=NODE)
 
 
 async def settled(bus: Bus) -> bool:

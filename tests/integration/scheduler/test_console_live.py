@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import service
+from tests.helpers import service, step_completed
 from vigil.events import IncidentRaised, RanksHalted, RollbackCompleted, StepCompleted
 from vigil_common import subjects
 from vigil_common.settings import Settings
@@ -45,21 +45,8 @@ async def changes(http: httpx.AsyncClient, job_id: str) -> AsyncIterator[str]:
 
 def step(job_id: str, attempt: int, k: int, rank: int, node: str, t0: datetime) -> StepCompleted:
     loss = math.nan if (k, rank) == (NAN_STEP, 1) else 3.0 - 0.1 * k
-    return StepCompleted(
-        job_id=job_id,
-        attempt=attempt,
-        rank=rank,
-        node=node,
-        step=k,
-        loss=loss,
-        local_finite=math.isfinite(loss),
-        grad_norm=1.0,
-        lr=1e-3,
-        tokens=512,
-        tokens_per_s=1000.0,
-        step_time_s=0.1,
-        occurred_at=t0 + timedelta(seconds=k, milliseconds=rank),
-    )
+    at = t0 + timedelta(seconds=k, milliseconds=rank)
+    return step_completed(job_id, k, rank, loss=loss, attempt=attempt, node=node, tokens=512, occurred_at=at)
 
 
 async def test_a_running_jobs_incident_and_checkpoint_reach_its_page_without_a_reload(

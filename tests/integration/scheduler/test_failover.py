@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import eventually
-from vigil.events import IncidentRaised, StepCompleted
+from tests.helpers import eventually, step_completed
+from vigil.events import IncidentRaised
 from vigil_common import subjects
 from vigil_common.bus import Bus
 from vigil_common.db import create_pool
@@ -108,19 +108,7 @@ async def test_scheduler_killed_and_restarted_mid_job_launches_nothing_twice(
         # The job goes on while the scheduler is away: steps and a checkpoint.
         await bus.publish(
             subjects.step(jid, node.name),
-            StepCompleted(
-                job_id=jid,
-                attempt=1,
-                rank=0,
-                node=node.name,
-                step=0,
-                loss=5.0,
-                local_finite=True,
-                lr=1e-3,
-                tokens=64,
-                tokens_per_s=100.0,
-                step_time_s=0.1,
-            ),
+            step_completed(jid, 0, loss=5.0, node=node.name, tokens=64, tokens_per_s=100.0),
         )
         await checkpoint(bus, jid, 1, 0, node.name)
         # As if the crash came between publishing the launch and recording it: the relay re-publishes,

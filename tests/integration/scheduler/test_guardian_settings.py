@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import eventually, service
+from tests.helpers import eventually, service, step_completed
 from tests.integration.guardian.test_guardian import cfg, judged, ready
 from vigil.events import GuardianSettingsChanged, IncidentRaised, LaunchJob, StepCompleted
 from vigil_common import subjects
@@ -79,22 +78,7 @@ async def test_a_change_is_validated_as_the_spec_is_and_only_by_those_who_see_th
 
 def rank_step(launch: LaunchJob, k: int, rank: int, loss: float) -> tuple[str, StepCompleted]:
     node = launch.placement[rank].node
-    event = StepCompleted(
-        job_id=launch.job_id,
-        attempt=launch.attempt,
-        rank=rank,
-        node=node,
-        step=k,
-        loss=loss,
-        local_finite=math.isfinite(loss),
-        grad_norm=1.0,
-        lr=1e-3,
-        tokens=100,
-        tokens_per_s=1000.0,
-        step_time_s=0.1,
-        comm_time_s=0.01,
-        data_position=k,
-    )
+    event = step_completed(launch.job_id or "", k, rank, loss=loss, attempt=launch.attempt, node=node)
     return subjects.step(launch.job_id or "", node), event
 
 

@@ -10,7 +10,6 @@ batch, the victim's first, is stored."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,7 +19,7 @@ import asyncpg
 import nats.js.errors
 import pytest
 
-from tests.helpers import eventually, launch_on, service
+from tests.helpers import eventually, launch_on, service, step_completed
 from tests.integration.scheduler.conftest import fresh_database
 from tests.integration.security.test_forged_events import dead_letters
 from vigil.events import StepCompleted
@@ -37,11 +36,9 @@ VICTIM_STEPS = 60
 
 
 def step(job_id: str, k: int, rank: int, node: str, loss: float = 2.0) -> StepCompleted:
-    return StepCompleted(
-        job_id=job_id, attempt=1, rank=rank, node=node, step=k, loss=loss, local_finite=math.isfinite(loss),
-        lr=1e-3, tokens=1, tokens_per_s=1.0, step_time_s=0.1, data_position=k,
-        occurred_at=datetime.now(UTC) - timedelta(seconds=1),
-    )  # fmt: skip
+    return step_completed(
+        job_id, k, rank, loss=loss, node=node, occurred_at=datetime.now(UTC) - timedelta(seconds=1)
+    )
 
 
 async def stored(pool: asyncpg.Pool, job_id: str) -> list[int]:

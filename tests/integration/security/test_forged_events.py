@@ -17,7 +17,7 @@ import httpx
 import nats.js.errors
 import pytest
 
-from tests.helpers import eventually, launch_on, service
+from tests.helpers import eventually, launch_on, service, step_completed
 from tests.integration.guardian.test_guardian import judged
 from tests.integration.scheduler.conftest import (
     TOKEN,
@@ -53,22 +53,7 @@ ON_N2 = {0: "n2", 1: "n2"}  # the job's ranks: both on node n2
 
 
 def step(job_id: str, k: int, rank: int, node: str, loss: float) -> StepCompleted:
-    return StepCompleted(
-        job_id=job_id,
-        attempt=1,
-        rank=rank,
-        node=node,
-        step=k,
-        loss=loss,
-        local_finite=math.isfinite(loss),
-        grad_norm=1.0,
-        lr=1e-3,
-        tokens=100,
-        tokens_per_s=1000.0,
-        step_time_s=0.1,
-        comm_time_s=0.01,
-        data_position=k,
-    )
+    return step_completed(job_id, k, rank, loss=loss, node=node)
 
 
 async def dead_letters(letters: EventStream, consumer: str, n: int) -> list[MessageDeadLettered]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import step_completed
 from vigil import events as ev
 from vigil import protocol as proto
 from vigil.link import AgentLink
@@ -32,10 +33,7 @@ RATE, BURST = 500.0, 1000  # the relay's per-rank bound here
 
 
 def step_event(job_id: str, k: int, rank: int) -> ev.StepCompleted:
-    return ev.StepCompleted(
-        job_id=job_id, attempt=1, rank=rank, node=NODE, step=k, loss=1.0, lr=0.1, tokens=1,
-        tokens_per_s=1.0, step_time_s=0.1, local_finite=True, data_position=k,
-    )  # fmt: skip
+    return step_completed(job_id, k, rank, loss=1.0, node=NODE)
 
 
 class Ranks:

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from tests.helpers import eventually, launch_on, service
+from tests.helpers import eventually, launch_on, service, step_completed
 from vigil.events import (
     CheckpointSaved,
     GpuSampled,
@@ -29,29 +29,12 @@ T0 = datetime.now(UTC)
 
 
 def step(job: str, k: int, rank: int, loss: float = 2.0, attempt: int = 1, t: float = 0.0) -> StepCompleted:
-    return StepCompleted(
-        job_id=job,
-        attempt=attempt,
-        rank=rank,
-        node=f"n{rank}",
-        step=k,
-        loss=loss,
-        local_finite=math.isfinite(loss),
-        grad_norm=1.0,
-        lr=1e-3,
-        tokens=512,
-        tokens_per_s=1000.0 + rank,
-        step_time_s=0.1,
-        comm_time_s=0.01 * (rank + 1),
-        data_time_s=0.01,
-        forward_time_s=0.03,
-        backward_time_s=0.04,
-        optimizer_time_s=0.01,
-        occurred_at=T0 + timedelta(seconds=t or k * 0.1),
-        flops_per_token=2.0e7,
-        mfu=0.4 + 0.1 * rank,
-        micro_batch=4,
-    )
+    return step_completed(
+        job, k, rank, loss=loss, attempt=attempt, tokens=512, tokens_per_s=1000.0 + rank,
+        comm_time_s=0.01 * (rank + 1), data_time_s=0.01, forward_time_s=0.03, backward_time_s=0.04,
+        optimizer_time_s=0.01, occurred_at=T0 + timedelta(seconds=t or k * 0.1), flops_per_token=2.0e7,
+        mfu=0.4 + 0.1 * rank, micro_batch=4, data_position=0,
+    )  # fmt: skip
 
 
 def settings(nats_url: str, database_url: str, tmp_path, metrics_port: int = 0) -> Settings:

@@ -4,7 +4,6 @@ queries about through its HTTP API."""
 
 from __future__ import annotations
 
-import math
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import eventually, launch_on, service, stop
+from tests.helpers import eventually, launch_on, service, step_completed, stop
 from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
 from vigil_common import subjects
 from vigil_common.bus import Bus
@@ -64,18 +63,8 @@ def prometheus(metrics_port: int, tmp_path: Path) -> Iterator[str]:
 
 
 def step(job: str, rank: int, k: int, loss: float) -> StepCompleted:
-    return StepCompleted(
-        job_id=job,
-        attempt=1,
-        rank=rank,
-        node="n0",
-        step=k,
-        loss=loss,
-        local_finite=math.isfinite(loss),
-        lr=1e-3,
-        tokens=512,
-        tokens_per_s=2000.0,
-        step_time_s=0.25,
+    return step_completed(
+        job, k, rank, loss=loss, node="n0", tokens=512, tokens_per_s=2000.0, step_time_s=0.25
     )
 
 

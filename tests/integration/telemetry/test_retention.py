@@ -4,12 +4,11 @@ per-step aggregates across ranks outlive them, and retention drops a whole old p
 from __future__ import annotations
 
 import asyncio
-import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tests.helpers import eventually, launch_on, service
+from tests.helpers import eventually, launch_on, service, step_completed
 from vigil.events import StepCompleted
 from vigil_common import readmodel, subjects
 from vigil_common.settings import Settings
@@ -23,26 +22,10 @@ OLD = datetime(2001, 3, 5, 10, 0, tzinfo=UTC)
 
 
 def step(job: str, k: int, rank: int, at: datetime, loss: float = 2.0) -> StepCompleted:
-    return StepCompleted(
-        job_id=job,
-        attempt=1,
-        rank=rank,
-        node="n1",
-        step=k,
-        loss=loss,
-        local_finite=math.isfinite(loss),
-        grad_norm=1.0,
-        lr=1e-3,
-        tokens=512,
-        tokens_per_s=1000.0,
-        step_time_s=0.1 * (rank + 1),
-        comm_time_s=0.01,
-        data_time_s=0.01,
-        forward_time_s=0.03,
-        backward_time_s=0.04,
-        optimizer_time_s=0.01,
-        occurred_at=at,
-    )
+    return step_completed(
+        job, k, rank, loss=loss, node="n1", tokens=512, step_time_s=0.1 * (rank + 1), data_time_s=0.01,
+        forward_time_s=0.03, backward_time_s=0.04, optimizer_time_s=0.01, occurred_at=at, data_position=0,
+    )  # fmt: skip
 
 
 async def write(pool, events: list[StepCompleted]) -> None:  # type: ignore[no-untyped-def]

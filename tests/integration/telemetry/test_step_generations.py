@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from vigil.events import StepCompleted
+from tests.helpers import step_completed
 from vigil_common import readmodel
 from vigil_common.db import create_pool, load_migrations, migrate
 from vigil_telemetry import store
@@ -130,10 +130,9 @@ async def test_old_rows_get_the_generation_of_the_rollbacks_before_them(before_0
     ]
 
     # after the migration: an abandoned run's event that comes late leaves the aggregate as it is...
-    late = StepCompleted(
-        job_id=JOB, attempt=1, rank=0, node="n1", step=5, loss=99.0, local_finite=True, lr=1e-3, tokens=512,
-        tokens_per_s=1000.0, step_time_s=0.1, generation=1, occurred_at=T0 + timedelta(seconds=30),
-    )  # fmt: skip
+    late = step_completed(
+        JOB, 5, loss=99.0, node="n1", tokens=512, generation=1, occurred_at=T0 + timedelta(seconds=30)
+    )
     async with pool.acquire() as conn, conn.transaction():
         await store.write_steps(conn, [late])
     agg = await readmodel.steps(pool, JOB, attempt=1, aggregate=True, limit=100)

@@ -24,6 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 import kubernetes_validate
 import pytest
 
+from tests.helpers import step_completed
 from vigil import events as ev
 from vigil import protocol as proto
 from vigil.exits import read_last_step
@@ -250,10 +251,7 @@ async def test_a_pod_no_rank_accounts_for_is_deleted_and_a_refused_pod_fails_its
 
 
 def step(job_id: str, n: int) -> ev.StepCompleted:
-    return ev.StepCompleted(
-        job_id=job_id, attempt=1, rank=0, node=NODE, step=n, loss=1.0, lr=0.1, tokens=1, tokens_per_s=1.0,
-        step_time_s=0.1, local_finite=True,
-    )  # fmt: skip
+    return step_completed(job_id, n, loss=1.0, node=NODE)
 
 
 async def raw_hello(relay: PodRelay, hello: proto.Hello, source: str = "127.0.0.1") -> bytes:

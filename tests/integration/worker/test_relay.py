@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import step_completed
 from vigil import events as ev
 from vigil import protocol as proto
 from vigil.link import AgentLink
@@ -32,10 +33,7 @@ NODE = "relay-node"
 
 
 def step_event(job_id: str, step: int, rank: int = 0, attempt: int = 1) -> ev.StepCompleted:
-    return ev.StepCompleted(
-        job_id=job_id, attempt=attempt, rank=rank, node=NODE, step=step, loss=1.0, lr=0.1, tokens=1,
-        tokens_per_s=1.0, step_time_s=0.1, local_finite=True,
-    )  # fmt: skip
+    return step_completed(job_id, step, rank, loss=1.0, attempt=attempt, node=NODE)
 
 
 class Ranks:

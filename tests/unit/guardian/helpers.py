@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from tests.helpers import step_completed
 from vigil.events import GpuSampled, LaunchJob, RankPlacement, StepCompleted
 from vigil.spec import JobSpec
 
@@ -28,24 +28,10 @@ def step(
     comm: float = 0.01,
     **kw: Any,
 ) -> StepCompleted:
-    return StepCompleted(
-        job_id=kw.pop("job_id", JOB),
-        attempt=attempt,
-        rank=rank,
-        node=kw.pop("node", f"n{rank}"),
-        step=step,
-        loss=loss,
-        local_finite=kw.pop("local_finite", math.isfinite(loss)),
-        grad_norm=kw.pop("grad_norm", 1.0),
-        lr=1e-3,
-        tokens=1024,
-        tokens_per_s=1e4,
-        step_time_s=step_time,
-        comm_time_s=comm,
-        data_position=kw.pop("data_position", step),
-        occurred_at=at(step * step_time if t is None else t),
-        **kw,
-    )
+    return step_completed(
+        kw.pop("job_id", JOB), step, rank, loss=loss, attempt=attempt, tokens=1024, tokens_per_s=1e4,
+        step_time_s=step_time, comm_time_s=comm, occurred_at=at(step * step_time if t is None else t), **kw,
+    )  # fmt: skip
 
 
 def launch(

@@ -8,7 +8,8 @@ import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from vigil.events import RankStacks, StackFrame, StacksDumped, StepCompleted, ThreadStack
+from tests.helpers import step_completed
+from vigil.events import RankStacks, StackFrame, StacksDumped, ThreadStack
 from vigil.jobstates import JobState
 from vigil_common.readmodel import SERIES_METRICS
 from vigil_common.tracing import setup_tracing
@@ -209,16 +210,11 @@ def test_the_step_trace_is_read_back_from_telemetrys_span_lines(tmp_path):
     for step, attempt, extra in ((3, 1, 0.0), (4, 1, 0.0), (3, 2, 0.5)):  # step 3 ran again in attempt 2
         for rank in (0, 1):
             traces.add_step(
-                StepCompleted(
-                    job_id="j-trace",
+                step_completed(
+                    "j-trace",
+                    step,
+                    rank,
                     attempt=attempt,
-                    rank=rank,
-                    node=f"n{rank}",
-                    step=step,
-                    loss=2.0,
-                    local_finite=True,
-                    grad_norm=1.0,
-                    lr=1e-3,
                     tokens=512,
                     tokens_per_s=1.0,
                     step_time_s=1.0,

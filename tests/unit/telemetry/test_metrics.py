@@ -1,9 +1,10 @@
 import math
 from typing import get_args
 
+from tests.helpers import step_completed
 from tests.unit.common.samples import SAMPLES
 from vigil import events as ev
-from vigil.events import GpuSampled, IncidentRaised, JobStateChanged, StepCompleted
+from vigil.events import GpuSampled, IncidentRaised, JobStateChanged
 from vigil_telemetry.metrics import Registry
 
 
@@ -11,19 +12,7 @@ def test_exposition_text_from_events():
     r = Registry()
     r.observe(
         [
-            StepCompleted(
-                job_id="j-1",
-                attempt=1,
-                rank=0,
-                node="n0",
-                step=3,
-                loss=math.nan,
-                local_finite=False,
-                lr=1e-3,
-                tokens=1,
-                tokens_per_s=123.5,
-                step_time_s=0.25,
-            ),
+            step(0, 3, math.nan, tokens_per_s=123.5, step_time_s=0.25),
             GpuSampled(
                 node="n0", index=1, device_kind="gpu", uuid="u", temperature_c=71.0, memory_used_bytes=5
             ),
@@ -44,23 +33,7 @@ def test_exposition_text_from_events():
 
 def test_a_finished_jobs_gauges_go_away():
     r = Registry()
-    r.observe(
-        [
-            StepCompleted(
-                job_id="j-1",
-                attempt=1,
-                rank=0,
-                node="n0",
-                step=3,
-                loss=1.0,
-                local_finite=True,
-                lr=1e-3,
-                tokens=1,
-                tokens_per_s=1.0,
-                step_time_s=0.25,
-            )
-        ]
-    )
+    r.observe([step(0, 3, 1.0, tokens_per_s=1.0, step_time_s=0.25)])
     assert 'vigil_steps_total{job="j-1"} 1' in r.render()
     r.observe([JobStateChanged(job_id="j-1", from_state="RUNNING", to_state="SUCCEEDED", cause="done")])
     assert 'job="j-1"' not in r.render()  # every series of an ended job goes: cardinality stays bounded
@@ -73,18 +46,8 @@ def test_label_values_are_escaped():
 
 
 def step(rank: int, step: int, loss: float, tokens_per_s: float, step_time_s: float, job: str = "j-1"):
-    return StepCompleted(
-        job_id=job,
-        attempt=1,
-        rank=rank,
-        node="n0",
-        step=step,
-        loss=loss,
-        local_finite=True,
-        lr=1e-3,
-        tokens=1,
-        tokens_per_s=tokens_per_s,
-        step_time_s=step_time_s,
+    return step_completed(
+        job, step, rank, loss=loss, node="n0", tokens_per_s=tokens_per_s, step_time_s=step_time_s
     )
 
 

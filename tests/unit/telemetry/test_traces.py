@@ -5,7 +5,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from vigil.events import CheckpointSaved, LaunchJob, RankPlacement, StepCompleted
+from tests.helpers import step_completed
+from vigil.events import CheckpointSaved, LaunchJob, RankPlacement
 from vigil.spec import JobSpec
 from vigil_telemetry.traces import StepTraces
 
@@ -26,25 +27,11 @@ def traces(exporter):
 
 
 def step(k, rank, end_s):
-    return StepCompleted(
-        job_id=JOB,
-        attempt=2,
-        rank=rank,
-        node=f"n{rank}",
-        step=k,
-        loss=2.0 + rank,
-        local_finite=True,
-        lr=1e-3,
-        tokens=10,
-        tokens_per_s=100.0,
-        data_time_s=0.1,
-        forward_time_s=0.2,
-        backward_time_s=0.3,
-        comm_time_s=0.15,
-        optimizer_time_s=0.05,
-        step_time_s=0.8,
+    return step_completed(
+        JOB, k, rank, loss=2.0 + rank, attempt=2, tokens=10, tokens_per_s=100.0, data_time_s=0.1,
+        forward_time_s=0.2, backward_time_s=0.3, comm_time_s=0.15, optimizer_time_s=0.05, step_time_s=0.8,
         occurred_at=T0 + timedelta(seconds=end_s),
-    )
+    )  # fmt: skip
 
 
 def launch(world):
