@@ -73,6 +73,14 @@ async def launch_on(
     return launch
 
 
+# A synthetic job steps only when its test publishes its steps, and is silent between them as long as the
+# test waits (for a guardian's restart or a hand-over): a silence that long is a hang by default (10 x the
+# p99 step time, which is then the gaps between the test's bursts), and an incident no such test expects (a
+# CI run's guardian judged one 8 s after a job's last step). Merged under a test's own guardian settings:
+# a test that makes a job silent on purpose sets its own `hang_timeout_s`, the cap of every hang limit.
+NEVER_HUNG: dict[str, Any] = {"hang_timeout_s": 3600.0, "hang_step_multiple": 10_000.0}
+
+
 def step_completed(
     job_id: str,
     step: int,

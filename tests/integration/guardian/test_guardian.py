@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.helpers import eventually, service, step_completed, stored
+from tests.helpers import NEVER_HUNG, eventually, service, step_completed, stored
 from vigil.events import (
     CheckpointSaved,
     GpuSampled,
@@ -36,9 +36,10 @@ class Job:
     """A synthetic job: its launch, checkpoints and ranks' steps, published on the bus."""
 
     def __init__(self, bus: Bus, job_id: str, world: int = 2, **guardian: object) -> None:
+        """`guardian`: the job's guardian settings, over `NEVER_HUNG` (a test that wants a hang sets its own)."""
         self.bus, self.id, self.world = bus, job_id, world
         self.spec = JobSpec(
-            name="synthetic", resources={"nodes": world, "gpus_per_node": 1}, guardian=guardian
+            name="synthetic", resources={"nodes": world, "gpus_per_node": 1}, guardian=NEVER_HUNG | guardian
         )
 
     async def launch(self) -> None:
@@ -271,7 +272,7 @@ async def test_a_sick_device_is_judged_once_for_the_job_on_it_and_an_idle_one_fo
         LaunchJob(
             job_id=job_id,
             attempt=1,
-            spec=JobSpec(name="synthetic", resources={"nodes": 1, "gpus_per_node": 2}),
+            spec=JobSpec(name="synthetic", resources={"nodes": 1, "gpus_per_node": 2}, guardian=NEVER_HUNG),
             master_addr="127.0.0.1",
             master_port=29500,
             placement=[RankPlacement(rank=r, node=busy, device=r, local_rank=r) for r in (0, 1)],

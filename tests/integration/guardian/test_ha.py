@@ -15,7 +15,7 @@ import asyncpg
 import nats.js.errors
 import pytest
 
-from tests.helpers import ServiceProcess, eventually, launch_on, step_completed, stored
+from tests.helpers import NEVER_HUNG, ServiceProcess, eventually, launch_on, step_completed, stored
 from tests.integration.scheduler.conftest import fresh_database
 from vigil.events import IncidentRaised, RankStarted, StepCompleted
 from vigil_common import lease, subjects
@@ -96,13 +96,6 @@ def job_in(held: tuple[int, ...]) -> str:
         job_id = "j-ha-" + uuid.uuid4().hex[:8]
         if subjects.share_of(job_id) in held:
             return job_id
-
-
-# A job here steps only when the test publishes its steps, and waits between them as long as the test
-# waits (for a hand-over, 60 s at most): a silence that long is a hang by default (10 x the p99 step time,
-# which here is the gaps between the test's bursts), and an incident no test here expects. A CI run's
-# guardian judged one, 8 s after a job's last step. Only the job a test makes silent on purpose hangs.
-NEVER_HUNG = {"hang_timeout_s": 3600.0, "hang_step_multiple": 10_000.0}
 
 
 async def running_job(bus: Bus, job_id: str, steps: int = 6, **guardian_spec: object) -> str:
