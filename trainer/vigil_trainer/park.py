@@ -240,6 +240,21 @@ def wait_for_next_attempt() -> tuple[Launch, int] | None:
     return launch, fds[0]
 
 
+def _forget_group_names() -> None:
+    """Name this process's next default group "0", as a fresh process names its own.
+
+    torch names a default group by a counter (`distributed_c10d._world.group_count`, the store's key
+    prefix) taken before its rendezvous, and resets it only when a formed group is destroyed. An attempt
+    whose group never formed (cut while it waited for a peer that was gone) leaves it at 1: this process's
+    next group would be "1" and a fresh peer's "0", each waiting for the other's keys until the timeout
+    (`vigil bench elastic` beside `stress --cpu 2`: three attempts judged hung in `_new_process_group_helper`,
+    the job failed). The one name of torch's internals Vigil sets; tests/unit/worker/test_parked.py forms a
+    group after a failed one."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._world.group_count = 0
+
+
 def release_process_group() -> None:
     """Destroy the failed process group (what it says once a peer is gone is no use) and DeepSpeed's hold
     on it; collect what the dead engine held (a GPU's memory too)."""
@@ -251,6 +266,7 @@ def release_process_group() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):  # a group whose peer is gone may fail to shut down cleanly
             dist.destroy_process_group()
+    _forget_group_names()
     ds_compat.forget_groups()
     gc.collect()
     if torch.cuda.is_available():

@@ -147,6 +147,53 @@ def test_the_worker_hands_the_next_attempt_to_the_parked_process(tmp_path: Path)
     assert not handover.parked_marker(exit_file).exists() and not handover.next_socket(exit_file).exists()
 
 
+REJOIN_PAIR = """
+import datetime, sys
+import torch, torch.distributed as dist
+from vigil_trainer import park
+rank, first, second = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == 0:  # the survivor: handed an attempt whose group never formed (its peer was gone), then the next
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{first}", rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=1))
+    except Exception as exc:
+        print("the first attempt's group failed:", type(exc).__name__, flush=True)
+    else:
+        sys.exit("a group of two formed with one rank")
+    park.release_process_group()  # what a parked rank does before it takes the next attempt
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{second}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+total = torch.ones(1)
+dist.all_reduce(total)
+print("sum", total.item(), flush=True)
+"""
+
+
+def test_a_survivor_whose_group_never_formed_forms_the_next_with_a_fresh_peer() -> None:
+    """A parked rank handed an attempt that it could not form (its peer's node gone: cut, or timed out in
+    the rendezvous) parks again and takes the attempt after; its new peer is a fresh process. torch had
+    named the failed group "1" in the survivor, so its next one too, while the fresh peer's is "0": both
+    waited for each other's keys (`vigil bench elastic` beside the stress failed so). Released, the
+    survivor names it "0" again: the two form it and reduce."""
+    from vigil_common.embedded import free_port
+
+    first, second = str(free_port()), str(free_port())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", REJOIN_PAIR, str(r), first, second], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "the first attempt's group failed" in outs[0], outs[0]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "sum 2.0" in out, out[-3000:]
+
+
 CUT_OFF_PAIR = """
 import os, sys, time
 import torch, torch.distributed as dist
