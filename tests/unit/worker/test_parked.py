@@ -162,7 +162,7 @@ if rank == 0:  # the survivor: handed an attempt whose group never formed (its p
         sys.exit("a group of two formed with one rank")
     park.release_process_group()  # what a parked rank does before it takes the next attempt
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{second}", rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=30))
+                        timeout=datetime.timedelta(seconds=60))  # a loaded machine's imports: wide
 total = torch.ones(1)
 dist.all_reduce(total)
 print("sum", total.item(), flush=True)
@@ -177,7 +177,9 @@ def test_a_survivor_whose_group_never_formed_forms_the_next_with_a_fresh_peer() 
     survivor names it "0" again: the two form it and reduce."""
     from vigil_common.embedded import free_port
 
-    first, second = str(free_port()), str(free_port())
+    first = second = str(free_port())
+    while second == first:  # two attempts' rendezvous, on ports of their own
+        second = str(free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", REJOIN_PAIR, str(r), first, second], env=env, text=True,
