@@ -148,7 +148,7 @@ def test_the_worker_hands_the_next_attempt_to_the_parked_process(tmp_path: Path)
 
 
 REJOIN_PAIR = """
-import datetime, sys
+import datetime, os, sys
 import torch, torch.distributed as dist
 from vigil_trainer import park
 rank, first, second = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -166,6 +166,7 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{second}", rank=ra
 total = torch.ones(1)
 dist.all_reduce(total)
 print("sum", total.item(), flush=True)
+os._exit(0)  # not the interpreter's teardown: gloo's threads may abort it (pytorch#179291), as a rank's does
 """
 
 
